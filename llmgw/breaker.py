@@ -1,0 +1,135 @@
+"""Cooldown + circuit breaker as one state machine; the transitions are a table.
+
+closed --(failure_threshold consecutive failures)--> open
+open   --(cooldown elapsed: base * 2**k, capped)----> half_open
+half_open admits at most `half_open_probes` requests at a time;
+half_open --(success_threshold successes)--> closed (k reset)
+half_open --(any failure)--> open (k += 1)
+
+Time is passed in (`now`), so tests drive it without sleeping.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class BreakerState(enum.StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class BreakerEvent(enum.Enum):
+    SUCCESS = "success"
+    FAILURE = "failure"
+    FAILURE_LIMIT = "failure_limit"  # a failure that reaches failure_threshold
+    SUCCESS_LIMIT = "success_limit"  # a success that reaches success_threshold
+    COOLDOWN_ELAPSED = "cooldown_elapsed"
+
+
+S, E = BreakerState, BreakerEvent
+TRANSITIONS: dict[tuple[BreakerState, BreakerEvent], BreakerState] = {
+    (S.CLOSED, E.SUCCESS): S.CLOSED,
+    (S.CLOSED, E.SUCCESS_LIMIT): S.CLOSED,
+    (S.CLOSED, E.FAILURE): S.CLOSED,
+    (S.CLOSED, E.FAILURE_LIMIT): S.OPEN,
+    # Late answers to requests sent before the breaker opened do not move it.
+    (S.OPEN, E.SUCCESS): S.OPEN,
+    (S.OPEN, E.SUCCESS_LIMIT): S.OPEN,
+    (S.OPEN, E.FAILURE): S.OPEN,
+    (S.OPEN, E.FAILURE_LIMIT): S.OPEN,
+    (S.OPEN, E.COOLDOWN_ELAPSED): S.HALF_OPEN,
+    (S.HALF_OPEN, E.SUCCESS): S.HALF_OPEN,
+    (S.HALF_OPEN, E.SUCCESS_LIMIT): S.CLOSED,
+    (S.HALF_OPEN, E.FAILURE): S.OPEN,
+    (S.HALF_OPEN, E.FAILURE_LIMIT): S.OPEN,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    base_cooldown: float = 1.0
+    max_cooldown: float = 60.0
+    half_open_probes: int = 1
+
+
+class Breaker:
+    __slots__ = (
+        "_failures",
+        "_successes",
+        "opened_until",
+        "probes_inflight",
+        "settings",
+        "state",
+        "trips",
+    )
+
+    def __init__(self, settings: BreakerSettings) -> None:
+        self.settings = settings
+        self.state = BreakerState.CLOSED
+        self.trips = 0  # k in base_cooldown * 2**k: consecutive re-openings
+        self.opened_until = 0.0
+        self.probes_inflight = 0
+        self._failures = 0
+        self._successes = 0
+
+    def _apply(self, event: BreakerEvent, now: float) -> None:
+        before = self.state
+        after = TRANSITIONS[(before, event)]
+        if after is before:
+            return
+        self.state = after
+        if after is BreakerState.OPEN:
+            if before is BreakerState.HALF_OPEN:
+                self.trips += 1
+            cooldown = self.settings.base_cooldown * (2**self.trips)
+            self.opened_until = now + min(cooldown, self.settings.max_cooldown)
+            self.probes_inflight = 0
+        elif after is BreakerState.CLOSED:
+            self.trips = 0
+            self.probes_inflight = 0
+        self._failures = 0
+        self._successes = 0
+
+    def available(self, now: float) -> bool:
+        """May a request be sent now? Moves open -> half_open once the cooldown is over."""
+        if self.state is BreakerState.OPEN and now >= self.opened_until:
+            self._apply(BreakerEvent.COOLDOWN_ELAPSED, now)
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.HALF_OPEN:
+            return self.probes_inflight < self.settings.half_open_probes
+        return False
+
+    def on_dispatch(self) -> bool:
+        """Note a request sent; returns True if it is a half-open probe."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.probes_inflight += 1
+            return True
+        return False
+
+    def record(self, success: bool, now: float, *, probe: bool = False) -> None:
+        if probe and self.probes_inflight > 0:
+            self.probes_inflight -= 1
+        if self.state is BreakerState.HALF_OPEN and not probe:
+            # Only the probes' outcomes decide a half-open breaker.
+            return
+        if success:
+            self._failures = 0
+            self._successes += 1
+            limit = self._successes >= self.settings.success_threshold
+            self._apply(BreakerEvent.SUCCESS_LIMIT if limit else BreakerEvent.SUCCESS, now)
+        else:
+            self._successes = 0
+            self._failures += 1
+            limit = self._failures >= self.settings.failure_threshold
+            self._apply(BreakerEvent.FAILURE_LIMIT if limit else BreakerEvent.FAILURE, now)
+
+    def release_probe(self) -> None:
+        """A probe ended without a verdict (client cancelled): free its slot."""
+        if self.probes_inflight > 0:
+            self.probes_inflight -= 1

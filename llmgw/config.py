@@ -1,0 +1,336 @@
+"""The config file model: validation with path-indexed messages, then `normalize()`.
+
+    models:
+      chat:
+        engine: vllm
+        endpoints: ["10.0.0.1:8000", {address: "10.0.0.2:8000", weight: 2}]
+        session: {headers: [x-session-id], num_fallback_replicas: 2, bounded_load: 1.25}
+        strategy: chat
+      big:
+        launch: {command: "vllm serve big --port {port}"}
+        scaling: {min: 0, max: 1, idle_timeout: 600}
+
+Rules for `scaling` (see `ModelMode`): a model with static endpoints and no scaling stanza
+is STATIC (always routed); `max: 0` is OFF; a launched model needs a scaling stanza to run:
+`min: 0, max: >0` is ON_DEMAND, `min: >0` is ALWAYS_ON, no stanza is OFF.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from llmgw.breaker import BreakerSettings
+from llmgw.errors import ConfigError
+from llmgw.types import Endpoint, Engine
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+_METRIC_ROLES = ("waiting", "running", "kv_usage", "finished", "model_label")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EndpointSpec(_Strict):
+    address: str
+    weight: float = Field(default=1.0, gt=0)
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        m = _ADDRESS.match(value)
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise ValueError(f"must be host:port with a port in 1..65535, got {value!r}")
+        return value
+
+
+class ScalingSpec(_Strict):
+    min: int = Field(default=0, ge=0)
+    max: int | None = Field(default=None, ge=0)
+    idle_timeout: float = Field(default=600.0, gt=0)
+    start_timeout: float = Field(default=300.0, gt=0)
+    max_waiting_requests: int = Field(default=256, ge=1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ScalingSpec:
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"max: must be >= min ({self.min})")
+        return self
+
+
+class LaunchSpec(_Strict):
+    """How a control plane starts a replica: a local command or a Kubernetes Deployment."""
+
+    command: str | None = None
+    health_path: str = "/health"
+    host: str = "127.0.0.1"
+    base_port: int = Field(default=0, ge=0, le=65535)
+    deployment: str | None = None
+    namespace: str = "default"
+    service: str | None = None
+    port: int = Field(default=8000, ge=1, le=65535)
+    expected_start_seconds: float = Field(default=30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> LaunchSpec:
+        if (self.command is None) == (self.deployment is None):
+            raise ValueError("command: give exactly one of `command` (local) or `deployment` (k8s)")
+        return self
+
+
+class SessionSpec(_Strict):
+    headers: tuple[str, ...] = ("x-session-id",)
+    num_fallback_replicas: int = Field(default=2, ge=0)
+    num_virtual_nodes: int = Field(default=100, ge=1)
+    bounded_load: float | None = Field(default=None, ge=1.0)
+
+    @field_validator("headers")
+    @classmethod
+    def _lower(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("must name at least one header")
+        return tuple(h.lower() for h in value)
+
+
+class PickerSpec(_Strict):
+    type: Literal["max-score", "p2c", "softmax", "round-robin", "random"] = "max-score"
+    temperature: float = Field(default=0.0, ge=0)
+
+
+class ScorerSpec(_Strict):
+    weight: float = Field(default=1.0, ge=0)
+    params: dict[str, float | int | str | bool] = Field(default_factory=dict)
+
+
+class StrategySpec(_Strict):
+    """Explicit scorer weights (`{queue: 1, kv: {weight: 2, params: {ceiling: 0.9}}}`) + picker."""
+
+    name: str = "custom"
+    scorers: dict[str, ScorerSpec] = Field(default_factory=dict)
+    picker: PickerSpec = PickerSpec()
+    filters: tuple[str, ...] = ("healthy", "model-serves", "not-saturated")
+
+    @field_validator("scorers", mode="before")
+    @classmethod
+    def _weights(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: {"weight": v} if isinstance(v, int | float) else v for k, v in value.items()}
+        return value
+
+    @field_validator("picker", mode="before")
+    @classmethod
+    def _picker_name(cls, value: Any) -> Any:
+        return {"type": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _known_plugins(self) -> StrategySpec:
+        from llmgw.scheduling.plugins import FILTERS, SCORERS  # noqa: PLC0415 (cycle)
+
+        for name in self.scorers:
+            if name not in SCORERS:
+                raise ValueError(f"scorers.{name}: unknown scorer (known: {', '.join(SCORERS)})")
+        for i, name in enumerate(self.filters):
+            if name not in FILTERS:
+                raise ValueError(
+                    f"filters.{i}: unknown filter {name!r} (known: {', '.join(FILTERS)})"
+                )
+        return self
+
+
+class SaturationSpec(_Strict):
+    queue_ceiling: float = Field(default=64, gt=0)
+    kv_ceiling: float = Field(default=0.98, gt=0, le=1)
+
+
+class ModelSpec(_Strict):
+    engine: Engine = Engine.VLLM
+    endpoints: tuple[EndpointSpec, ...] = ()
+    metrics: dict[str, str] = Field(default_factory=dict)
+    served_name: str | None = None  # the model_name label on /metrics, if it differs
+    scaling: ScalingSpec | None = None
+    launch: LaunchSpec | None = None
+    session: SessionSpec = SessionSpec()
+    strategy: StrategySpec | str = "chat"
+    saturation: SaturationSpec = SaturationSpec()
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _address_shorthand(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            return [{"address": v} if isinstance(v, str) else v for v in value]
+        return value
+
+    @field_validator("metrics")
+    @classmethod
+    def _metric_roles(cls, value: dict[str, str]) -> dict[str, str]:
+        for role in value:
+            if role not in _METRIC_ROLES:
+                raise ValueError(
+                    f"{role}: unknown metric role (allowed: {', '.join(_METRIC_ROLES)})"
+                )
+        return value
+
+    @field_validator("strategy")
+    @classmethod
+    def _preset(cls, value: StrategySpec | str) -> StrategySpec | str:
+        if isinstance(value, str):
+            from llmgw.scheduling.strategies import PRESETS  # noqa: PLC0415 (cycle)
+
+            if value not in PRESETS:
+                raise ValueError(f"unknown strategy preset {value!r} (known: {', '.join(PRESETS)})")
+        return value
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelSpec:
+        addresses = [e.address for e in self.endpoints]
+        dupes = sorted({a for a in addresses if addresses.count(a) > 1})
+        if dupes:
+            raise ValueError(f"endpoints: duplicate address {', '.join(dupes)}")
+        if self.launch is None and not self.endpoints and self.scaling is None:
+            raise ValueError("endpoints: a model needs endpoints, or a launch spec and scaling")
+        if self.launch is None and self.scaling is not None and (self.scaling.max or 0) > 0:
+            raise ValueError("launch: scaling above 0 replicas needs a launch spec to start them")
+        return self
+
+
+class BreakerSpec(_Strict):
+    failure_threshold: int = Field(default=3, ge=1)
+    success_threshold: int = Field(default=2, ge=1)
+    base_cooldown: float = Field(default=1.0, gt=0)
+    max_cooldown: float = Field(default=60.0, gt=0)
+    half_open_probes: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _caps(self) -> BreakerSpec:
+        if self.max_cooldown < self.base_cooldown:
+            raise ValueError(f"max_cooldown: must be >= base_cooldown ({self.base_cooldown})")
+        return self
+
+    def settings(self) -> BreakerSettings:
+        return BreakerSettings(**self.model_dump())
+
+
+class ScrapeSpec(_Strict):
+    interval: float = Field(default=0.1, gt=0)
+    timeout: float = Field(default=0.5, gt=0)
+    staleness: float = Field(default=2.0, gt=0)
+    jitter: float = Field(default=0.1, ge=0, le=1)
+
+
+class LimitsSpec(_Strict):
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    prompt_prefix_chars: int = Field(default=32 * 1024, ge=0)
+
+
+class Config(_Strict):
+    models: dict[str, ModelSpec]
+    breaker: BreakerSpec = BreakerSpec()
+    scrape: ScrapeSpec = ScrapeSpec()
+    limits: LimitsSpec = LimitsSpec()
+    activation_timeout: float = Field(default=45.0, gt=0)
+    activation_poll_interval: float = Field(default=0.25, gt=0)
+    model_header: str = "x-llmgw-model"
+    debug_headers: bool = False
+    seed: int | None = None
+
+    @field_validator("models")
+    @classmethod
+    def _nonempty(cls, value: dict[str, ModelSpec]) -> dict[str, ModelSpec]:
+        if not value:
+            raise ValueError("must configure at least one model")
+        return value
+
+
+class ModelMode(enum.StrEnum):
+    STATIC = "static"  # endpoints run by someone else: always routed
+    ALWAYS_ON = "always_on"  # launched, min > 0
+    ON_DEMAND = "on_demand"  # launched, min 0, max > 0
+    OFF = "off"  # configured but off: requests get 503 model_disabled
+
+
+def model_mode(spec: ModelSpec) -> ModelMode:
+    """The scaling rules, in one place. `normalize()` has already filled an omitted max."""
+    scaling = spec.scaling
+    if scaling is None:
+        return ModelMode.OFF if spec.launch is not None else ModelMode.STATIC
+    if scaling.max == 0:
+        return ModelMode.OFF
+    if spec.launch is None:
+        return ModelMode.STATIC
+    return ModelMode.ALWAYS_ON if scaling.min > 0 else ModelMode.ON_DEMAND
+
+
+def normalize(config: Config) -> Config:
+    """Fill defaults that depend on other fields. An explicit `max: 0` stays 0 (off)."""
+    models: dict[str, ModelSpec] = {}
+    for name, spec in config.models.items():
+        scaling = spec.scaling
+        if scaling is not None and scaling.max is None:
+            scaling = scaling.model_copy(update={"max": max(scaling.min, 1)})
+        models[name] = spec.model_copy(update={"scaling": scaling})
+    return config.model_copy(update={"models": models})
+
+
+def endpoints_of(name: str, spec: ModelSpec) -> list[Endpoint]:
+    return [
+        Endpoint(address=e.address, model=name, pool=name, engine=spec.engine, weight=e.weight)
+        for e in spec.endpoints
+    ]
+
+
+def _problem(err: Mapping[str, Any]) -> str:
+    path = ".".join(str(p) for p in err["loc"])
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    elif err["type"] == "missing":
+        msg = "required field is missing"
+    head = re.match(r"^([\w.-]+): (.*)$", msg, re.S)
+    if head and err["type"] == "value_error":
+        path = f"{path}.{head.group(1)}" if path else head.group(1)
+        msg = head.group(2)
+    return f"{path or '<root>'}: {msg}"
+
+
+def load_dict(data: Any, source: str = "config") -> Config:
+    if not isinstance(data, Mapping):
+        raise ConfigError([f"<root>: must be a mapping, got {type(data).__name__}"], source)
+    try:
+        return normalize(Config.model_validate(data))
+    except ValidationError as exc:
+        raise ConfigError([_problem(e) for e in exc.errors()], source) from None
+
+
+def load_text(text: str, source: str = "config") -> Config:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(
+            [f"<yaml>: {where}{getattr(exc, 'problem', None) or exc}"], source
+        ) from None
+    return load_dict(data, source)
+
+
+def load_file(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"<file>: cannot read {p}: {exc}"], str(p)) from None
+    return load_text(text, str(p))

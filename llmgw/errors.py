@@ -1,0 +1,107 @@
+"""Error types: each carries the HTTP status to answer with and a stable machine code.
+
+Both edges turn these into the same OpenAI-style JSON body, so there is one copy of the
+wording and of the status mapping.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class LlmgwError(Exception):
+    status: int = 500
+    code: str = "internal_error"
+    type: str = "server_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def body(self) -> bytes:
+        """The OpenAI-style error body: {"error": {"message", "type", "code"}}."""
+        return orjson.dumps(
+            {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        )
+
+    def response_headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", **self.headers}
+
+
+class BadRequest(LlmgwError):
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class BodyTooLarge(LlmgwError):
+    status = 413
+    code = "body_too_large"
+    type = "invalid_request_error"
+
+
+class ModelNotFound(LlmgwError):
+    status = 404
+    code = "model_not_found"
+    type = "invalid_request_error"
+
+
+class NoCapacity(LlmgwError):
+    """Every endpoint is saturated (queue or KV ceiling), or the request was shed."""
+
+    status = 429
+    code = "all_saturated"
+    type = "rate_limit_error"
+
+
+class NoHealthyEndpoint(LlmgwError):
+    status = 503
+    code = "no_healthy_endpoint"
+    type = "service_unavailable"
+
+
+class ModelDisabled(LlmgwError):
+    """Configured but off (`max: 0` or no scaling stanza for a launched model): never started."""
+
+    status = 503
+    code = "model_disabled"
+    type = "service_unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"x-should-retry": "false"})
+
+
+class ModelLoading(LlmgwError):
+    """An on-demand model is starting; the caller should retry after `retry_after` seconds."""
+
+    status = 503
+    code = "model_loading"
+    type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        retry_after = max(1, min(60, retry_after))
+        super().__init__(message, headers={"retry-after": str(retry_after)})
+        self.retry_after = retry_after
+
+
+class ModelNotReady(LlmgwError):
+    """An on-demand model has no ready endpoint yet: the runtime activator handles this."""
+
+    status = 503
+    code = "model_not_ready"
+    type = "service_unavailable"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; `problems` are `path: message` lines, e.g.
+    `models.chat.scaling.max: must be >= min (1)`."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__(f"invalid {source}:\n  " + "\n  ".join(problems))
+
+
+class MetricsError(ValueError):
+    """A /metrics page that does not satisfy the metric contract (stale data, not a breaker trip)."""

@@ -1,0 +1,113 @@
+"""Consistent-hash ring with exactly Ray Serve's ConsistentHashRouter semantics.
+
+Position of a key = low 64 bits of MurmurHash3 x64 (seed 0xF9B4CA77) as unsigned;
+each replica owns `num_virtual_nodes` points keyed `f"{replica_id}:{i}"`; a lookup takes
+the first point strictly clockwise of the key (`bisect_right`, wrapping to 0), then walks
+on to collect up to `num_fallback_replicas` more distinct replicas. Pure and
+deterministic, so router replicas agree without talking.
+
+`bounded_candidates` adds consistent hashing with bounded loads (Mirrokni, Thorup,
+Zadimoghaddam 2018): a replica whose load would exceed ceil(c * mean) is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Mapping
+
+import mmh3
+
+RING_SEED = 0xF9B4CA77
+
+
+def ring_position(key: str) -> int:
+    return int(mmh3.hash64(key.encode(), seed=RING_SEED, signed=False)[0])
+
+
+class HashRing:
+    def __init__(
+        self,
+        replica_ids: Iterable[str],
+        *,
+        num_virtual_nodes: int = 100,
+        num_fallback_replicas: int = 2,
+    ) -> None:
+        if (
+            isinstance(num_virtual_nodes, bool)
+            or not isinstance(num_virtual_nodes, int)
+            or num_virtual_nodes < 1
+        ):
+            raise ValueError(f"num_virtual_nodes must be a positive int, got {num_virtual_nodes!r}")
+        if (
+            isinstance(num_fallback_replicas, bool)
+            or not isinstance(num_fallback_replicas, int)
+            or num_fallback_replicas < 0
+        ):
+            raise ValueError(
+                f"num_fallback_replicas must be a non-negative int, got {num_fallback_replicas!r}"
+            )
+        ids = list(replica_ids)
+        if len(set(ids)) != len(ids):
+            dupes = sorted({r for r in ids if ids.count(r) > 1})
+            raise ValueError(f"duplicate replica id(s): {', '.join(dupes)}")
+        self.replica_ids: frozenset[str] = frozenset(ids)
+        self.num_virtual_nodes = num_virtual_nodes
+        self.num_fallback_replicas = num_fallback_replicas
+        points = sorted(
+            (ring_position(f"{rid}:{i}"), rid) for rid in ids for i in range(num_virtual_nodes)
+        )
+        self._positions = [p for p, _ in points]
+        self._owners = [r for _, r in points]
+
+    def __len__(self) -> int:
+        return len(self.replica_ids)
+
+    def _walk(self, key: str) -> Iterator[str]:
+        """Distinct replicas clockwise from the key's position, primary first."""
+        n = len(self._positions)
+        if n == 0:
+            return
+        start = bisect_right(self._positions, ring_position(key))
+        seen: set[str] = set()
+        total = len(self.replica_ids)
+        owners = self._owners
+        for step in range(n):
+            rid = owners[(start + step) % n]
+            if rid not in seen:
+                seen.add(rid)
+                yield rid
+                if len(seen) == total:
+                    return
+
+    def candidates(self, key: str) -> list[str]:
+        """Primary first, then up to `num_fallback_replicas` distinct replicas clockwise."""
+        out: list[str] = []
+        limit = 1 + self.num_fallback_replicas
+        for rid in self._walk(key):
+            out.append(rid)
+            if len(out) == limit:
+                break
+        return out
+
+    def bounded_candidates(self, key: str, load: Mapping[str, int], c: float) -> list[str]:
+        """Like `candidates`, but replicas at capacity ceil(c * (total + 1) / n) are passed over.
+
+        The first replica clockwise with spare capacity becomes the primary; the fallbacks are
+        the next distinct replicas with spare capacity. If every replica is at capacity the
+        plain ring order is returned (the bound can't be met, affinity still can).
+        """
+        if c < 1.0:
+            raise ValueError(f"bounded-load factor must be >= 1.0, got {c!r}")
+        if not self.replica_ids:
+            return []
+        total = sum(load.get(r, 0) for r in self.replica_ids)
+        capacity = math.ceil(c * (total + 1) / len(self.replica_ids))
+        limit = 1 + self.num_fallback_replicas
+        out: list[str] = []
+        for rid in self._walk(key):
+            if load.get(rid, 0) < capacity:
+                out.append(rid)
+                if len(out) == limit:
+                    return out
+        return out or self.candidates(key)

@@ -1,0 +1,181 @@
+"""Endpoints per model and what is known about each: inflight, metrics, staleness, breaker.
+
+Pure bookkeeping: the runtime feeds scrapes in, the edges feed dispatches and outcomes
+in, the scheduler reads. Time comes from an injected clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from llmgw.breaker import Breaker, BreakerSettings, BreakerState
+from llmgw.types import Endpoint, EngineMetrics, Outcome
+
+Clock = Callable[[], float]
+
+_DRAIN_WINDOW = 10.0  # seconds of local completions kept for the drain rate
+_DRAIN_SAMPLES = 4096
+
+
+class EndpointState:
+    """Mutable live state of one endpoint (owned by the Registry)."""
+
+    __slots__ = (
+        "_completions",
+        "_prev_finished",
+        "breaker",
+        "counter_drain_rate",
+        "endpoint",
+        "inflight",
+        "metrics",
+        "scrape_error",
+        "scraped_at",
+        "serves_model",
+    )
+
+    def __init__(self, endpoint: Endpoint, breaker: BreakerSettings) -> None:
+        self.endpoint = endpoint
+        self.inflight = 0
+        self.metrics: EngineMetrics | None = None
+        self.scraped_at = float("-inf")
+        self.scrape_error: str | None = None
+        self.serves_model: bool | None = None  # None: not known yet
+        self.breaker = Breaker(breaker)
+        self._completions: deque[float] = deque(maxlen=_DRAIN_SAMPLES)
+        self._prev_finished: tuple[float, float] | None = None
+        self.counter_drain_rate: float | None = None
+
+    @property
+    def id(self) -> str:
+        return self.endpoint.address
+
+    def fresh_metrics(self, now: float, staleness: float) -> EngineMetrics | None:
+        """The last scrape if it is recent enough to trust, else None (stale)."""
+        if self.metrics is not None and now - self.scraped_at <= staleness:
+            return self.metrics
+        return None
+
+    def drain_rate(self, now: float) -> float:
+        """Requests finished per second: from the engine's counter when it has one,
+        else from completions seen locally in the last few seconds."""
+        if self.counter_drain_rate is not None:
+            return self.counter_drain_rate
+        while self._completions and now - self._completions[0] > _DRAIN_WINDOW:
+            self._completions.popleft()
+        return len(self._completions) / _DRAIN_WINDOW
+
+
+class Registry:
+    def __init__(
+        self,
+        *,
+        breaker: BreakerSettings | None = None,
+        staleness: float = 2.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.clock = clock
+        self.staleness = staleness
+        self._breaker = breaker or BreakerSettings()
+        self._by_model: dict[str, list[EndpointState]] = {}
+        self._by_id: dict[tuple[str, str], EndpointState] = {}
+        self.version = 0  # bumped when any model's endpoint set changes
+
+    def set_endpoints(self, model: str, endpoints: Iterable[Endpoint]) -> None:
+        """Replace a model's endpoint set, keeping live state of endpoints that stay."""
+        new: list[EndpointState] = []
+        old = {s.id: s for s in self._by_model.get(model, [])}
+        for ep in endpoints:
+            state = old.pop(ep.address, None)
+            if state is None or state.endpoint != ep:
+                fresh = EndpointState(ep, self._breaker)
+                if state is not None:
+                    fresh.inflight = state.inflight
+                state = fresh
+            new.append(state)
+        for gone in old.values():
+            self._by_id.pop((model, gone.id), None)
+        before = [s.id for s in self._by_model.get(model, [])]
+        self._by_model[model] = new
+        for s in new:
+            self._by_id[(model, s.id)] = s
+        if before != [s.id for s in new]:
+            self.version += 1
+
+    def models(self) -> list[str]:
+        return list(self._by_model)
+
+    def states(self, model: str) -> list[EndpointState]:
+        return self._by_model.get(model, [])
+
+    def get(self, model: str, endpoint_id: str) -> EndpointState | None:
+        return self._by_id.get((model, endpoint_id))
+
+    def all_states(self) -> Iterable[EndpointState]:
+        for states in self._by_model.values():
+            yield from states
+
+    def states_at(self, address: str) -> list[EndpointState]:
+        """Every model's state for one server address (one scrape feeds them all)."""
+        return [s for s in self.all_states() if s.id == address]
+
+    # -- dispatch accounting -------------------------------------------------------------
+    def acquire(self, model: str, endpoint_id: str) -> bool:
+        """Count a request sent to the endpoint; returns True if it is a half-open probe."""
+        state = self._by_id.get((model, endpoint_id))
+        if state is None:
+            return False
+        state.inflight += 1
+        return state.breaker.on_dispatch()
+
+    def release(
+        self, model: str, endpoint_id: str, outcome: Outcome, *, probe: bool = False
+    ) -> None:
+        state = self._by_id.get((model, endpoint_id))
+        if state is None:
+            return  # the endpoint left the set while the request was in flight
+        now = self.clock()
+        state.inflight = max(0, state.inflight - 1)
+        if outcome is Outcome.CANCELLED:
+            if probe:
+                state.breaker.release_probe()
+            return
+        state._completions.append(now)
+        state.breaker.record(outcome is Outcome.SUCCESS, now, probe=probe)
+
+    # -- scrapes -------------------------------------------------------------------------
+    def record_scrape(self, model: str, endpoint_id: str, metrics: EngineMetrics) -> None:
+        state = self._by_id.get((model, endpoint_id))
+        if state is None:
+            return
+        now = self.clock()
+        if metrics.finished_total is not None and state._prev_finished is not None:
+            prev_t, prev_v = state._prev_finished
+            if now > prev_t and metrics.finished_total >= prev_v:
+                state.counter_drain_rate = (metrics.finished_total - prev_v) / (now - prev_t)
+        if metrics.finished_total is not None:
+            state._prev_finished = (now, metrics.finished_total)
+        state.metrics = metrics
+        state.scraped_at = now
+        state.scrape_error = None
+        state.serves_model = True
+
+    def record_scrape_error(
+        self, model: str, endpoint_id: str, error: str, *, model_absent: bool = False
+    ) -> None:
+        """A failed scrape leaves the data to go stale; it never touches the breaker."""
+        state = self._by_id.get((model, endpoint_id))
+        if state is None:
+            return
+        state.scrape_error = error
+        if model_absent:
+            state.serves_model = False
+
+    def breaker_states(self) -> dict[tuple[str, str], BreakerState]:
+        now = self.clock()
+        out = {}
+        for (model, eid), s in self._by_id.items():
+            s.breaker.available(now)  # advance open -> half_open for reporting
+            out[(model, eid)] = s.breaker.state
+        return out

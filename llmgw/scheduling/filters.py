@@ -1,0 +1,51 @@
+"""Filters: each drops the endpoints a request must not go to."""
+
+from __future__ import annotations
+
+from llmgw.registry import EndpointState
+from llmgw.scheduling.interfaces import PickContext
+
+
+class HealthyFilter:
+    """Drops endpoints whose breaker is open (or half-open with every probe slot taken)."""
+
+    name = "healthy"
+
+    def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
+        now = ctx.now
+        return [s for s in candidates if s.breaker.available(now)]
+
+
+class ModelServesFilter:
+    """Drops endpoints whose last scrape showed no series for the requested model."""
+
+    name = "model-serves"
+
+    def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
+        return [s for s in candidates if s.serves_model is not False]
+
+
+class NotSaturatedFilter:
+    """Drops endpoints whose fresh metrics show a queue or KV usage at the ceiling."""
+
+    name = "not-saturated"
+
+    def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
+        queue_ceiling = ctx.spec.saturation.queue_ceiling
+        kv_ceiling = ctx.spec.saturation.kv_ceiling
+        out = []
+        for s in candidates:
+            m = s.fresh_metrics(ctx.now, ctx.staleness)
+            if m is None or (m.waiting < queue_ceiling and m.kv_usage < kv_ceiling):
+                out.append(s)
+        return out
+
+
+class FreshMetricsFilter:
+    """Prefers endpoints with fresh metrics; keeps all when none is fresh (never ejects)."""
+
+    name = "staleness"
+
+    def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
+        fresh = [s for s in candidates if s.fresh_metrics(ctx.now, ctx.staleness) is not None]
+        return fresh or candidates

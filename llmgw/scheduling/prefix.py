@@ -1,0 +1,84 @@
+"""Approximate prefix-cache affinity: which endpoint has probably cached a prompt's prefix.
+
+The prompt is cut into fixed-size character blocks; block i's hash chains block i-1's, so
+equal hashes mean equal prefixes. Each endpoint keeps an LRU of the block hashes routed to
+it, bounded in entries, so memory stays flat however many sessions pass.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import mmh3
+
+
+class PrefixIndex:
+    def __init__(
+        self, *, block_chars: int = 256, max_blocks: int = 128, capacity: int = 16384
+    ) -> None:
+        if block_chars < 1 or max_blocks < 1 or capacity < 1:
+            raise ValueError("block_chars, max_blocks and capacity must be positive")
+        self.block_chars = block_chars
+        self.max_blocks = max_blocks
+        self.capacity = capacity
+        self._owners: dict[int, set[str]] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+
+    def hashes(self, prompt: str) -> list[int]:
+        """Chained hashes of the prompt's full blocks (a partial tail block is not cached)."""
+        data = prompt.encode("utf-8", "surrogatepass")
+        size = self.block_chars
+        n = min(len(data) // size, self.max_blocks)
+        out: list[int] = []
+        prev = 0
+        for i in range(n):
+            prev = mmh3.hash64(data[i * size : (i + 1) * size], seed=prev & 0xFFFFFFFF)[0]
+            out.append(prev)
+        return out
+
+    def match(self, hashes: list[int]) -> dict[str, int]:
+        """Endpoint id -> number of leading blocks it holds (only endpoints holding >= 1)."""
+        matched: dict[str, int] = {}
+        if not hashes:
+            return matched
+        alive = set(self._owners.get(hashes[0], ()))
+        for depth, h in enumerate(hashes):
+            if depth:
+                owners = self._owners.get(h)
+                if not owners:
+                    break
+                alive &= owners
+            if not alive:
+                break
+            for eid in alive:
+                matched[eid] = depth + 1
+        return matched
+
+    def insert(self, endpoint_id: str, hashes: list[int]) -> None:
+        lru = self._lru.setdefault(endpoint_id, OrderedDict())
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+                continue
+            lru[h] = None
+            self._owners.setdefault(h, set()).add(endpoint_id)
+            if len(lru) > self.capacity:
+                old, _ = lru.popitem(last=False)
+                owners = self._owners.get(old)
+                if owners is not None:
+                    owners.discard(endpoint_id)
+                    if not owners:
+                        del self._owners[old]
+
+    def forget(self, endpoint_id: str) -> None:
+        for h in self._lru.pop(endpoint_id, OrderedDict()):
+            owners = self._owners.get(h)
+            if owners is not None:
+                owners.discard(endpoint_id)
+                if not owners:
+                    del self._owners[h]
+
+    def size(self, endpoint_id: str | None = None) -> int:
+        if endpoint_id is not None:
+            return len(self._lru.get(endpoint_id, ()))
+        return sum(len(v) for v in self._lru.values())

@@ -1,0 +1,182 @@
+"""Scheduler.pick: filter -> score -> pick, returning a Decision that explains itself."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from llmgw.config import Config, ModelMode, ModelSpec, endpoints_of, model_mode
+from llmgw.errors import (
+    LlmgwError,
+    ModelDisabled,
+    ModelNotFound,
+    ModelNotReady,
+    NoCapacity,
+    NoHealthyEndpoint,
+)
+from llmgw.hashring import HashRing
+from llmgw.registry import EndpointState, Registry
+from llmgw.scheduling.interfaces import Filter, PickContext, Picker, Scorer
+from llmgw.scheduling.plugins import FILTERS, PICKERS, make_scorer
+from llmgw.scheduling.strategies import resolve
+from llmgw.types import Decision, Endpoint, Outcome, Rationale, RequestInfo, ScorerColumn
+
+# Which error a filter's emptying of the candidate set means.
+_EMPTIED_BY: dict[str, type[LlmgwError]] = {
+    "healthy": NoHealthyEndpoint,
+    "model-serves": NoHealthyEndpoint,
+    "not-saturated": NoCapacity,
+    "staleness": NoHealthyEndpoint,
+}
+_EMPTY_MESSAGES: dict[str, str] = {
+    "healthy": "every endpoint of model {model!r} is failing (circuit open); retry shortly",
+    "model-serves": "no endpoint currently serves model {model!r}",
+    "not-saturated": "every endpoint of model {model!r} is saturated (queue or KV cache full); "
+    "retry later or add replicas",
+    "staleness": "no endpoint of model {model!r} has fresh metrics",
+}
+
+
+class ModelRouter:
+    """Per-model plugins and ring. Rebuilt when the model's endpoint set changes."""
+
+    def __init__(self, name: str, spec: ModelSpec) -> None:
+        self.name = name
+        self.spec = spec
+        self.mode = model_mode(spec)
+        strategy = resolve(spec.strategy)
+        self.strategy_name = strategy.name
+        self.filters: list[Filter] = [FILTERS[f]() for f in strategy.filters]
+        self.scorers: list[tuple[Scorer, float]] = [
+            (make_scorer(n, s.params), s.weight) for n, s in strategy.scorers.items()
+        ]
+        picker = strategy.picker
+        self.picker: Picker = (
+            PICKERS[picker.type](temperature=picker.temperature)
+            if picker.type == "softmax"
+            else PICKERS[picker.type]()
+        )
+        self.ring = HashRing(
+            [],
+            num_virtual_nodes=spec.session.num_virtual_nodes,
+            num_fallback_replicas=spec.session.num_fallback_replicas,
+        )
+
+    def ring_for(self, states: list[EndpointState]) -> HashRing:
+        ids = frozenset(s.id for s in states)
+        if ids != self.ring.replica_ids:
+            self.ring = HashRing(
+                sorted(ids),
+                num_virtual_nodes=self.spec.session.num_virtual_nodes,
+                num_fallback_replicas=self.spec.session.num_fallback_replicas,
+            )
+        return self.ring
+
+
+@dataclass(slots=True)
+class Lease:
+    """One dispatched request: `finish` releases the inflight slot and feeds the breaker."""
+
+    registry: Registry
+    model: str
+    endpoint_id: str
+    probe: bool
+    done: bool = False
+
+    def finish(self, outcome: Outcome) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.registry.release(self.model, self.endpoint_id, outcome, probe=self.probe)
+
+
+class Scheduler:
+    def __init__(
+        self, config: Config, registry: Registry | None = None, *, seed: int | None = None
+    ) -> None:
+        self.config = config
+        self.registry = registry or Registry(
+            breaker=config.breaker.settings(), staleness=config.scrape.staleness
+        )
+        self.rng = random.Random(seed if seed is not None else config.seed)
+        self.routers: dict[str, ModelRouter] = {
+            name: ModelRouter(name, spec) for name, spec in config.models.items()
+        }
+        for name, spec in config.models.items():
+            if spec.endpoints and self.routers[name].mode is not ModelMode.OFF:
+                self.registry.set_endpoints(name, endpoints_of(name, spec))
+
+    def router(self, model: str) -> ModelRouter:
+        router = self.routers.get(model)
+        if router is None:
+            known = ", ".join(sorted(self.routers)) or "none"
+            raise ModelNotFound(f"model {model!r} does not exist (configured models: {known})")
+        return router
+
+    def pick(self, request: RequestInfo) -> Decision:
+        router = self.router(request.model)
+        if router.mode is ModelMode.OFF:
+            raise ModelDisabled(
+                f"model {request.model!r} is configured but disabled (scaling max is 0 or no "
+                "scaling stanza); enable it in the config"
+            )
+        states = self.registry.states(request.model)
+        if not states:
+            if router.mode in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
+                raise ModelNotReady(f"model {request.model!r} has no ready replica yet")
+            raise NoHealthyEndpoint(f"model {request.model!r} has no endpoints")
+        ctx = PickContext(
+            request=request,
+            spec=router.spec,
+            now=self.registry.clock(),
+            staleness=self.registry.staleness,
+            ring=router.ring_for(states),
+            all_states=states,
+            rng=self.rng,
+        )
+        candidates = states
+        drops: list[tuple[str, int]] = []
+        for flt in router.filters:
+            kept = flt.filter(ctx, candidates)
+            drops.append((flt.name, len(candidates) - len(kept)))
+            if not kept:
+                error = _EMPTIED_BY.get(flt.name, NoHealthyEndpoint)
+                raise error(
+                    _EMPTY_MESSAGES.get(flt.name, "no endpoint left").format(model=request.model)
+                )
+            candidates = kept
+
+        columns: list[ScorerColumn] = []
+        totals = [0.0] * len(candidates)
+        for scorer, weight in router.scorers:
+            raw = scorer.score(ctx, candidates)
+            columns.append(ScorerColumn(scorer.name, weight, tuple(raw)))
+            if weight:
+                totals = [t + weight * r for t, r in zip(totals, raw, strict=True)]
+
+        limit = 1 + router.spec.session.num_fallback_replicas
+        order = router.picker.order(ctx, totals, limit)
+        chosen = candidates[order[0]]
+        for scorer, _ in router.scorers:
+            scorer.observe(ctx, chosen)
+        rationale = Rationale(
+            strategy=router.strategy_name,
+            picker=router.picker.name,
+            endpoint_ids=tuple(s.id for s in candidates),
+            columns=tuple(columns),
+            totals=tuple(totals),
+            filter_drops=tuple(drops),
+            considered=len(states),
+        )
+        return Decision(
+            model=request.model,
+            endpoint=chosen.endpoint,
+            fallbacks=tuple(candidates[i].endpoint for i in order[1:]),
+            rationale=rationale,
+        )
+
+    def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> Lease:
+        """Count the request as in flight on `endpoint` (default: the decision's primary)."""
+        target = endpoint or decision.endpoint
+        probe = self.registry.acquire(decision.model, target.id)
+        return Lease(self.registry, decision.model, target.id, probe)

@@ -1,0 +1,167 @@
+"""Scorers: each rates every candidate in [0, 1]; the strategy weighs and sums them."""
+
+from __future__ import annotations
+
+import math
+
+from llmgw.registry import EndpointState
+from llmgw.scheduling.interfaces import PickContext
+from llmgw.scheduling.prefix import PrefixIndex
+
+
+def relative(values: list[float], smoothing: float) -> list[float]:
+    """1 for the least loaded candidate, (min + c) / (x + c) for the others.
+
+    Relative rather than min-max: 3 vs 2 waiting is a small gap, 8 vs 0 a large one.
+    """
+    if not values:
+        return []
+    low = min(values) + smoothing
+    return [low / (v + smoothing) for v in values]
+
+
+class _NoObserve:
+    def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
+        return None
+
+
+class QueueScorer(_NoObserve):
+    """Fewer waiting requests is better (engine metric; local inflight when stale)."""
+
+    name = "queue"
+
+    def __init__(self, smoothing: float = 1.0) -> None:
+        self.smoothing = smoothing
+
+    def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        queues: list[float] = []
+        for s in candidates:
+            m = s.fresh_metrics(ctx.now, ctx.staleness)
+            # Requests sent since the scrape are not in its queue yet: count the excess.
+            queues.append(
+                float(s.inflight) if m is None else max(m.waiting, s.inflight - m.running)
+            )
+        return relative(queues, self.smoothing)
+
+
+class InflightScorer(_NoObserve):
+    """Fewer requests in flight from this router is better (exact, no scrape lag)."""
+
+    name = "inflight"
+
+    def __init__(self, smoothing: float = 1.0) -> None:
+        self.smoothing = smoothing
+
+    def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        return relative([float(s.inflight) for s in candidates], self.smoothing)
+
+
+class LoadScorer(_NoObserve):
+    """Waiting + running from metrics, or local inflight if larger (other routers' load too)."""
+
+    name = "load"
+
+    def __init__(self, smoothing: float = 2.0) -> None:
+        self.smoothing = smoothing
+
+    def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        loads: list[float] = []
+        for s in candidates:
+            m = s.fresh_metrics(ctx.now, ctx.staleness)
+            engine = 0.0 if m is None else m.waiting + m.running
+            loads.append(max(engine, float(s.inflight)))
+        return relative(loads, self.smoothing)
+
+
+class KvScorer(_NoObserve):
+    """Free KV cache is better; at or above `ceiling` the score is 0 (hard penalty)."""
+
+    name = "kv"
+
+    def __init__(self, ceiling: float = 0.9) -> None:
+        if not 0 < ceiling <= 1:
+            raise ValueError(f"ceiling must be in (0, 1], got {ceiling}")
+        self.ceiling = ceiling
+
+    def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        out: list[float] = []
+        for s in candidates:
+            m = s.fresh_metrics(ctx.now, ctx.staleness)
+            if m is None:
+                out.append(0.5)  # unknown: neither reward nor punish
+            elif m.kv_usage >= self.ceiling:
+                out.append(0.0)
+            else:
+                out.append(1.0 - m.kv_usage)
+        return out
+
+
+class WeightScorer(_NoObserve):
+    """Configured endpoint weight, relative to the heaviest candidate."""
+
+    name = "weight"
+
+    def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        top = max((s.endpoint.weight for s in candidates), default=1.0)
+        return [s.endpoint.weight / top for s in candidates]
+
+
+class SessionScorer(_NoObserve):
+    """Ray Serve ring affinity: 1 for the primary, then 1 - i/(k+1) for fallback i.
+
+    With `bounded_load` (from the model's session settings, or a param) the ring skips
+    replicas holding more than ceil(c * mean) of the inflight requests.
+    """
+
+    name = "session"
+
+    def __init__(self, bounded_load: float = 0.0) -> None:
+        self.bounded_load = bounded_load
+
+    def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        key = ctx.request.routing_key
+        c = self.bounded_load or ctx.spec.session.bounded_load or 0.0
+        if c >= 1.0:
+            loads = {s.id: s.inflight for s in ctx.all_states}
+            ring_order = ctx.ring.bounded_candidates(key, loads, c)
+        else:
+            ring_order = ctx.ring.candidates(key)
+        step = 1.0 / (len(ring_order) + 1) if ring_order else 0.0
+        rank = {rid: 1.0 - i * step for i, rid in enumerate(ring_order)}
+        return [rank.get(s.id, 0.0) for s in candidates]
+
+
+class PrefixScorer:
+    """Share of the prompt's leading blocks that the endpoint probably has cached."""
+
+    name = "prefix"
+
+    def __init__(
+        self, block_chars: int = 256, max_blocks: int = 128, capacity: int = 16384
+    ) -> None:
+        self.index = PrefixIndex(block_chars=block_chars, max_blocks=max_blocks, capacity=capacity)
+        self._last: tuple[str, list[int]] = ("", [])
+
+    def _hashes(self, ctx: PickContext) -> list[int]:
+        rid = ctx.request.request_id
+        if self._last[0] != rid:
+            self._last = (rid, self.index.hashes(ctx.request.prompt))
+        return self._last[1]
+
+    def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        hashes = self._hashes(ctx)
+        if not hashes:
+            return [0.0] * len(candidates)
+        matched = self.index.match(hashes)
+        total = len(hashes)
+        return [matched.get(s.id, 0) / total for s in candidates]
+
+    def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
+        hashes = self._hashes(ctx)
+        if hashes:
+            self.index.insert(chosen.id, hashes)
+
+
+def softmax_weights(scores: list[float], temperature: float) -> list[float]:
+    top = max(scores)
+    return [math.exp((s - top) / temperature) for s in scores]

@@ -1,0 +1,40 @@
+"""Named strategies: a strategy is a set of scorer weights plus a picker."""
+
+from __future__ import annotations
+
+from llmgw.config import PickerSpec, ScorerSpec, StrategySpec
+
+
+def _s(weight: float, **params: float | int | str | bool) -> ScorerSpec:
+    return ScorerSpec(weight=weight, params=params)
+
+
+PRESETS: dict[str, StrategySpec] = {
+    # Conversations: stay where the history is cached unless that replica is clearly busier.
+    "chat": StrategySpec(
+        name="chat",
+        scorers={"session": _s(1.0), "prefix": _s(2.0), "queue": _s(2.0), "kv": _s(1.0)},
+    ),
+    # Throughput jobs: no affinity, spread by queue, local inflight and KV room.
+    "batch": StrategySpec(
+        name="batch",
+        scorers={"queue": _s(1.0), "inflight": _s(1.0), "kv": _s(1.0)},
+    ),
+    # Long prompts: KV room matters most.
+    "long-context": StrategySpec(
+        name="long-context",
+        scorers={"kv": _s(3.0), "queue": _s(1.0), "prefix": _s(1.0)},
+    ),
+    # Baselines, kept to compare against in benchmarks.
+    "ring": StrategySpec(name="ring", scorers={"session": _s(1.0)}, filters=("healthy",)),
+    "bounded-ring": StrategySpec(
+        name="bounded-ring", scorers={"session": _s(1.0, bounded_load=1.25)}, filters=("healthy",)
+    ),
+    "least-load": StrategySpec(name="least-load", scorers={"load": _s(1.0)}),
+    "round-robin": StrategySpec(name="round-robin", picker=PickerSpec(type="round-robin")),
+    "random": StrategySpec(name="random", picker=PickerSpec(type="random")),
+}
+
+
+def resolve(strategy: StrategySpec | str) -> StrategySpec:
+    return PRESETS[strategy] if isinstance(strategy, str) else strategy
