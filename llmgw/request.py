@@ -1,0 +1,143 @@
+"""Turn what an edge saw (headers, maybe a JSON body) into a RequestInfo.
+
+Shared by both edges so that the same request gets the same RequestInfo, the same
+errors and therefore the same Decision, whether it came through Envoy or ASGI.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from llmgw.config import Config
+from llmgw.errors import BadRequest, BodyTooLarge
+from llmgw.scheduling.strategies import resolve
+from llmgw.types import RequestInfo
+
+# Paths whose JSON body names the model (OpenAI-compatible APIs).
+BODY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+
+
+@dataclass(frozen=True, slots=True)
+class BodyFields:
+    model: str
+    prompt: str
+    stream: bool
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multi-part content: keep the text parts
+        return "".join(
+            p.get("text", "")
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    return ""
+
+
+def prompt_text(payload: Mapping[str, Any], limit: int) -> str:
+    """The prompt as one string (role-tagged messages, or `prompt`), cut at `limit` chars."""
+    parts: list[str] = []
+    size = 0
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            text = f"<|{m.get('role', '')}|>{_content_text(m.get('content'))}"
+            parts.append(text)
+            size += len(text)
+            if size >= limit:
+                break
+    else:
+        prompt = payload.get("prompt", payload.get("input"))
+        if isinstance(prompt, str):
+            parts.append(prompt)
+        elif isinstance(prompt, list):
+            parts.extend(p for p in prompt if isinstance(p, str))
+    return "".join(parts)[:limit]
+
+
+def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
+    """Parse an OpenAI-style JSON body. Raises BadRequest / BodyTooLarge with a clear message."""
+    if len(body) > max_bytes:
+        raise BodyTooLarge(
+            f"request body is {len(body)} bytes; the limit is {max_bytes} bytes (limits.max_body_bytes)"
+        )
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(payload).__name__}")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("request body needs a string field 'model'")
+    stream = payload.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("field 'stream' must be a boolean")
+    messages = payload.get("messages")
+    if messages is not None and not isinstance(messages, list):
+        raise BadRequest("field 'messages' must be an array")
+    return BodyFields(model=model, prompt=prompt_text(payload, prefix_chars), stream=stream)
+
+
+def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:
+    """Is the body needed to route: no model header, or a strategy that reads the prompt?"""
+    if not path.split("?", 1)[0].startswith(BODY_PATHS):
+        return False
+    model = headers.get(config.model_header)
+    if model is None:
+        return True
+    spec = config.models.get(model)
+    return spec is not None and "prefix" in resolve(spec.strategy).scorers
+
+
+def session_key(config: Config, headers: Mapping[str, str], model: str) -> str | None:
+    spec = config.models.get(model)
+    names = spec.session.headers if spec is not None else ("x-session-id",)
+    for name in names:
+        value = headers.get(name)
+        if value:
+            return value
+    return None
+
+
+def build_request(
+    config: Config,
+    headers: Mapping[str, str],
+    path: str,
+    body: bytes | None,
+    *,
+    request_id: str | None = None,
+) -> RequestInfo:
+    """Headers are lower-cased names. Raises the core's typed errors on bad input."""
+    fields: BodyFields | None = None
+    if body is not None and path.split("?", 1)[0].startswith(BODY_PATHS):
+        fields = parse_body(
+            body,
+            max_bytes=config.limits.max_body_bytes,
+            prefix_chars=config.limits.prompt_prefix_chars,
+        )
+    model = headers.get(config.model_header) or (fields.model if fields else None)
+    if not model:
+        raise BadRequest(
+            f"cannot tell the model: send a JSON body with 'model' or a {config.model_header} header"
+        )
+    rid = request_id or headers.get("x-request-id") or uuid.uuid4().hex
+    return RequestInfo(
+        model=model,
+        request_id=rid,
+        session_key=session_key(config, headers, model),
+        path=path,
+        prompt=fields.prompt if fields else "",
+        stream=fields.stream if fields else False,
+        body_size=len(body) if body is not None else 0,
+        headers=headers,
+    )
