@@ -1,0 +1,308 @@
+"""OpenAI-compatible request validation and vLLM-shaped response bodies (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from llmgw.sim.tokens import chat_prompt
+
+CHAT = "chat"
+COMPLETION = "completion"
+SYSTEM_FINGERPRINT = "llmgw-sim"
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    429: "TooManyRequestsError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-style JSON with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """vLLM's error shape: {"error": {"message", "type", "param", "code"}}."""
+    error_type = _ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "Error")
+    return orjson.dumps(
+        {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    )
+
+
+@dataclass(frozen=True)
+class CompletionCall:
+    """A validated /v1/chat/completions or /v1/completions request."""
+
+    kind: str
+    model: str
+    prompt: str
+    # Set when the prompt came as token ids: their count is the prompt length.
+    prompt_token_count: int | None
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+
+
+def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{name}: Input should be a valid integer", name)
+    if value < minimum:
+        raise ApiError(400, f"{name}: Input should be greater than or equal to {minimum}", name)
+    return value
+
+
+def _optional_bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name}: Input should be a valid boolean", name)
+    return value
+
+
+def parse_call(kind: str, raw: bytes) -> CompletionCall:
+    """Validate a request body; raises ApiError(400) with the offending field."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"Invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "Request body must be a JSON object")
+    model = body.get("model")
+    if model is None:
+        raise ApiError(400, "model: Field required", "model")
+    if not isinstance(model, str):
+        raise ApiError(400, "model: Input should be a valid string", "model")
+    prompt_token_count: int | None = None
+    if kind == CHAT:
+        messages = body.get("messages")
+        if messages is None:
+            raise ApiError(400, "messages: Field required", "messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "messages: Input should be a valid list of objects", "messages")
+        for index, message in enumerate(messages):
+            if not isinstance(message.get("role"), str):
+                raise ApiError(400, f"messages.{index}.role: Field required", "messages")
+            content = message.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise ApiError(
+                    400, f"messages.{index}.content: Input should be a valid string", "messages"
+                )
+        prompt = chat_prompt(messages)
+    else:
+        raw_prompt = body.get("prompt")
+        if raw_prompt is None:
+            raise ApiError(400, "prompt: Field required", "prompt")
+        if isinstance(raw_prompt, str):
+            prompt = raw_prompt
+        elif isinstance(raw_prompt, list) and all(isinstance(p, str) for p in raw_prompt):
+            prompt = "".join(raw_prompt)
+        elif isinstance(raw_prompt, list) and all(
+            isinstance(p, int) and not isinstance(p, bool) for p in raw_prompt
+        ):
+            prompt = " ".join(map(str, raw_prompt))
+            prompt_token_count = max(1, len(raw_prompt))
+        else:
+            raise ApiError(400, "prompt: Input should be a string or a list of tokens", "prompt")
+    max_tokens = _optional_int(body, "max_tokens", 1)
+    if kind == CHAT and max_tokens is None:
+        max_tokens = _optional_int(body, "max_completion_tokens", 1)
+    n = _optional_int(body, "n", 1)
+    if n is not None and n != 1:
+        raise ApiError(400, "n: only n=1 is supported by the simulator", "n")
+    stream = _optional_bool(body, "stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options: Input should be a valid object", "stream_options")
+        include_usage = _optional_bool(options, "include_usage")
+    return CompletionCall(
+        kind=kind,
+        model=model,
+        prompt=prompt,
+        prompt_token_count=prompt_token_count,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
+def full_response(
+    call: CompletionCall,
+    response_id: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+) -> bytes:
+    usage: dict[str, Any] = _usage(prompt_tokens, completion_tokens)
+    usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if call.kind == CHAT:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "tool_calls": [],
+                "reasoning_content": None,
+            },
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+        }
+        kind = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "prompt_logprobs": None,
+        }
+        kind = "text_completion"
+    return orjson.dumps(
+        {
+            "id": response_id,
+            "object": kind,
+            "created": created,
+            "model": call.model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage,
+            "prompt_logprobs": None,
+            "kv_transfer_params": None,
+        }
+    )
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def first_chunk(call: CompletionCall, response_id: str, created: int) -> bytes | None:
+    """The chat role chunk vLLM sends before any token; completions have none."""
+    if call.kind != CHAT:
+        return None
+    return _sse(
+        {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": call.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+            "prompt_token_ids": None,
+            "prompt_text": None,
+        }
+    )
+
+
+def token_chunk(
+    call: CompletionCall, response_id: str, created: int, piece: str, finish_reason: str | None
+) -> bytes:
+    """One token's chunk; the last one carries finish_reason and stop_reason."""
+    choice: dict[str, Any]
+    if call.kind == CHAT:
+        choice = {"index": 0, "delta": {"content": piece}, "logprobs": None}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": piece, "logprobs": None}
+        kind = "text_completion"
+    choice["finish_reason"] = finish_reason
+    if finish_reason is not None:
+        choice["stop_reason"] = None
+    if call.kind == CHAT:
+        choice["token_ids"] = None
+    return _sse(
+        {
+            "id": response_id,
+            "object": kind,
+            "created": created,
+            "model": call.model,
+            "choices": [choice],
+        }
+    )
+
+
+def usage_chunk(
+    call: CompletionCall,
+    response_id: str,
+    created: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> bytes:
+    return _sse(
+        {
+            "id": response_id,
+            "object": "chat.completion.chunk" if call.kind == CHAT else "text_completion",
+            "created": created,
+            "model": call.model,
+            "choices": [],
+            "usage": _usage(prompt_tokens, completion_tokens),
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
+    )
+
+
+def models_body(models: list[str], created: int, max_model_len: int) -> bytes:
+    return orjson.dumps(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "vllm",
+                    "root": name,
+                    "parent": None,
+                    "max_model_len": max_model_len,
+                }
+                for name in models
+            ],
+        }
+    )

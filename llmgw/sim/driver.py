@@ -1,0 +1,124 @@
+"""Runs an EngineModel in real time on asyncio: one task steps it while it has work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from llmgw.sim.model import EngineModel, SeqRequest, Sequence
+
+# Zero-duration steps run back to back; yield to the loop this often to keep I/O going.
+_STEPS_PER_YIELD = 256
+
+
+class SeqHandle:
+    """A caller's view of one sequence: wait for tokens or for the end."""
+
+    __slots__ = ("_every_token", "_waiter", "seq")
+
+    def __init__(self, seq: Sequence, every_token: bool) -> None:
+        self.seq = seq
+        self._every_token = every_token
+        self._waiter: asyncio.Future[None] | None = None
+
+    async def wait_tokens(self, seen: int) -> int:
+        """Wait until more than `seen` tokens exist or the sequence ended; return the count."""
+        seq = self.seq
+        while seq.output_tokens <= seen and not seq.finished:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return seq.output_tokens
+
+    async def wait_finished(self) -> Sequence:
+        while not self.seq.finished:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.seq
+
+    def _notify(self, finished: bool) -> None:
+        waiter = self._waiter
+        if waiter is not None and (finished or self._every_token) and not waiter.done():
+            waiter.set_result(None)
+            self._waiter = None
+
+
+class EngineDriver:
+    """Owns the stepping task of one engine model; `on_finish` sees every ended sequence."""
+
+    def __init__(
+        self,
+        model: EngineModel,
+        on_finish: Callable[[Sequence], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self._on_finish = on_finish
+        self._clock = clock
+        self._handles: dict[int, SeqHandle] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for handle in list(self._handles.values()):
+            self.abort(handle)
+
+    def submit(self, request: SeqRequest, every_token: bool = False) -> SeqHandle:
+        """Queue a request (raises QueueFullError / RequestTooLargeError)."""
+        seq = self.model.submit(request, self._clock())
+        handle = SeqHandle(seq, every_token)
+        self._handles[seq.seq_id] = handle
+        self._wake.set()
+        return handle
+
+    def abort(self, handle: SeqHandle) -> None:
+        if handle.seq.finished:
+            return
+        self.model.abort(handle.seq, self._clock())
+        self._handles.pop(handle.seq.seq_id, None)
+        if self._on_finish is not None:
+            self._on_finish(handle.seq)
+        handle._notify(True)
+
+    async def _run(self) -> None:
+        model = self.model
+        clock = self._clock
+        steps = 0
+        while True:
+            if not model.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+            start = clock()
+            duration = model.schedule(start)
+            if duration > 0:
+                await asyncio.sleep(duration)
+                # Sleeps overshoot; the step ends when it really ended, as a client sees it.
+                end = max(clock(), start + duration)
+            else:
+                end = start
+                steps += 1
+                if steps >= _STEPS_PER_YIELD:
+                    steps = 0
+                    await asyncio.sleep(0)
+            result = model.complete(end)
+            handles = self._handles
+            for seq in result.emitted:
+                handle = handles.get(seq.seq_id)
+                if handle is not None and not seq.finished:
+                    handle._notify(False)
+            for seq in result.finished:
+                handle = handles.pop(seq.seq_id, None)
+                if self._on_finish is not None:
+                    self._on_finish(seq)
+                if handle is not None:
+                    handle._notify(True)

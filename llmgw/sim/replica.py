@@ -1,0 +1,322 @@
+"""One simulated engine server: routes, engines per served model, metrics and faults."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from llmgw.sim import api
+from llmgw.sim.driver import EngineDriver, SeqHandle
+from llmgw.sim.faults import Faults, FaultSpecError, FaultState
+from llmgw.sim.http import ConnectionClosedError, HttpConnection, Request, Response, serve
+from llmgw.sim.metrics import ENGINES, ModelObservations, ServedModel, make_registry, render
+from llmgw.sim.model import (
+    EngineConfig,
+    EngineModel,
+    QueueFullError,
+    RequestTooLargeError,
+    SeqRequest,
+    Sequence,
+)
+from llmgw.sim.tokens import OutputText, block_hashes, count_tokens
+
+_NOT_FOUND = Response(404, b'{"detail":"Not Found"}')
+_NOT_ALLOWED = Response(405, b'{"detail":"Method Not Allowed"}')
+_GARBAGE_METRICS = b"<html><body>502 Bad Gateway</body></html>\n\x00\xff{not: prometheus"
+_PROM_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """Everything a replica needs; one value can configure a whole fleet."""
+
+    models: tuple[str, ...] = ("m1",)
+    engine: str = "vllm"
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+    seed: int = 0
+    faults: Faults = field(default_factory=Faults)
+    # Output length range when a request sets no max_tokens (finish_reason "stop").
+    default_output_tokens: tuple[int, int] = (16, 64)
+    # CLI: a crash fault exits the process; in-process fleets drop sockets instead.
+    crash_exits_process: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("at least one model is required")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}")
+        low, high = self.default_output_tokens
+        if not 1 <= low <= high:
+            raise ValueError("default_output_tokens must be 1 <= low <= high")
+
+
+@dataclass
+class _Served:
+    name: str
+    driver: EngineDriver
+    observations: ModelObservations
+
+
+class Replica:
+    """A server on host:port (0 = ephemeral); `start()` binds, `port` is then known."""
+
+    def __init__(
+        self, options: ReplicaOptions, index: int = 0, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        self.options = options
+        self.index = index
+        self.host = host
+        self.port = port
+        self.crashed = False
+        self._faults = FaultState(options.faults, seed=options.seed * 7919 + index)
+        self._text = OutputText(options.seed * 104729 + index)
+        self._served: dict[str, _Served] = {}
+        self._server: asyncio.Server | None = None
+        self._connections: set[HttpConnection] = set()
+        self._hung: asyncio.Event | None = None
+        self._ids = 0
+        self._created = int(time.time())
+        self._registry = make_registry(
+            options.engine,
+            [self._served_model(name) for name in options.models],
+        )
+
+    def _served_model(self, name: str) -> ServedModel:
+        model = EngineModel(self.options.engine_config)
+        model.slowdown = self.options.faults.slowdown
+        observations = ModelObservations()
+        driver = EngineDriver(model, on_finish=observations.observe)
+        self._served[name] = _Served(name, driver, observations)
+        return ServedModel(name, model, observations)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def faults(self) -> Faults:
+        return self._faults.faults
+
+    def engine(self, model: str | None = None) -> EngineModel:
+        """The engine model serving `model` (default: the first), for white-box tests."""
+        return self._served[model or self.options.models[0]].driver.model
+
+    async def start(self) -> None:
+        self._hung = asyncio.Event()
+        for served in self._served.values():
+            served.driver.start()
+        self._server, state = await serve(
+            self._handle, self.host, self.port, [("x-sim-replica", str(self.index))]
+        )
+        self._connections = state.connections
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.crashed = False
+        if self.faults.crash:
+            self._crash()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for connection in list(self._connections):
+                connection.abort()
+            await self._server.wait_closed()
+            self._server = None
+        for served in self._served.values():
+            await served.driver.stop()
+
+    def set_faults(self, **changes: Any) -> Faults:
+        """Update some faults (same fields as POST /admin/faults); returns all of them."""
+        faults = self.faults.updated(changes)
+        self._apply(faults)
+        return faults
+
+    def reset(self) -> None:
+        """Clear faults, release hung requests (503) and drop the free prefix cache."""
+        self._apply(Faults())
+        if self._hung is not None:
+            self._hung.set()
+            self._hung = asyncio.Event()
+        for served in self._served.values():
+            served.driver.model.reset_prefix_cache()
+
+    def _apply(self, faults: Faults) -> None:
+        self._faults.faults = faults
+        for served in self._served.values():
+            served.driver.model.slowdown = faults.slowdown
+        if faults.crash:
+            self._crash()
+
+    def _crash(self) -> None:
+        if self.options.crash_exits_process:
+            # A real engine crash: no cleanup, no goodbye.
+            os._exit(70)
+        self.crashed = True
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._connections):
+            connection.abort()
+
+    # routing
+
+    async def _handle(self, request: Request, conn: HttpConnection) -> Response | None:
+        path, method = request.path, request.method
+        if path in {"/v1/chat/completions", "/v1/completions"}:
+            if method != "POST":
+                return _NOT_ALLOWED
+            kind = api.CHAT if path == "/v1/chat/completions" else api.COMPLETION
+            return await self._inference(kind, request, conn)
+        if path == "/health":
+            status = self.faults.health_status
+            return Response(status or 200, b"")
+        if path == "/metrics":
+            return self._metrics()
+        if path == "/v1/models":
+            config = self.options.engine_config
+            body = api.models_body(list(self.options.models), self._created, config.max_model_len)
+            return Response(200, body)
+        if path == "/admin/faults":
+            if method == "GET":
+                return Response(200, orjson.dumps(self.faults.to_json()))
+            if method != "POST":
+                return _NOT_ALLOWED
+            try:
+                changes = orjson.loads(request.body or b"{}")
+                faults = self.faults.updated(changes)
+            except (orjson.JSONDecodeError, FaultSpecError) as exc:
+                return Response(400, api.error_body(400, str(exc)))
+            # Answer first: a crash fault drops this very connection.
+            conn.send(Response(200, orjson.dumps(faults.to_json())), keep_alive=True)
+            self._apply(faults)
+            return None
+        if path == "/admin/reset":
+            if method != "POST":
+                return _NOT_ALLOWED
+            self.reset()
+            return Response(200, orjson.dumps(self.faults.to_json()))
+        return _NOT_FOUND
+
+    def _metrics(self) -> Response:
+        mode = self.faults.metrics
+        if mode == "error":
+            return Response(500, b"Internal Server Error", "text/plain")
+        if mode == "garbage":
+            return Response(200, _GARBAGE_METRICS, _PROM_CONTENT_TYPE)
+        return Response(200, render(self._registry), _PROM_CONTENT_TYPE)
+
+    async def _inference(
+        self, kind: str, request: Request, conn: HttpConnection
+    ) -> Response | None:
+        faults = self.faults
+        if faults.hang:
+            assert self._hung is not None
+            await self._hung.wait()
+            return Response(503, api.error_body(503, "The replica was reset while hanging."))
+        failure = self._faults.inference_failure()
+        if failure is not None:
+            headers = [("retry-after", "1")] if failure in (429, 503) else []
+            message = f"Injected fault: HTTP {failure}."
+            return Response(failure, api.error_body(failure, message), headers=headers)
+        try:
+            call = api.parse_call(kind, request.body)
+            served = self._served.get(call.model)
+            if served is None:
+                raise api.ApiError(404, f"The model `{call.model}` does not exist.", "model")
+            seq_request = self._seq_request(call)
+            try:
+                handle = served.driver.submit(seq_request, every_token=call.stream)
+            except QueueFullError as exc:
+                raise api.ApiError(429, str(exc)) from None
+            except RequestTooLargeError as exc:
+                raise api.ApiError(400, str(exc)) from None
+        except api.ApiError as exc:
+            headers = [("retry-after", "1")] if exc.status == 429 else []
+            return Response(exc.status, exc.body(), headers=headers)
+        self._ids += 1
+        prefix = "chatcmpl-" if kind == api.CHAT else "cmpl-"
+        response_id = f"{prefix}{(self.index << 48) | self._ids:016x}"
+        created = int(time.time())
+        try:
+            if call.stream:
+                await self._stream(call, handle, response_id, created, conn)
+                return None
+            seq = await handle.wait_finished()
+        finally:
+            if not handle.seq.finished:
+                served.driver.abort(handle)
+        return self._full(call, seq, response_id, created)
+
+    def _seq_request(self, call: api.CompletionCall) -> SeqRequest:
+        config = self.options.engine_config
+        prompt_tokens = call.prompt_token_count or count_tokens(call.prompt)
+        hashes = (
+            block_hashes(call.prompt, config.block_size) if config.enable_prefix_caching else ()
+        )
+        if call.max_tokens is not None:
+            return SeqRequest(prompt_tokens, call.max_tokens, hashes)
+        low, high = self.options.default_output_tokens
+        room = max(1, config.max_model_len - prompt_tokens)
+        drawn = min(self._text.length(low, high), room)
+        return SeqRequest(prompt_tokens, drawn, hashes, natural_stop=True)
+
+    def _full(
+        self, call: api.CompletionCall, seq: Sequence, response_id: str, created: int
+    ) -> Response:
+        text = "".join(self._text.pieces(seq.output_tokens))
+        body = api.full_response(
+            call,
+            response_id,
+            created,
+            text,
+            seq.finish_reason or "stop",
+            seq.request.prompt_tokens,
+            seq.output_tokens,
+            seq.cached_tokens,
+        )
+        return Response(200, body, headers=[("x-sim-cached-tokens", str(seq.cached_tokens))])
+
+    async def _stream(
+        self,
+        call: api.CompletionCall,
+        handle: SeqHandle,
+        response_id: str,
+        created: int,
+        conn: HttpConnection,
+    ) -> None:
+        cut_after = self.faults.crash_after_chunks
+        chunks = 0
+
+        async def emit(data: bytes) -> None:
+            nonlocal chunks
+            if cut_after is not None and chunks >= cut_after:
+                conn.cut()
+                raise ConnectionClosedError
+            await conn.write_chunk(data)
+            chunks += 1
+
+        conn.start_stream(200, _SSE_CONTENT_TYPE)
+        first = api.first_chunk(call, response_id, created)
+        if first is not None:
+            await emit(first)
+        seq = handle.seq
+        sent = 0
+        while sent < seq.output_tokens or not seq.finished:
+            available = await handle.wait_tokens(sent)
+            pieces = self._text.pieces(available - sent)
+            for offset, piece in enumerate(pieces):
+                last = seq.finished and sent + offset + 1 == available
+                reason = seq.finish_reason if last else None
+                await emit(api.token_chunk(call, response_id, created, piece, reason))
+            sent = available
+            if seq.finished and sent == seq.output_tokens:
+                break
+        if call.include_usage:
+            prompt_tokens = seq.request.prompt_tokens
+            await emit(api.usage_chunk(call, response_id, created, prompt_tokens, sent))
+        await emit(api.SSE_DONE)
+        conn.end_stream()

@@ -1,0 +1,66 @@
+"""A stand-in tokenizer (4 characters a token) and seeded gibberish output text."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+CHARS_PER_TOKEN = 4
+
+# Output pieces that look like the random-weight model of the real vLLM fixture.
+_SYLLABLES = ("pa", "ka", "va", "hopi", "bi", "po", "nu", "ezi", "wa", "pe", "cu", "he", "mo")
+VOCAB: tuple[str, ...] = tuple(
+    (" " if i % 3 == 0 else "") + a + b
+    for i, (a, b) in enumerate((a, b) for a in _SYLLABLES for b in _SYLLABLES)
+)
+
+
+def count_tokens(text: str) -> int:
+    """Token count of a prompt: at least 1, about one token per 4 characters."""
+    return max(1, -(-len(text) // CHARS_PER_TOKEN))
+
+
+def block_hashes(text: str, block_size: int) -> tuple[bytes, ...]:
+    """Chained hashes of the prompt's *full* blocks; a partial last block is not cached."""
+    chars_per_block = block_size * CHARS_PER_TOKEN
+    full_blocks = len(text) // chars_per_block
+    if full_blocks == 0:
+        return ()
+    hashes: list[bytes] = []
+    parent = b""
+    for index in range(full_blocks):
+        chunk = text[index * chars_per_block : (index + 1) * chars_per_block].encode()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+def chat_prompt(messages: list[dict[str, object]]) -> str:
+    """Flatten chat messages the way a chat template does: role markers then content."""
+    parts: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            # OpenAI content parts: only text parts count toward the prompt.
+            content = "".join(
+                str(part.get("text", "")) for part in content if isinstance(part, dict)
+            )
+        parts.append(f"<|{message.get('role', 'user')}|>\n{content or ''}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+class OutputText:
+    """Seeded source of output pieces; the same seed gives the same texts in order."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = random.Random(seed)
+
+    def pieces(self, count: int) -> list[str]:
+        return self._rng.choices(VOCAB, k=count)
+
+    def length(self, low: int, high: int) -> int:
+        return self._rng.randint(low, high)
+
+    def chance(self) -> float:
+        return self._rng.random()
