@@ -1,0 +1,97 @@
+"""A minimal keep-alive HTTP/1.1 GET client on asyncio streams, for scraping /metrics.
+
+A general client (aiohttp ≈ 0.5 ms CPU a request here) would make scraping 100 endpoints
+at 10 Hz cost half a core; one persistent connection per endpoint and a fixed request
+line keep the I/O side to a small fraction of that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class HttpGetError(Exception):
+    pass
+
+
+class KeepAliveGetter:
+    def __init__(self, host: str, port: int, *, max_bytes: int = 8 * 1024 * 1024) -> None:
+        self.host = host
+        self.port = port
+        self.max_bytes = max_bytes
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._reader is None or self._writer is None or self._writer.is_closing():
+            self._reader, self._writer = await asyncio.open_connection(
+                self.host, self.port, limit=1 << 20
+            )
+        return self._reader, self._writer
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """(status, body). Any protocol or connection error closes the connection and raises."""
+        try:
+            return await self._get(path)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            await self.close()
+            raise HttpGetError(f"{type(exc).__name__}: {exc}") from None
+        except BaseException:
+            await self.close()  # cancelled mid-response: the connection is unusable
+            raise
+
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        reader, writer = await self._connect()
+        writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            "Accept: text/plain\r\nUser-Agent: llmgw-scraper\r\n\r\n".encode()
+        )
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise ValueError(f"bad status line {lines[0][:80]!r}")
+        status = int(parts[1])
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        keep_alive = headers.get("connection", "").lower() != "close"
+        if "content-length" in headers:
+            length = int(headers["content-length"])
+            if length > self.max_bytes:
+                raise ValueError(f"response of {length} bytes exceeds {self.max_bytes}")
+            body = await reader.readexactly(length)
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            body = await self._read_chunked(reader)
+        else:
+            body = await reader.read(self.max_bytes)
+            keep_alive = False
+        if not keep_alive:
+            await self.close()
+        return status, body
+
+    async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            size_line = await reader.readuntil(b"\r\n")
+            size = int(size_line.split(b";", 1)[0].strip(), 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")  # trailers are not used; consume the final CRLF
+                return b"".join(chunks)
+            total += size
+            if total > self.max_bytes:
+                raise ValueError(f"chunked response exceeds {self.max_bytes} bytes")
+            chunks.append(await reader.readexactly(size))
+            await reader.readexactly(2)
+
+    async def close(self) -> None:
+        writer, self._reader, self._writer = self._writer, None, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                await writer.wait_closed()

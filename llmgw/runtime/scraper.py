@@ -1,0 +1,168 @@
+"""Polls every endpoint's /metrics and feeds the registry.
+
+One loop per server address (several models on one server share one scrape), never two
+scrapes to one address at once, a timeout per scrape, jitter between them. A failed or
+malformed scrape is recorded as an error (the data goes stale); it never trips a breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from llmgw.config import Config
+from llmgw.errors import MetricsError
+from llmgw.promtext import CONTRACTS, MetricContract, extract
+from llmgw.registry import Registry
+from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
+
+log = logging.getLogger("llmgw.scraper")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    model: str
+    label: str  # the model_name label value on the page
+    contract: MetricContract
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Scraper:
+    def __init__(
+        self, config: Config, registry: Registry, *, metrics_path: str = "/metrics"
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.metrics_path = metrics_path
+        self.interval = config.scrape.interval
+        self.timeout = config.scrape.timeout
+        self.jitter = config.scrape.jitter
+        self.errors: Counter[str] = Counter()  # address -> failed scrapes
+        self.scrapes: Counter[str] = Counter()  # address -> successful scrapes
+        self._getters: dict[str, KeepAliveGetter] = {}
+        self._loops: dict[str, asyncio.Task[None]] = {}
+        self._supervisor: asyncio.Task[None] | None = None
+        self._seen_version = -1
+        self._rng = random.Random()
+
+    def targets(self) -> dict[str, list[Target]]:
+        """Address -> the models it serves, from the registry's current endpoint sets."""
+        out: dict[str, list[Target]] = {}
+        for state in self.registry.all_states():
+            ep = state.endpoint
+            spec = self.config.models.get(ep.model)
+            if spec is None:
+                continue
+            contract = CONTRACTS[spec.engine]
+            if spec.metrics:
+                contract = contract.with_overrides(spec.metrics)
+            out.setdefault(ep.address, []).append(
+                Target(ep.model, spec.served_name or ep.model, contract)
+            )
+        return out
+
+    async def scrape_address(self, address: str, targets: list[Target]) -> None:
+        getter = self._getters.get(address)
+        if getter is None:
+            host, port = split_address(address)
+            getter = self._getters[address] = KeepAliveGetter(host, port)
+        try:
+            async with asyncio.timeout(self.timeout):
+                status, body = await getter.get(self.metrics_path)
+            if status != 200:
+                raise HttpGetError(f"/metrics answered HTTP {status}")
+            text = body.decode("utf-8", "replace")
+        except (TimeoutError, HttpGetError) as exc:
+            await getter.close()
+            reason = str(exc) or f"timeout after {self.timeout}s"
+            self._fail(address, targets, f"scrape failed: {reason}")
+            return
+        ok = True
+        for t in targets:
+            try:
+                metrics = extract(text, t.contract, model=t.label)
+            except MetricsError as exc:
+                ok = False
+                self.registry.record_scrape_error(
+                    t.model, address, str(exc), model_absent=_serves_other_models(text, t)
+                )
+                continue
+            self.registry.record_scrape(t.model, address, metrics)
+        if ok:
+            self.scrapes[address] += 1
+        else:
+            self.errors[address] += 1
+
+    def _fail(self, address: str, targets: list[Target], message: str) -> None:
+        self.errors[address] += 1
+        log.debug("scrape %s: %s", address, message)
+        for t in targets:
+            self.registry.record_scrape_error(t.model, address, message)
+
+    async def scrape_once(self) -> None:
+        await asyncio.gather(*(self.scrape_address(a, t) for a, t in self.targets().items()))
+
+    async def _loop(self, address: str) -> None:
+        while True:
+            targets = self.targets().get(address)
+            if not targets:
+                return
+            await self.scrape_address(address, targets)
+            spread = self.interval * self.jitter
+            await asyncio.sleep(self.interval + self._rng.uniform(-spread, spread))
+
+    def _sync(self) -> None:
+        """Start loops for new addresses, stop loops of addresses that left."""
+        wanted = set(self.targets())
+        for address in list(self._loops):
+            if address not in wanted or self._loops[address].done():
+                self._loops.pop(address).cancel()
+        for address in wanted - set(self._loops):
+            self._loops[address] = asyncio.create_task(
+                self._loop(address), name=f"scrape {address}"
+            )
+
+    async def _supervise(self) -> None:
+        while True:
+            if self.registry.version != self._seen_version or any(
+                t.done() for t in self._loops.values()
+            ):
+                self._seen_version = self.registry.version
+                self._sync()
+            await asyncio.sleep(self.interval)
+
+    async def start(self) -> None:
+        if self._supervisor is None:
+            self._seen_version = self.registry.version
+            self._sync()
+            self._supervisor = asyncio.create_task(self._supervise(), name="scrape supervisor")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._supervisor, *self._loops.values()) if t is not None]
+        self._supervisor = None
+        self._loops.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for getter in self._getters.values():
+            await getter.close()
+        self._getters.clear()
+
+
+def _serves_other_models(text: str, target: Target) -> bool:
+    """True when the page has the contract's metrics, only for other models."""
+    try:
+        extract(text, target.contract)
+    except MetricsError:
+        return False
+    return True

@@ -1,0 +1,165 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from llmgw.config import endpoints_of, load_dict
+from llmgw.registry import Registry
+from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
+from llmgw.runtime.scraper import Scraper
+
+VLLM_PAGE = """# HELP vllm:num_requests_waiting waiting
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="{model}"}} {waiting}
+vllm:num_requests_running{{engine="0",model_name="{model}"}} 2.0
+vllm:kv_cache_usage_perc{{engine="0",model_name="{model}"}} 0.25
+"""
+
+
+@dataclass
+class FakeServer:
+    """Answers GET /metrics with whatever `respond` returns (raw HTTP bytes, or None = hang)."""
+
+    respond: Callable[[], bytes | None]
+    connections: int = 0
+    requests: int = 0
+    hang: asyncio.Event = field(default_factory=asyncio.Event)
+    port: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                self.requests += 1
+                data = self.respond()
+                if data is None:
+                    await self.hang.wait()
+                    return
+                writer.write(data)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def ok(body: str, *, chunked: bool = False) -> bytes:
+    raw = body.encode()
+    if chunked:
+        half = len(raw) // 2
+        chunks = b"".join(
+            f"{len(c):x}\r\n".encode() + c + b"\r\n" for c in (raw[:half], raw[half:])
+        )
+        return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n"
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(raw), raw)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[FakeServer]:
+    fake = FakeServer(respond=lambda: ok(VLLM_PAGE.format(model="m", waiting=3)))
+    srv = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+    fake.port = srv.sockets[0].getsockname()[1]
+    async with srv:
+        yield fake
+        fake.hang.set()
+        srv.close()
+
+
+def make_scraper(port: int, **extra: object) -> tuple[Scraper, Registry]:
+    config = load_dict(
+        {"models": {"m": {"endpoints": [f"127.0.0.1:{port}"], **extra}}, "scrape": {"timeout": 0.3}}
+    )
+    registry = Registry()
+    registry.set_endpoints("m", endpoints_of("m", config.models["m"]))
+    return Scraper(config, registry), registry
+
+
+async def test_scrape_feeds_registry_and_reuses_the_connection(server: FakeServer) -> None:
+    scraper, registry = make_scraper(server.port)
+    await scraper.scrape_once()
+    await scraper.scrape_once()
+    state = registry.states("m")[0]
+    assert state.metrics is not None
+    assert (state.metrics.waiting, state.metrics.running, state.metrics.kv_usage) == (3, 2, 0.25)
+    assert server.requests == 2 and server.connections == 1
+    await scraper.stop()
+
+
+async def test_chunked_responses_are_read(server: FakeServer) -> None:
+    server.respond = lambda: ok(VLLM_PAGE.format(model="m", waiting=7), chunked=True)
+    scraper, registry = make_scraper(server.port)
+    await scraper.scrape_once()
+    assert registry.states("m")[0].metrics is not None
+    assert registry.states("m")[0].metrics.waiting == 7  # type: ignore[union-attr]
+    await scraper.stop()
+
+
+@pytest.mark.parametrize(
+    ("response", "needle"),
+    [
+        (b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n", "HTTP 500"),
+        (ok("this is not prometheus text\n"), "vllm:num_requests_waiting"),
+        (b"garbage\r\n\r\n", "bad status line"),
+        (None, "timeout"),
+    ],
+    ids=["http-500", "garbage-page", "garbage-http", "hang"],
+)
+async def test_failed_scrape_marks_stale_and_never_trips_the_breaker(
+    server: FakeServer, response: bytes | None, needle: str
+) -> None:
+    server.respond = lambda: response
+    scraper, registry = make_scraper(server.port)
+    await scraper.scrape_once()
+    state = registry.states("m")[0]
+    assert state.metrics is None
+    assert state.scrape_error is not None and needle in state.scrape_error
+    assert state.breaker.state.value == "closed"
+    assert scraper.errors[f"127.0.0.1:{server.port}"] == 1
+    await scraper.stop()
+
+
+async def test_page_for_another_model_marks_model_not_served(server: FakeServer) -> None:
+    server.respond = lambda: ok(VLLM_PAGE.format(model="other", waiting=1))
+    scraper, registry = make_scraper(server.port)
+    await scraper.scrape_once()
+    assert registry.states("m")[0].serves_model is False
+    await scraper.stop()
+
+
+async def test_served_name_and_metric_overrides(server: FakeServer) -> None:
+    page = 'q{model_name="served"} 4\nr{model_name="served"} 1\nkv{model_name="served"} 0.5\n'
+    server.respond = lambda: ok(page)
+    scraper, registry = make_scraper(
+        server.port,
+        served_name="served",
+        metrics={"waiting": "q", "running": "r", "kv_usage": "kv"},
+    )
+    await scraper.scrape_once()
+    m = registry.states("m")[0].metrics
+    assert m is not None and (m.waiting, m.running, m.kv_usage) == (4, 1, 0.5)
+    await scraper.stop()
+
+
+async def test_background_loop_scrapes_repeatedly(server: FakeServer) -> None:
+    scraper, registry = make_scraper(server.port)
+    scraper.interval = 0.01
+    await scraper.start()
+    async with asyncio.timeout(5):
+        while server.requests < 3:
+            await asyncio.sleep(0.01)  # polling a condition under a deadline, not synchronisation
+    await scraper.stop()
+    assert registry.states("m")[0].metrics is not None
+
+
+async def test_getter_reports_connection_refused() -> None:
+    srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    srv.close()
+    await srv.wait_closed()
+    getter = KeepAliveGetter("127.0.0.1", port)
+    with pytest.raises(HttpGetError):
+        await getter.get("/metrics")
