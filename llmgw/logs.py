@@ -1,0 +1,58 @@
+"""Structured logging: `--log-format json` gives one JSON object a line; decisions at debug."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import orjson
+
+from llmgw.types import Decision
+
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update({k: v for k, v in vars(record).items() if k not in _RESERVED})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry, default=str).decode()
+
+
+def configure(level: str = "info", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("llmgw")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+_decisions = logging.getLogger("llmgw.decision")
+
+
+def log_decision(decision: Decision, request_id: str, edge: str) -> None:
+    """One debug line per decision, with the rationale (cheap when debug is off)."""
+    if _decisions.isEnabledFor(logging.DEBUG):
+        _decisions.debug(
+            "decision",
+            extra={
+                "edge": edge,
+                "request_id": request_id,
+                "model": decision.model,
+                "endpoint": decision.endpoint.address,
+                "fallbacks": [e.address for e in decision.fallbacks],
+                "rationale": decision.rationale.as_dict(),
+            },
+        )
