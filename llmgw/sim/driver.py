@@ -13,6 +13,23 @@ from llmgw.sim.model import EngineModel, SeqRequest, Sequence
 _STEPS_PER_YIELD = 256
 
 
+class ChangeSignal:
+    """Wakes waiters whenever engine state changes, so tests wait on state, not on time."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Return once `predicate()` holds; raises TimeoutError after `timeout` seconds."""
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await self._event.wait()
+
+
 class SeqHandle:
     """A caller's view of one sequence: wait for tokens or for the end."""
 
@@ -52,8 +69,10 @@ class EngineDriver:
         model: EngineModel,
         on_finish: Callable[[Sequence], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        signal: ChangeSignal | None = None,
     ) -> None:
         self.model = model
+        self.signal = signal or ChangeSignal()
         self._on_finish = on_finish
         self._clock = clock
         self._handles: dict[int, SeqHandle] = {}
@@ -79,6 +98,7 @@ class EngineDriver:
         handle = SeqHandle(seq, every_token)
         self._handles[seq.seq_id] = handle
         self._wake.set()
+        self.signal.notify()
         return handle
 
     def abort(self, handle: SeqHandle) -> None:
@@ -89,6 +109,7 @@ class EngineDriver:
         if self._on_finish is not None:
             self._on_finish(handle.seq)
         handle._notify(True)
+        self.signal.notify()
 
     async def _run(self) -> None:
         model = self.model
@@ -122,3 +143,4 @@ class EngineDriver:
                     self._on_finish(seq)
                 if handle is not None:
                     handle._notify(True)
+            self.signal.notify()

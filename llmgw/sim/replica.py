@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from llmgw.sim import api
-from llmgw.sim.driver import EngineDriver, SeqHandle
+from llmgw.sim.driver import ChangeSignal, EngineDriver, SeqHandle
 from llmgw.sim.faults import Faults, FaultSpecError, FaultState
 from llmgw.sim.http import ConnectionClosedError, HttpConnection, Request, Response, serve
 from llmgw.sim.metrics import ENGINES, ModelObservations, ServedModel, make_registry, render
@@ -81,6 +82,8 @@ class Replica:
         self._connections: set[HttpConnection] = set()
         self._hung: asyncio.Event | None = None
         self._ids = 0
+        self.hung_requests = 0
+        self.signal = ChangeSignal()
         self._created = int(time.time())
         self._registry = make_registry(
             options.engine,
@@ -91,7 +94,7 @@ class Replica:
         model = EngineModel(self.options.engine_config)
         model.slowdown = self.options.faults.slowdown
         observations = ModelObservations()
-        driver = EngineDriver(model, on_finish=observations.observe)
+        driver = EngineDriver(model, on_finish=observations.observe, signal=self.signal)
         self._served[name] = _Served(name, driver, observations)
         return ServedModel(name, model, observations)
 
@@ -106,6 +109,10 @@ class Replica:
     def engine(self, model: str | None = None) -> EngineModel:
         """The engine model serving `model` (default: the first), for white-box tests."""
         return self._served[model or self.options.models[0]].driver.model
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Wait for a state (e.g. `lambda: len(r.engine().running) == 2`), not for time."""
+        await self.signal.wait_until(predicate, timeout)
 
     async def start(self) -> None:
         self._hung = asyncio.Event()
@@ -215,7 +222,12 @@ class Replica:
         faults = self.faults
         if faults.hang:
             assert self._hung is not None
-            await self._hung.wait()
+            self.hung_requests += 1
+            self.signal.notify()
+            try:
+                await self._hung.wait()
+            finally:
+                self.hung_requests -= 1
             return Response(503, api.error_body(503, "The replica was reset while hanging."))
         failure = self._faults.inference_failure()
         if failure is not None:

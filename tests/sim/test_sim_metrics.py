@@ -1,0 +1,98 @@
+"""/metrics parses with prometheus_client and carries each real engine's names and labels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.promtext import CONTRACTS, extract
+from llmgw.sim import SimFleet
+
+FIXTURE = Path("/work/shared/engines/vllm-cpu/metrics-vllm-0.32.0-busy.txt")
+
+# Names written out here, apart from both the simulator and the router core.
+CONTRACT_NAMES = {
+    "vllm": {
+        "vllm:num_requests_waiting": {"engine", "model_name"},
+        "vllm:num_requests_running": {"engine", "model_name"},
+        "vllm:kv_cache_usage_perc": {"engine", "model_name"},
+        "vllm:prefix_cache_queries": {"engine", "model_name"},
+        "vllm:prefix_cache_hits": {"engine", "model_name"},
+        "vllm:request_success": {"engine", "model_name", "finished_reason"},
+        "vllm:time_to_first_token_seconds": {"engine", "model_name"},
+        "vllm:e2e_request_latency_seconds": {"engine", "model_name"},
+    },
+    "sglang": {
+        "sglang:num_queue_reqs": {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"},
+        "sglang:num_running_reqs": {
+            "model_name",
+            "engine_type",
+            "tp_rank",
+            "pp_rank",
+            "moe_ep_rank",
+        },
+        "sglang:token_usage": {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"},
+        "sglang:cache_hit_rate": {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"},
+        "sglang:time_to_first_token_seconds": {"model_name"},
+    },
+    "trtllm": {
+        "trtllm_num_requests_waiting": {"model_name", "engine_type"},
+        "trtllm_num_requests_running": {"model_name", "engine_type"},
+        "trtllm_kv_cache_utilization": {"model_name", "engine_type"},
+        "trtllm_time_to_first_token_seconds": {"model_name", "engine_type"},
+    },
+}
+
+
+def label_sets(text: str) -> dict[str, set[str]]:
+    """Family name -> label names of its samples (without `le`)."""
+    out: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(family.name, set()).update(set(sample.labels) - {"le"})
+    return out
+
+
+async def scrape(engine: str) -> str:
+    fleet = SimFleet(replicas=1, models=["a", "b"], engine=engine, time_scale=0)
+    async with fleet, httpx.AsyncClient(base_url=fleet.urls[0]) as client:
+        for model in ("a", "b"):
+            body = {"model": model, "prompt": "x" * 200, "max_tokens": 2}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        response = await client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    return response.text
+
+
+@pytest.mark.parametrize("engine", sorted(CONTRACT_NAMES))
+async def test_metrics_parse_and_carry_the_engine_contract(engine: str) -> None:
+    text = await scrape(engine)
+    labels = label_sets(text)
+    for name, expected in CONTRACT_NAMES[engine].items():
+        assert labels.get(name) == expected, name
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    models = {s.labels["model_name"] for s in families[next(iter(CONTRACT_NAMES[engine]))].samples}
+    assert models == {"a", "b"}
+
+
+async def test_vllm_label_sets_match_a_real_vllm_page() -> None:
+    ours = label_sets(await scrape("vllm"))
+    real = label_sets(FIXTURE.read_text())
+    for name in CONTRACT_NAMES["vllm"]:
+        assert ours[name] == real[name], name
+    assert {"block_size", "num_gpu_blocks"} <= ours["vllm:cache_config_info"]
+
+
+@pytest.mark.parametrize("engine", sorted(CONTRACT_NAMES))
+async def test_the_router_core_contracts_read_the_sim(engine: str) -> None:
+    text = await scrape(engine)
+    contract = next(c for e, c in CONTRACTS.items() if str(e) == engine)
+    for model in ("a", "b"):
+        metrics = extract(text, contract, model=model)
+        assert metrics.waiting == 0
+        assert metrics.running == 0
+        assert 0.0 <= metrics.kv_usage <= 1.0
+        assert metrics.finished_total == 1
