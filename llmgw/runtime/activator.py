@@ -1,0 +1,161 @@
+"""Runs the activation state machines: asks the control plane to start/stop, makes callers wait."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from llmgw.activation import Action, ActivationSettings, ModelActivation
+from llmgw.config import Config, ModelMode, model_mode
+from llmgw.registry import Registry
+from llmgw.runtime.controlplanes import ControlPlane, StartError
+
+log = logging.getLogger("llmgw.activator")
+
+
+class Activator:
+    def __init__(
+        self,
+        config: Config,
+        registry: Registry,
+        control_plane: ControlPlane,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        failure_backoff: float = 10.0,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.control_plane = control_plane
+        self.clock = clock
+        self.machines: dict[str, ModelActivation] = {}
+        for name, spec in config.models.items():
+            if model_mode(spec) in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
+                assert spec.scaling is not None and spec.launch is not None
+                self.machines[name] = ModelActivation(
+                    name,
+                    ActivationSettings(
+                        idle_timeout=spec.scaling.idle_timeout,
+                        expected_start_seconds=spec.launch.expected_start_seconds,
+                        max_waiting_requests=spec.scaling.max_waiting_requests,
+                        failure_backoff=failure_backoff,
+                    ),
+                )
+        self._ready: dict[str, asyncio.Event] = {m: asyncio.Event() for m in self.machines}
+        self._starts: dict[str, asyncio.Task[None]] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        control_plane.on_crash(self._on_crash)
+
+    def manages(self, model: str) -> bool:
+        return model in self.machines
+
+    async def start(self, tick: float = 0.5) -> None:
+        for name, spec in self.config.models.items():
+            if model_mode(spec) is ModelMode.ALWAYS_ON:
+                self._request(name)
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick_loop(tick), name="activator tick")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._ticker, *self._starts.values()) if t is not None]
+        self._ticker = None
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.control_plane.close()
+
+    def _request(self, model: str) -> None:
+        machine = self.machines[model]
+        if machine.request(self.clock()) is Action.START:
+            # The start belongs to the activator, not to any waiter: a waiter giving up
+            # (timeout, client gone) must not cancel it.
+            self._ready[model].clear()
+            self._starts[model] = asyncio.create_task(self._start(model), name=f"start {model}")
+
+    async def _start(self, model: str) -> None:
+        machine = self.machines[model]
+        try:
+            endpoints = await self.control_plane.want(model)
+        except StartError as exc:
+            log.warning("start of %s failed: %s", model, exc)
+            machine.start_failed(str(exc), self.clock())
+        except Exception as exc:  # a control-plane bug must not leave waiters hanging
+            log.exception("start of %s crashed", model)
+            machine.start_failed(f"{type(exc).__name__}: {exc}", self.clock())
+        else:
+            self.registry.set_endpoints(model, endpoints)
+            machine.started(self.clock())
+            log.info("model %s ready after %.2fs", model, machine.last_start_seconds or 0.0)
+        finally:
+            self._starts.pop(model, None)
+            self._ready[model].set()  # wake waiters: ready or failed, they re-check
+
+    async def ensure_ready(self, model: str) -> None:
+        """Wait until the model has a ready replica, at most `activation_timeout`.
+
+        Raises ModelLoading (503 + Retry-After) on timeout, ModelFailed when the start
+        failed, NoCapacity when too many requests already wait.
+        """
+        machine = self.machines[model]
+        if machine.running and self.registry.states(model):
+            return
+        machine.begin_wait()
+        try:
+            self._request(model)
+            deadline = self.clock() + self.config.activation_timeout
+            poll = self.config.activation_poll_interval
+            while not (machine.running and self.registry.states(model)):
+                if machine.state.value == "failed":
+                    raise machine.not_ready_error(self.clock())
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    raise machine.not_ready_error(self.clock())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(poll, remaining)):
+                        await self._ready[model].wait()
+        finally:
+            machine.end_wait()
+
+    def use_begin(self, model: str) -> None:
+        machine = self.machines.get(model)
+        if machine is not None:
+            machine.use_begin(self.clock())
+
+    def use_end(self, model: str) -> None:
+        machine = self.machines.get(model)
+        if machine is not None:
+            machine.use_end(self.clock())
+
+    def _on_crash(self, model: str, reason: str) -> None:
+        machine = self.machines.get(model)
+        if machine is None:
+            return
+        log.warning("model %s crashed: %s", model, reason)
+        self.registry.set_endpoints(model, [])
+        machine.crashed(reason, self.clock())
+
+    async def tick(self) -> None:
+        for model, machine in self.machines.items():
+            if machine.tick(self.clock()) is Action.STOP:
+                log.info("model %s idle for %.0fs: stopping", model, machine.settings.idle_timeout)
+                self.registry.set_endpoints(model, [])
+                await self.control_plane.stop(model)
+
+    async def _tick_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("activator tick failed")
+
+    def status(self) -> dict[str, dict[str, object]]:
+        now = self.clock()
+        return {
+            m: {**machine.status(now), "control_plane": self.control_plane.status(m)}
+            for m, machine in self.machines.items()
+        }

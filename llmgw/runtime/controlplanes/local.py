@@ -1,0 +1,191 @@
+"""Local processes: each model's `launch.command` runs in its own process group.
+
+`{port}`, `{host}` and `{model}` in the command are filled in; the control plane waits for
+`launch.health_path` to answer 200, stops with SIGTERM then SIGKILL after a grace period
+(the whole group, so an engine's worker processes go too), and reaps crashed processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from llmgw.config import Config, LaunchSpec
+from llmgw.runtime.controlplanes import CrashCallback, StartError
+from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
+from llmgw.types import Endpoint
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class _Replica:
+    def __init__(self, process: asyncio.subprocess.Process, endpoint: Endpoint, log: Path) -> None:
+        self.process = process
+        self.endpoint = endpoint
+        self.log = log
+        self.stopping = False
+        self.watcher: asyncio.Task[None] | None = None
+
+
+class LocalProcessControlPlane:
+    def __init__(
+        self, config: Config, *, grace: float = 10.0, health_interval: float = 0.25
+    ) -> None:
+        self.config = config
+        self.grace = grace
+        self.health_interval = health_interval
+        self._replicas: dict[str, _Replica] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._callbacks: list[CrashCallback] = []
+
+    def on_crash(self, callback: CrashCallback) -> None:
+        self._callbacks.append(callback)
+
+    def _launch(self, model: str) -> LaunchSpec:
+        spec = self.config.models[model]
+        if spec.launch is None or spec.launch.command is None:
+            raise StartError(f"model {model!r} has no launch.command")
+        return spec.launch
+
+    async def want(self, model: str) -> list[Endpoint]:
+        lock = self._locks.setdefault(model, asyncio.Lock())
+        async with lock:
+            running = self._replicas.get(model)
+            if running is not None and running.process.returncode is None:
+                return [running.endpoint]
+            return [await self._start(model)]
+
+    async def _start(self, model: str) -> Endpoint:
+        launch = self._launch(model)
+        spec = self.config.models[model]
+        port = launch.base_port or free_port(launch.host)
+        assert launch.command is not None
+        argv = shlex.split(launch.command.format(port=port, host=launch.host, model=model))
+        # Output goes to a file, not a pipe: a chatty engine would block on a full pipe.
+        fd, log_name = tempfile.mkstemp(prefix=f"llmgw-{model}-{port}-", suffix=".log")
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=fd,
+                stderr=fd,
+                start_new_session=True,  # own process group: stop() signals the whole tree
+            )
+        except OSError as exc:
+            raise StartError(f"cannot run {argv[0]!r}: {exc}") from None
+        finally:
+            os.close(fd)
+        endpoint = Endpoint(
+            address=f"{launch.host}:{port}", model=model, pool=model, engine=spec.engine
+        )
+        replica = _Replica(process, endpoint, Path(log_name))
+        timeout = spec.scaling.start_timeout if spec.scaling else 300.0
+        try:
+            await self._wait_healthy(replica, launch, timeout)
+        except StartError:
+            await self._terminate(replica)
+            raise
+        self._replicas[model] = replica
+        replica.watcher = asyncio.create_task(self._watch(model, replica))
+        return endpoint
+
+    async def _wait_healthy(self, replica: _Replica, launch: LaunchSpec, timeout: float) -> None:
+        host, _, port = replica.endpoint.address.rpartition(":")
+        getter = KeepAliveGetter(host, int(port))
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if replica.process.returncode is not None:
+                    tail = _log_tail(replica.log)
+                    raise StartError(
+                        f"process exited with code {replica.process.returncode} before becoming "
+                        f"healthy{': ' + tail if tail else ''}"
+                    )
+                try:
+                    async with asyncio.timeout(max(0.05, min(2.0, deadline - time.monotonic()))):
+                        status, _ = await getter.get(launch.health_path)
+                    if status == 200:
+                        return
+                except (HttpGetError, TimeoutError):
+                    pass
+                if time.monotonic() >= deadline:
+                    raise StartError(
+                        f"health check {launch.health_path} did not pass within {timeout:g}s"
+                    )
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.health_interval):
+                        await replica.process.wait()
+        finally:
+            await getter.close()
+
+    async def _watch(self, model: str, replica: _Replica) -> None:
+        code = await replica.process.wait()
+        if replica.stopping:
+            return
+        if self._replicas.get(model) is replica:
+            del self._replicas[model]
+        tail = _log_tail(replica.log)
+        reason = f"process exited with code {code}{': ' + tail if tail else ''}"
+        for callback in self._callbacks:
+            callback(model, reason)
+
+    async def _terminate(self, replica: _Replica) -> None:
+        replica.stopping = True
+        process = replica.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(self.grace):
+                    await process.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+        # Workers the engine forked may outlive their parent: clear the group either way.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        if replica.watcher is not None:
+            replica.watcher.cancel()
+
+    async def stop(self, model: str) -> None:
+        lock = self._locks.setdefault(model, asyncio.Lock())
+        async with lock:
+            replica = self._replicas.pop(model, None)
+            if replica is not None:
+                await self._terminate(replica)
+
+    def status(self, model: str) -> dict[str, object]:
+        replica = self._replicas.get(model)
+        if replica is None:
+            return {"running": False}
+        return {
+            "running": replica.process.returncode is None,
+            "pid": replica.process.pid,
+            "endpoint": replica.endpoint.address,
+        }
+
+    async def close(self) -> None:
+        for model in list(self._replicas):
+            await self.stop(model)
+
+
+def _log_tail(path: Path, limit: int = 400) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""

@@ -1,0 +1,197 @@
+"""Prometheus metrics of one router process, shared by both edges (ext_proc and ASGI).
+
+Usage::
+
+    telemetry = Telemetry()
+    telemetry.bind(scheduler.registry, scraper)      # gauges read at scrape time
+    telemetry.decision(decision)                     # one routing decision
+    telemetry.error(exc)                             # an LlmgwError answered to a client
+    telemetry.stage("parse", seconds)                # parse | schedule | total
+    body, content_type = telemetry.render()          # the /metrics page
+
+Series (prefix `llmgw_`):
+- `decisions_total{model,endpoint,reason}`: `reason` is `decision_reason()` (the scorer
+  that contributed most to the chosen endpoint, or the picker when nothing was scored).
+- `errors_total{code,status}`: errors answered to clients, by the error's stable code.
+- `stage_seconds{stage}` histogram: `parse` (headers/body -> RequestInfo), `schedule`
+  (pick + acquire), `total` (first message of a request to its routing answer).
+- `outcomes_total{model,endpoint,outcome}`: how dispatched requests ended.
+- `inflight{model,endpoint}`, `breaker_state{model,endpoint,state}` (1 for the current
+  state), `metrics_age_seconds{model,endpoint}`, `scrape_errors_total{endpoint}`: read
+  from the Registry (and the Scraper, if bound) when /metrics is scraped, so the hot
+  path pays nothing for them.
+
+Every instance has its own `CollectorRegistry`, so tests and several servers in one
+process do not collide. Labelled children are cached: the hot path is a dict lookup
+and an increment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from llmgw.breaker import BreakerState
+from llmgw.errors import LlmgwError
+from llmgw.registry import Registry
+from llmgw.types import Decision, Outcome
+
+STAGES = ("parse", "schedule", "total")
+# 50 µs .. 1 s: ext_proc work is sub-millisecond; the tail matters.
+_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+
+
+class ScrapeCounts(Protocol):
+    """What telemetry reads from a scraper: failed scrapes per address."""
+
+    errors: Mapping[str, int]
+
+
+def decision_reason(decision: Decision) -> str:
+    """Why the endpoint won, in one word: its largest weighted scorer, else the picker."""
+    rationale = decision.rationale
+    if not rationale.columns:
+        return rationale.picker
+    scores = rationale.scores_for(decision.endpoint.id)
+    best, best_value = rationale.picker, 0.0
+    for name, (_, weighted) in scores.items():
+        if weighted > best_value:
+            best, best_value = name, weighted
+    return best
+
+
+class _RegistryCollector(Collector):
+    """Gauges read from the live Registry (and scrape errors from the Scraper) at collect."""
+
+    def __init__(self, registry: Registry, scraper: ScrapeCounts | None, prefix: str) -> None:
+        self.registry = registry
+        self.scraper = scraper
+        self.prefix = prefix
+
+    def collect(self) -> Iterable[Metric]:
+        p = self.prefix
+        inflight = GaugeMetricFamily(
+            f"{p}_inflight", "Requests in flight per endpoint", labels=["model", "endpoint"]
+        )
+        breaker = GaugeMetricFamily(
+            f"{p}_breaker_state",
+            "Circuit breaker state per endpoint (1 = current state)",
+            labels=["model", "endpoint", "state"],
+        )
+        age = GaugeMetricFamily(
+            f"{p}_metrics_age_seconds",
+            "Seconds since the endpoint's last good /metrics scrape (+Inf: never)",
+            labels=["model", "endpoint"],
+        )
+        now = self.registry.clock()
+        states = self.registry.breaker_states()
+        for state in self.registry.all_states():
+            model, eid = state.endpoint.model, state.id
+            inflight.add_metric([model, eid], state.inflight)
+            current = states.get((model, eid), BreakerState.CLOSED)
+            for s in BreakerState:
+                breaker.add_metric([model, eid, s.value], 1.0 if s is current else 0.0)
+            scraped = state.scraped_at
+            age.add_metric([model, eid], now - scraped if math.isfinite(scraped) else math.inf)
+        yield inflight
+        yield breaker
+        yield age
+        errors = CounterMetricFamily(
+            f"{p}_scrape_errors",
+            "Failed /metrics scrapes per endpoint address",
+            labels=["endpoint"],
+        )
+        if self.scraper is not None:
+            for address, count in sorted(self.scraper.errors.items()):
+                errors.add_metric([address], count)
+        yield errors
+
+
+class Telemetry:
+    def __init__(self, prefix: str = "llmgw") -> None:
+        self.prefix = prefix
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._decisions = Counter(
+            f"{prefix}_decisions",
+            "Routing decisions by model, chosen endpoint and reason",
+            ["model", "endpoint", "reason"],
+            registry=self.registry,
+        )
+        self._errors = Counter(
+            f"{prefix}_errors",
+            "Errors answered to clients by stable code and HTTP status",
+            ["code", "status"],
+            registry=self.registry,
+        )
+        self._outcomes = Counter(
+            f"{prefix}_outcomes",
+            "How dispatched requests ended, per endpoint",
+            ["model", "endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self._stages = Histogram(
+            f"{prefix}_stage_seconds",
+            "Time spent per routing stage (parse, schedule, total)",
+            ["stage"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self._stage_children = {s: self._stages.labels(s) for s in STAGES}
+        self._decision_children: dict[tuple[str, str, str], Counter] = {}
+        self._outcome_children: dict[tuple[str, str, str], Counter] = {}
+        self._collector: _RegistryCollector | None = None
+
+    def bind(self, registry: Registry, scraper: ScrapeCounts | None = None) -> None:
+        """Export inflight, breaker states, metrics age and scrape errors of `registry`."""
+        if self._collector is not None:
+            self.registry.unregister(self._collector)
+        self._collector = _RegistryCollector(registry, scraper, self.prefix)
+        self.registry.register(self._collector)
+
+    def decision(self, decision: Decision) -> str:
+        """Count one decision; returns its reason (see `decision_reason`)."""
+        reason = decision_reason(decision)
+        key = (decision.model, decision.endpoint.id, reason)
+        child = self._decision_children.get(key)
+        if child is None:
+            child = self._decision_children[key] = self._decisions.labels(*key)
+        child.inc()
+        return reason
+
+    def outcome(self, model: str, endpoint_id: str, outcome: Outcome) -> None:
+        key = (model, endpoint_id, outcome.value)
+        child = self._outcome_children.get(key)
+        if child is None:
+            child = self._outcome_children[key] = self._outcomes.labels(*key)
+        child.inc()
+
+    def error(self, error: LlmgwError) -> None:
+        self._errors.labels(error.code, str(error.status)).inc()
+
+    def stage(self, stage: str, seconds: float) -> None:
+        """Observe one stage duration; `stage` is one of STAGES."""
+        self._stage_children[stage].observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,189 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+from llmgw.activation import ModelFailed
+from llmgw.config import Config, load_dict
+from llmgw.errors import ModelDisabled, ModelLoading, ModelNotFound
+from llmgw.runtime.controlplanes import CrashCallback, StartError
+from llmgw.runtime.router import Router
+from llmgw.types import Endpoint, Outcome, RequestInfo
+
+
+class FakeControlPlane:
+    """Starts when told to `finish_start`; counts calls."""
+
+    def __init__(self) -> None:
+        self.wants = 0
+        self.stops = 0
+        self.release = asyncio.Event()
+        self.fail_with: str | None = None
+        self.callbacks: list[CrashCallback] = []
+
+    async def want(self, model: str) -> list[Endpoint]:
+        self.wants += 1
+        await self.release.wait()
+        if self.fail_with is not None:
+            raise StartError(self.fail_with)
+        return [Endpoint(address="127.0.0.1:9", model=model)]
+
+    async def stop(self, model: str) -> None:
+        self.stops += 1
+
+    def status(self, model: str) -> dict[str, object]:
+        return {"wants": self.wants}
+
+    def on_crash(self, callback: CrashCallback) -> None:
+        self.callbacks.append(callback)
+
+    async def close(self) -> None:
+        return None
+
+
+def config(timeout: float = 5.0, **scaling: object) -> Config:
+    return load_dict(
+        {
+            "activation_timeout": timeout,
+            "activation_poll_interval": 0.01,
+            "models": {
+                "lazy": {
+                    "launch": {"command": "true", "expected_start_seconds": 30},
+                    "scaling": {"min": 0, "max": 1, **scaling},
+                },
+                "off": {"launch": {"command": "true"}, "scaling": {"min": 0, "max": 0}},
+                "nostanza": {"launch": {"command": "true"}},
+            },
+        }
+    )
+
+
+def req(model: str, i: int = 0) -> RequestInfo:
+    return RequestInfo(model=model, request_id=f"r{i}")
+
+
+async def test_twenty_cold_requests_cause_exactly_one_start() -> None:
+    cp = FakeControlPlane()
+    router = Router(config(), control_plane=cp, scrape=False)
+    waiters = [asyncio.create_task(router.decide(req("lazy", i))) for i in range(20)]
+    async with asyncio.timeout(5):
+        while router.activator is None or router.activator.machines["lazy"].waiters < 20:
+            await asyncio.sleep(0)
+    cp.release.set()
+    decisions = await asyncio.wait_for(asyncio.gather(*waiters), 5)
+    assert cp.wants == 1
+    assert {d.endpoint.address for d in decisions} == {"127.0.0.1:9"}
+
+
+async def test_timeout_gives_503_retry_after_and_the_start_still_completes() -> None:
+    cp = FakeControlPlane()
+    router = Router(config(timeout=0.05), control_plane=cp, scrape=False)
+    with pytest.raises(ModelLoading) as info:
+        await router.decide(req("lazy"))
+    assert info.value.status == 503 and 1 <= int(info.value.headers["retry-after"]) <= 60
+    assert b"loading" in info.value.body()
+    cp.release.set()
+    decision = await asyncio.wait_for(router.decide(req("lazy", 1)), 5)
+    assert decision.endpoint.address == "127.0.0.1:9" and cp.wants == 1
+
+
+async def test_unknown_model_is_404_not_loading() -> None:
+    router = Router(config(), control_plane=FakeControlPlane(), scrape=False)
+    with pytest.raises(ModelNotFound) as info:
+        await router.decide(req("nope"))
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("model", ["off", "nostanza"])
+async def test_disabled_model_is_503_without_a_start(model: str) -> None:
+    cp = FakeControlPlane()
+    router = Router(config(), control_plane=cp, scrape=False)
+    with pytest.raises(ModelDisabled) as info:
+        await router.decide(req(model))
+    assert info.value.headers["x-should-retry"] == "false"
+    assert cp.wants == 0
+
+
+async def test_failed_start_reports_the_reason() -> None:
+    cp = FakeControlPlane()
+    cp.fail_with = "exit code 3: CUDA not found"
+    cp.release.set()
+    router = Router(config(), control_plane=cp, scrape=False)
+    with pytest.raises(ModelFailed) as info:
+        await router.decide(req("lazy"))
+    assert "CUDA not found" in info.value.message
+    assert router.models_status()["lazy"]["last_error"] == "exit code 3: CUDA not found"
+
+
+async def test_idle_model_is_stopped_and_started_again_later() -> None:
+    cp = FakeControlPlane()
+    cp.release.set()
+    router = Router(config(idle_timeout=0.01), control_plane=cp, scrape=False)
+    assert router.activator is not None
+    decision = await router.decide(req("lazy"))
+    lease = router.acquire(decision)
+    clock = router.activator.clock
+    router.activator.clock = lambda: clock() + 100  # jump past the idle timeout
+    await router.activator.tick()
+    assert cp.stops == 0  # a request is in flight
+    lease.finish(Outcome.SUCCESS)
+    router.activator.clock = lambda: clock() + 200
+    await router.activator.tick()
+    assert cp.stops == 1 and router.registry.states("lazy") == []
+    await router.decide(req("lazy", 2))
+    assert cp.wants == 2
+
+
+async def test_local_control_plane_starts_and_stops_a_real_process() -> None:
+    cfg = load_dict(
+        {
+            "activation_timeout": 30,
+            "activation_poll_interval": 0.05,
+            "models": {
+                "m1": {
+                    "launch": {
+                        "command": f"{sys.executable} -m llmgw.sim --port {{port}} --model {{model}}"
+                    },
+                    "scaling": {"min": 0, "max": 1, "start_timeout": 30},
+                }
+            },
+        }
+    )
+    router = Router(cfg, scrape=False)
+    assert router.activator is not None
+    try:
+        decision = await router.decide(req("m1"))
+        status = router.activator.control_plane.status("m1")
+        assert status["running"] is True and status["endpoint"] == decision.endpoint.address
+        pid = status["pid"]
+        assert isinstance(pid, int)
+    finally:
+        await router.stop()
+    assert router.activator.control_plane.status("m1") == {"running": False}
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+async def test_local_control_plane_reports_a_process_that_exits_at_start() -> None:
+    cfg = load_dict(
+        {
+            "models": {
+                "m1": {
+                    "launch": {
+                        "command": f"{sys.executable} -c 'import sys; sys.exit(\"no weights\")'"
+                    },
+                    "scaling": {"min": 0, "max": 1, "start_timeout": 10},
+                }
+            }
+        }
+    )
+    router = Router(cfg, scrape=False)
+    try:
+        with pytest.raises(ModelFailed) as info:
+            await router.decide(req("m1"))
+        assert "exited with code 1" in info.value.message and "no weights" in info.value.message
+    finally:
+        await router.stop()
