@@ -64,12 +64,19 @@ def prompt_text(payload: Mapping[str, Any], limit: int) -> str:
     return "".join(parts)[:limit]
 
 
+def check_body_size(size: int, max_bytes: int, *, complete: bool = True) -> None:
+    """Raise BodyTooLarge if `size` is over the limit. `complete=False`: `size` is only what
+    has arrived so far of a streamed body (or a Content-Length not yet checked against it)."""
+    if size > max_bytes:
+        what = f"{size} bytes" if complete else f"more than {max_bytes} bytes"
+        raise BodyTooLarge(
+            f"request body is {what}; the limit is {max_bytes} bytes (limits.max_body_bytes)"
+        )
+
+
 def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
     """Parse an OpenAI-style JSON body. Raises BadRequest / BodyTooLarge with a clear message."""
-    if len(body) > max_bytes:
-        raise BodyTooLarge(
-            f"request body is {len(body)} bytes; the limit is {max_bytes} bytes (limits.max_body_bytes)"
-        )
+    check_body_size(len(body), max_bytes)
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
