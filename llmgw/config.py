@@ -138,17 +138,34 @@ class StrategySpec(_Strict):
 
     @model_validator(mode="after")
     def _known_plugins(self) -> StrategySpec:
-        from llmgw.scheduling.plugins import FILTERS, SCORERS  # noqa: PLC0415 (cycle)
+        from llmgw.scheduling.plugins import (  # noqa: PLC0415 (cycle)
+            FILTERS,
+            SCORERS,
+            make_scorer,
+        )
 
-        for name in self.scorers:
+        for name, scorer in self.scorers.items():
             if name not in SCORERS:
                 raise ValueError(f"scorers.{name}: unknown scorer (known: {', '.join(SCORERS)})")
+            try:  # bad params must fail here, with a path, not when the scheduler starts
+                make_scorer(name, scorer.params)
+            except ValueError as exc:
+                detail = str(exc).removeprefix(f"scorers.{name}.params: ")
+                raise ValueError(f"scorers.{name}.params: {detail}") from None
         for i, name in enumerate(self.filters):
             if name not in FILTERS:
                 raise ValueError(
                     f"filters.{i}: unknown filter {name!r} (known: {', '.join(FILTERS)})"
                 )
         return self
+
+
+def _preset_strategy(name: str) -> StrategySpec:
+    from llmgw.scheduling.strategies import PRESETS  # noqa: PLC0415 (cycle)
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown strategy preset {name!r} (known: {', '.join(PRESETS)})")
+    return PRESETS[name]
 
 
 class SaturationSpec(_Strict):
@@ -164,7 +181,9 @@ class ModelSpec(_Strict):
     scaling: ScalingSpec | None = None
     launch: LaunchSpec | None = None
     session: SessionSpec = SessionSpec()
-    strategy: StrategySpec | str = "chat"
+    # A preset name becomes its StrategySpec here: a `StrategySpec | str` union would put
+    # pydantic's member names in error paths (`strategy.function-after[...].scorers.x`).
+    strategy: StrategySpec = Field(default_factory=lambda: _preset_strategy("chat"))
     saturation: SaturationSpec = SaturationSpec()
 
     @field_validator("endpoints", mode="before")
@@ -184,15 +203,10 @@ class ModelSpec(_Strict):
                 )
         return value
 
-    @field_validator("strategy")
+    @field_validator("strategy", mode="before")
     @classmethod
-    def _preset(cls, value: StrategySpec | str) -> StrategySpec | str:
-        if isinstance(value, str):
-            from llmgw.scheduling.strategies import PRESETS  # noqa: PLC0415 (cycle)
-
-            if value not in PRESETS:
-                raise ValueError(f"unknown strategy preset {value!r} (known: {', '.join(PRESETS)})")
-        return value
+    def _preset(cls, value: Any) -> Any:
+        return _preset_strategy(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _shape(self) -> ModelSpec:
@@ -202,7 +216,8 @@ class ModelSpec(_Strict):
             raise ValueError(f"endpoints: duplicate address {', '.join(dupes)}")
         if self.launch is None and not self.endpoints and self.scaling is None:
             raise ValueError("endpoints: a model needs endpoints, or a launch spec and scaling")
-        if self.launch is None and self.scaling is not None and (self.scaling.max or 0) > 0:
+        # An omitted max is filled by normalize() with max(min, 1): it counts as above 0.
+        if self.launch is None and self.scaling is not None and self.scaling.max != 0:
             raise ValueError("launch: scaling above 0 replicas needs a launch spec to start them")
         return self
 
@@ -234,6 +249,11 @@ class ScrapeSpec(_Strict):
 class LimitsSpec(_Strict):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     prompt_prefix_chars: int = Field(default=32 * 1024, ge=0)
+    # The embedded proxy's upstream connections (per endpoint, HTTP/1.1 keep-alive).
+    upstream_max_connections: int = Field(default=512, ge=1)
+    upstream_connect_timeout: float = Field(default=5.0, gt=0)
+    upstream_read_timeout: float = Field(default=600.0, gt=0)  # longest silence mid-response
+    upstream_idle_timeout: float = Field(default=30.0, gt=0)  # idle keep-alive kept this long
 
 
 class Config(_Strict):

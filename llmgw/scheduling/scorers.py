@@ -20,6 +20,13 @@ def relative(values: list[float], smoothing: float) -> list[float]:
     return [low / (v + smoothing) for v in values]
 
 
+def _smoothing(value: float) -> float:
+    # 0 would divide 0 by 0 on idle endpoints; below 0 scores leave [0, 1].
+    if not value > 0:
+        raise ValueError(f"smoothing must be > 0, got {value!r}")
+    return value
+
+
 class _NoObserve:
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
         return None
@@ -31,7 +38,7 @@ class QueueScorer(_NoObserve):
     name = "queue"
 
     def __init__(self, smoothing: float = 1.0) -> None:
-        self.smoothing = smoothing
+        self.smoothing = _smoothing(smoothing)
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         queues: list[float] = []
@@ -50,7 +57,7 @@ class InflightScorer(_NoObserve):
     name = "inflight"
 
     def __init__(self, smoothing: float = 1.0) -> None:
-        self.smoothing = smoothing
+        self.smoothing = _smoothing(smoothing)
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         return relative([float(s.inflight) for s in candidates], self.smoothing)
@@ -62,7 +69,7 @@ class LoadScorer(_NoObserve):
     name = "load"
 
     def __init__(self, smoothing: float = 2.0) -> None:
-        self.smoothing = smoothing
+        self.smoothing = _smoothing(smoothing)
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         loads: list[float] = []
@@ -116,6 +123,8 @@ class SessionScorer(_NoObserve):
     name = "session"
 
     def __init__(self, bounded_load: float = 0.0) -> None:
+        if bounded_load != 0 and not bounded_load >= 1.0:
+            raise ValueError(f"bounded_load must be 0 (off) or >= 1.0, got {bounded_load!r}")
         self.bounded_load = bounded_load
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:

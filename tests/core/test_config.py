@@ -1,0 +1,450 @@
+"""Config validation (path-indexed messages), YAML loading, normalize() and the scaling modes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw.config import (
+    Config,
+    ModelMode,
+    ScalingSpec,
+    endpoints_of,
+    load_dict,
+    load_file,
+    load_text,
+    model_mode,
+    normalize,
+)
+from llmgw.errors import ConfigError
+from llmgw.types import Endpoint, Engine
+
+EP = ["10.0.0.1:8000"]
+LAUNCH = {"command": "vllm serve m --port {port}"}
+
+
+def one_model(**fields: Any) -> dict[str, Any]:
+    return {"models": {"chat": fields}}
+
+
+def problems_of(data: Any) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_dict(data)
+    return info.value.problems
+
+
+# (case id, config, the exact path of the problem, a phrase its message must contain)
+INVALID: list[tuple[str, Any, str, str]] = [
+    (
+        "scaling-max-below-min",
+        one_model(launch=LAUNCH, scaling={"min": 2, "max": 1}),
+        "models.chat.scaling.max",
+        "must be >= min (2)",
+    ),
+    ("unknown-top-level-field", {**one_model(endpoints=EP), "bogus": 1}, "bogus", "unknown field"),
+    (
+        "unknown-model-field",
+        one_model(endpoints=EP, replicas=3),
+        "models.chat.replicas",
+        "unknown field",
+    ),
+    (
+        "unknown-session-field",
+        one_model(endpoints=EP, session={"header": "x"}),
+        "models.chat.session.header",
+        "unknown field",
+    ),
+    (
+        "unknown-endpoint-field",
+        one_model(endpoints=[{"address": "a:1", "zone": "x"}]),
+        "models.chat.endpoints.0.zone",
+        "unknown field",
+    ),
+    (
+        "address-without-port",
+        one_model(endpoints=["10.0.0.1"]),
+        "models.chat.endpoints.0.address",
+        "host:port",
+    ),
+    (
+        "address-port-zero",
+        one_model(endpoints=["h:0"]),
+        "models.chat.endpoints.0.address",
+        "host:port",
+    ),
+    (
+        "address-port-too-big",
+        one_model(endpoints=["h:65536"]),
+        "models.chat.endpoints.0.address",
+        "'h:65536'",
+    ),
+    (
+        "address-is-a-url",
+        one_model(endpoints=["a:1", "http://h:80"]),
+        "models.chat.endpoints.1.address",
+        "host:port",
+    ),
+    (
+        "duplicate-endpoints",
+        one_model(endpoints=["a:1", "b:2", {"address": "a:1", "weight": 2}]),
+        "models.chat.endpoints",
+        "duplicate address a:1",
+    ),
+    (
+        "zero-weight",
+        one_model(endpoints=[{"address": "a:1", "weight": 0}]),
+        "models.chat.endpoints.0.weight",
+        "greater than 0",
+    ),
+    ("unknown-engine", one_model(endpoints=EP, engine="tgi"), "models.chat.engine", "'vllm'"),
+    (
+        "unknown-strategy-preset",
+        one_model(endpoints=EP, strategy="fastest"),
+        "models.chat.strategy",
+        "unknown strategy preset 'fastest'",
+    ),
+    (
+        "unknown-scorer",
+        one_model(endpoints=EP, strategy={"scorers": {"latency": 1}}),
+        "models.chat.strategy.scorers.latency",
+        "unknown scorer",
+    ),
+    (
+        "unknown-filter",
+        one_model(endpoints=EP, strategy={"filters": ["healthy", "gpu"]}),
+        "models.chat.strategy.filters.1",
+        "unknown filter 'gpu'",
+    ),
+    (
+        "unknown-picker",
+        one_model(endpoints=EP, strategy={"picker": "best"}),
+        "models.chat.strategy.picker.type",
+        "'max-score'",
+    ),
+    (
+        "unknown-strategy-field",
+        one_model(endpoints=EP, strategy={"scorer": {"queue": 1}}),
+        "models.chat.strategy.scorer",
+        "unknown field",
+    ),
+    (
+        "negative-scorer-weight",
+        one_model(endpoints=EP, strategy={"scorers": {"queue": -1}}),
+        "models.chat.strategy.scorers.queue.weight",
+        "greater than or equal to 0",
+    ),
+    (
+        "unknown-scorer-param",
+        one_model(endpoints=EP, strategy={"scorers": {"queue": {"params": {"smooth": 1}}}}),
+        "models.chat.strategy.scorers.queue.params",
+        "smooth",
+    ),
+    (
+        "kv-ceiling-out-of-range",
+        one_model(endpoints=EP, strategy={"scorers": {"kv": {"params": {"ceiling": 2}}}}),
+        "models.chat.strategy.scorers.kv.params",
+        "ceiling",
+    ),
+    (
+        "zero-smoothing",
+        one_model(endpoints=EP, strategy={"scorers": {"queue": {"params": {"smoothing": 0}}}}),
+        "models.chat.strategy.scorers.queue.params",
+        "smoothing",
+    ),
+    (
+        "negative-fallbacks",
+        one_model(endpoints=EP, session={"num_fallback_replicas": -1}),
+        "models.chat.session.num_fallback_replicas",
+        "greater than or equal to 0",
+    ),
+    (
+        "zero-virtual-nodes",
+        one_model(endpoints=EP, session={"num_virtual_nodes": 0}),
+        "models.chat.session.num_virtual_nodes",
+        "greater than or equal to 1",
+    ),
+    (
+        "bounded-load-below-one",
+        one_model(endpoints=EP, session={"bounded_load": 0.5}),
+        "models.chat.session.bounded_load",
+        "greater than or equal to 1",
+    ),
+    (
+        "no-session-headers",
+        one_model(endpoints=EP, session={"headers": []}),
+        "models.chat.session.headers",
+        "at least one header",
+    ),
+    (
+        "unknown-metric-role",
+        one_model(endpoints=EP, metrics={"queue": "q"}),
+        "models.chat.metrics.queue",
+        "unknown metric role",
+    ),
+    ("model-without-endpoints-or-launch", one_model(), "models.chat.endpoints", "needs endpoints"),
+    (
+        "scaling-up-without-launch",
+        one_model(endpoints=EP, scaling={"min": 0, "max": 2}),
+        "models.chat.launch",
+        "needs a launch spec",
+    ),
+    # An omitted max becomes >= 1 in normalize(), so it needs a launch spec just the same.
+    (
+        "omitted-max-without-launch",
+        one_model(endpoints=EP, scaling={"min": 1}),
+        "models.chat.launch",
+        "needs a launch spec",
+    ),
+    (
+        "launch-with-both-kinds",
+        one_model(launch={**LAUNCH, "deployment": "d"}, scaling={"max": 1}),
+        "models.chat.launch.command",
+        "exactly one",
+    ),
+    (
+        "launch-with-neither-kind",
+        one_model(launch={"port": 80}, scaling={"max": 1}),
+        "models.chat.launch.command",
+        "exactly one",
+    ),
+    (
+        "negative-min",
+        one_model(launch=LAUNCH, scaling={"min": -1}),
+        "models.chat.scaling.min",
+        "greater than or equal to 0",
+    ),
+    (
+        "max-cooldown-below-base",
+        {**one_model(endpoints=EP), "breaker": {"base_cooldown": 10, "max_cooldown": 5}},
+        "breaker.max_cooldown",
+        "must be >= base_cooldown (10.0)",
+    ),
+    (
+        "zero-failure-threshold",
+        {**one_model(endpoints=EP), "breaker": {"failure_threshold": 0}},
+        "breaker.failure_threshold",
+        "greater than or equal to 1",
+    ),
+    (
+        "zero-staleness",
+        {**one_model(endpoints=EP), "scrape": {"staleness": 0}},
+        "scrape.staleness",
+        "greater than 0",
+    ),
+    (
+        "kv-ceiling-above-one",
+        one_model(endpoints=EP, saturation={"kv_ceiling": 1.5}),
+        "models.chat.saturation.kv_ceiling",
+        "less than or equal to 1",
+    ),
+    ("no-models", {"models": {}}, "models", "at least one model"),
+    ("models-missing", {"breaker": {}}, "models", "required field is missing"),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "path", "phrase"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID]
+)
+def test_invalid_config_names_the_path_of_the_problem(data: Any, path: str, phrase: str) -> None:
+    problems = problems_of(data)
+    assert len(problems) == 1, problems
+    got_path, _, message = problems[0].partition(": ")
+    assert got_path == path
+    assert phrase in message
+
+
+def test_scaling_message_is_exactly_the_documented_one() -> None:
+    problems = problems_of(one_model(launch=LAUNCH, scaling={"min": 1, "max": 0}))
+    assert problems == ["models.chat.scaling.max: must be >= min (1)"]
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    data = {
+        "models": {
+            "a": {"endpoints": ["nohost"]},
+            "b": {"endpoints": EP, "strategy": "nope"},
+        },
+        "breaker": {"half_open_probes": 0},
+    }
+    paths = sorted(p.partition(": ")[0] for p in problems_of(data))
+    assert paths == [
+        "breaker.half_open_probes",
+        "models.a.endpoints.0.address",
+        "models.b.strategy",
+    ]
+
+
+def test_config_error_message_lists_the_problems_and_the_source() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_text("models: {}\n", source="router.yaml")
+    assert "router.yaml" in str(info.value)
+    assert "models: must configure at least one model" in str(info.value)
+
+
+def test_yaml_syntax_error_names_line_and_column() -> None:
+    text = "models:\n  chat:\n\tendpoints: [a:1]\n"  # a tab cannot indent YAML (line 3, col 1)
+    with pytest.raises(ConfigError) as info:
+        load_text(text)
+    (problem,) = info.value.problems
+    assert problem.startswith("<yaml>: line 3, column 1: ")
+
+
+def test_unclosed_flow_sequence_is_a_yaml_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_text("models:\n  chat: {endpoints: [a:1\n")
+    assert info.value.problems[0].startswith("<yaml>: line ")
+
+
+@pytest.mark.parametrize(
+    ("text", "type_name"),
+    [("- a\n- b\n", "list"), ("42\n", "int"), ("", "NoneType"), ("just text\n", "str")],
+    ids=["list", "int", "empty", "scalar"],
+)
+def test_root_must_be_a_mapping(text: str, type_name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_text(text)
+    assert info.value.problems == [f"<root>: must be a mapping, got {type_name}"]
+
+
+def test_load_file_reads_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(
+        "models:\n  chat:\n    endpoints: ['10.0.0.1:8000', {address: '10.0.0.2:8000', weight: 2}]\n"
+    )
+    cfg = load_file(path)
+    assert [(e.address, e.weight) for e in cfg.models["chat"].endpoints] == [
+        ("10.0.0.1:8000", 1.0),
+        ("10.0.0.2:8000", 2.0),
+    ]
+
+
+def test_missing_file_is_a_config_error_naming_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_file(tmp_path / "absent.yaml")
+    assert info.value.problems[0].startswith("<file>: cannot read")
+    assert "absent.yaml" in info.value.problems[0]
+
+
+def test_defaults_follow_the_issue() -> None:
+    cfg = load_dict(one_model(endpoints=EP))
+    spec = cfg.models["chat"]
+    assert cfg.activation_timeout == 45.0
+    assert cfg.activation_poll_interval == 0.25
+    assert cfg.scrape.staleness == 2.0
+    assert spec.session.headers == ("x-session-id",)
+    assert spec.session.num_fallback_replicas == 2
+    assert spec.session.num_virtual_nodes == 100
+    assert spec.session.bounded_load is None
+    assert spec.engine is Engine.VLLM
+    assert spec.strategy.name == "chat"
+
+
+def test_shorthands_expand_and_headers_are_lowercased() -> None:
+    cfg = load_dict(
+        one_model(
+            endpoints=EP,
+            session={"headers": ["X-Conversation-ID", "X-Session-Id"]},
+            strategy={
+                "scorers": {"queue": 2, "kv": {"weight": 1, "params": {"ceiling": 0.8}}},
+                "picker": "p2c",
+            },
+        )
+    )
+    spec = cfg.models["chat"]
+    assert spec.session.headers == ("x-conversation-id", "x-session-id")
+    assert spec.strategy.scorers["queue"].weight == 2.0
+    assert spec.strategy.scorers["kv"].params == {"ceiling": 0.8}
+    assert spec.strategy.picker.type == "p2c"
+
+
+def test_ipv6_and_hostname_addresses_are_accepted() -> None:
+    cfg = load_dict(one_model(endpoints=["[::1]:8000", "vllm-0.vllm.svc:8000", "h:65535"]))
+    assert len(cfg.models["chat"].endpoints) == 3
+
+
+def test_endpoints_of_builds_endpoints_with_the_model_engine_and_weight() -> None:
+    cfg = load_dict(one_model(engine="sglang", endpoints=["a:1", {"address": "b:2", "weight": 3}]))
+    assert endpoints_of("chat", cfg.models["chat"]) == [
+        Endpoint("a:1", "chat", pool="chat", engine=Engine.SGLANG, weight=1.0),
+        Endpoint("b:2", "chat", pool="chat", engine=Engine.SGLANG, weight=3.0),
+    ]
+
+
+# (case id, model fields, max after normalize, mode)
+SCALING: list[tuple[str, dict[str, Any], int | None, ModelMode]] = [
+    ("static-endpoints-no-stanza", {"endpoints": EP}, None, ModelMode.STATIC),
+    (
+        "static-endpoints-explicit-off",
+        {"endpoints": EP, "scaling": {"min": 0, "max": 0}},
+        0,
+        ModelMode.OFF,
+    ),
+    ("static-endpoints-max-zero-only", {"endpoints": EP, "scaling": {"max": 0}}, 0, ModelMode.OFF),
+    ("launched-no-stanza-is-off", {"launch": LAUNCH}, None, ModelMode.OFF),
+    (
+        "launched-min0-max0-is-off",
+        {"launch": LAUNCH, "scaling": {"min": 0, "max": 0}},
+        0,
+        ModelMode.OFF,
+    ),
+    (
+        "launched-min0-max2-on-demand",
+        {"launch": LAUNCH, "scaling": {"min": 0, "max": 2}},
+        2,
+        ModelMode.ON_DEMAND,
+    ),
+    (
+        "launched-min0-omitted-max-on-demand",
+        {"launch": LAUNCH, "scaling": {"min": 0}},
+        1,
+        ModelMode.ON_DEMAND,
+    ),
+    ("launched-empty-stanza-on-demand", {"launch": LAUNCH, "scaling": {}}, 1, ModelMode.ON_DEMAND),
+    (
+        "launched-min3-omitted-max-always-on",
+        {"launch": LAUNCH, "scaling": {"min": 3}},
+        3,
+        ModelMode.ALWAYS_ON,
+    ),
+    (
+        "launched-min1-max4-always-on",
+        {"launch": LAUNCH, "scaling": {"min": 1, "max": 4}},
+        4,
+        ModelMode.ALWAYS_ON,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "max_after", "mode"), [c[1:] for c in SCALING], ids=[c[0] for c in SCALING]
+)
+def test_normalize_and_model_mode_follow_the_scaling_rules(
+    fields: dict[str, Any], max_after: int | None, mode: ModelMode
+) -> None:
+    spec = load_dict(one_model(**fields)).models["chat"]
+    assert (spec.scaling.max if spec.scaling is not None else None) == max_after
+    assert model_mode(spec) is mode
+
+
+def test_normalize_never_turns_an_explicit_zero_max_into_a_default() -> None:
+    raw = Config.model_validate(one_model(launch=LAUNCH, scaling={"min": 0, "max": 0}))
+    once = normalize(raw)
+    assert once.models["chat"].scaling == ScalingSpec(min=0, max=0)
+    assert normalize(once) == once
+
+
+def test_explicit_zero_max_from_yaml_stays_off() -> None:
+    cfg = load_text("models:\n  big:\n    launch: {command: run}\n    scaling: {min: 0, max: 0}\n")
+    assert cfg.models["big"].scaling is not None
+    assert cfg.models["big"].scaling.max == 0
+    assert model_mode(cfg.models["big"]) is ModelMode.OFF
+
+
+def test_normalize_fills_an_omitted_max_and_is_idempotent() -> None:
+    raw = Config.model_validate(one_model(launch=LAUNCH, scaling={"min": 0}))
+    assert raw.models["chat"].scaling is not None and raw.models["chat"].scaling.max is None
+    once = normalize(raw)
+    assert once.models["chat"].scaling is not None and once.models["chat"].scaling.max == 1
+    assert normalize(once) == once
