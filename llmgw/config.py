@@ -254,11 +254,6 @@ class LimitsSpec(_Strict):
     upstream_connect_timeout: float = Field(default=5.0, gt=0)
     upstream_read_timeout: float = Field(default=600.0, gt=0)  # longest silence mid-response
     upstream_idle_timeout: float = Field(default=30.0, gt=0)  # idle keep-alive kept this long
-    # The embedded proxy's upstream connections (per endpoint, HTTP/1.1 keep-alive).
-    upstream_max_connections: int = Field(default=512, ge=1)
-    upstream_connect_timeout: float = Field(default=5.0, gt=0)
-    upstream_read_timeout: float = Field(default=600.0, gt=0)  # longest silence mid-response
-    upstream_idle_timeout: float = Field(default=30.0, gt=0)  # idle keep-alive kept this long
 
 
 class Config(_Strict):
