@@ -1,0 +1,153 @@
+"""The grpc.aio server with a real gRPC client: streams, release on abort, health, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import grpc
+import pytest
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    ProcessingRequest,
+    ProcessingResponse,
+)
+from extproc_support import (
+    chat_headers,
+    make_config,
+    request_headers,
+    response_headers,
+    set_headers,
+)
+
+from extproc.server import ExtProcServer, build_parser
+
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[ExtProcServer]:
+    srv = ExtProcServer(
+        make_config(), host="127.0.0.1", grpc_port=0, health_port=0, metrics_port=0, scrape=False
+    )
+    await srv.start()
+    yield srv
+    await srv.stop(1.0)
+
+
+def stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
+    method = channel.stream_stream(
+        PROCESS,
+        request_serializer=ProcessingRequest.SerializeToString,
+        response_deserializer=ProcessingResponse.FromString,
+    )
+    return method()
+
+
+def total_inflight(srv: ExtProcServer) -> int:
+    return sum(s.inflight for s in srv.scheduler.registry.states("m1"))
+
+
+async def test_a_stream_routes_then_releases_when_envoy_closes_it(server: ExtProcServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['grpc']}") as channel:
+        call = stream(channel)
+        await call.write(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+        answer = await call.read()
+        assert isinstance(answer, ProcessingResponse)
+        assert "x-gateway-destination-endpoint" in set_headers(answer)
+        assert total_inflight(server) == 1
+        await call.write(response_headers(200))
+        reply = await call.read()
+        assert isinstance(reply, ProcessingResponse)
+        assert reply.WhichOneof("response") == "response_headers"
+        assert total_inflight(server) == 1
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+        await eventually(lambda: total_inflight(server) == 0)
+
+
+async def test_cancelled_stream_releases_the_lease(server: ExtProcServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['grpc']}") as channel:
+        call = stream(channel)
+        await call.write(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+        await call.read()
+        assert total_inflight(server) == 1
+        call.cancel()
+        await eventually(lambda: total_inflight(server) == 0 and server.open_streams == 0)
+
+
+async def test_grpc_health_and_http_probes_follow_draining(server: ExtProcServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['grpc']}") as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        assert await check(b"") == b"\x08\x01"
+        name = b"envoy.service.ext_proc.v3.ExternalProcessor"
+        assert await check(b"\x0a" + bytes([len(name)]) + name) == b"\x08\x01"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await check(b"\x0a\x03foo")
+        assert info.value.code() is grpc.StatusCode.NOT_FOUND
+        async with aiohttp.ClientSession() as http:
+            base = f"http://127.0.0.1:{server.ports['health']}"
+            async with http.get(base + "/healthz") as r:
+                assert r.status == 200
+            async with http.get(base + "/readyz") as r:
+                assert r.status == 200
+            server.begin_drain()
+            async with http.get(base + "/readyz") as r:
+                assert r.status == 503
+            async with http.get(base + "/healthz") as r:
+                assert r.status == 200
+        assert await check(b"") == b"\x08\x02"
+
+
+async def test_metrics_endpoint_serves_prometheus_text(server: ExtProcServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['grpc']}") as channel:
+        call = stream(channel)
+        await call.write(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+        await call.read()
+        await call.done_writing()
+        await call.read()
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(f"http://127.0.0.1:{server.ports['metrics']}/metrics") as r,
+    ):
+        text = await r.text()
+    assert r.status == 200
+    assert "llmgw_decisions_total" in text
+    assert "llmgw_inflight" in text
+
+
+async def test_stop_lets_open_streams_finish_within_grace() -> None:
+    srv = ExtProcServer(
+        make_config(),
+        host="127.0.0.1",
+        grpc_port=0,
+        health_port=None,
+        metrics_port=None,
+        scrape=False,
+    )
+    await srv.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.ports['grpc']}") as channel:
+        call = stream(channel)
+        await call.write(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+        await call.read()
+        stopping = asyncio.create_task(srv.stop(5.0))
+        await eventually(lambda: srv.draining)
+        await call.write(response_headers(200, end_of_stream=True))
+        assert (await call.read()).WhichOneof("response") == "response_headers"
+        await call.done_writing()
+        await asyncio.wait_for(stopping, 5.0)
+    assert total_inflight(srv) == 0
+
+
+def test_parser_defaults_are_the_documented_ports() -> None:
+    args = build_parser().parse_args(["--config", "x.yaml"])
+    assert (args.grpc_port, args.health_port, args.metrics_port) == (9002, 9003, 9090)

@@ -1,0 +1,283 @@
+"""Exchange: ext_proc messages in, ProcessingResponse bytes out, leases in the registry."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from extproc_support import (
+    chat_headers,
+    destinations,
+    make_config,
+    parse,
+    request_body,
+    request_headers,
+    response_headers,
+    response_trailers,
+    set_headers,
+)
+
+from extproc.translate import Exchange, Hooks, outcome_for_status
+from llmgw.breaker import BreakerState
+from llmgw.errors import LlmgwError
+from llmgw.runtime.telemetry import Telemetry
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.types import Outcome
+
+CHAT = orjson.dumps(
+    {"model": "m1", "messages": [{"role": "user", "content": "hello"}], "stream": False}
+)
+
+
+def inflight(scheduler: Scheduler) -> dict[str, int]:
+    return {s.id: s.inflight for s in scheduler.registry.states("m1")}
+
+
+def test_headers_only_decision_sets_header_metadata_and_clears_route_cache() -> None:
+    scheduler = Scheduler(make_config())
+    answer = parse(
+        Exchange(scheduler).handle(
+            request_headers(chat_headers(**{"x-llmgw-model": "m1", "x-session-id": "s1"}))
+        )
+    )
+    assert answer.WhichOneof("response") == "request_headers"
+    common = answer.request_headers.response
+    assert common.clear_route_cache
+    headers = set_headers(answer)
+    chain = destinations(answer).split(",")
+    assert headers["x-gateway-destination-endpoint"] == chain[0]
+    assert len(chain) == 3 and len(set(chain)) == 3
+    assert "strategy=ring" in headers["x-llmgw-decision"]
+    assert not answer.HasField("mode_override")
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_reads_raw_value_and_legacy_value_headers(raw: bool) -> None:
+    scheduler = Scheduler(make_config())
+    headers = chat_headers(**{"x-llmgw-model": "m1", "x-session-id": "s1"})
+    answer = parse(Exchange(scheduler).handle(request_headers(headers, raw=raw)))
+    assert answer.request_headers.response.clear_route_cache
+
+
+def test_same_session_gets_same_primary_and_no_session_spreads() -> None:
+    scheduler = Scheduler(make_config(endpoints=4))
+
+    def primary(**extra: str) -> str:
+        answer = parse(
+            Exchange(scheduler).handle(
+                request_headers(chat_headers(**{"x-llmgw-model": "m1"}, **extra))
+            )
+        )
+        return set_headers(answer)["x-gateway-destination-endpoint"]
+
+    assert len({primary(**{"x-session-id": "abc"}) for _ in range(20)}) == 1
+    spread = {primary(**{"x-request-id": f"r{i}"}) for i in range(60)}
+    assert len(spread) == 4
+
+
+def test_body_needed_asks_for_buffered_body_then_routes_on_it() -> None:
+    scheduler = Scheduler(make_config(strategy="chat"))
+    exchange = Exchange(scheduler)
+    first = parse(exchange.handle(request_headers(chat_headers())))
+    assert first.WhichOneof("response") == "request_headers"
+    assert first.mode_override.request_body_mode == ProcessingMode.BUFFERED
+    assert first.mode_override.response_header_mode == ProcessingMode.SEND
+    assert not first.request_headers.response.HasField("header_mutation")
+    second = parse(exchange.handle(request_body(CHAT)))
+    assert second.WhichOneof("response") == "request_body"
+    assert second.request_body.response.clear_route_cache
+    assert set_headers(second)["x-gateway-destination-endpoint"] in destinations(second)
+    assert sum(inflight(scheduler).values()) == 1
+
+
+def test_body_in_chunks_is_joined_before_parsing() -> None:
+    scheduler = Scheduler(make_config(strategy="chat"))
+    exchange = Exchange(scheduler)
+    exchange.handle(request_headers(chat_headers()))
+    middle = parse(exchange.handle(request_body(CHAT[:10], end_of_stream=False)))
+    assert middle.WhichOneof("response") == "request_body"
+    assert not middle.request_body.response.HasField("header_mutation")
+    last = parse(exchange.handle(request_body(CHAT[10:])))
+    assert "x-gateway-destination-endpoint" in set_headers(last)
+
+
+@pytest.mark.parametrize(
+    ("body", "model_header", "status", "code"),
+    [
+        (b"{not json", None, 400, "invalid_request"),
+        (b'{"messages": []}', None, 400, "invalid_request"),
+        (b'{"model": "nope", "messages": []}', None, 404, "model_not_found"),
+        (b'{"model": "m1", "prompt": "' + b"x" * 5000 + b'"}', None, 413, "body_too_large"),
+    ],
+)
+def test_errors_become_immediate_responses_with_json_bodies(
+    body: bytes, model_header: str | None, status: int, code: str
+) -> None:
+    config = make_config(strategy="chat").model_copy(
+        update={"limits": make_config().limits.model_copy(update={"max_body_bytes": 4096})}
+    )
+    scheduler = Scheduler(config)
+    exchange = Exchange(scheduler)
+    exchange.handle(request_headers(chat_headers()))
+    answer = parse(exchange.handle(request_body(body)))
+    assert answer.WhichOneof("response") == "immediate_response"
+    immediate = answer.immediate_response
+    assert immediate.status.code == status
+    assert orjson.loads(immediate.body)["error"]["code"] == code
+    headers = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+    assert headers["content-type"] == "application/json"
+    assert sum(inflight(scheduler).values()) == 0
+
+
+def test_unknown_model_header_is_404_without_asking_for_the_body() -> None:
+    scheduler = Scheduler(make_config())
+    answer = parse(
+        Exchange(scheduler).handle(request_headers(chat_headers(**{"x-llmgw-model": "nope"})))
+    )
+    assert answer.immediate_response.status.code == 404
+
+
+def test_post_without_body_is_400() -> None:
+    scheduler = Scheduler(make_config(strategy="chat"))
+    answer = parse(Exchange(scheduler).handle(request_headers(chat_headers(), end_of_stream=True)))
+    assert answer.immediate_response.status.code == 400
+
+
+def test_every_breaker_open_is_503_with_retry_hint() -> None:
+    scheduler = Scheduler(make_config())
+    for state in scheduler.registry.states("m1"):
+        for _ in range(3):
+            scheduler.registry.acquire("m1", state.id)
+            scheduler.registry.release("m1", state.id, Outcome.FAILURE)
+    answer = parse(
+        Exchange(scheduler).handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+    )
+    assert answer.immediate_response.status.code == 503
+    assert b"no_healthy_endpoint" in answer.immediate_response.body
+
+
+def test_lease_is_held_until_the_response_ends() -> None:
+    scheduler = Scheduler(make_config())
+    exchange = Exchange(scheduler)
+    answer = parse(exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"}))))
+    primary = set_headers(answer)["x-gateway-destination-endpoint"]
+    assert inflight(scheduler)[primary] == 1
+    exchange.handle(response_headers(200, primary))
+    assert inflight(scheduler)[primary] == 1  # streaming: still in flight
+    exchange.handle(response_trailers())
+    assert inflight(scheduler)[primary] == 0
+    exchange.close()  # idempotent
+    assert inflight(scheduler)[primary] == 0
+
+
+def test_client_abort_releases_without_touching_the_breaker() -> None:
+    scheduler = Scheduler(make_config())
+    exchange = Exchange(scheduler)
+    exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+    assert sum(inflight(scheduler).values()) == 1
+    exchange.close()
+    assert sum(inflight(scheduler).values()) == 0
+    assert all(s is BreakerState.CLOSED for s in scheduler.registry.breaker_states().values())
+
+
+def test_5xx_responses_open_the_breaker() -> None:
+    scheduler = Scheduler(make_config())
+    target = None
+    for _ in range(3):
+        exchange = Exchange(scheduler)
+        answer = parse(
+            exchange.handle(
+                request_headers(chat_headers(**{"x-llmgw-model": "m1", "x-session-id": "s"}))
+            )
+        )
+        target = set_headers(answer)["x-gateway-destination-endpoint"]
+        exchange.handle(response_headers(500, target, end_of_stream=True))
+    assert target is not None
+    assert scheduler.registry.breaker_states()[("m1", target)] is BreakerState.OPEN
+
+
+def test_answer_from_a_fallback_charges_the_primary_and_holds_the_fallback() -> None:
+    scheduler = Scheduler(make_config())
+    outcomes: list[tuple[str, Outcome]] = []
+    hooks = Hooks(outcome=lambda _m, e, o: outcomes.append((e, o)))
+    exchange = Exchange(scheduler, hooks)
+    answer = parse(exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"}))))
+    primary, fallback, _ = destinations(answer).split(",")
+    exchange.handle(response_headers(200, fallback))
+    assert inflight(scheduler)[primary] == 0
+    assert inflight(scheduler)[fallback] == 1
+    exchange.close()
+    assert outcomes == [(primary, Outcome.FAILURE), (fallback, Outcome.SUCCESS)]
+
+
+def test_upstream_header_is_stripped_unless_debugging() -> None:
+    scheduler = Scheduler(make_config(debug=False))
+    exchange = Exchange(scheduler)
+    answer = parse(exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"}))))
+    assert "x-llmgw-decision" not in set_headers(answer)
+    reply = parse(exchange.handle(response_headers(200, "127.0.0.1:9100")))
+    assert list(reply.response_headers.response.header_mutation.remove_headers) == [
+        "x-llmgw-upstream"
+    ]
+
+
+def test_hooks_feed_telemetry() -> None:
+    scheduler = Scheduler(make_config())
+    telemetry = Telemetry()
+    telemetry.bind(scheduler.registry)
+    hooks = Hooks(
+        decision=lambda d, _rid: telemetry.decision(d),
+        error=telemetry.error,
+        outcome=telemetry.outcome,
+        stage=telemetry.stage,
+    )
+    exchange = Exchange(scheduler, hooks)
+    exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+    exchange.handle(response_headers(200, end_of_stream=True))
+    Exchange(scheduler, hooks).handle(request_headers(chat_headers(**{"x-llmgw-model": "zz"})))
+    text = telemetry.render()[0].decode()
+    assert 'llmgw_decisions_total{endpoint="127.0.0.1:' in text
+    assert 'llmgw_errors_total{code="model_not_found",status="404"} 1.0' in text
+    assert 'llmgw_stage_seconds_count{stage="total"} 1.0' in text
+    assert 'outcome="success"' in text
+    assert 'llmgw_breaker_state{endpoint="127.0.0.1:9100",model="m1",state="closed"} 1.0' in text
+
+
+def test_a_router_bug_is_a_500_not_a_broken_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    scheduler = Scheduler(make_config())
+
+    def boom(_request: object) -> None:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(scheduler, "pick", boom)
+    answer = parse(
+        Exchange(scheduler).handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+    )
+    assert answer.immediate_response.status.code == 500
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [
+        (200, Outcome.SUCCESS),
+        (404, Outcome.SUCCESS),
+        (429, Outcome.BACKPRESSURE),
+        (503, Outcome.BACKPRESSURE),
+        (500, Outcome.FAILURE),
+        (502, Outcome.FAILURE),
+    ],
+)
+def test_outcome_for_status(status: int, outcome: Outcome) -> None:
+    assert outcome_for_status(status) is outcome
+
+
+def test_llmgw_error_headers_reach_the_immediate_response() -> None:
+    from extproc.translate import immediate_response  # noqa: PLC0415
+
+    error = LlmgwError("x", headers={"retry-after": "5"})
+    answer = parse(immediate_response(error))
+    headers = {
+        h.header.key: h.header.raw_value.decode()
+        for h in answer.immediate_response.headers.set_headers
+    }
+    assert headers["retry-after"] == "5"
