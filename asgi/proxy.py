@@ -1,0 +1,397 @@
+"""The embedded proxy: an OpenAI-compatible reverse proxy on `SchedulerMiddleware`.
+
+    llmgw proxy --config llmgw.yaml --host 0.0.0.0 --port 8000
+
+Routes: `POST /v1/...` inference paths (and any request with the model header) go through
+the middleware and are forwarded to the chosen endpoint; `GET /v1/models` lists the
+configured models; `/healthz` (alive), `/readyz` (started, some endpoint routable),
+`/metrics` (the shared `Telemetry` series, the same names as the ext_proc server).
+
+Forwarding (`Forwarder`): the request body is held (it is bounded by
+`limits.max_body_bytes` and needed to replay on a fallback) and sent with the client's
+headers minus hop-by-hop ones over pooled HTTP/1.1 keep-alive connections
+(`asgi.upstream`, limits from `limits.upstream_*`). If the endpoint refuses before any
+response byte reached the client (connect error, reset, 429, 503), the request goes to
+the Decision's next fallback, at most `num_fallback_replicas` times; once the response
+head has been sent nothing is retried. Status, headers (minus hop-by-hop) and the body
+pass through chunk by chunk (SSE is never buffered). A client that goes away cancels the
+upstream exchange (its connection is dropped) and the lease ends CANCELLED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import TYPE_CHECKING, cast
+
+import orjson
+
+from asgi.middleware import (
+    DISPATCH_KEY,
+    Dispatch,
+    SchedulerMiddleware,
+    _Disconnected,
+    read_body,
+    send_error,
+)
+from asgi.types import Message, Receive, Scope, Send
+from asgi.upstream import (
+    ConnectFailed,
+    PoolLimits,
+    ResetBeforeResponse,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from llmgw.config import Config, ModelMode, load_file, model_mode
+from llmgw.errors import ConfigError, LlmgwError
+from llmgw.types import Outcome
+
+if TYPE_CHECKING:
+    from llmgw.runtime.router import Router
+    from llmgw.runtime.telemetry import ScrapeCounts, Telemetry
+
+log = logging.getLogger("llmgw.proxy")
+
+# Headers that describe one hop, not the message: never forwarded either way.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# Request headers the upstream client sets itself.
+_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+_REFUSING = (429, 503)  # an engine saying "not now": another replica may take it
+
+
+class UpstreamUnreachable(LlmgwError):
+    """No endpoint of the Decision could be reached (connect error, reset, timeout)."""
+
+    status = 502
+    code = "upstream_unreachable"
+    type = "server_error"
+
+
+class RouteNotFound(LlmgwError):
+    status = 404
+    code = "route_not_found"
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(LlmgwError):
+    status = 405
+    code = "method_not_allowed"
+    type = "invalid_request_error"
+
+
+def pool_limits(config: Config) -> PoolLimits:
+    limits = config.limits
+    return PoolLimits(
+        max_connections=limits.upstream_max_connections,
+        connect_timeout=limits.upstream_connect_timeout,
+        read_timeout=limits.upstream_read_timeout,
+        idle_timeout=limits.upstream_idle_timeout,
+    )
+
+
+class Forwarder:
+    """The inner ASGI app: forwards a routed request to `scope["state"]["llmgw_dispatch"]`."""
+
+    def __init__(self, pool: UpstreamPool, config: Config) -> None:
+        self.pool = pool
+        self.max_body = config.limits.max_body_bytes
+        self.debug_headers = config.debug_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope.get("state") or {}
+        dispatch: Dispatch | None = state.get(DISPATCH_KEY)
+        if dispatch is None:
+            error = RouteNotFound(f"no route for {scope['method']} {scope['path']}")
+            await send_error(send, error)
+            return
+        try:
+            body = await read_body(receive, self.max_body)
+        except _Disconnected:
+            return
+        except LlmgwError as error:
+            await send_error(send, error)
+            return
+        query: bytes = scope.get("query_string", b"")
+        target = scope.get("raw_path") or scope["path"].encode()
+        if query:
+            target = target + b"?" + query
+        headers = [(n, v) for n, v in scope["headers"] if n not in _REQUEST_DROP]
+
+        task = asyncio.current_task()
+        assert task is not None
+        gone: list[bool] = []
+        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, gone))
+        response: UpstreamResponse | None = None
+        try:
+            response = await self._exchange(
+                dispatch, scope["method"], target.decode("latin-1"), headers, body
+            )
+            await self._relay(dispatch, response, send)
+        except UpstreamUnreachable as error:
+            await send_error(send, error)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()  # the client went away: the middleware records CANCELLED
+        finally:
+            watcher.cancel()
+            if response is not None:
+                response.close()
+
+    async def _exchange(
+        self,
+        dispatch: Dispatch,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> UpstreamResponse:
+        """The first acceptable response head, trying fallbacks while nothing was sent."""
+        while True:
+            address = dispatch.endpoint.address
+            try:
+                response = await self.pool.request(address, method, target, headers, body)
+            except (ConnectFailed, ResetBeforeResponse, UpstreamTimeout) as exc:
+                log.debug("upstream %s refused before answering: %s", address, exc)
+                if dispatch.fall_back(Outcome.FAILURE) is None:
+                    raise UpstreamUnreachable(
+                        f"no endpoint of model {dispatch.decision.model!r} could be reached "
+                        f"(tried {dispatch.attempts}; last: {exc})"
+                    ) from None
+                continue
+            if response.status in _REFUSING and dispatch.fall_back(Outcome.BACKPRESSURE):
+                log.debug("upstream %s answered %d; falling back", address, response.status)
+                response.close()
+                continue
+            return response
+
+    async def _relay(self, dispatch: Dispatch, response: UpstreamResponse, send: Send) -> None:
+        headers = [(n, v) for n, v in response.headers if n not in _HOP_BY_HOP]
+        if self.debug_headers:
+            headers.append((b"x-llmgw-endpoint", dispatch.endpoint.address.encode("latin-1")))
+        start: Message = {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": headers,
+        }
+        if response.complete:  # the whole body came with the head: one send each
+            body = response.take_buffered()
+            response.release()
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await send(start)
+        while True:
+            data = await response.next_chunk()
+            done = response.complete and not response.has_buffered
+            if not data or done:
+                response.release()
+                await send({"type": "http.response.body", "body": data, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[None], gone: list[bool]) -> None:
+    """Cancel `task` when the client disconnects (the upstream exchange is abandoned)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.append(True)
+            task.cancel()
+            return
+
+
+class ProxyApp:
+    """The proxy's ASGI app: a handful of fixed routes, everything else through the middleware."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        router: Router | None = None,
+        telemetry: Telemetry | None = None,
+        scrape: bool = True,
+    ) -> None:
+        from llmgw.runtime.router import Router  # noqa: PLC0415
+        from llmgw.runtime.telemetry import Telemetry  # noqa: PLC0415
+
+        self.config = config
+        self.router = router or Router(config, scrape=scrape)
+        self.telemetry = telemetry or Telemetry()
+        # Scraper.errors is a Counter; ScrapeCounts declares a mutable Mapping attribute.
+        self.telemetry.bind(self.router.registry, cast("ScrapeCounts", self.router.scraper))
+        self.pool = UpstreamPool(pool_limits(config))
+        self.forwarder = Forwarder(self.pool, config)
+        self.routed = SchedulerMiddleware(
+            self.forwarder, config, router=self.router, telemetry=self.telemetry
+        )
+        self.started = False
+        self._models = orjson.dumps(
+            {
+                "object": "list",
+                "data": [
+                    {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+                    for name in config.models
+                ],
+            }
+        )
+
+    async def startup(self) -> None:
+        await self.router.start()
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.started = False
+        await self.router.stop()
+        await self.pool.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path: str = scope["path"]
+            if path.startswith("/v1/") and path != "/v1/models":
+                await self.routed(scope, receive, send)
+                return
+            await self._fixed(path, scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _fixed(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = {
+            "/v1/models": self._list_models,
+            "/healthz": self._healthz,
+            "/readyz": self._readyz,
+            "/metrics": self._metrics,
+        }.get(path)
+        if handler is None:
+            await self.routed(scope, receive, send)  # routed if it names a model, else 404
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            await send_error(send, MethodNotAllowed(f"{path} answers GET only"))
+            return
+        status, content_type, body = handler()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _list_models(self) -> tuple[int, str, bytes]:
+        return 200, "application/json", self._models
+
+    def _healthz(self) -> tuple[int, str, bytes]:
+        return 200, "application/json", b'{"status":"ok"}'
+
+    def _readyz(self) -> tuple[int, str, bytes]:
+        registry = self.router.registry
+        now = registry.clock()
+        models: dict[str, dict[str, object]] = {}
+        ready = self.started
+        routable = False
+        for name, spec in self.config.models.items():
+            mode = model_mode(spec)
+            states = registry.states(name)
+            available = sum(1 for s in states if s.breaker.available(now))
+            models[name] = {"mode": mode.value, "endpoints": len(states), "available": available}
+            routable |= available > 0 or mode is ModelMode.ON_DEMAND
+        ready = ready and routable
+        body = orjson.dumps({"ready": ready, "models": models})
+        return (200 if ready else 503), "application/json", body
+
+    def _metrics(self) -> tuple[int, str, bytes]:
+        body, content_type = self.telemetry.render()
+        return 200, content_type, body
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:  # reported to the server, which exits
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def build_app(config: Config, *, scrape: bool = True) -> ProxyApp:
+    return ProxyApp(config, scrape=scrape)
+
+
+def _event_loop_and_parser() -> tuple[str, str]:
+    try:
+        import uvloop  # noqa: F401, PLC0415
+    except ImportError:
+        loop = "asyncio"
+    else:
+        loop = "uvloop"
+    try:
+        import httptools  # noqa: F401, PLC0415
+    except ImportError:
+        http = "h11"
+    else:
+        http = "httptools"
+    return loop, http
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="llmgw proxy", description="OpenAI-compatible routing proxy (no Envoy needed)."
+    )
+    parser.add_argument("--config", required=True, help="llmgw config file (YAML)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--no-scrape", action="store_true", help="do not poll /metrics")
+    parser.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
+    args = parser.parse_args(argv)
+    try:
+        config = load_file(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    import uvicorn  # noqa: PLC0415
+
+    loop, http = _event_loop_and_parser()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(config, scrape=not args.no_scrape),
+            host=args.host,
+            port=args.port,
+            loop=loop,
+            http=http,
+            lifespan="on",
+            access_log=False,
+            log_level=args.log_level,
+            server_header=False,
+            date_header=False,
+        )
+    )
+    server.run()
+    return 0 if server.started else 1
