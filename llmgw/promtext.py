@@ -53,9 +53,12 @@ def _parse_labels(line: str, start: int, line_no: int) -> tuple[Labels, int]:
         if eq < 0:
             raise MetricsError(f"line {line_no}: label without '='")
         key = line[i:eq].strip()
-        if not key or eq + 1 >= n or line[eq + 1] != '"':
+        quote = eq + 1
+        while quote < n and line[quote] == " ":  # `a = "x"` is valid exposition text
+            quote += 1
+        if not key or quote >= n or line[quote] != '"':
             raise MetricsError(f"line {line_no}: label {key!r} value must be quoted")
-        j = eq + 2
+        j = quote + 1
         chunks: list[str] = []
         while True:
             k = line.find('"', j)

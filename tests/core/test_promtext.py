@@ -1,0 +1,284 @@
+"""Prometheus text parsing and the engine metric contracts (vLLM, SGLang, TensorRT-LLM)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmgw.errors import MetricsError
+from llmgw.promtext import CONTRACTS, MetricContract, extract, iter_samples, parse
+from llmgw.types import Engine
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+VLLM_BUSY = (FIXTURES / "metrics-vllm-0.32.0-busy.txt").read_text()
+
+PAGE = r"""# HELP http_requests_total The total number of HTTP requests.
+# TYPE http_requests_total counter
+http_requests_total{method="post",code="200"} 1027 1395066363000
+http_requests_total{method="post",code="400"}    3 1395066363000
+
+# A free-form comment line
+msdos_file_access_time_seconds{path="C:\\DIR\\FILE.TXT",error="Cannot find file:\n\"FILE.TXT\""} 1.458255915e9
+metric_without_timestamp_and_labels 12.47
+something_weird{problem="division by zero"} +Inf
+negative_thing -Inf
+not_a_number NaN
+# TYPE rpc_duration_seconds histogram
+rpc_duration_seconds_bucket{le="0.05"} 24054
+rpc_duration_seconds_bucket{le="+Inf"} 144320
+rpc_duration_seconds_sum 53423
+rpc_duration_seconds_count 144320
+spaced{ a = "1" , b="x y, z}" } 7
+"""
+
+
+def test_parse_reads_counters_gauges_histograms_labels_escapes_and_special_values() -> None:
+    got = [(s.name, dict(s.labels), s.value) for s in parse(PAGE)]
+    nan = [v for n, _, v in got if n == "not_a_number"]
+    assert len(nan) == 1 and math.isnan(nan[0])
+    assert [g for g in got if g[0] != "not_a_number"] == [
+        ("http_requests_total", {"method": "post", "code": "200"}, 1027.0),
+        ("http_requests_total", {"method": "post", "code": "400"}, 3.0),
+        (
+            "msdos_file_access_time_seconds",
+            {"path": "C:\\DIR\\FILE.TXT", "error": 'Cannot find file:\n"FILE.TXT"'},
+            1.458255915e9,
+        ),
+        ("metric_without_timestamp_and_labels", {}, 12.47),
+        ("something_weird", {"problem": "division by zero"}, math.inf),
+        ("negative_thing", {}, -math.inf),
+        ("rpc_duration_seconds_bucket", {"le": "0.05"}, 24054.0),
+        ("rpc_duration_seconds_bucket", {"le": "+Inf"}, 144320.0),
+        ("rpc_duration_seconds_sum", {}, 53423.0),
+        ("rpc_duration_seconds_count", {}, 144320.0),
+        ("spaced", {"a": "1", "b": "x y, z}"}, 7.0),
+    ]
+
+
+def test_crlf_line_endings_are_accepted() -> None:
+    assert [(s.name, s.value) for s in parse('a 1\r\n# c\r\nb{x="y"} 2\r\n')] == [
+        ("a", 1.0),
+        ("b", 2.0),
+    ]
+
+
+def test_name_filter_yields_only_the_wanted_metrics() -> None:
+    names = {"rpc_duration_seconds_sum", "something_weird"}
+    assert [s.name for s in iter_samples(PAGE, names)] == [
+        "something_weird",
+        "rpc_duration_seconds_sum",
+    ]
+
+
+def test_name_filter_does_not_match_a_longer_name_with_the_same_prefix() -> None:
+    page = 'vllm:num_requests_waiting_by_reason{reason="x"} 9\nvllm:num_requests_waiting 2\n'
+    assert [s.value for s in iter_samples(page, {"vllm:num_requests_waiting"})] == [2.0]
+
+
+@pytest.mark.parametrize(
+    "line",
+    ['m{a="1" 3', "m{a=1} 3", 'm{a="1} 3', "m", 'm{a="1"}', "m abc", 'm{a="x\\'],
+    ids=[
+        "unterminated-set",
+        "unquoted",
+        "unterminated-value",
+        "no-value",
+        "labels-no-value",
+        "not-a-number",
+        "dangling-escape",
+    ],
+)
+def test_malformed_sample_is_a_metrics_error_with_the_line_number(line: str) -> None:
+    with pytest.raises(MetricsError, match="line 2"):
+        parse(f"ok 1\n{line}\n")
+
+
+def test_parse_agrees_with_prometheus_client_on_the_real_vllm_page() -> None:
+    ref = [
+        (s.name, dict(s.labels), s.value)
+        for family in text_string_to_metric_families(VLLM_BUSY)
+        for s in family.samples
+    ]
+    got = [(s.name, dict(s.labels), s.value) for s in parse(VLLM_BUSY)]
+    assert len(got) == len(ref) > 300
+
+    def same(a: float, b: float) -> bool:
+        return a == b or (math.isnan(a) and math.isnan(b))
+
+    for (gn, gl, gv), (rn, rl, rv) in zip(got, ref, strict=True):
+        assert (gn, gl) == (rn, rl)
+        assert same(gv, rv), (gn, gv, rv)
+
+
+def _reference_values(name: str, model: str = "tiny") -> list[float]:
+    return [
+        s.value
+        for family in text_string_to_metric_families(VLLM_BUSY)
+        for s in family.samples
+        if s.name == name and s.labels.get("model_name") == model
+    ]
+
+
+def test_vllm_contract_on_the_real_page() -> None:
+    m = extract(VLLM_BUSY, CONTRACTS[Engine.VLLM], model="tiny")
+    assert m.waiting == sum(_reference_values("vllm:num_requests_waiting"))
+    assert m.running == sum(_reference_values("vllm:num_requests_running"))
+    assert m.running > 0  # the page was taken under load
+    assert m.kv_usage == max(_reference_values("vllm:kv_cache_usage_perc"))
+    assert m.finished_total == sum(_reference_values("vllm:request_success_total"))
+
+
+def test_vllm_page_for_another_model_is_an_error_naming_the_model() -> None:
+    with pytest.raises(MetricsError, match="vllm:num_requests_waiting") as info:
+        extract(VLLM_BUSY, CONTRACTS[Engine.VLLM], model="other")
+    assert "'other'" in str(info.value)
+
+
+VLLM_TEMPLATE = """# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="m"}} 4.0
+vllm:num_requests_running{{engine="0",model_name="m"}} 3.0
+{kv}
+"""
+
+
+def test_deprecated_gpu_cache_usage_is_read_when_kv_cache_usage_is_absent() -> None:
+    page = VLLM_TEMPLATE.format(kv='vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.4')
+    assert extract(page, CONTRACTS[Engine.VLLM]).kv_usage == 0.4
+
+
+def test_current_kv_cache_usage_wins_over_the_deprecated_name() -> None:
+    kv = (
+        'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.4\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.7'
+    )
+    assert extract(VLLM_TEMPLATE.format(kv=kv), CONTRACTS[Engine.VLLM]).kv_usage == 0.7
+
+
+SGLANG_PAGE = """# HELP sglang:num_queue_reqs The number of requests in the waiting queue
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="qwen",tp_rank="0"} 5.0
+sglang:num_running_reqs{model_name="qwen",tp_rank="0"} 12.0
+sglang:token_usage{model_name="qwen",tp_rank="0"} 0.31
+sglang:num_requests_total{model_name="qwen"} 901.0
+"""
+
+TRTLLM_PAGE = """# TYPE trtllm_num_requests_waiting gauge
+trtllm_num_requests_waiting{model_name="llama"} 2
+trtllm_num_requests_running{model_name="llama"} 8
+trtllm_kv_cache_utilization{model_name="llama"} 0.625
+"""
+
+
+@pytest.mark.parametrize(
+    ("engine", "page", "expected"),
+    [
+        (Engine.SGLANG, SGLANG_PAGE, (5.0, 12.0, 0.31, 901.0)),
+        (Engine.TRTLLM, TRTLLM_PAGE, (2.0, 8.0, 0.625, None)),
+    ],
+    ids=["sglang", "trtllm"],
+)
+def test_engine_contract_reads_its_three_metrics(
+    engine: Engine, page: str, expected: tuple[float, float, float, float | None]
+) -> None:
+    m = extract(page, CONTRACTS[engine])
+    assert (m.waiting, m.running, m.kv_usage, m.finished_total) == expected
+
+
+@pytest.mark.parametrize(
+    ("engine", "page", "dropped"),
+    [
+        (
+            Engine.VLLM,
+            VLLM_TEMPLATE.format(kv="vllm:kv_cache_usage_perc 0.1"),
+            "vllm:num_requests_waiting",
+        ),
+        (
+            Engine.VLLM,
+            VLLM_TEMPLATE.format(kv="vllm:kv_cache_usage_perc 0.1"),
+            "vllm:num_requests_running",
+        ),
+        (Engine.VLLM, VLLM_TEMPLATE.format(kv=""), "vllm:kv_cache_usage_perc"),
+        (Engine.SGLANG, SGLANG_PAGE, "sglang:num_queue_reqs"),
+        (Engine.SGLANG, SGLANG_PAGE, "sglang:num_running_reqs"),
+        (Engine.SGLANG, SGLANG_PAGE, "sglang:token_usage"),
+        (Engine.TRTLLM, TRTLLM_PAGE, "trtllm_num_requests_waiting"),
+        (Engine.TRTLLM, TRTLLM_PAGE, "trtllm_num_requests_running"),
+        (Engine.TRTLLM, TRTLLM_PAGE, "trtllm_kv_cache_utilization"),
+    ],
+)
+def test_missing_metric_is_an_error_naming_it(engine: Engine, page: str, dropped: str) -> None:
+    page = "\n".join(line for line in page.splitlines() if not line.startswith(dropped))
+    with pytest.raises(MetricsError, match=dropped):
+        extract(page, CONTRACTS[engine])
+
+
+def test_nan_value_counts_as_missing() -> None:
+    page = VLLM_TEMPLATE.format(kv="vllm:kv_cache_usage_perc NaN")
+    with pytest.raises(MetricsError, match="vllm:kv_cache_usage_perc"):
+        extract(page, CONTRACTS[Engine.VLLM])
+
+
+MULTI = """vllm:num_requests_waiting{engine="0",model_name="a"} 1
+vllm:num_requests_waiting{engine="1",model_name="a"} 2
+vllm:num_requests_waiting{engine="0",model_name="b"} 40
+vllm:num_requests_running{engine="0",model_name="a"} 3
+vllm:num_requests_running{engine="1",model_name="a"} 4
+vllm:num_requests_running{engine="0",model_name="b"} 50
+vllm:kv_cache_usage_perc{engine="0",model_name="a"} 0.2
+vllm:kv_cache_usage_perc{engine="1",model_name="a"} 0.6
+vllm:kv_cache_usage_perc{engine="0",model_name="b"} 0.9
+"""
+
+
+def test_model_name_label_selects_one_model_of_several_on_a_page() -> None:
+    a = extract(MULTI, CONTRACTS[Engine.VLLM], model="a")
+    b = extract(MULTI, CONTRACTS[Engine.VLLM], model="b")
+    # Queues of a model's engines add up; KV takes the fullest engine.
+    assert (a.waiting, a.running, a.kv_usage) == (3.0, 7.0, 0.6)
+    assert (b.waiting, b.running, b.kv_usage) == (40.0, 50.0, 0.9)
+
+
+def test_model_absent_from_a_multi_model_page_is_an_error() -> None:
+    with pytest.raises(MetricsError, match="'c'"):
+        extract(MULTI, CONTRACTS[Engine.VLLM], model="c")
+
+
+def test_overrides_replace_metric_names_and_the_model_label() -> None:
+    contract = CONTRACTS[Engine.VLLM].with_overrides(
+        {"waiting": "queue_len", "kv_usage": "kv_frac", "model_label": "served"}
+    )
+    page = (
+        'queue_len{served="x"} 6\nqueue_len{served="y"} 60\n'
+        'vllm:num_requests_running{served="x"} 2\nkv_frac{served="x"} 0.5\n'
+        'vllm:num_requests_waiting{served="x"} 99\n'
+    )
+    m = extract(page, contract, model="x")
+    assert (m.waiting, m.running, m.kv_usage) == (6.0, 2.0, 0.5)
+
+
+def test_override_of_an_unknown_role_is_an_error() -> None:
+    with pytest.raises(ValueError, match="queue"):
+        CONTRACTS[Engine.VLLM].with_overrides({"queue": "q"})
+
+
+def test_overrides_leave_the_built_in_contract_unchanged() -> None:
+    before = CONTRACTS[Engine.SGLANG]
+    before.with_overrides({"waiting": "q"})
+    assert (
+        CONTRACTS[Engine.SGLANG]
+        == before
+        == MetricContract(
+            waiting=("sglang:num_queue_reqs",),
+            running=("sglang:num_running_reqs",),
+            kv_usage=("sglang:token_usage",),
+            finished=("sglang:num_requests_total",),
+        )
+    )
+
+
+def test_kv_usage_is_clamped_to_zero_one() -> None:
+    page = VLLM_TEMPLATE.format(kv="vllm:kv_cache_usage_perc 1.7")
+    assert extract(page, CONTRACTS[Engine.VLLM]).kv_usage == 1.0
