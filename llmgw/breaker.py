@@ -84,10 +84,11 @@ class Breaker:
             return
         self.state = after
         if after is BreakerState.OPEN:
-            if before is BreakerState.HALF_OPEN:
+            base, cap = self.settings.base_cooldown, self.settings.max_cooldown
+            # Stop growing k at the cap: base * 2**k overflows a float after ~1000 trips.
+            if before is BreakerState.HALF_OPEN and base * 2**self.trips < cap:
                 self.trips += 1
-            cooldown = self.settings.base_cooldown * (2**self.trips)
-            self.opened_until = now + min(cooldown, self.settings.max_cooldown)
+            self.opened_until = now + min(base * 2**self.trips, cap)
             self.probes_inflight = 0
         elif after is BreakerState.CLOSED:
             self.trips = 0

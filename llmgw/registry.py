@@ -52,8 +52,12 @@ class EndpointState:
         return self.endpoint.address
 
     def fresh_metrics(self, now: float, staleness: float) -> EngineMetrics | None:
-        """The last scrape if it is recent enough to trust, else None (stale)."""
-        if self.metrics is not None and now - self.scraped_at <= staleness:
+        """The last scrape if it is recent enough to trust and no scrape failed since, else None."""
+        if (
+            self.metrics is not None
+            and self.scrape_error is None
+            and now - self.scraped_at <= staleness
+        ):
             return self.metrics
         return None
 
@@ -88,11 +92,10 @@ class Registry:
         old = {s.id: s for s in self._by_model.get(model, [])}
         for ep in endpoints:
             state = old.pop(ep.address, None)
-            if state is None or state.endpoint != ep:
-                fresh = EndpointState(ep, self._breaker)
-                if state is not None:
-                    fresh.inflight = state.inflight
-                state = fresh
+            if state is None:
+                state = EndpointState(ep, self._breaker)
+            else:  # same server (say, a new weight): keep its breaker, metrics and inflight
+                state.endpoint = ep
             new.append(state)
         for gone in old.values():
             self._by_id.pop((model, gone.id), None)
@@ -164,7 +167,7 @@ class Registry:
     def record_scrape_error(
         self, model: str, endpoint_id: str, error: str, *, model_absent: bool = False
     ) -> None:
-        """A failed scrape leaves the data to go stale; it never touches the breaker."""
+        """A failed scrape makes the data stale at once; it never touches the breaker."""
         state = self._by_id.get((model, endpoint_id))
         if state is None:
             return

@@ -1,0 +1,224 @@
+"""Registry: inflight accounting, staleness, drain rate, scrape failures, endpoint-set changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.breaker import BreakerSettings, BreakerState
+from llmgw.registry import Registry
+from llmgw.types import Endpoint, EngineMetrics, Outcome
+
+from .helpers import FakeClock
+
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+
+def registry(*addresses: str, clock: FakeClock | None = None, **kw: object) -> Registry:
+    reg = Registry(clock=clock or FakeClock(), **kw)  # type: ignore[arg-type]
+    reg.set_endpoints("m", [Endpoint(a, "m") for a in addresses])
+    return reg
+
+
+def metrics(waiting: float = 1, finished: float | None = None) -> EngineMetrics:
+    return EngineMetrics(waiting=waiting, running=2, kv_usage=0.3, finished_total=finished)
+
+
+def inflight(reg: Registry, address: str) -> int:
+    s = reg.get("m", address)
+    assert s is not None
+    return s.inflight
+
+
+def test_acquire_and_release_count_inflight() -> None:
+    reg = registry(A, B)
+    for _ in range(3):
+        reg.acquire("m", A)
+    reg.release("m", A, Outcome.SUCCESS)
+    assert (inflight(reg, A), inflight(reg, B)) == (2, 0)
+
+
+@pytest.mark.parametrize("outcome", list(Outcome))
+def test_inflight_never_goes_negative(outcome: Outcome) -> None:
+    reg = registry(A)
+    reg.acquire("m", A)
+    for _ in range(3):
+        reg.release("m", A, outcome)
+    assert inflight(reg, A) == 0
+
+
+def test_unknown_endpoint_is_ignored_by_acquire_and_release() -> None:
+    reg = registry(A)
+    assert reg.acquire("m", "9.9.9.9:1") is False
+    assert reg.acquire("other", A) is False
+    reg.release("m", "9.9.9.9:1", Outcome.FAILURE)
+    assert inflight(reg, A) == 0
+
+
+def test_metrics_are_fresh_up_to_the_staleness_window_then_stale() -> None:
+    clock = FakeClock(50.0)
+    reg = registry(A, clock=clock, staleness=2.0)
+    s = reg.get("m", A)
+    assert s is not None
+    assert s.fresh_metrics(clock(), reg.staleness) is None  # never scraped
+    reg.record_scrape("m", A, metrics(waiting=4))
+    clock.advance(2.0)
+    fresh = s.fresh_metrics(clock(), reg.staleness)
+    assert fresh is not None and fresh.waiting == 4
+    clock.advance(0.01)
+    assert s.fresh_metrics(clock(), reg.staleness) is None
+
+
+def test_failed_scrape_marks_the_data_stale_at_once() -> None:
+    clock = FakeClock()
+    reg = registry(A, clock=clock)
+    reg.record_scrape("m", A, metrics())
+    clock.advance(0.1)
+    reg.record_scrape_error("m", A, "metrics page lacks vllm:num_requests_waiting")
+    s = reg.get("m", A)
+    assert s is not None
+    assert s.fresh_metrics(clock(), reg.staleness) is None
+    assert s.scrape_error is not None and "vllm:num_requests_waiting" in s.scrape_error
+    reg.record_scrape("m", A, metrics(waiting=7))  # the next good scrape is trusted again
+    fresh = s.fresh_metrics(clock(), reg.staleness)
+    assert fresh is not None and fresh.waiting == 7 and s.scrape_error is None
+
+
+def test_failed_scrapes_never_touch_the_breaker() -> None:
+    reg = registry(A, breaker=BreakerSettings(failure_threshold=2))
+    for _ in range(50):
+        reg.record_scrape_error("m", A, "timeout")
+    s = reg.get("m", A)
+    assert s is not None
+    assert s.breaker.state is BreakerState.CLOSED
+    reg.release("m", A, Outcome.FAILURE)  # one real failure: the count starts at 1, not 51
+    assert s.breaker.state is BreakerState.CLOSED
+
+
+def test_scrape_showing_the_model_absent_marks_it_not_served() -> None:
+    reg = registry(A)
+    reg.record_scrape_error("m", A, "no series for model", model_absent=True)
+    s = reg.get("m", A)
+    assert s is not None and s.serves_model is False
+    reg.record_scrape("m", A, metrics())
+    assert s.serves_model is True
+
+
+def test_drain_rate_from_the_finished_counter() -> None:
+    clock = FakeClock()
+    reg = registry(A, clock=clock)
+    reg.record_scrape("m", A, metrics(finished=100))
+    clock.advance(2.0)
+    reg.record_scrape("m", A, metrics(finished=130))
+    s = reg.get("m", A)
+    assert s is not None
+    assert s.drain_rate(clock()) == pytest.approx(15.0)
+
+
+def test_counter_reset_does_not_give_a_negative_drain_rate() -> None:
+    clock = FakeClock()
+    reg = registry(A, clock=clock)
+    reg.record_scrape("m", A, metrics(finished=500))
+    clock.advance(1.0)
+    reg.record_scrape("m", A, metrics(finished=3))  # engine restarted
+    clock.advance(1.0)
+    reg.record_scrape("m", A, metrics(finished=13))
+    s = reg.get("m", A)
+    assert s is not None
+    assert s.drain_rate(clock()) == pytest.approx(10.0)
+
+
+def test_drain_rate_from_local_completions_without_a_counter() -> None:
+    clock = FakeClock()
+    reg = registry(A, clock=clock)
+    for _ in range(30):  # one completion a second for 30 s
+        reg.acquire("m", A)
+        clock.advance(1.0)
+        reg.release("m", A, Outcome.SUCCESS)
+    s = reg.get("m", A)
+    assert s is not None
+    assert s.drain_rate(clock()) == pytest.approx(1.0, abs=0.15)
+    clock.advance(60.0)  # nothing finished lately
+    assert s.drain_rate(clock()) == 0.0
+
+
+def test_cancelled_requests_do_not_count_as_drained() -> None:
+    clock = FakeClock()
+    reg = registry(A, clock=clock)
+    for _ in range(10):
+        reg.acquire("m", A)
+        reg.release("m", A, Outcome.CANCELLED)
+    s = reg.get("m", A)
+    assert s is not None and s.drain_rate(clock()) == 0.0
+
+
+def test_release_feeds_the_breaker_but_cancellation_does_not() -> None:
+    reg = registry(A, breaker=BreakerSettings(failure_threshold=2))
+    for _ in range(5):
+        reg.acquire("m", A)
+        reg.release("m", A, Outcome.CANCELLED)
+    assert reg.breaker_states()[("m", A)] is BreakerState.CLOSED
+    for _ in range(2):
+        reg.acquire("m", A)
+        reg.release("m", A, Outcome.FAILURE)
+    assert reg.breaker_states()[("m", A)] is BreakerState.OPEN
+
+
+def test_half_open_acquire_is_a_probe_and_a_cancelled_probe_frees_its_slot() -> None:
+    clock = FakeClock()
+    reg = registry(A, clock=clock, breaker=BreakerSettings(failure_threshold=1, base_cooldown=1))
+    s = reg.get("m", A)
+    assert s is not None
+    reg.acquire("m", A)
+    reg.release("m", A, Outcome.FAILURE)
+    clock.advance(1.0)
+    assert reg.breaker_states()[("m", A)] is BreakerState.HALF_OPEN
+    assert reg.acquire("m", A) is True
+    assert not s.breaker.available(clock())
+    reg.release("m", A, Outcome.CANCELLED, probe=True)
+    assert s.breaker.available(clock())
+
+
+def test_set_endpoints_keeps_live_state_of_endpoints_that_stay() -> None:
+    clock = FakeClock()
+    reg = registry(A, B, clock=clock, breaker=BreakerSettings(failure_threshold=1))
+    reg.acquire("m", A)
+    reg.record_scrape("m", A, metrics(waiting=9))
+    reg.acquire("m", B)
+    reg.release("m", B, Outcome.FAILURE)  # B's breaker opens
+    version = reg.version
+    reg.set_endpoints("m", [Endpoint(B, "m", weight=3.0), Endpoint(A, "m"), Endpoint(C, "m")])
+    a, b, c = (reg.get("m", x) for x in (A, B, C))
+    assert a is not None and b is not None and c is not None
+    assert a.inflight == 1
+    fresh = a.fresh_metrics(clock(), reg.staleness)
+    assert fresh is not None and fresh.waiting == 9
+    # A weight change is the same server: its open breaker stays open, the weight updates.
+    assert b.breaker.state is BreakerState.OPEN
+    assert b.endpoint.weight == 3.0
+    assert c.inflight == 0 and c.metrics is None
+    assert [s.id for s in reg.states("m")] == [B, A, C]
+    assert reg.version == version + 1
+
+
+def test_removed_endpoint_is_forgotten_and_its_late_release_ignored() -> None:
+    reg = registry(A, B)
+    reg.acquire("m", B)
+    reg.set_endpoints("m", [Endpoint(A, "m")])
+    assert reg.get("m", B) is None
+    reg.release("m", B, Outcome.SUCCESS)  # the request outlived its endpoint: no error
+    reg.set_endpoints("m", [Endpoint(A, "m"), Endpoint(B, "m")])
+    assert inflight(reg, B) == 0  # came back fresh
+
+
+def test_same_endpoint_set_does_not_bump_the_version() -> None:
+    reg = registry(A, B)
+    version = reg.version
+    reg.set_endpoints("m", [Endpoint(A, "m"), Endpoint(B, "m")])
+    assert reg.version == version
+
+
+def test_one_server_address_can_serve_several_models() -> None:
+    reg = registry(A)
+    reg.set_endpoints("other", [Endpoint(A, "other")])
+    assert sorted(s.endpoint.model for s in reg.states_at(A)) == ["m", "other"]
+    assert sorted(reg.models()) == ["m", "other"]
