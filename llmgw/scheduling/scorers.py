@@ -7,6 +7,7 @@ import math
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.types import RequestInfo
 
 
 def relative(values: list[float], smoothing: float) -> list[float]:
@@ -149,12 +150,13 @@ class PrefixScorer:
         self, block_chars: int = 256, max_blocks: int = 128, capacity: int = 16384
     ) -> None:
         self.index = PrefixIndex(block_chars=block_chars, max_blocks=max_blocks, capacity=capacity)
-        self._last: tuple[str, list[int]] = ("", [])
+        self._last: tuple[RequestInfo | None, list[int]] = (None, [])
 
     def _hashes(self, ctx: PickContext) -> list[int]:
-        rid = ctx.request.request_id
-        if self._last[0] != rid:
-            self._last = (rid, self.index.hashes(ctx.request.prompt))
+        # Keyed by the request object: request ids may come from clients and repeat.
+        request = ctx.request
+        if self._last[0] is not request:
+            self._last = (request, self.index.hashes(request.prompt))
         return self._last[1]
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
