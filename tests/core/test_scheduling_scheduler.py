@@ -1,0 +1,231 @@
+"""Scheduler.pick: typed errors, the Decision and its rationale, determinism, affinity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from llmgw.breaker import BreakerSettings, BreakerState
+from llmgw.errors import (
+    LlmgwError,
+    ModelDisabled,
+    ModelLoading,
+    ModelNotFound,
+    ModelNotReady,
+    NoCapacity,
+    NoHealthyEndpoint,
+)
+from llmgw.hashring import HashRing
+from llmgw.registry import Registry
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.scheduling.strategies import PRESETS
+from llmgw.types import EngineMetrics, Outcome, RequestInfo
+
+from .helpers import FakeClock, config, static_model
+
+ADDRS = [f"10.0.0.{i + 1}:8000" for i in range(5)]
+
+
+def scheduler(
+    models: dict[str, Any] | None = None, *, seed: int = 1, failure_threshold: int = 1
+) -> tuple[Scheduler, Registry, FakeClock]:
+    cfg = config(models or {"chat": static_model(5)})
+    clock = FakeClock()
+    reg = Registry(breaker=BreakerSettings(failure_threshold=failure_threshold), clock=clock)
+    return Scheduler(cfg, reg, seed=seed), reg, clock
+
+
+def scrape(reg: Registry, model: str, address: str, waiting: float = 0, kv: float = 0.1) -> None:
+    reg.record_scrape(model, address, EngineMetrics(waiting=waiting, running=1, kv_usage=kv))
+
+
+def trip(reg: Registry, model: str, address: str) -> None:
+    reg.acquire(model, address)
+    reg.release(model, address, Outcome.FAILURE)
+    assert reg.breaker_states()[(model, address)] is BreakerState.OPEN
+
+
+def req(model: str = "chat", rid: str = "r-1", **kw: Any) -> RequestInfo:
+    return RequestInfo(model=model, request_id=rid, **kw)
+
+
+def expect(
+    error: type[LlmgwError], status: int, code: str, sched: Scheduler, request: RequestInfo
+) -> LlmgwError:
+    with pytest.raises(LlmgwError) as info:
+        sched.pick(request)
+    assert type(info.value) is error
+    assert (info.value.status, info.value.code) == (status, code)
+    return info.value
+
+
+def test_all_endpoints_unhealthy_is_503_no_healthy_endpoint() -> None:
+    sched, reg, _ = scheduler()
+    for a in ADDRS:
+        trip(reg, "chat", a)
+    err = expect(NoHealthyEndpoint, 503, "no_healthy_endpoint", sched, req())
+    assert "'chat'" in err.message
+
+
+def test_all_endpoints_saturated_is_429_all_saturated() -> None:
+    sched, reg, _ = scheduler()
+    for i, a in enumerate(ADDRS):
+        scrape(reg, "chat", a, waiting=64 if i % 2 else 0, kv=0.99 if i % 2 == 0 else 0.1)
+    expect(NoCapacity, 429, "all_saturated", sched, req())
+
+
+def test_unknown_model_is_404_not_loading() -> None:
+    sched, _, _ = scheduler()
+    err = expect(ModelNotFound, 404, "model_not_found", sched, req("gpt-9"))
+    assert not isinstance(err, ModelLoading | ModelNotReady)
+    assert "gpt-9" in err.message and "chat" in err.message  # says what does exist
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"endpoints": ADDRS[:2], "scaling": {"min": 0, "max": 0}},
+        {"launch": {"command": "run"}, "scaling": {"min": 0, "max": 0}},
+        {"launch": {"command": "run"}},
+    ],
+    ids=["static-max-0", "launched-max-0", "launched-no-scaling"],
+)
+def test_disabled_model_is_503_model_disabled_and_not_retriable(fields: dict[str, Any]) -> None:
+    sched, _, _ = scheduler({"off": fields})
+    err = expect(ModelDisabled, 503, "model_disabled", sched, req("off"))
+    assert err.response_headers()["x-should-retry"] == "false"
+
+
+def test_on_demand_model_without_replicas_is_not_ready_for_the_activator() -> None:
+    sched, _, _ = scheduler(
+        {"big": {"launch": {"command": "run"}, "scaling": {"min": 0, "max": 1}}}
+    )
+    expect(ModelNotReady, 503, "model_not_ready", sched, req("big"))
+
+
+def test_rationale_has_raw_and_weighted_scores_per_endpoint_and_filter_drops() -> None:
+    sched, reg, _ = scheduler()
+    trip(reg, "chat", ADDRS[0])
+    scrape(reg, "chat", ADDRS[1], waiting=100)  # saturated
+    for a in ADDRS[2:]:
+        scrape(reg, "chat", a, waiting=2)
+    d = sched.pick(req(prompt="p" * 600))
+    r = d.rationale
+    assert (r.strategy, r.picker, r.considered) == ("chat", "max-score", 5)
+    assert dict(r.filter_drops) == {"healthy": 1, "model-serves": 0, "not-saturated": 1}
+    assert set(r.endpoint_ids) == set(ADDRS[2:])
+    weights = {n: s.weight for n, s in PRESETS["chat"].scorers.items()}
+    for eid in r.endpoint_ids:
+        scores = r.scores_for(eid)
+        assert set(scores) == set(weights)
+        for name, (raw, weighted) in scores.items():
+            assert 0.0 <= raw <= 1.0
+            assert weighted == pytest.approx(raw * weights[name])
+        assert r.total_for(eid) == pytest.approx(sum(w for _, w in scores.values()))
+    assert r.total_for(d.endpoint.id) == max(r.totals)
+    as_dict = r.as_dict()
+    assert as_dict["filter_drops"]["healthy"] == 1
+    assert set(as_dict["scores"][d.endpoint.id]) == {"total", *weights}
+    assert "strategy=chat" in d.describe() and "dropped=healthy:1,not-saturated:1" in d.describe()
+
+
+def test_fallbacks_follow_the_totals_and_exclude_the_primary() -> None:
+    sched, reg, _ = scheduler({"chat": static_model(5, strategy="least-load")})
+    for i, a in enumerate(ADDRS):
+        scrape(reg, "chat", a, waiting=[3, 0, 8, 1, 5][i])
+    d = sched.pick(req())
+    assert d.destinations == (ADDRS[1], ADDRS[3], ADDRS[0])  # 1 + num_fallback_replicas (2)
+    totals = [d.rationale.total_for(a) for a in d.destinations]
+    assert totals == sorted(totals, reverse=True)
+
+
+def test_strict_affinity_has_no_fallbacks() -> None:
+    sched, _, _ = scheduler({"chat": static_model(5, session={"num_fallback_replicas": 0})})
+    assert sched.pick(req()).fallbacks == ()
+
+
+def test_same_seed_same_decisions() -> None:
+    def run(seed: int) -> list[tuple[str, ...]]:
+        sched, reg, _ = scheduler({"chat": static_model(5, strategy="batch")}, seed=seed)
+        for a in ADDRS:
+            scrape(reg, "chat", a)  # all equal: every pick is a tie broken by the rng
+        return [sched.pick(req(rid=f"r{i}")).destinations for i in range(40)]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_prefix_scorer_sends_a_repeated_prefix_to_the_same_endpoint() -> None:
+    sched, reg, _ = scheduler()
+    for a in ADDRS:
+        scrape(reg, "chat", a)
+    system = "You are a helpful assistant. " * 80  # ~2.3 KB shared prefix
+    first = sched.pick(req(rid="first", prompt=system + "question one"))
+    for i in range(30):  # no session: the ring's primary varies with the request id
+        d = sched.pick(req(rid=f"again-{i}", prompt=system + f"question {i}"))
+        assert d.endpoint == first.endpoint
+        assert d.rationale.scores_for(first.endpoint.id)["prefix"][0] == 1.0
+
+
+def test_ring_strategy_keeps_a_session_on_its_ring_primary() -> None:
+    sched, _, _ = scheduler({"chat": static_model(5, strategy="ring")})
+    ring = HashRing(ADDRS, num_fallback_replicas=2)
+    for session in ("alice", "bob", "carol"):
+        picks = {
+            sched.pick(req(rid=f"{session}-{i}", session_key=session)).endpoint.id
+            for i in range(10)
+        }
+        assert picks == {ring.candidates(session)[0]}
+        assert sched.pick(req(session_key=session)).destinations == tuple(ring.candidates(session))
+
+
+def test_ring_strategy_moves_a_session_to_the_first_fallback_when_the_primary_trips() -> None:
+    sched, reg, clock = scheduler({"chat": static_model(5, strategy="ring")})
+    primary, first_fallback, second_fallback = HashRing(ADDRS).candidates("alice")
+    trip(reg, "chat", primary)
+    d = sched.pick(req(session_key="alice"))
+    assert d.endpoint.id == first_fallback
+    assert d.fallbacks[0].id == second_fallback
+    clock.advance(1.0)  # cooldown over: the half-open primary takes the session back
+    assert sched.pick(req(session_key="alice")).endpoint.id == primary
+
+
+def test_ring_is_rebuilt_only_when_the_endpoint_set_changes() -> None:
+    sched, reg, _ = scheduler()
+    sched.pick(req())
+    ring = sched.routers["chat"].ring
+    for i in range(5):
+        sched.pick(req(rid=f"x{i}"))
+    trip(reg, "chat", ADDRS[0])  # health does not change the ring
+    sched.pick(req())
+    assert sched.routers["chat"].ring is ring
+    reg.set_endpoints("chat", [s.endpoint for s in reg.states("chat")][:4])
+    sched.pick(req())
+    assert sched.routers["chat"].ring is not ring
+    assert sched.routers["chat"].ring.replica_ids == frozenset(ADDRS[:4])
+
+
+def test_lease_counts_inflight_and_finishes_once() -> None:
+    sched, reg, _ = scheduler()
+    d = sched.pick(req())
+    lease = sched.acquire(d)
+    state = reg.get("chat", d.endpoint.id)
+    assert state is not None and state.inflight == 1 and lease.probe is False
+    lease.finish(Outcome.FAILURE)
+    lease.finish(Outcome.FAILURE)  # idempotent: one request, one verdict
+    assert state.inflight == 0
+    fallback = sched.acquire(d, d.fallbacks[0])
+    assert fallback.endpoint_id == d.fallbacks[0].id
+
+
+def test_lease_on_a_half_open_endpoint_is_a_probe() -> None:
+    sched, reg, clock = scheduler({"chat": static_model(1)})
+    trip(reg, "chat", ADDRS[0])
+    clock.advance(1.0)
+    d = sched.pick(req())
+    lease = sched.acquire(d)
+    assert lease.probe is True
+    expect(NoHealthyEndpoint, 503, "no_healthy_endpoint", sched, req())  # its one slot is taken
+    lease.finish(Outcome.CANCELLED)
+    assert sched.pick(req()).endpoint.id == ADDRS[0]
