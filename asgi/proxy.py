@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
@@ -72,6 +73,7 @@ _HOP_BY_HOP = frozenset(
 # Request headers the upstream client sets itself.
 _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 _REFUSING = (429, 503)  # an engine saying "not now": another replica may take it
+_WATCH_AFTER = 0.02  # seconds before a slow exchange starts watching for a disconnect
 
 
 class UpstreamUnreachable(LlmgwError):
@@ -134,8 +136,7 @@ class Forwarder:
 
         task = asyncio.current_task()
         assert task is not None
-        gone: list[bool] = []
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, gone))
+        watch = _DisconnectWatch(receive, task)
         response: UpstreamResponse | None = None
         try:
             response = await self._exchange(
@@ -145,11 +146,11 @@ class Forwarder:
         except UpstreamUnreachable as error:
             await send_error(send, error)
         except asyncio.CancelledError:
-            if not gone:
+            if not watch.gone:
                 raise
             task.uncancel()  # the client went away: the middleware records CANCELLED
         finally:
-            watcher.cancel()
+            watch.stop()
             if response is not None:
                 response.close()
 
@@ -206,14 +207,44 @@ class Forwarder:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
-async def _watch_disconnect(receive: Receive, task: asyncio.Task[None], gone: list[bool]) -> None:
-    """Cancel `task` when the client disconnects (the upstream exchange is abandoned)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            gone.append(True)
-            task.cancel()
-            return
+class _DisconnectWatch:
+    """Cancels the forwarding task when the client disconnects.
+
+    Waiting on `receive()` takes a task of its own; most exchanges are over before
+    `_WATCH_AFTER`, so the watcher is only started when one takes longer (a timer handle
+    costs far less than a task). Uvicorn remembers a disconnect, so none is missed.
+    """
+
+    __slots__ = ("_receive", "_task", "_timer", "_watcher", "gone")
+
+    def __init__(self, receive: Receive, task: asyncio.Task[None]) -> None:
+        self._receive = receive
+        self._task = task
+        self._watcher: asyncio.Task[None] | None = None
+        self.gone = False
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            _WATCH_AFTER, self._start
+        )
+
+    def _start(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                self._task.cancel()
+                return
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
 
 
 class ProxyApp:
@@ -359,6 +390,15 @@ def _event_loop_and_parser() -> tuple[str, str]:
     return loop, http
 
 
+_WORKER_ARGS = "_LLMGW_PROXY_WORKER_ARGS"  # parent -> worker processes, set by main()
+
+
+def _worker_app() -> ProxyApp:
+    """The app of one worker process of `--workers N` (uvicorn imports it by name)."""
+    args = orjson.loads(os.environ[_WORKER_ARGS])
+    return build_app(load_file(args["config"]), scrape=args["scrape"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="llmgw proxy", description="OpenAI-compatible routing proxy (no Envoy needed)."
@@ -366,6 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="llmgw config file (YAML)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes sharing the port; each routes on its own (same ring, own inflight)",
+    )
     parser.add_argument("--no-scrape", action="store_true", help="do not poll /metrics")
     parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
@@ -379,19 +425,24 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # noqa: PLC0415
 
     loop, http = _event_loop_and_parser()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(config, scrape=not args.no_scrape),
-            host=args.host,
-            port=args.port,
-            loop=loop,
-            http=http,
-            lifespan="on",
-            access_log=False,
-            log_level=args.log_level,
-            server_header=False,
-            date_header=False,
-        )
-    )
+    options: dict[str, Any] = {
+        "host": args.host,
+        "port": args.port,
+        "loop": loop,
+        "http": http,
+        "lifespan": "on",
+        "access_log": False,
+        "log_level": args.log_level,
+        "server_header": False,
+        "date_header": False,
+        "proxy_headers": False,  # a routing proxy forwards X-Forwarded-* untouched
+    }
+    if args.workers > 1:
+        os.environ[_WORKER_ARGS] = orjson.dumps(
+            {"config": os.path.abspath(args.config), "scrape": not args.no_scrape}
+        ).decode()
+        uvicorn.run("asgi.proxy:_worker_app", factory=True, workers=args.workers, **options)
+        return 0
+    server = uvicorn.Server(uvicorn.Config(build_app(config, scrape=not args.no_scrape), **options))
     server.run()
     return 0 if server.started else 1
