@@ -1,0 +1,192 @@
+"""build_request: an edge's headers and body -> RequestInfo, or a typed 400/413."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from llmgw.config import Config
+from llmgw.errors import BadRequest, BodyTooLarge, LlmgwError
+from llmgw.request import build_request, needs_body, prompt_text
+
+from .helpers import config, static_model
+
+CHAT = "/v1/chat/completions"
+
+
+def cfg(**top: Any) -> Config:
+    return config(
+        {
+            "chat": static_model(2, session={"headers": ["X-Conversation-Id", "x-session-id"]}),
+            "plain": static_model(1, strategy="batch"),
+        },
+        **top,
+    )
+
+
+def body(**fields: Any) -> bytes:
+    return orjson.dumps(
+        {"model": "chat", "messages": [{"role": "user", "content": "hi"}], **fields}
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "phrase"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "must be a JSON object, got list"),
+        (b'"chat"', 400, "must be a JSON object, got str"),
+        (b'{"messages": []}', 400, "'model'"),
+        (b'{"model": 7}', 400, "'model'"),
+        (b'{"model": ""}', 400, "'model'"),
+        (b'{"model": "chat", "stream": "yes"}', 400, "'stream' must be a boolean"),
+        (b'{"model": "chat", "stream": 1}', 400, "'stream' must be a boolean"),
+        (b'{"model": "chat", "messages": "hi"}', 400, "'messages' must be an array"),
+    ],
+    ids=[
+        "bad-json",
+        "empty",
+        "array",
+        "string",
+        "no-model",
+        "model-not-str",
+        "model-empty",
+        "stream-str",
+        "stream-int",
+        "messages-str",
+    ],
+)
+def test_bad_body_is_a_400_saying_why(raw: bytes, status: int, phrase: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        build_request(cfg(), {}, CHAT, raw)
+    assert info.value.status == status == 400
+    assert phrase in info.value.message
+    assert orjson.loads(info.value.body())["error"]["code"] == "invalid_request"
+
+
+def test_oversize_body_is_413_before_parsing() -> None:
+    limit = 2048
+    raw = b"{" + b" " * limit  # invalid JSON too: the size check must come first
+    with pytest.raises(BodyTooLarge) as info:
+        build_request(cfg(limits={"max_body_bytes": limit}), {}, CHAT, raw)
+    assert info.value.status == 413
+    assert str(limit) in info.value.message
+
+
+def test_body_at_the_limit_is_accepted() -> None:
+    raw = body()
+    c = cfg(limits={"max_body_bytes": 1024})
+    padded = raw[:-1] + b" " * (1024 - len(raw)) + b"}"
+    assert len(padded) == 1024
+    assert build_request(c, {}, CHAT, padded).model == "chat"
+
+
+def test_model_comes_from_the_header_without_a_body() -> None:
+    info = build_request(cfg(), {"x-llmgw-model": "plain"}, CHAT, None)
+    assert info.model == "plain" and info.prompt == "" and info.body_size == 0
+
+
+def test_model_header_name_is_configurable_and_wins_over_the_body() -> None:
+    info = build_request(cfg(model_header="x-model"), {"x-model": "plain"}, CHAT, body())
+    assert info.model == "plain"
+
+
+def test_no_model_anywhere_is_a_400_naming_the_header() -> None:
+    with pytest.raises(BadRequest, match="x-llmgw-model"):
+        build_request(cfg(), {}, "/v1/models", None)
+
+
+def test_session_header_names_are_configured_per_model_in_order() -> None:
+    c = cfg()
+    both = {"x-conversation-id": "conv-1", "x-session-id": "sess-1"}
+    assert build_request(c, both, CHAT, body()).session_key == "conv-1"
+    assert build_request(c, {"x-session-id": "sess-1"}, CHAT, body()).session_key == "sess-1"
+    assert build_request(c, {}, CHAT, body()).session_key is None
+    # "plain" keeps the default header only.
+    plain = build_request(c, {"x-llmgw-model": "plain", **both}, CHAT, None)
+    assert plain.session_key == "sess-1"
+
+
+def test_request_id_comes_from_the_header_else_is_unique() -> None:
+    c = cfg()
+    assert build_request(c, {"x-request-id": "abc"}, CHAT, body()).request_id == "abc"
+    ids = {build_request(c, {}, CHAT, body()).request_id for _ in range(50)}
+    assert len(ids) == 50
+
+
+def test_without_a_session_the_routing_key_is_the_request_id() -> None:
+    info = build_request(cfg(), {"x-request-id": "abc"}, CHAT, body())
+    assert info.routing_key == "abc"
+
+
+def test_prompt_from_messages_is_role_tagged_and_keeps_text_parts() -> None:
+    payload = {
+        "model": "chat",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look "},
+                    {"type": "image_url", "image_url": {"url": "x"}},
+                    {"type": "text", "text": "here"},
+                ],
+            },
+            "not a message",
+        ],
+        "stream": True,
+    }
+    info = build_request(cfg(), {}, CHAT, orjson.dumps(payload))
+    assert info.prompt == "<|system|>be brief<|user|>look here"
+    assert info.stream is True
+    assert info.body_size == len(orjson.dumps(payload))
+
+
+@pytest.mark.parametrize(
+    ("payload", "want"),
+    [
+        ({"prompt": "once upon"}, "once upon"),
+        ({"prompt": ["a", "b", 3]}, "ab"),
+        ({"input": "embed me"}, "embed me"),
+        ({}, ""),
+    ],
+    ids=["prompt-str", "prompt-list", "input", "none"],
+)
+def test_prompt_from_prompt_or_input(payload: dict[str, Any], want: str) -> None:
+    assert prompt_text(payload, 1000) == want
+
+
+def test_prompt_is_cut_at_the_configured_prefix_length() -> None:
+    c = cfg(limits={"prompt_prefix_chars": 10})
+    info = build_request(c, {}, CHAT, body(messages=[{"role": "user", "content": "x" * 100}]))
+    assert info.prompt == ("<|user|>" + "x" * 100)[:10]
+
+
+def test_body_of_a_non_inference_path_is_not_parsed() -> None:
+    info = build_request(cfg(), {"x-llmgw-model": "chat"}, "/v1/models", b"{not json")
+    assert info.model == "chat"
+
+
+def test_query_string_does_not_hide_an_inference_path() -> None:
+    with pytest.raises(LlmgwError) as info:
+        build_request(cfg(), {}, CHAT + "?x=1", b"{oops")
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("headers", "path", "want"),
+    [
+        ({}, CHAT, True),  # the model is in the body
+        ({"x-llmgw-model": "chat"}, CHAT, True),  # the chat strategy reads the prompt
+        ({"x-llmgw-model": "plain"}, CHAT, False),  # batch has no prefix scorer
+        ({"x-llmgw-model": "plain"}, "/v1/models", False),
+        ({}, "/health", False),
+    ],
+)
+def test_needs_body_only_when_routing_reads_it(
+    headers: dict[str, str], path: str, want: bool
+) -> None:
+    assert needs_body(cfg(), headers, path) is want
