@@ -14,6 +14,7 @@ from llmgw.config import Config
 from llmgw.errors import ModelNotReady
 from llmgw.runtime.activator import Activator
 from llmgw.runtime.controlplanes import ControlPlane
+from llmgw.runtime.controlplanes.composite import control_plane_for
 from llmgw.runtime.scraper import Scraper
 from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
@@ -59,10 +60,8 @@ class Router:
         self.scheduler = Scheduler(config, seed=seed)
         self.registry = self.scheduler.registry
         self.scraper = Scraper(config, self.registry) if scrape else None
-        if control_plane is None and any(s.launch is not None for s in config.models.values()):
-            from llmgw.runtime.controlplanes.local import LocalProcessControlPlane  # noqa: PLC0415
-
-            control_plane = LocalProcessControlPlane(config)
+        if control_plane is None:
+            control_plane = control_plane_for(config)  # local processes and/or Kubernetes
         self.activator = (
             Activator(config, self.registry, control_plane) if control_plane is not None else None
         )

@@ -1,0 +1,418 @@
+"""A fake Kubernetes API server (aiohttp) for the Kubernetes control plane's tests.
+
+It speaks the real paths and JSON of the two APIs llmgw uses, so the official client
+talks to it unchanged (`Configuration(host="http://127.0.0.1:PORT")`):
+
+- `GET|PATCH /apis/apps/v1/namespaces/{ns}/deployments/{name}/scale` -> `autoscaling/v1`
+  `Scale`; PATCH takes merge-patch, strategic-merge-patch or JSON-patch bodies.
+- `GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices?labelSelector=...` ->
+  `EndpointSliceList`; with `watch=true`, newline-delimited watch events
+  (`{"type": "ADDED|MODIFIED|DELETED|BOOKMARK|ERROR", "object": ...}`) after
+  `resourceVersion`, until `timeoutSeconds`.
+- Errors are `v1` `Status` objects (403 Forbidden, 404 NotFound, 410 Expired).
+
+Each Deployment simulates its pods: scaling up adds a not-ready endpoint per pod (one
+EndpointSlice per pod, so each pod can point at its own loopback port), which turns
+ready `ready_after` seconds later; scaling down marks them terminating, then deletes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+
+@dataclass
+class FakePod:
+    name: str
+    ip: str
+    port: int
+    slice_name: str
+    ready: bool = False
+    terminating: bool = False
+    version: int = 0  # resourceVersion of its EndpointSlice
+
+
+@dataclass
+class FakeDeployment:
+    namespace: str
+    name: str
+    service: str
+    pod_ports: list[int]  # the loopback port of pod i (an engine listening there, or not)
+    ready_after: float = 0.05
+    replicas: int = 0
+    never_ready: bool = False
+    pods: list[FakePod] = field(default_factory=list)
+
+
+@dataclass
+class RecordedRequest:
+    method: str
+    path: str
+    query: dict[str, str]
+    content_type: str
+    body: Any
+
+
+class FakeKubernetes:
+    """`async with FakeKubernetes() as kube: kube.add_deployment(...); kube.host`."""
+
+    def __init__(self) -> None:
+        self.deployments: dict[tuple[str, str], FakeDeployment] = {}
+        self.requests: list[RecordedRequest] = []
+        self.forbidden: set[str] = set()  # "patch-scale", "get-scale", "list-slices"
+        self.watch_supported = True
+        self.watches_served = 0
+        self._version = 100
+        self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, ns, type, slice)
+        self._changed = asyncio.Event()  # replaced by a fresh one on every change
+        self._closing = asyncio.Event()
+        self._timers: set[asyncio.TimerHandle] = set()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    @property
+    def host(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route(
+            "GET", "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale", self._get_scale
+        )
+        app.router.add_route(
+            "PATCH", "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale", self._patch_scale
+        )
+        app.router.add_route(
+            "GET", "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self._slices
+        )
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        self._closing.set()
+        self._changed.set()
+        for timer in self._timers:
+            timer.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def __aenter__(self) -> FakeKubernetes:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- the simulated cluster -----------------------------------------------------------
+    def add_deployment(
+        self,
+        name: str,
+        *,
+        namespace: str = "default",
+        service: str | None = None,
+        pod_ports: list[int] | None = None,
+        ready_after: float = 0.05,
+        replicas: int = 0,
+    ) -> FakeDeployment:
+        deployment = FakeDeployment(
+            namespace=namespace,
+            name=name,
+            service=service or name,
+            pod_ports=pod_ports or [9],
+            ready_after=ready_after,
+        )
+        self.deployments[(namespace, name)] = deployment
+        self._scale(deployment, replicas)
+        return deployment
+
+    def set_ready(self, name: str, ready: bool, *, namespace: str = "default") -> None:
+        """Every pod of the deployment passes (or fails) its readiness probe."""
+        deployment = self.deployments[(namespace, name)]
+        for pod in deployment.pods:
+            if not pod.terminating and pod.ready != ready:
+                pod.ready = ready
+                self._emit(deployment, "MODIFIED", pod)
+
+    def patches(self) -> list[RecordedRequest]:
+        return [r for r in self.requests if r.method == "PATCH"]
+
+    def _scale(self, deployment: FakeDeployment, replicas: int) -> None:
+        deployment.replicas = replicas
+        live = [p for p in deployment.pods if not p.terminating]
+        for i in range(len(live), replicas):
+            port = deployment.pod_ports[i % len(deployment.pod_ports)]
+            suffix = f"{self._next_version():x}"
+            pod = FakePod(
+                name=f"{deployment.name}-{suffix}",
+                ip="127.0.0.1",
+                port=port,
+                slice_name=f"{deployment.service}-{suffix}",
+            )
+            deployment.pods.append(pod)
+            self._emit(deployment, "ADDED", pod)
+            if not deployment.never_ready:
+                self._later(deployment.ready_after, self._become_ready, deployment, pod)
+        for pod in live[replicas:]:
+            pod.ready, pod.terminating = False, True
+            self._emit(deployment, "MODIFIED", pod)
+            self._later(0.02, self._delete, deployment, pod)
+
+    def _become_ready(self, deployment: FakeDeployment, pod: FakePod) -> None:
+        if pod in deployment.pods and not pod.terminating:
+            pod.ready = True
+            self._emit(deployment, "MODIFIED", pod)
+
+    def _delete(self, deployment: FakeDeployment, pod: FakePod) -> None:
+        if pod in deployment.pods:
+            deployment.pods.remove(pod)
+            self._emit(deployment, "DELETED", pod)
+
+    def _later(self, delay: float, fn: Any, *args: Any) -> None:
+        loop = asyncio.get_running_loop()
+        handle: asyncio.TimerHandle
+
+        def run() -> None:
+            self._timers.discard(handle)
+            fn(*args)
+
+        handle = loop.call_later(delay, run)
+        self._timers.add(handle)
+
+    def _next_version(self) -> int:
+        self._version += 1
+        return self._version
+
+    def _emit(self, deployment: FakeDeployment, kind: str, pod: FakePod) -> None:
+        pod.version = self._next_version()
+        self._events.append((pod.version, deployment.namespace, kind, self._slice(deployment, pod)))
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _slice(self, deployment: FakeDeployment, pod: FakePod) -> dict[str, Any]:
+        """One EndpointSlice per pod, as the endpointslice controller would write it."""
+        return {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": pod.slice_name,
+                "generateName": f"{deployment.service}-",
+                "namespace": deployment.namespace,
+                "resourceVersion": str(pod.version),
+                "labels": {
+                    SERVICE_NAME_LABEL: deployment.service,
+                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+                },
+            },
+            "addressType": "IPv4",
+            "endpoints": [
+                {
+                    "addresses": [pod.ip],
+                    "conditions": {
+                        "ready": pod.ready,
+                        "serving": pod.ready or pod.terminating,
+                        "terminating": pod.terminating,
+                    },
+                    "nodeName": "fake-node",
+                    "targetRef": {
+                        "kind": "Pod",
+                        "namespace": deployment.namespace,
+                        "name": pod.name,
+                    },
+                }
+            ],
+            "ports": [{"name": "http", "port": pod.port, "protocol": "TCP"}],
+        }
+
+    def _current_slices(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        out = []
+        for deployment in self.deployments.values():
+            if deployment.namespace != namespace:
+                continue
+            for pod in deployment.pods:
+                pod_slice = self._slice(deployment, pod)
+                if _matches(pod_slice, selector):
+                    out.append(pod_slice)
+        return out
+
+    # -- HTTP handlers -------------------------------------------------------------------
+    async def _record(self, request: web.Request) -> RecordedRequest:
+        raw = await request.read()
+        body: Any = json.loads(raw) if raw else None
+        recorded = RecordedRequest(
+            request.method, request.path, dict(request.query), request.content_type, body
+        )
+        self.requests.append(recorded)
+        return recorded
+
+    def _deployment(self, request: web.Request) -> FakeDeployment | web.Response:
+        ns, name = request.match_info["ns"], request.match_info["name"]
+        deployment = self.deployments.get((ns, name))
+        if deployment is None:
+            return status_response(
+                404, "NotFound", f'deployments.apps "{name}" not found', name, "deployments"
+            )
+        return deployment
+
+    async def _get_scale(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        if "get-scale" in self.forbidden:
+            return forbidden(request, "get", "deployments/scale", "apps")
+        found = self._deployment(request)
+        if isinstance(found, web.Response):
+            return found
+        return web.json_response(self._scale_object(found))
+
+    async def _patch_scale(self, request: web.Request) -> web.Response:
+        recorded = await self._record(request)
+        if "patch-scale" in self.forbidden:
+            return forbidden(request, "patch", "deployments/scale", "apps")
+        found = self._deployment(request)
+        if isinstance(found, web.Response):
+            return found
+        body = recorded.body
+        if recorded.content_type == "application/json-patch+json" and isinstance(body, list):
+            replicas = next(op["value"] for op in body if op.get("path") == "/spec/replicas")
+        elif recorded.content_type in (
+            "application/merge-patch+json",
+            "application/strategic-merge-patch+json",
+        ) and isinstance(body, dict):
+            replicas = body.get("spec", {}).get("replicas", found.replicas)
+        else:
+            return status_response(
+                415, "UnsupportedMediaType", f"unsupported patch {recorded.content_type}"
+            )
+        if not isinstance(replicas, int) or replicas < 0:
+            return status_response(422, "Invalid", f"spec.replicas: Invalid value: {replicas!r}")
+        self._scale(found, replicas)
+        return web.json_response(self._scale_object(found))
+
+    def _scale_object(self, deployment: FakeDeployment) -> dict[str, Any]:
+        return {
+            "kind": "Scale",
+            "apiVersion": "autoscaling/v1",
+            "metadata": {
+                "name": deployment.name,
+                "namespace": deployment.namespace,
+                "uid": f"uid-{deployment.namespace}-{deployment.name}",
+                "resourceVersion": str(self._version),
+                "creationTimestamp": "2025-01-01T00:00:00Z",
+            },
+            "spec": {"replicas": deployment.replicas},
+            "status": {
+                "replicas": len([p for p in deployment.pods if not p.terminating]),
+                "selector": f"app={deployment.name}",
+            },
+        }
+
+    async def _slices(self, request: web.Request) -> web.StreamResponse:
+        await self._record(request)
+        if "list-slices" in self.forbidden:
+            verb = "watch" if request.query.get("watch") in ("true", "1") else "list"
+            return forbidden(request, verb, "endpointslices", "discovery.k8s.io")
+        ns = request.match_info["ns"]
+        selector = parse_selector(request.query.get("labelSelector", ""))
+        if request.query.get("watch") not in ("true", "1"):
+            return web.json_response(
+                {
+                    "kind": "EndpointSliceList",
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "metadata": {"resourceVersion": str(self._version)},
+                    "items": [
+                        {k: v for k, v in s.items() if k not in ("kind", "apiVersion")}
+                        for s in self._current_slices(ns, selector)
+                    ],
+                }
+            )
+        if not self.watch_supported:
+            return status_response(405, "MethodNotAllowed", "watch is not supported here")
+        return await self._watch(request, ns, selector)
+
+    async def _watch(
+        self, request: web.Request, ns: str, selector: dict[str, str]
+    ) -> web.StreamResponse:
+        self.watches_served += 1
+        since = int(request.query.get("resourceVersion") or self._version)
+        timeout = float(request.query.get("timeoutSeconds") or 1800)
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        sent = since
+        with contextlib.suppress(ConnectionResetError):
+            while not self._closing.is_set() and loop.time() < deadline:
+                changed = self._changed
+                for version, event_ns, kind, obj in self._events:
+                    if version <= sent:
+                        continue
+                    sent = version
+                    if event_ns == ns and _matches(obj, selector):
+                        line = json.dumps({"type": kind, "object": obj}) + "\n"
+                        await response.write(line.encode())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                        await changed.wait()
+            await response.write_eof()
+        return response
+
+
+def parse_selector(text: str) -> dict[str, str]:
+    """Equality-based label selectors (`a=b,c==d`), which is what llmgw sends."""
+    out: dict[str, str] = {}
+    for term in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = term.replace("==", "=").partition("=")
+        out[key] = value
+    return out
+
+
+def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+    labels = obj["metadata"].get("labels") or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def status_response(
+    code: int, reason: str, message: str, name: str | None = None, kind: str | None = None
+) -> web.Response:
+    details: dict[str, Any] = {}
+    if name is not None:
+        details = {"name": name, "group": "apps", "kind": kind}
+    return web.json_response(
+        {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "details": details,
+            "code": code,
+        },
+        status=code,
+    )
+
+
+def forbidden(request: web.Request, verb: str, resource: str, group: str) -> web.Response:
+    ns = request.match_info["ns"]
+    name = request.match_info.get("name")
+    subject = "system:serviceaccount:llmgw:llmgw"
+    what = f'{resource}.{group} "{name}"' if name else f"{resource}.{group}"
+    return status_response(
+        403,
+        "Forbidden",
+        f'{what} is forbidden: User "{subject}" cannot {verb} resource "{resource}" '
+        f'in API group "{group}" in the namespace "{ns}"',
+        name,
+        resource,
+    )

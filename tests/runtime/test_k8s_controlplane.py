@@ -1,0 +1,406 @@
+"""The Kubernetes control plane against a fake API server that speaks the real HTTP + JSON.
+
+No cluster here: `fake_k8s.FakeKubernetes` serves the Deployment scale subresource and
+EndpointSlice list/watch on loopback; the official client talks to it unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from kubernetes import client
+
+from llmgw.config import Config, load_dict
+from llmgw.runtime.controlplanes import StartError
+from llmgw.runtime.controlplanes.composite import CompositeControlPlane, control_plane_for
+from llmgw.runtime.controlplanes.k8s import KubernetesControlPlane, ready_addresses
+from llmgw.runtime.controlplanes.local import LocalProcessControlPlane
+from llmgw.runtime.router import Router
+from llmgw.sim import SimFleet
+from llmgw.types import RequestInfo
+from tests.runtime.fake_k8s import FakeKubernetes
+
+SCALE_PATH = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
+SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+def k8s_config(
+    *,
+    namespace: str = "models",
+    min_: int = 0,
+    max_: int = 1,
+    start_timeout: float = 5.0,
+    **launch: Any,
+) -> Config:
+    return load_dict(
+        {
+            "activation_timeout": 10,
+            "activation_poll_interval": 0.02,
+            "models": {
+                "big": {
+                    "launch": {"deployment": "vllm-big", "namespace": namespace, **launch},
+                    "scaling": {"min": min_, "max": max_, "start_timeout": start_timeout},
+                }
+            },
+        }
+    )
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKubernetes]:
+    async with FakeKubernetes() as fake:
+        yield fake
+
+
+@pytest.fixture
+def api(kube: FakeKubernetes) -> Iterator[Any]:
+    api_client: Any = client.ApiClient(client.Configuration(host=kube.host))
+    yield api_client
+    api_client.close()
+
+
+class Planes:
+    """Builds control planes on the fake API and closes them at the end of the test."""
+
+    def __init__(self, api_client: Any) -> None:
+        self.api_client = api_client
+        self.made: list[KubernetesControlPlane] = []
+        self.crashes: list[tuple[str, str]] = []
+
+    def __call__(self, config: Config, **options: Any) -> KubernetesControlPlane:
+        options.setdefault("poll_interval", 0.02)
+        plane = KubernetesControlPlane(config, api_client=self.api_client, **options)
+        plane.on_crash(lambda model, reason: self.crashes.append((model, reason)))
+        self.made.append(plane)
+        return plane
+
+
+@pytest.fixture
+async def planes(api: Any) -> AsyncIterator[Planes]:
+    made = Planes(api)
+    yield made
+    for plane in made.made:
+        await plane.close()
+
+
+# -- scale up --------------------------------------------------------------------------
+async def test_first_want_scales_zero_to_one_through_the_scale_subresource(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18001])
+    plane = planes(k8s_config())
+    endpoints = await plane.want("big")
+    assert [e.address for e in endpoints] == ["127.0.0.1:18001"]
+    assert deployment.replicas == 1
+    [patch] = kube.patches()
+    assert patch.path == SCALE_PATH.format(ns="models", name="vllm-big")
+    assert patch.body == {"spec": {"replicas": 1}}
+    assert patch.content_type in (
+        "application/merge-patch+json",
+        "application/strategic-merge-patch+json",
+    )
+    lists = [r for r in kube.requests if r.path == SLICES_PATH.format(ns="models")]
+    assert lists and all(
+        r.query["labelSelector"] == "kubernetes.io/service-name=vllm-big" for r in lists
+    )
+    status = plane.status("big")
+    assert status["replicas_wanted"] == 1 and status["ready_endpoints"] == ["127.0.0.1:18001"]
+
+
+async def test_a_second_want_of_a_running_model_does_not_patch_again(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    kube.add_deployment("vllm-big", namespace="models", pod_ports=[18001])
+    plane = planes(k8s_config())
+    await plane.want("big")
+    await plane.want("big")
+    assert len(kube.patches()) == 1
+
+
+@pytest.mark.parametrize(
+    ("min_", "max_", "current", "patched"),
+    [
+        (0, 1, 0, 1),  # on demand: one replica
+        (2, 3, 0, 2),  # always on: min replicas
+        (0, 4, 3, None),  # someone (an HPA) already runs more: never lowered
+    ],
+)
+async def test_replicas_asked_for_are_min_at_least_one_never_lowering(
+    kube: FakeKubernetes, planes: Planes, min_: int, max_: int, current: int, patched: int | None
+) -> None:
+    kube.add_deployment("vllm-big", namespace="models", pod_ports=[18001, 18002, 18003])
+    if current:
+        kube._scale(kube.deployments[("models", "vllm-big")], current)
+    plane = planes(k8s_config(min_=min_, max_=max_))
+    await plane.want("big")
+    bodies = [p.body for p in kube.patches()]
+    assert bodies == ([] if patched is None else [{"spec": {"replicas": patched}}])
+
+
+async def test_service_defaults_to_the_deployment_and_can_be_named(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    kube.add_deployment("vllm-big", namespace="models", service="big-svc", pod_ports=[18004])
+    plane = planes(k8s_config(service="big-svc"))
+    assert [e.address for e in await plane.want("big")] == ["127.0.0.1:18004"]
+    assert kube.requests[-1].query["labelSelector"] == "kubernetes.io/service-name=big-svc"
+
+
+# -- readiness -------------------------------------------------------------------------
+@pytest.mark.parametrize("watch", [True, False], ids=["watch", "list"])
+async def test_endpoints_are_returned_only_once_ready(
+    kube: FakeKubernetes, planes: Planes, watch: bool
+) -> None:
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18005])
+    deployment.never_ready = True
+    plane = planes(k8s_config(), watch=watch)
+    start = asyncio.create_task(plane.want("big"))
+    # The pod is listed, not ready: the control plane has seen it and still waits.
+    await eventually(lambda: bool(plane._models.get("big") and plane._models["big"].slices))
+    assert not start.done() and plane.status("big")["ready_endpoints"] == []
+    kube.set_ready("vllm-big", True, namespace="models")
+    endpoints = await asyncio.wait_for(start, 5)
+    assert [e.address for e in endpoints] == ["127.0.0.1:18005"]
+    assert plane.status("big")["discovery"] == ("watch" if watch else "list")
+
+
+async def test_a_refused_watch_falls_back_to_listing(kube: FakeKubernetes, planes: Planes) -> None:
+    kube.watch_supported = False
+    kube.add_deployment("vllm-big", namespace="models", pod_ports=[18006], ready_after=0.1)
+    plane = planes(k8s_config(), watch=True)
+    assert [e.address for e in await plane.want("big")] == ["127.0.0.1:18006"]
+    assert plane.status("big")["discovery"] == "list"
+
+
+@pytest.mark.parametrize(
+    ("slices", "ready"),
+    [
+        # ready true / nil count (the API: nil means ready); false does not
+        (
+            [
+                {
+                    "ports": [{"name": "http", "port": 8000}],
+                    "endpoints": [
+                        {"addresses": ["10.0.0.1"], "conditions": {"ready": True}},
+                        {"addresses": ["10.0.0.2"], "conditions": {}},
+                        {"addresses": ["10.0.0.3"], "conditions": {"ready": False}},
+                    ],
+                }
+            ],
+            ["10.0.0.1:8000", "10.0.0.2:8000"],
+        ),
+        # the port named http wins over others; several slices merge
+        (
+            [
+                {
+                    "ports": [{"name": "metrics", "port": 9090}, {"name": "http", "port": 8001}],
+                    "endpoints": [{"addresses": ["10.0.0.4"], "conditions": {"ready": True}}],
+                },
+                {
+                    "ports": [{"name": "web", "port": 8002}],
+                    "endpoints": [{"addresses": ["10.0.0.5"], "conditions": {"ready": True}}],
+                },
+            ],
+            ["10.0.0.4:8001", "10.0.0.5:8002"],
+        ),
+        # no ports: launch.port; IPv6 in brackets; no endpoints at all
+        (
+            [
+                {"endpoints": [{"addresses": ["fd00::7"], "conditions": {"ready": True}}]},
+                {"ports": [], "endpoints": None},
+            ],
+            ["[fd00::7]:7777"],
+        ),
+    ],
+)
+def test_ready_addresses_from_endpoint_slices(
+    slices: list[dict[str, Any]], ready: list[str]
+) -> None:
+    assert ready_addresses(slices, 7777) == ready
+
+
+# -- failures --------------------------------------------------------------------------
+async def test_start_timeout_is_a_start_error_and_scales_back_to_zero(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18007])
+    deployment.never_ready = True
+    plane = planes(k8s_config(start_timeout=0.3))
+    started = time.monotonic()
+    with pytest.raises(StartError, match=r"no ready endpoint .* models/vllm-big within 0.3s"):
+        await plane.want("big")
+    assert time.monotonic() - started < 3
+    assert deployment.replicas == 0
+    assert [p.body for p in kube.patches()] == [
+        {"spec": {"replicas": 1}},
+        {"spec": {"replicas": 0}},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("forbidden", "message"),
+    [
+        (
+            "get-scale",
+            "RBAC: the service account cannot get deployments/scale in namespace 'models'",
+        ),
+        (
+            "patch-scale",
+            "RBAC: the service account cannot patch deployments/scale in namespace 'models'",
+        ),
+        (
+            "list-slices",
+            "RBAC: the service account cannot list/watch discovery.k8s.io endpointslices in namespace 'models'",
+        ),
+    ],
+)
+async def test_rbac_403_is_a_start_error_that_says_what_to_fix(
+    kube: FakeKubernetes, planes: Planes, forbidden: str, message: str
+) -> None:
+    kube.forbidden.add(forbidden)
+    kube.add_deployment("vllm-big", namespace="models", pod_ports=[18008])
+    plane = planes(k8s_config(start_timeout=30))
+    started = time.monotonic()
+    with pytest.raises(StartError) as info:
+        await plane.want("big")
+    assert time.monotonic() - started < 5  # fails at once, not at start_timeout
+    assert message in str(info.value)
+    assert "deploy/k8s/activation-rbac.yaml" in str(info.value)
+    assert "is forbidden" in str(info.value)  # the API server's own words are kept
+    assert plane.status("big")["last_error"] == str(info.value)
+
+
+async def test_missing_deployment_404_is_a_start_error_naming_it(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    plane = planes(k8s_config())
+    with pytest.raises(StartError) as info:
+        await plane.want("big")
+    assert "deployment models/vllm-big not found" in str(info.value)
+    assert "launch.deployment and launch.namespace" in str(info.value)
+
+
+async def test_unreachable_api_is_a_start_error(planes: Planes) -> None:
+    api_client: Any = client.ApiClient(client.Configuration(host="http://127.0.0.1:9"))
+    try:
+        plane = KubernetesControlPlane(k8s_config(), api_client=api_client)
+        with pytest.raises(
+            StartError, match=r"cannot reach the Kubernetes API at http://127.0.0.1:9"
+        ):
+            await plane.want("big")
+        await plane.close()
+    finally:
+        api_client.close()
+
+
+# -- stop and crashes ------------------------------------------------------------------
+async def test_stop_scales_to_zero_without_reporting_a_crash(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18009])
+    plane = planes(k8s_config())
+    await plane.want("big")
+    await plane.stop("big")
+    assert kube.patches()[-1].body == {"spec": {"replicas": 0}}
+    assert deployment.replicas == 0
+    await eventually(lambda: not deployment.pods)
+    status = plane.status("big")
+    assert status["replicas_wanted"] == 0 and status["running"] is False
+    assert planes.crashes == []
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["watch", "list"])
+async def test_a_ready_model_losing_every_ready_endpoint_is_reported_as_crashed(
+    kube: FakeKubernetes, planes: Planes, watch: bool
+) -> None:
+    kube.add_deployment("vllm-big", namespace="models", pod_ports=[18010])
+    plane = planes(k8s_config(), watch=watch)
+    await plane.want("big")
+    kube.set_ready("vllm-big", False, namespace="models")
+    await eventually(lambda: bool(planes.crashes))
+    [(model, reason)] = planes.crashes
+    assert model == "big" and "no ready endpoint left" in reason and "models/vllm-big" in reason
+    # The pod comes back: the next want() finds it without scaling again.
+    kube.set_ready("vllm-big", True, namespace="models")
+    assert [e.address for e in await plane.want("big")] == ["127.0.0.1:18010"]
+    assert len(kube.patches()) == 1
+
+
+# -- wiring and end to end -------------------------------------------------------------
+def test_each_model_gets_the_control_plane_of_its_launch_kind() -> None:
+    mixed = load_dict(
+        {
+            "models": {
+                "local": {"launch": {"command": "true"}, "scaling": {"min": 0, "max": 1}},
+                "kube": {"launch": {"deployment": "d"}, "scaling": {"min": 0, "max": 1}},
+            }
+        }
+    )
+    plane = control_plane_for(mixed)
+    assert isinstance(plane, CompositeControlPlane)
+    assert isinstance(plane.planes["local"], LocalProcessControlPlane)
+    assert isinstance(plane.planes["kube"], KubernetesControlPlane)
+    assert isinstance(control_plane_for(k8s_config()), KubernetesControlPlane)
+    static = load_dict({"models": {"s": {"endpoints": ["127.0.0.1:1"]}}})
+    assert control_plane_for(static) is None
+
+
+def write_kubeconfig(path: Path, host: str) -> None:
+    path.write_text(
+        f"""apiVersion: v1
+kind: Config
+clusters: [{{name: fake, cluster: {{server: "{host}"}}}}]
+users: [{{name: fake, user: {{token: test-token}}}}]
+contexts: [{{name: fake, context: {{cluster: fake, user: fake, namespace: models}}}}]
+current-context: fake
+"""
+    )
+
+
+async def test_twenty_cold_requests_through_the_router_scale_up_once(
+    kube: FakeKubernetes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with SimFleet(replicas=1, model="big", time_scale=0) as fleet:
+        deployment = kube.add_deployment(
+            "vllm-big", namespace="models", pod_ports=fleet.ports, ready_after=0.2
+        )
+        # The router builds the control plane itself and finds the fake through a kubeconfig.
+        write_kubeconfig(tmp_path / "kubeconfig", kube.host)
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        default = client.Configuration.get_default_copy()
+        router = Router(k8s_config(), scrape=False)
+        try:
+            assert router.activator is not None
+            waiters = [
+                asyncio.create_task(router.decide(RequestInfo(model="big", request_id=f"r{i}")))
+                for i in range(20)
+            ]
+            decisions = await asyncio.wait_for(asyncio.gather(*waiters), 10)
+            assert {d.endpoint.address for d in decisions} == {f"127.0.0.1:{fleet.ports[0]}"}
+            assert [p.body for p in kube.patches()] == [{"spec": {"replicas": 1}}]
+            assert deployment.replicas == 1
+            # The endpoint found in the slices is a live engine.
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"http://{decisions[0].endpoint.address}/health") as response,
+            ):
+                assert response.status == 200
+            plane_status = router.models_status()["big"]["control_plane"]
+            assert isinstance(plane_status, dict) and plane_status["running"] is True
+        finally:
+            await router.stop()
+            client.Configuration.set_default(default)
