@@ -14,9 +14,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from kubernetes import client
 
-from llmgw.config import Config, load_dict
+from llmgw.config import Config, ModelMode, load_dict, load_text, model_mode
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.controlplanes.composite import CompositeControlPlane, control_plane_for
 from llmgw.runtime.controlplanes.k8s import KubernetesControlPlane, ready_addresses
@@ -404,3 +405,50 @@ async def test_twenty_cold_requests_through_the_router_scale_up_once(
         finally:
             await router.stop()
             client.Configuration.set_default(default)
+
+
+# -- the shipped manifests -------------------------------------------------------------
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+
+
+def manifests(name: str) -> dict[str, dict[str, Any]]:
+    docs = yaml.safe_load_all((DEPLOY / name).read_text())
+    return {doc["kind"]: doc for doc in docs}
+
+
+def test_the_on_demand_sample_config_names_the_sample_deployment_and_service() -> None:
+    sample = manifests("on-demand-sample.yaml")
+    config = load_text(sample["ConfigMap"]["data"]["llmgw.yaml"], "on-demand-sample.yaml")
+    [(name, spec)] = config.models.items()
+    assert model_mode(spec) is ModelMode.ON_DEMAND
+    assert spec.launch is not None
+    assert spec.launch.deployment == sample["Deployment"]["metadata"]["name"]
+    assert spec.launch.service == sample["Service"]["metadata"]["name"]
+    assert spec.launch.namespace == sample["Deployment"]["metadata"]["namespace"]
+    assert sample["Deployment"]["spec"]["replicas"] == 0
+    assert (
+        f"--served-model-name={name}"
+        in sample["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    )
+    assert [p["name"] for p in sample["Service"]["spec"]["ports"]] == ["http"]
+
+
+def test_the_rbac_role_grants_what_the_control_plane_calls_and_no_more() -> None:
+    rbac = manifests("activation-rbac.yaml")
+    grants = {
+        (group, resource, verb)
+        for rule in rbac["Role"]["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert grants == {
+        ("apps", "deployments/scale", "get"),
+        ("apps", "deployments/scale", "patch"),
+        ("apps", "deployments", "get"),
+        ("discovery.k8s.io", "endpointslices", "list"),
+        ("discovery.k8s.io", "endpointslices", "watch"),
+    }
+    [subject] = rbac["RoleBinding"]["subjects"]
+    assert subject["name"] == rbac["ServiceAccount"]["metadata"]["name"]
+    assert rbac["RoleBinding"]["roleRef"]["name"] == rbac["Role"]["metadata"]["name"]
