@@ -12,11 +12,11 @@ The protocol (Gateway API Inference Extension endpoint picker):
 2. `request_body` (end of stream): decide.
 3. The routing answer: header `x-gateway-destination-endpoint: ip:port` (primary),
    dynamic metadata `envoy.lb` {`x-gateway-destination-endpoint`: "primary,fb1,fb2"},
-   `clear_route_cache`, and `x-llmgw-decision` when debug headers are on. Errors become an
-   ImmediateResponse with the error's status, OpenAI-style JSON body and headers.
+   `clear_route_cache`. Errors become an ImmediateResponse with the error's status, OpenAI-style JSON body and headers.
 4. `response_headers`: the status (and which host answered, from the `x-llmgw-upstream`
    header Envoy adds) decide the outcome; the lease is released when the response ends
    (`response_trailers`, a response body with end of stream, or the stream closing).
+   With `debug_headers`, the response carries `x-llmgw-decision` (endpoint + rationale).
 """
 
 from __future__ import annotations
@@ -109,13 +109,13 @@ def _set(name: str, value: str) -> HeaderValueOption:
     )
 
 
-def route_response(decision: Decision, *, after_body: bool, debug: str | None = None) -> bytes:
+def route_response(decision: Decision, *, after_body: bool) -> bytes:
     """The routing answer to request headers (or, after a buffered body, to the body)."""
-    set_headers = [_set(DESTINATION_HEADER, decision.endpoint.address)]
-    if debug is not None:
-        set_headers.append(_set(DECISION_HEADER, debug))
     common = CommonResponse(
-        header_mutation=HeaderMutation(set_headers=set_headers), clear_route_cache=True
+        header_mutation=HeaderMutation(
+            set_headers=[_set(DESTINATION_HEADER, decision.endpoint.address)]
+        ),
+        clear_route_cache=True,
     )
     metadata = Struct()
     metadata.fields[METADATA_NAMESPACE].struct_value.fields[
@@ -130,6 +130,19 @@ def route_response(decision: Decision, *, after_body: bool, debug: str | None = 
             request_headers=HeadersResponse(response=common), dynamic_metadata=metadata
         )
     return _serialize(message)
+
+
+def debug_response_headers(decision: Decision | None) -> bytes:
+    """Answer to response headers that shows the client why (`debug_headers: true`)."""
+    mutation = HeaderMutation()
+    if decision is not None:
+        summary = f"endpoint={decision.endpoint.address} {decision.describe()}"
+        mutation.set_headers.append(_set(DECISION_HEADER, summary))
+    return _serialize(
+        ProcessingResponse(
+            response_headers=HeadersResponse(response=CommonResponse(header_mutation=mutation))
+        )
+    )
 
 
 def immediate_response(error: LlmgwError) -> bytes:
@@ -264,10 +277,7 @@ class Exchange:
             hooks.stage("total", t2 - self._started)
         if hooks.decision is not None:
             hooks.decision(decision, request.request_id)
-        debug = None
-        if self.config.debug_headers:
-            debug = f"endpoint={decision.endpoint.address} {decision.describe()}"
-        return route_response(decision, after_body=after_body, debug=debug)
+        return route_response(decision, after_body=after_body)
 
     def _response_headers(self, headers: HttpHeaders) -> bytes:
         values = header_map(headers)
@@ -281,7 +291,9 @@ class Exchange:
             self._follow_fallback(self.decision, upstream)
         if headers.end_of_stream:
             self.close()
-        if upstream is not None and not self.config.debug_headers:
+        if self.config.debug_headers:
+            return debug_response_headers(self.decision)
+        if upstream is not None:
             return STRIP_UPSTREAM_HEADER
         return CONTINUE_RESPONSE_HEADERS
 

@@ -13,15 +13,15 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )
-from extproc_support import (
+
+from extproc.server import ExtProcServer, build_parser
+from extproc.testing import (
     chat_headers,
     make_config,
     request_headers,
     response_headers,
     set_headers,
 )
-
-from extproc.server import ExtProcServer, build_parser
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 

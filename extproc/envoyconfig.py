@@ -1,0 +1,341 @@
+"""`llmgw envoy-config`: the Envoy bootstrap that puts llmgw's ext_proc in front of a pool.
+
+Two shapes (both speak the Gateway API Inference Extension endpoint-picker protocol):
+
+- `original-dst`: an ORIGINAL_DST cluster with `use_http_header` on
+  `x-gateway-destination-endpoint`: one host per request, no fallback (the GIE default).
+  A second route without that header goes to a cluster listing the configured
+  endpoints, so fail-open still lands somewhere sensible.
+- `override-host`: one cluster listing the endpoints with the
+  `envoy.load_balancing_policies.override_host` policy reading the `envoy.lb` metadata
+  list (primary, then fallbacks) and the header; Envoy retries (5xx, reset, connect
+  failure, 429) walk the fallbacks. Without a pick (fail-open) it falls back to
+  least-request over the same endpoints.
+
+Both: the ext_proc filter asks for request and response headers only (the server asks
+for the body per request with `mode_override`, so GETs and header-routed requests never
+buffer), accepts dynamic metadata in `envoy.lb`, and Envoy adds `x-llmgw-upstream`
+(the host that answered) to responses so outcomes are charged to the right replica.
+Clients cannot choose a host: `x-gateway-destination-endpoint` is stripped on arrival,
+before any filter runs.
+
+The output is plain YAML built from dicts; the tests run `envoy --mode validate` on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.translate import DESTINATION_HEADER, METADATA_NAMESPACE, UPSTREAM_HEADER
+from llmgw.config import Config, load_file
+from llmgw.errors import ConfigError
+
+SHAPES = ("original-dst", "override-host")
+EXTPROC_CLUSTER = "llmgw-extproc"
+POOL_CLUSTER = "llm-pool"
+ORIGINAL_DST_CLUSTER = "llm-original-dst"
+_T = "type.googleapis.com/"
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _socket(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _static_cluster(
+    name: str, addresses: list[str], *, http2: bool = False, connect_timeout: str = "1s"
+) -> dict[str, Any]:
+    hosts = [_split(a) for a in addresses]
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS",
+        "connect_timeout": connect_timeout,
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": _socket(h, p)}} for h, p in hosts]}
+            ],
+        },
+    }
+    if http2:
+        cluster["typed_extension_protocol_options"] = {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return cluster
+
+
+def _override_host_policy() -> dict[str, Any]:
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": _T
+                        + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                        # The metadata list first: it carries the fallbacks for retries.
+                        "override_host_sources": [
+                            {
+                                "metadata": {
+                                    "key": METADATA_NAMESPACE,
+                                    "path": [{"key": DESTINATION_HEADER}],
+                                }
+                            },
+                            {"header": DESTINATION_HEADER},
+                        ],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.least_request",
+                                        "typed_config": {
+                                            "@type": _T
+                                            + "envoy.extensions.load_balancing_policies."
+                                            "least_request.v3.LeastRequest"
+                                        },
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
+
+
+def build(
+    config: Config,
+    *,
+    shape: str = "original-dst",
+    listen_host: str = "0.0.0.0",
+    listen_port: int = 8080,
+    admin_host: str = "127.0.0.1",
+    admin_port: int = 9901,
+    extproc_address: str = "127.0.0.1:9002",
+    fail_open: bool = False,
+    message_timeout: float = 2.0,
+    route_timeout: float = 600.0,
+    retries: int | None = None,
+    connect_timeout: float = 1.0,
+) -> dict[str, Any]:
+    """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    addresses = list(dict.fromkeys(e.address for m in config.models.values() for e in m.endpoints))
+    if not addresses:
+        raise ValueError("the llmgw config lists no static endpoints to put in the Envoy cluster")
+    if retries is None:
+        retries = max(m.session.num_fallback_replicas for m in config.models.values())
+    timeout = f"{route_timeout:g}s"
+    connect = f"{connect_timeout:g}s"
+
+    ext_proc = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+            "failure_mode_allow": fail_open,
+            "allow_mode_override": True,
+            "message_timeout": f"{message_timeout:g}s",
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "NONE",
+                "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+            "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
+        },
+    }
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"},
+    }
+    strip_destination = {
+        "name": "envoy.http.early_header_mutation.header_mutation",
+        "typed_config": {
+            "@type": _T
+            + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+            "mutations": [{"remove": DESTINATION_HEADER}],
+        },
+    }
+
+    clusters: list[dict[str, Any]] = [
+        _static_cluster(EXTPROC_CLUSTER, [extproc_address], http2=True, connect_timeout=connect)
+    ]
+    if shape == "original-dst":
+        routes = [
+            {
+                "match": {
+                    "prefix": "/",
+                    "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
+                },
+                "route": {"cluster": ORIGINAL_DST_CLUSTER, "timeout": timeout},
+            },
+            # No pick (ext_proc down, fail-open): any configured endpoint.
+            {"match": {"prefix": "/"}, "route": {"cluster": POOL_CLUSTER, "timeout": timeout}},
+        ]
+        clusters.append(
+            {
+                "name": ORIGINAL_DST_CLUSTER,
+                "type": "ORIGINAL_DST",
+                "lb_policy": "CLUSTER_PROVIDED",
+                "connect_timeout": connect,
+                "original_dst_lb_config": {
+                    "use_http_header": True,
+                    "http_header_name": DESTINATION_HEADER,
+                },
+            }
+        )
+        pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=connect)
+        pool["lb_policy"] = "LEAST_REQUEST"
+        clusters.append(pool)
+    else:
+        route: dict[str, Any] = {"cluster": POOL_CLUSTER, "timeout": timeout}
+        if retries > 0:
+            route["retry_policy"] = {
+                "retry_on": "5xx,reset,connect-failure,retriable-status-codes",
+                "retriable_status_codes": [429],
+                "num_retries": retries,
+            }
+        routes = [{"match": {"prefix": "/"}, "route": route}]
+        pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=connect)
+        pool["load_balancing_policy"] = _override_host_policy()
+        clusters.append(pool)
+
+    hcm = {
+        "@type": _T
+        + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "llm",
+        "codec_type": "AUTO",
+        "early_header_mutation_extensions": [strip_destination],
+        "route_config": {
+            "name": "llm",
+            "virtual_hosts": [
+                {
+                    "name": "llm",
+                    "domains": ["*"],
+                    "routes": routes,
+                    "response_headers_to_add": [
+                        {
+                            "header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                        }
+                    ],
+                }
+            ],
+        },
+        "http_filters": [ext_proc, router],
+    }
+    return {
+        "admin": {"address": _socket(admin_host, admin_port)},
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "llm",
+                    "address": _socket(listen_host, listen_port),
+                    # Room for the largest body llmgw accepts (it answers 413 beyond it).
+                    "per_connection_buffer_limit_bytes": config.limits.max_body_bytes + (64 << 10),
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": hcm,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
+def render(bootstrap: dict[str, Any], source: str = "") -> str:
+    head = "# Generated by `llmgw envoy-config`"
+    head += f" from {source}.\n" if source else ".\n"
+    return head + yaml.safe_dump(bootstrap, sort_keys=False, width=100)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmgw envoy-config",
+        description="Generate the Envoy config that routes through llmgw's ext_proc.",
+    )
+    parser.add_argument("--config", required=True, help="llmgw config file (endpoints, limits)")
+    parser.add_argument("--shape", choices=SHAPES, default="original-dst")
+    parser.add_argument("--listen", default="0.0.0.0:8080", help="client listener host:port")
+    parser.add_argument("--admin", default="127.0.0.1:9901", help="admin host:port")
+    parser.add_argument("--extproc", default="127.0.0.1:9002", help="ext_proc server host:port")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--fail-open",
+        dest="fail_open",
+        action="store_true",
+        help="route without llmgw when it is unreachable",
+    )
+    mode.add_argument(
+        "--fail-closed", dest="fail_open", action="store_false", help="answer 500 (default)"
+    )
+    parser.add_argument("--message-timeout", type=float, default=2.0, help="seconds per message")
+    parser.add_argument("--route-timeout", type=float, default=600.0, help="0 disables")
+    parser.add_argument("--retries", type=int, help="override-host retries (default: fallbacks)")
+    parser.add_argument("--out", help="write here instead of stdout")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_file(args.config)
+        listen_host, listen_port = _split(args.listen)
+        admin_host, admin_port = _split(args.admin)
+        text = render(
+            build(
+                config,
+                shape=args.shape,
+                listen_host=listen_host,
+                listen_port=listen_port,
+                admin_host=admin_host,
+                admin_port=admin_port,
+                extproc_address=args.extproc,
+                fail_open=args.fail_open,
+                message_timeout=args.message_timeout,
+                route_timeout=args.route_timeout,
+                retries=args.retries,
+            ),
+            Path(args.config).name,
+        )
+    except (ConfigError, ValueError) as exc:
+        print(f"llmgw envoy-config: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,86 @@
+"""`llmgw envoy-config`: both shapes validate with the real Envoy; committed files match."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from extproc.envoyconfig import SHAPES, build, main, render
+from llmgw.config import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "envoy" / "llmgw.yaml"
+
+
+def envoy() -> str:
+    found = shutil.which("envoy") or str(Path(sys.executable).with_name("envoy"))
+    if not os.access(found, os.X_OK):
+        pytest.skip("envoy is not installed")
+    return found
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_generated_config_passes_envoy_validate(shape: str, tmp_path: Path) -> None:
+    out = tmp_path / f"{shape}.yaml"
+    assert main(["--config", str(EXAMPLE), "--shape", shape, "--out", str(out)]) == 0
+    result = subprocess.run(
+        [envoy(), "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_committed_envoy_files_are_up_to_date(shape: str) -> None:
+    expected = render(build(load_file(EXAMPLE), shape=shape), EXAMPLE.name)
+    assert (ROOT / "envoy" / f"{shape}.yaml").read_text() == expected, (
+        f"regenerate: llmgw envoy-config --config envoy/llmgw.yaml --shape {shape} "
+        f"--out envoy/{shape}.yaml"
+    )
+
+
+def test_override_host_reads_metadata_list_first_and_retries_429() -> None:
+    bootstrap = build(load_file(EXAMPLE), shape="override-host")
+    text = yaml.safe_dump(bootstrap)
+    pool = next(c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "llm-pool")
+    policy = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    sources = policy["typed_config"]["override_host_sources"]
+    assert sources[0] == {
+        "metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}
+    }
+    assert sources[1] == {"header": "x-gateway-destination-endpoint"}
+    assert "retriable_status_codes" in text and "429" in text
+    assert len(pool["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 4
+
+
+def test_original_dst_uses_the_header_and_has_a_fail_open_default() -> None:
+    bootstrap = build(load_file(EXAMPLE), shape="original-dst", fail_open=True)
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    assert clusters["llm-original-dst"]["original_dst_lb_config"] == {
+        "use_http_header": True,
+        "http_header_name": "x-gateway-destination-endpoint",
+    }
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    ext_proc = hcm["typed_config"]["http_filters"][0]["typed_config"]
+    assert ext_proc["failure_mode_allow"] is True
+    assert ext_proc["allow_mode_override"] is True
+    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    routes = hcm["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert routes[-1]["route"]["cluster"] == "llm-pool"
+
+
+def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: {}\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "models" in capsys.readouterr().err
