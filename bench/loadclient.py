@@ -1,0 +1,240 @@
+"""A small async load client for OpenAI-compatible streaming chat: replays a `Workload`.
+
+Why our own and not aiperf / inference-perf / locust: the routing benchmark needs, in
+one tool, (1) a per-*conversation* session header (`x-session-id: <id>`; aiperf and
+inference-perf set static headers for the whole run), (2) multi-turn replay where turn
+k+1 is sent only after turn k's response ended plus a think time, with the history
+re-sent (aiperf's multi-turn mode does this, but not with a per-conversation header),
+(3) byte-identical replay of a seeded workload across a dozen contenders in one run,
+and (4) a CPU footprint small enough to share 2 cores with Envoy, the ext_proc server
+and 8 simulated engines (aiperf runs a multi-process ZMQ pipeline per run; locust has
+no TTFT or SSE notion). So this is ~200 lines on aiohttp: TTFT is measured from the
+first SSE chunk whose delta carries non-empty `content` (the role-only first chunk of
+vLLM does not count), end-to-end at `[DONE]`/EOF, output tokens from the usage chunk.
+
+    records, wall = await run(url, "m1", workload, mode="open")          # Poisson arrivals
+    records, wall = await run(url, "m1", workload, mode="closed", concurrency=32)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench.workloads import Conversation, Workload
+
+SESSION_HEADER = "x-session-id"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's outcome; times in seconds, `sent_s` from the run start."""
+
+    conversation: int
+    turn: int
+    session_id: str | None
+    sent_s: float
+    ttft_s: float | None
+    e2e_s: float | None
+    status: int
+    output_tokens: int
+    prompt_chars: int
+    replica: str | None = None
+    decision: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.ttft_s is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _content_of(data: bytes) -> tuple[bool, int | None]:
+    """(chunk carries non-empty content, usage completion tokens if this is the usage chunk)."""
+    try:
+        event = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False, None
+    usage = event.get("usage")
+    completion = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or choice.get("text"):
+            return True, completion
+    return False, completion
+
+
+async def send_one(
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    conv: Conversation,
+    turn: int,
+    t0: float,
+    *,
+    session_header: str = SESSION_HEADER,
+    timeout_s: float = 60.0,
+) -> RequestRecord:
+    spec = conv.turns[turn]
+    messages = conv.messages(turn)
+    body = orjson.dumps(
+        {
+            "model": model,
+            "messages": messages,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    headers = {"content-type": "application/json"}
+    if conv.session_id is not None:
+        headers[session_header] = conv.session_id
+    start = time.perf_counter()
+    record = RequestRecord(
+        conversation=conv.index,
+        turn=turn,
+        session_id=conv.session_id,
+        sent_s=start - t0,
+        ttft_s=None,
+        e2e_s=None,
+        status=0,
+        output_tokens=0,
+        prompt_chars=sum(len(m["content"]) for m in messages),
+    )
+    chunks = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with http.post(url, data=body, headers=headers) as response:
+                record.status = response.status
+                record.replica = response.headers.get("x-sim-replica")
+                record.decision = response.headers.get("x-llmgw-decision")
+                if response.status != 200:
+                    record.error = (await response.read())[:200].decode("utf-8", "replace")
+                    return record
+                async for raw in response.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    has_content, usage_tokens = _content_of(data)
+                    if has_content:
+                        chunks += 1
+                        if record.ttft_s is None:
+                            record.ttft_s = time.perf_counter() - start
+                    if usage_tokens is not None:
+                        record.output_tokens = usage_tokens
+        record.e2e_s = time.perf_counter() - start
+        if not record.output_tokens:
+            record.output_tokens = chunks
+        if record.ttft_s is None:
+            record.error = "no content chunk"
+    except TimeoutError:
+        record.error = f"timeout after {timeout_s} s"
+    except aiohttp.ClientError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
+    return record
+
+
+async def _play(
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    conv: Conversation,
+    t0: float,
+    out: list[RequestRecord],
+    *,
+    wait_for_start: bool,
+    session_header: str,
+    timeout_s: float,
+) -> None:
+    if wait_for_start:
+        delay = conv.start_s - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+    for turn in range(len(conv.turns)):
+        record = await send_one(
+            http, url, model, conv, turn, t0, session_header=session_header, timeout_s=timeout_s
+        )
+        out.append(record)
+        think = conv.turns[turn].think_s
+        if think > 0 and turn + 1 < len(conv.turns):
+            await asyncio.sleep(think)
+
+
+async def run(
+    url: str,
+    model: str,
+    workload: Workload,
+    *,
+    mode: str = "open",
+    concurrency: int = 32,
+    session_header: str = SESSION_HEADER,
+    timeout_s: float = 60.0,
+) -> tuple[list[RequestRecord], float]:
+    """Replay `workload` against `url` (a /v1/chat/completions URL).
+
+    mode "open": every conversation starts at its `start_s` (Poisson arrivals), however
+    slow the server is. mode "closed": `concurrency` conversations at a time, the next
+    starting when one ends. Returns (records, wall seconds of the whole run).
+    """
+    if mode not in ("open", "closed"):
+        raise ValueError(f"mode must be 'open' or 'closed', got {mode!r}")
+    records: list[RequestRecord] = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, ttl_dns_cache=None)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, auto_decompress=False
+    ) as http:
+        t0 = time.perf_counter()
+        if mode == "open":
+            await asyncio.gather(
+                *(
+                    _play(
+                        http,
+                        url,
+                        model,
+                        conv,
+                        t0,
+                        records,
+                        wait_for_start=True,
+                        session_header=session_header,
+                        timeout_s=timeout_s,
+                    )
+                    for conv in workload.conversations
+                )
+            )
+        else:
+            queue: asyncio.Queue[Conversation] = asyncio.Queue()
+            for conv in workload.conversations:
+                queue.put_nowait(conv)
+
+            async def worker() -> None:
+                while True:
+                    try:
+                        conv = queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        return
+                    await _play(
+                        http,
+                        url,
+                        model,
+                        conv,
+                        t0,
+                        records,
+                        wait_for_start=False,
+                        session_header=session_header,
+                        timeout_s=timeout_s,
+                    )
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return records, wall
