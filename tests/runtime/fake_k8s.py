@@ -145,6 +145,10 @@ class FakeKubernetes:
                 pod.ready = ready
                 self._emit(deployment, "MODIFIED", pod)
 
+    def scale(self, name: str, replicas: int, *, namespace: str = "default") -> None:
+        """Someone else (an HPA, a person with kubectl) sets the replicas."""
+        self._scale(self.deployments[(namespace, name)], replicas)
+
     def patches(self) -> list[RecordedRequest]:
         return [r for r in self.requests if r.method == "PATCH"]
 

@@ -144,7 +144,7 @@ async def test_replicas_asked_for_are_min_at_least_one_never_lowering(
 ) -> None:
     kube.add_deployment("vllm-big", namespace="models", pod_ports=[18001, 18002, 18003])
     if current:
-        kube._scale(kube.deployments[("models", "vllm-big")], current)
+        kube.scale("vllm-big", current, namespace="models")
     plane = planes(k8s_config(min_=min_, max_=max_))
     await plane.want("big")
     bodies = [p.body for p in kube.patches()]
@@ -249,6 +249,18 @@ async def test_start_timeout_is_a_start_error_and_scales_back_to_zero(
         {"spec": {"replicas": 1}},
         {"spec": {"replicas": 0}},
     ]
+
+
+async def test_a_start_timeout_leaves_replicas_it_did_not_set(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18011])
+    deployment.never_ready = True
+    kube.scale("vllm-big", 2, namespace="models")  # an HPA or a person did
+    plane = planes(k8s_config(start_timeout=0.2))
+    with pytest.raises(StartError):
+        await plane.want("big")
+    assert deployment.replicas == 2 and kube.patches() == []
 
 
 @pytest.mark.parametrize(

@@ -241,13 +241,13 @@ class KubernetesControlPlane:
         spec = self.config.models[model]
         timeout = spec.scaling.start_timeout if spec.scaling else 300.0
         deadline = time.monotonic() + timeout
-        await self._scale_up(target, state)
+        scaled = await self._scale_up(target, state)
         state.follow_error = None
         self._follow(model, state)
         try:
             await self._wait_ready(state, deadline, timeout)
         except StartError:
-            await self._give_up(state)
+            await self._give_up(state, scaled)
             raise
         state.serving = True
         return [
@@ -272,7 +272,8 @@ class KubernetesControlPlane:
                 async with asyncio.timeout(remaining):
                     await state.changed.wait()
 
-    async def _scale_up(self, target: Target, state: _Model) -> None:
+    async def _scale_up(self, target: Target, state: _Model) -> bool:
+        """Raise the replicas to the target; False when they were already there."""
         apps, _ = self._apis()
         verb = "get deployments/scale"
         try:
@@ -285,7 +286,7 @@ class KubernetesControlPlane:
             current = int(scale.spec.replicas or 0) if scale.spec is not None else 0
             if current >= target.replicas:  # never lower what someone (an HPA) set higher
                 state.wanted = current
-                return
+                return False
             verb = "patch deployments/scale"
             await self._call(
                 apps.patch_namespaced_deployment_scale,
@@ -306,12 +307,15 @@ class KubernetesControlPlane:
             target.replicas,
             target.model,
         )
+        return True
 
-    async def _give_up(self, state: _Model) -> None:
-        """A start that timed out scales back to 0, like a local process that is killed."""
-        with contextlib.suppress(StartError):
-            await self._scale_to_zero(state)
+    async def _give_up(self, state: _Model, scaled: bool) -> None:
+        """A failed start scales back to 0 (like a local process that is killed), unless
+        the replicas were not ours to begin with."""
         await self._unfollow(state)
+        if scaled:
+            with contextlib.suppress(StartError):
+                await self._scale_to_zero(state)
 
     async def stop(self, model: str) -> None:
         """Scale to 0; returns once the API accepted it (Kubernetes terminates the pods)."""
