@@ -1,0 +1,284 @@
+"""The embedded proxy on real uvicorn (loopback, ephemeral ports) in front of simulated
+replicas and scripted upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import orjson
+import pytest
+from fastapi import FastAPI
+from fastapi import Request as FastAPIRequest
+
+from asgi.middleware import SchedulerMiddleware
+from asgi.proxy import ProxyApp
+from asgi.testing import (
+    DEADLINE,
+    MODEL,
+    SSE_HEAD,
+    ScriptedUpstream,
+    UpstreamRequest,
+    address_of,
+    chunk,
+    json_response,
+    make_config,
+    outcome_count,
+    refused_address,
+    serve,
+)
+from llmgw.config import Config
+from llmgw.request import build_request
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.sim import SimFleet
+
+CHAT = "/v1/chat/completions"
+BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[SimFleet]:
+    async with SimFleet(replicas=3, model=MODEL, time_scale=0, seed=3) as fleet:
+        yield fleet
+
+
+def proxy_for(config: Config) -> ProxyApp:
+    return ProxyApp(config, scrape=False)
+
+
+def inflight(app: ProxyApp) -> int:
+    return sum(s.inflight for s in app.router.registry.states(MODEL))
+
+
+async def test_non_streaming_passes_status_headers_and_body(fleet: SimFleet) -> None:
+    app = proxy_for(make_config([address_of(u) for u in fleet.urls]))
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        reply = await client.post(CHAT, content=BODY, headers={"x-session-id": "s1"})
+        assert reply.status_code == 200
+        assert reply.headers["content-type"] == "application/json"
+        assert "x-sim-replica" in reply.headers
+        assert reply.json()["object"] == "chat.completion"
+        again = await client.post(CHAT, content=BODY, headers={"x-session-id": "s1"})
+        assert again.headers["x-sim-replica"] == reply.headers["x-sim-replica"]
+        bad = await client.post(CHAT, content=orjson.dumps({"model": MODEL, "max_tokens": "x"}))
+        assert bad.status_code == 400  # the engine's own 400 passes through
+    assert inflight(app) == 0
+
+
+async def test_openai_client_streams_through_the_proxy(fleet: SimFleet) -> None:
+    app = proxy_for(make_config([address_of(u) for u in fleet.urls]))
+    async with serve(app) as base:
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "count"}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        await client.close()
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[0].completion_tokens == 12
+    assert inflight(app) == 0
+
+
+async def test_sse_is_relayed_chunk_by_chunk_not_buffered() -> None:
+    release = asyncio.Event()
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: first\n\n"))
+        await writer.drain()
+        await asyncio.wait_for(release.wait(), DEADLINE)  # only once the client saw "first"
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([upstream.address]))
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            async with client.stream("POST", CHAT, content=BODY) as reply:
+                assert reply.headers["content-type"] == "text/event-stream"
+                pieces = reply.aiter_raw()
+                first = await asyncio.wait_for(anext(pieces), DEADLINE)
+                assert first == b"data: first\n\n"
+                assert inflight(app) == 1  # the lease lasts until the stream's end
+                release.set()
+                rest = b"".join([p async for p in pieces])
+            assert rest == b"data: [DONE]\n\n"
+    finally:
+        await upstream.stop()
+    assert inflight(app) == 0
+
+
+async def test_429_falls_back_to_the_next_replica(fleet: SimFleet) -> None:
+    addresses = [address_of(u) for u in fleet.urls]
+    app = proxy_for(make_config(addresses))
+    primary = app.router.scheduler.pick  # find the session's primary without routing it
+    request = build_request(app.config, {"x-session-id": "s429"}, CHAT, BODY)
+    decision = primary(request)
+    refusing = addresses.index(decision.endpoint.address)
+    fleet.replicas[refusing].set_faults(status=429)
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        reply = await client.post(CHAT, content=BODY, headers={"x-session-id": "s429"})
+    assert reply.status_code == 200
+    fallback = addresses.index(decision.fallbacks[0].address)
+    assert reply.headers["x-sim-replica"] == str(fallback)
+    assert outcome_count(app.telemetry, decision.endpoint.address, "backpressure") == 1
+    assert outcome_count(app.telemetry, decision.fallbacks[0].address, "success") == 1
+    assert inflight(app) == 0
+
+
+async def test_429_passes_through_when_no_fallback_is_allowed(fleet: SimFleet) -> None:
+    for replica in fleet.replicas:
+        replica.set_faults(status=429)
+    config = make_config(
+        [address_of(u) for u in fleet.urls], model={"session": {"num_fallback_replicas": 1}}
+    )
+    app = proxy_for(config)
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        reply = await client.post(CHAT, content=BODY)
+    assert reply.status_code == 429  # tried the primary and one fallback, then passed it on
+    refused = sum(outcome_count(app.telemetry, address_of(u), "backpressure") for u in fleet.urls)
+    assert refused == 2
+
+
+async def test_connect_error_falls_back_and_all_refused_is_502(fleet: SimFleet) -> None:
+    dead = refused_address()
+    app = proxy_for(make_config([dead, address_of(fleet.urls[0])]))
+    key = _session_with_primary(app, dead)
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        reply = await client.post(CHAT, content=BODY, headers={"x-session-id": key})
+    assert reply.status_code == 200
+    assert outcome_count(app.telemetry, dead, "failure") == 1
+    assert outcome_count(app.telemetry, address_of(fleet.urls[0]), "success") == 1
+    app = proxy_for(make_config([refused_address(), refused_address()]))
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        reply = await client.post(CHAT, content=BODY)
+    assert reply.status_code == 502
+    assert reply.json()["error"]["code"] == "upstream_unreachable"
+
+
+async def test_no_retry_after_the_first_byte_reached_the_client() -> None:
+    async def cut_after_one_chunk(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: partial\n\n"))
+        await writer.drain()
+        writer.transport.abort()
+
+    async def healthy(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(json_response(200, b"{}"))
+        await writer.drain()
+
+    broken = await ScriptedUpstream(cut_after_one_chunk).start()
+    spare = await ScriptedUpstream(healthy).start()
+    app = proxy_for(make_config([broken.address, spare.address]))
+    key = _session_with_primary(app, broken.address)
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                async with client.stream(
+                    "POST", CHAT, content=BODY, headers={"x-session-id": key}
+                ) as reply:
+                    assert reply.status_code == 200
+                    async for _ in reply.aiter_raw():
+                        pass
+    finally:
+        await broken.stop()
+        await spare.stop()
+    assert len(broken.requests) == 1
+    assert spare.requests == []  # never retried once bytes were sent
+    assert outcome_count(app.telemetry, broken.address, "failure") == 1
+    assert inflight(app) == 0
+
+
+async def test_client_disconnect_cancels_upstream_and_releases_inflight() -> None:
+    async def never_answers(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await reader.read()  # until the proxy drops the connection
+
+    upstream = await ScriptedUpstream(never_answers).start()
+    app = proxy_for(make_config([upstream.address]))
+    try:
+        async with serve(app) as base:
+            client = httpx.AsyncClient(base_url=base)
+            pending = asyncio.create_task(client.post(CHAT, content=BODY))
+            await asyncio.wait_for(upstream.received.wait(), DEADLINE)
+            assert inflight(app) == 1
+            pending.cancel()  # the client goes away
+            await asyncio.gather(pending, return_exceptions=True)
+            await client.aclose()
+            await asyncio.wait_for(upstream.closed.wait(), DEADLINE)  # upstream dropped too
+            await asyncio.wait_for(_until(lambda: inflight(app) == 0), DEADLINE)
+    finally:
+        await upstream.stop()
+    assert outcome_count(app.telemetry, upstream.address, "cancelled") == 1
+
+
+async def test_errors_and_fixed_routes(fleet: SimFleet) -> None:
+    app = ProxyApp(
+        make_config([address_of(u) for u in fleet.urls], limits={"max_body_bytes": 1024}),
+        scrape=False,
+    )
+    async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+        assert (await client.post(CHAT, content=b"{oops")).status_code == 400
+        missing = await client.post(CHAT, content=orjson.dumps({"model": "gone"}))
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+        big = await client.post(CHAT, content=b"x" * 4096)
+        assert big.status_code == 413
+        assert big.json()["error"]["code"] == "body_too_large"
+        assert (await client.get("/nowhere")).status_code == 404
+        models = (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        assert (await client.get("/healthz")).status_code == 200
+        ready = await client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["ready"] is True
+        await client.post(CHAT, content=BODY)
+        metrics = (await client.get("/metrics")).text
+        assert "llmgw_decisions_total" in metrics
+        assert 'llmgw_errors_total{code="body_too_large",status="413"}' in metrics
+        assert "llmgw_inflight" in metrics
+
+
+async def test_fastapi_app_forwarding_itself_on_real_uvicorn(fleet: SimFleet) -> None:
+    config = make_config([address_of(u) for u in fleet.urls])
+    api = FastAPI()
+    api.add_middleware(SchedulerMiddleware, config=config, scheduler=Scheduler(config))
+
+    @api.post(CHAT)
+    async def chat(request: FastAPIRequest) -> dict[str, str]:
+        destination = request.headers["x-gateway-destination-endpoint"]
+        async with httpx.AsyncClient() as upstream:
+            reply = await upstream.post(f"http://{destination}{CHAT}", content=await request.body())
+        return {"destination": destination, "replica": reply.headers["x-sim-replica"]}
+
+    async with serve(api) as base, httpx.AsyncClient(base_url=base) as client:
+        reply = (await client.post(CHAT, content=BODY)).json()
+    index = [address_of(u) for u in fleet.urls].index(reply["destination"])
+    assert reply["replica"] == str(index)
+
+
+def _session_with_primary(app: ProxyApp, address: str) -> str:
+    for i in range(1000):
+        key = f"k{i}"
+        request = build_request(app.config, {"x-session-id": key}, CHAT, BODY)
+        if app.router.scheduler.pick(request).endpoint.address == address:
+            return key
+    raise AssertionError(f"no session key maps to {address}")
+
+
+async def _until(predicate: object) -> None:
+    assert callable(predicate)
+    while not predicate():
+        await asyncio.sleep(0.005)  # polling a counter; bounded by the caller's wait_for
