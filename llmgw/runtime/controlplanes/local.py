@@ -141,23 +141,21 @@ class LocalProcessControlPlane:
             callback(model, reason)
 
     async def _terminate(self, replica: _Replica) -> None:
+        """SIGTERM the whole group, SIGKILL what is left after the grace period, and return
+        only when no process of the group is alive (engines fork workers that outlive
+        their parent for a moment)."""
         replica.stopping = True
-        process = replica.process
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                async with asyncio.timeout(self.grace):
-                    await process.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
-        # Workers the engine forked may outlive their parent: clear the group either way.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+        pgid = replica.process.pid
+        _signal_group(pgid, signal.SIGTERM)
+        if not await _group_gone(pgid, self.grace):
+            _signal_group(pgid, signal.SIGKILL)
+            await _group_gone(pgid, 10.0)
+        if replica.process.returncode is None:
+            await replica.process.wait()
         if replica.watcher is not None:
             replica.watcher.cancel()
+        with contextlib.suppress(OSError):
+            replica.log.unlink()
 
     async def stop(self, model: str) -> None:
         lock = self._locks.setdefault(model, asyncio.Lock())
@@ -189,3 +187,39 @@ def _log_tail(path: Path, limit: int = 400) -> str:
             return f.read().decode("utf-8", "replace").strip()
     except OSError:
         return ""
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, from /proc where there is one."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [pgid]
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+async def _group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while group_members(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)  # polling the kernel's process table under a deadline
+    return True
