@@ -140,8 +140,10 @@ class Dispatch:
 
 
 def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
-    """ASGI header pairs as the {lower-case name: value} mapping `build_request` takes."""
-    return {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in raw}
+    """ASGI header pairs as the {lower-case name: value} mapping `build_request` takes.
+    Values decode as UTF-8 like the Envoy edge's (`extproc.translate.header_map`), so a
+    non-ASCII session id hashes to the same replica through either edge."""
+    return {name.decode("latin-1").lower(): value.decode("utf-8", "replace") for name, value in raw}
 
 
 async def send_error(send: Send, error: LlmgwError) -> None:
