@@ -19,11 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _tools import find_load_tool, format_table, run_load, write_results
-
+from bench._tools import find_load_tool, format_table, run_load, write_results
 from llmgw.sim.fleet import spawn
 
 CHAT = {
