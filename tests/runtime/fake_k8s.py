@@ -70,6 +70,8 @@ class FakeKubernetes:
         self.forbidden: set[str] = set()  # "patch-scale", "get-scale", "list-slices"
         self.watch_supported = True
         self.watches_served = 0
+        self.expire_watches = 0  # answer this many watches with a 410 Expired ERROR event
+        self._watch_generation = 0  # end_watches() bumps it: open streams end
         self._version = 100
         self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, ns, type, slice)
         self._changed = asyncio.Event()  # replaced by a fresh one on every change
@@ -148,6 +150,12 @@ class FakeKubernetes:
     def scale(self, name: str, replicas: int, *, namespace: str = "default") -> None:
         """Someone else (an HPA, a person with kubectl) sets the replicas."""
         self._scale(self.deployments[(namespace, name)], replicas)
+
+    def end_watches(self) -> None:
+        """End every open watch stream, as an API server does at timeoutSeconds or restart."""
+        self._watch_generation += 1
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def patches(self) -> list[RecordedRequest]:
         return [r for r in self.requests if r.method == "PATCH"]
@@ -355,8 +363,27 @@ class FakeKubernetes:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         sent = since
+        generation = self._watch_generation
+        if self.expire_watches > 0:
+            self.expire_watches -= 1
+            expired = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": f"too old resource version: {since} ({self._version})",
+                "reason": "Expired",
+                "code": 410,
+            }
+            await response.write((json.dumps({"type": "ERROR", "object": expired}) + "\n").encode())
+            await response.write_eof()
+            return response
         with contextlib.suppress(ConnectionResetError):
-            while not self._closing.is_set() and loop.time() < deadline:
+            while (
+                not self._closing.is_set()
+                and generation == self._watch_generation
+                and loop.time() < deadline
+            ):
                 changed = self._changed
                 for version, event_ns, kind, obj in self._events:
                     if version <= sent:

@@ -464,3 +464,20 @@ def test_the_rbac_role_grants_what_the_control_plane_calls_and_no_more() -> None
     [subject] = rbac["RoleBinding"]["subjects"]
     assert subject["name"] == rbac["ServiceAccount"]["metadata"]["name"]
     assert rbac["RoleBinding"]["roleRef"]["name"] == rbac["Role"]["metadata"]["name"]
+
+
+async def test_an_expired_or_ended_watch_lists_and_watches_again(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    kube.expire_watches = 1  # the first watch answers 410 Expired
+    kube.add_deployment("vllm-big", namespace="models", pod_ports=[18012])
+    plane = planes(k8s_config())
+    await plane.want("big")
+    await eventually(lambda: kube.watches_served >= 2)
+    assert plane.status("big")["discovery"] == "watch"  # a 410 is no reason to stop watching
+    served = kube.watches_served
+    kube.end_watches()  # the server ends the stream (timeoutSeconds, restart)
+    await eventually(lambda: kube.watches_served > served)
+    kube.set_ready("vllm-big", False, namespace="models")
+    await eventually(lambda: bool(planes.crashes))  # seen through the new watch
+    assert plane.status("big")["discovery"] == "watch"

@@ -193,6 +193,14 @@ class KubernetesControlPlane:
         self._callbacks: list[CrashCallback] = []
         workers = 2 + 2 * sum(1 for s in config.models.values() if s.launch and s.launch.deployment)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmgw-k8s")
+        # The client imports its (large) API modules on first use: pay that now, not
+        # on the first cold request.
+        self._api_classes = (
+            k8s.AppsV1Api,
+            k8s.DiscoveryV1Api,
+            k8s.V1Scale,
+            k8s.V1EndpointSliceList,
+        )
 
     # -- plumbing ------------------------------------------------------------------------
     def on_crash(self, callback: CrashCallback) -> None:
