@@ -46,6 +46,7 @@ class Activator:
         self._ready: dict[str, asyncio.Event] = {m: asyncio.Event() for m in self.machines}
         self._starts: dict[str, asyncio.Task[None]] = {}
         self._ticker: asyncio.Task[None] | None = None
+        self._cleanups: set[asyncio.Task[None]] = set()
         control_plane.on_crash(self._on_crash)
 
     def manages(self, model: str) -> bool:
@@ -59,7 +60,9 @@ class Activator:
             self._ticker = asyncio.create_task(self._tick_loop(tick), name="activator tick")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._ticker, *self._starts.values()) if t is not None]
+        tasks = [
+            t for t in (self._ticker, *self._starts.values(), *self._cleanups) if t is not None
+        ]
         self._ticker = None
         for t in tasks:
             t.cancel()
@@ -137,6 +140,18 @@ class Activator:
         log.warning("model %s crashed: %s", model, reason)
         self.registry.set_endpoints(model, [])
         machine.crashed(reason, self.clock())
+        # Release what is left (a crash-looping Deployment would otherwise keep its GPU);
+        # the next request after the backoff starts the model again.
+        self._cleanups.add(
+            task := asyncio.create_task(self._release(model), name=f"release {model}")
+        )
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _release(self, model: str) -> None:
+        try:
+            await self.control_plane.stop(model)
+        except Exception:
+            log.exception("stopping crashed model %s failed", model)
 
     async def tick(self) -> None:
         for model, machine in self.machines.items():

@@ -187,3 +187,23 @@ async def test_local_control_plane_reports_a_process_that_exits_at_start() -> No
         assert "exited with code 1" in info.value.message and "no weights" in info.value.message
     finally:
         await router.stop()
+
+
+async def test_a_crash_releases_the_replica_and_the_next_request_restarts_it() -> None:
+    cp = FakeControlPlane()
+    cp.release.set()
+    router = Router(config(), control_plane=cp, scrape=False)
+    assert router.activator is not None
+    await router.decide(req("lazy"))
+    for callback in cp.callbacks:
+        callback("lazy", "exit code -9")
+    async with asyncio.timeout(5):
+        while cp.stops == 0:
+            await asyncio.sleep(0)
+    status = router.models_status()["lazy"]
+    assert status["state"] == "failed" and status["last_error"] == "exit code -9"
+    clock = router.activator.clock
+    router.activator.clock = lambda: clock() + 60  # past the failure backoff
+    await router.decide(req("lazy", 1))
+    assert cp.wants == 2
+    await router.stop()
