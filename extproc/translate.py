@@ -103,24 +103,55 @@ def header_map(headers: HttpHeaders) -> dict[str, str]:
     return out
 
 
+def response_status(headers: HttpHeaders) -> tuple[int, str | None]:
+    """`:status` and the `x-llmgw-upstream` value, without building a dict of every header."""
+    status, upstream = 0, None
+    for h in headers.headers.headers:
+        key = h.key
+        if key == ":status":
+            raw = h.raw_value
+            text = raw.decode() if raw else h.value
+            status = int(text) if text.isdigit() else 0
+        elif key == UPSTREAM_HEADER:
+            raw = h.raw_value
+            upstream = raw.decode("utf-8", "replace") if raw else h.value
+    return status, upstream
+
+
 def _set(name: str, value: str) -> HeaderValueOption:
     return HeaderValueOption(
         header=HeaderValue(key=name, raw_value=value.encode()), append_action=_OVERWRITE
     )
 
 
+_ROUTE_CACHE: dict[tuple[tuple[str, ...], bool], bytes] = {}
+_ROUTE_CACHE_LIMIT = 4096
+
+
 def route_response(decision: Decision, *, after_body: bool) -> bytes:
-    """The routing answer to request headers (or, after a buffered body, to the body)."""
+    """The routing answer to request headers (or, after a buffered body, to the body).
+
+    It depends only on the destination list, and a pool has few distinct lists: the
+    serialized bytes are cached (building the message costs more than the routing).
+    """
+    key = (decision.destinations, after_body)
+    cached = _ROUTE_CACHE.get(key)
+    if cached is None:
+        if len(_ROUTE_CACHE) >= _ROUTE_CACHE_LIMIT:
+            _ROUTE_CACHE.clear()
+        cached = _ROUTE_CACHE[key] = _build_route_response(key[0], after_body=after_body)
+    return cached
+
+
+def _build_route_response(destinations: tuple[str, ...], *, after_body: bool) -> bytes:
     common = CommonResponse(
-        header_mutation=HeaderMutation(
-            set_headers=[_set(DESTINATION_HEADER, decision.endpoint.address)]
-        ),
+        header_mutation=HeaderMutation(set_headers=[_set(DESTINATION_HEADER, destinations[0])]),
         clear_route_cache=True,
     )
     metadata = Struct()
     metadata.fields[METADATA_NAMESPACE].struct_value.fields[
         DESTINATION_HEADER
-    ].string_value = ",".join(decision.destinations)
+    ].string_value = ",".join(destinations)
     if after_body:
         message = ProcessingResponse(
             request_body=BodyResponse(response=common), dynamic_metadata=metadata
@@ -280,13 +311,9 @@ class Exchange:
         return route_response(decision, after_body=after_body)
 
     def _response_headers(self, headers: HttpHeaders) -> bytes:
-        values = header_map(headers)
-        try:
-            self.status = int(values.get(":status", "0"))
-        except ValueError:
-            self.status = 0
-        self._outcome = outcome_for_status(self.status)
-        upstream = values.get(UPSTREAM_HEADER)
+        status, upstream = response_status(headers)
+        self.status = status
+        self._outcome = outcome_for_status(status)
         if upstream and self.decision is not None and self.lease is not None:
             self._follow_fallback(self.decision, upstream)
         if headers.end_of_stream:
