@@ -1,0 +1,171 @@
+"""deploy/: every Kubernetes manifest validates against the API models; embedded and
+compose configs are in sync with their generators and pass `envoy --mode validate`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from extproc.envoyconfig import build, render
+from extproc.testing import envoy_binary
+from llmgw.config import load_file, load_text
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+COMPOSE = ROOT / "deploy" / "compose"
+client = pytest.importorskip("kubernetes.client")
+
+_PRIMITIVES: dict[str, type | tuple[type, ...]] = {
+    "str": str,
+    "int": int,
+    "bool": bool,
+    "float": (int, float),
+    "object": object,
+    "datetime": str,
+    "date": str,
+}
+
+
+def check(data: Any, type_name: str, path: str) -> list[str]:
+    """Unknown fields and wrong shapes, recursively, from the client's openapi_types."""
+    if data is None:
+        return []
+    if type_name.lower().startswith("list["):
+        if not isinstance(data, list):
+            return [f"{path}: expected a list"]
+        inner = type_name[5:-1]
+        return [p for i, item in enumerate(data) for p in check(item, inner, f"{path}[{i}]")]
+    if type_name.lower().startswith("dict"):  # "dict(str, str)" or "Dict[str, str]"
+        if not isinstance(data, dict):
+            return [f"{path}: expected a mapping"]
+        inner = re.match(r"[dD]ict[\[(]([^,]*), (.*)[\])]$", type_name)
+        assert inner is not None
+        return [p for k, v in data.items() for p in check(v, inner.group(2), f"{path}.{k}")]
+    if type_name in _PRIMITIVES:
+        ok = isinstance(data, _PRIMITIVES[type_name]) and not (
+            type_name == "int" and isinstance(data, bool)
+        )
+        return [] if ok else [f"{path}: expected {type_name}, got {type(data).__name__}"]
+    model = getattr(client, type_name)
+    if not isinstance(data, dict):
+        return [f"{path}: expected an object ({type_name})"]
+    by_json = {json: attr for attr, json in model.attribute_map.items()}
+    problems = []
+    for key, value in data.items():
+        attr = by_json.get(key)
+        if attr is None:
+            problems.append(f"{path}.{key}: unknown field for {type_name}")
+        else:
+            problems.extend(check(value, model.openapi_types[attr], f"{path}.{key}"))
+    return problems
+
+
+def manifests() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for i, doc in enumerate(yaml.safe_load_all(path.read_text())):
+            if isinstance(doc, dict) and "kind" in doc:
+                out.append((f"{path.name}#{i}:{doc['kind']}", doc))
+    return out
+
+
+@pytest.mark.parametrize(("name", "doc"), manifests(), ids=[n for n, _ in manifests()])
+def test_manifest_matches_the_kubernetes_api_schema(name: str, doc: dict[str, Any]) -> None:
+    version = doc["apiVersion"].rsplit("/", 1)[-1]
+    type_name = version[0].upper() + version[1:] + doc["kind"]
+    assert hasattr(client, type_name), f"{name}: no Kubernetes model {type_name}"
+    problems = check(doc, type_name, doc["kind"])
+    assert not problems, "\n".join(problems)
+    # The client's own deserializer enforces required fields.
+    client.ApiClient()._ApiClient__deserialize(doc, type_name)
+
+
+def _k8s_docs() -> dict[str, dict[str, Any]]:
+    docs = yaml.safe_load_all((K8S / "llmgw-extproc.yaml").read_text())
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in docs}
+
+
+def test_k8s_configmaps_match_their_sources_and_envoy_validates(tmp_path: Path) -> None:
+    docs = _k8s_docs()
+    llmgw_text = docs["ConfigMap/llmgw-config"]["data"]["llmgw.yaml"]
+    assert llmgw_text == (K8S / "llmgw-config.yaml").read_text()
+    config = load_text(llmgw_text)
+    envoy_text = docs["ConfigMap/llmgw-envoy"]["data"]["envoy.yaml"]
+    expected = build(
+        config,
+        shape="override-host",
+        listen_port=8080,
+        admin_port=9901,
+        extproc_address="127.0.0.1:9002",
+        fail_open=True,
+    )
+    assert envoy_text == render(expected, "llmgw-config.yaml")
+    _validate(envoy_text, tmp_path)
+
+
+def test_k8s_probes_and_metrics_annotations() -> None:
+    deployment = _k8s_docs()["Deployment/llmgw"]
+    pod = deployment["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9090"
+    extproc = next(c for c in pod["spec"]["containers"] if c["name"] == "extproc")
+    ports = {p["name"]: p["containerPort"] for p in extproc["ports"]}
+    assert ports == {"grpc": 9002, "health": 9003, "metrics": 9090}
+    assert extproc["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert extproc["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+def test_compose_stack_is_consistent_and_envoy_validates(tmp_path: Path) -> None:
+    compose = yaml.safe_load((COMPOSE / "compose.yaml").read_text())
+    assert set(compose["services"]) == {"sim", "extproc", "envoy"}
+    assert all("image" in s for s in compose["services"].values())
+    networks = {
+        name: s["networks"]["llm"]["ipv4_address"] for name, s in compose["services"].items()
+    }
+    config = load_file(COMPOSE / "llmgw.yaml")
+    assert all(e.address.startswith(networks["sim"] + ":") for e in config.models["m1"].endpoints)
+    envoy_text = (COMPOSE / "envoy.yaml").read_text()
+    expected = build(
+        config,
+        shape="override-host",
+        listen_port=8080,
+        admin_host="0.0.0.0",
+        admin_port=9901,
+        extproc_address=f"{networks['extproc']}:9002",
+        fail_open=True,
+    )
+    assert envoy_text == render(expected, "llmgw.yaml")
+    _validate(envoy_text, tmp_path)
+
+
+def _validate(text: str, tmp_path: Path) -> None:
+    try:
+        envoy = envoy_binary()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text)
+    result = subprocess.run(
+        [envoy, "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_schema_check_catches_typos_and_wrong_types() -> None:
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "x", "labels": {"a": "b"}},
+        "spec": {"portz": [], "ports": [{"port": "eighty"}]},
+    }
+    problems = check(doc, "V1Service", "Service")
+    assert "Service.spec.portz: unknown field for V1ServiceSpec" in problems
+    assert "Service.spec.ports[0].port: expected int, got str" in problems
