@@ -38,14 +38,14 @@ def check(data: Any, type_name: str, path: str) -> list[str]:
     if type_name.lower().startswith("list["):
         if not isinstance(data, list):
             return [f"{path}: expected a list"]
-        inner = type_name[5:-1]
-        return [p for i, item in enumerate(data) for p in check(item, inner, f"{path}[{i}]")]
+        item_type = type_name[5:-1]
+        return [p for i, item in enumerate(data) for p in check(item, item_type, f"{path}[{i}]")]
     if type_name.lower().startswith("dict"):  # "dict(str, str)" or "Dict[str, str]"
         if not isinstance(data, dict):
             return [f"{path}: expected a mapping"]
-        inner = re.match(r"[dD]ict[\[(]([^,]*), (.*)[\])]$", type_name)
-        assert inner is not None
-        return [p for k, v in data.items() for p in check(v, inner.group(2), f"{path}.{k}")]
+        parts = re.match(r"[dD]ict[\[(]([^,]*), (.*)[\])]$", type_name)
+        assert parts is not None
+        return [p for k, v in data.items() for p in check(v, parts.group(2), f"{path}.{k}")]
     if type_name in _PRIMITIVES:
         ok = isinstance(data, _PRIMITIVES[type_name]) and not (
             type_name == "int" and isinstance(data, bool)
