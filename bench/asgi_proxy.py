@@ -5,7 +5,9 @@
 
 Proxies (each in its own process, one at a time, on the same `llmgw sim` replicas):
 - `llmgw`: `llmgw proxy` (uvicorn + uvloop + httptools, `SchedulerMiddleware`, the lean
-  upstream client of `asgi.upstream`), strategy `ring` (consistent hashing) and `chat`;
+  upstream client of `asgi.upstream`), strategy `ring` (consistent hashing), `llmgw-chat`
+  (the default `chat` strategy) and `llmgw-2w` (`ring`, `--workers 2`: the Rust routers
+  use every core);
 - `vllm-router` (Rust, `--policy consistent_hash`) and `sglang-router` (Rust,
   `--policy round_robin`: it has no consistent hashing), pip-installed by this script into
   `.venv-peers/` (never into the project's `.venv`);
@@ -63,6 +65,7 @@ BODIES = {
 ALL = (
     "llmgw",
     "llmgw-chat",
+    "llmgw-2w",
     "vllm-router",
     "sglang-router",
     "starlette+httpx",
@@ -198,14 +201,15 @@ def proxy_command(
     if not Path(python).exists():
         python = sys.executable
     host = ["--host", "127.0.0.1", "--port", str(port)]
-    if name in ("llmgw", "llmgw-chat"):
+    if name in ("llmgw", "llmgw-chat", "llmgw-2w"):
         config = scratch / f"{name}.yaml"
-        strategy = "ring" if name == "llmgw" else "chat"
+        strategy = "chat" if name == "llmgw-chat" else "ring"
+        workers = ["--workers", "2"] if name == "llmgw-2w" else []
         endpoints = ", ".join(f'"{u.removeprefix("http://")}"' for u in upstreams)
         config.write_text(
             f"models:\n  {MODEL}:\n    endpoints: [{endpoints}]\n    strategy: {strategy}\n"
         )
-        return [python, "-m", "llmgw.cli", "proxy", "--config", str(config), *host]
+        return [python, "-m", "llmgw.cli", "proxy", "--config", str(config), *workers, *host]
     if name == "vllm-router":
         if name not in peers:
             return None
@@ -262,6 +266,7 @@ def h2load(
     body_file = scratch / "body.json"
     body_file.write_bytes(body)
     log_file = scratch / "h2load.log"
+    log_file.unlink(missing_ok=True)  # h2load appends to an existing log
     command = [
         tool,
         "--h1",
