@@ -82,12 +82,19 @@ class HashRing:
 
     def candidates(self, key: str) -> list[str]:
         """Primary first, then up to `num_fallback_replicas` distinct replicas clockwise."""
+        # The same walk as `_walk`, without a generator: this runs on every pick.
+        positions, owners = self._positions, self._owners
+        n = len(positions)
+        limit = min(1 + self.num_fallback_replicas, len(self.replica_ids))
+        i = bisect_right(positions, ring_position(key))
         out: list[str] = []
-        limit = 1 + self.num_fallback_replicas
-        for rid in self._walk(key):
-            out.append(rid)
-            if len(out) == limit:
-                break
+        while len(out) < limit:
+            if i == n:
+                i = 0
+            rid = owners[i]
+            if rid not in out:
+                out.append(rid)
+            i += 1
         return out
 
     def bounded_candidates(self, key: str, load: Mapping[str, int], c: float) -> list[str]:

@@ -28,6 +28,7 @@ class EndpointState:
         "breaker",
         "counter_drain_rate",
         "endpoint",
+        "id",
         "inflight",
         "metrics",
         "scrape_error",
@@ -37,6 +38,7 @@ class EndpointState:
 
     def __init__(self, endpoint: Endpoint, breaker: BreakerSettings) -> None:
         self.endpoint = endpoint
+        self.id = endpoint.address  # an attribute, not a property: read per endpoint per pick
         self.inflight = 0
         self.metrics: EngineMetrics | None = None
         self.scraped_at = float("-inf")
@@ -47,17 +49,9 @@ class EndpointState:
         self._prev_finished: tuple[float, float] | None = None
         self.counter_drain_rate: float | None = None
 
-    @property
-    def id(self) -> str:
-        return self.endpoint.address
-
     def fresh_metrics(self, now: float, staleness: float) -> EngineMetrics | None:
         """The last scrape if it is recent enough to trust and no scrape failed since, else None."""
-        if (
-            self.metrics is not None
-            and self.scrape_error is None
-            and now - self.scraped_at <= staleness
-        ):
+        if self.scrape_error is None and now - self.scraped_at <= staleness:
             return self.metrics
         return None
 
@@ -69,6 +63,16 @@ class EndpointState:
         while self._completions and now - self._completions[0] > _DRAIN_WINDOW:
             self._completions.popleft()
         return len(self._completions) / _DRAIN_WINDOW
+
+
+def fresh_metrics_of(
+    states: Iterable[EndpointState], now: float, staleness: float
+) -> dict[EndpointState, EngineMetrics | None]:
+    """`fresh_metrics` of many states at once (the same rule, without a call per state)."""
+    return {
+        s: s.metrics if s.scrape_error is None and now - s.scraped_at <= staleness else None
+        for s in states
+    }
 
 
 class Registry:

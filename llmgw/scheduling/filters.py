@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmgw.breaker import BreakerState
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 
@@ -13,7 +14,8 @@ class HealthyFilter:
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         now = ctx.now
-        return [s for s in candidates if s.breaker.available(now)]
+        closed = BreakerState.CLOSED  # the common case, without a call
+        return [s for s in candidates if s.breaker.state is closed or s.breaker.available(now)]
 
 
 class ModelServesFilter:
@@ -33,9 +35,10 @@ class NotSaturatedFilter:
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         queue_ceiling = ctx.spec.saturation.queue_ceiling
         kv_ceiling = ctx.spec.saturation.kv_ceiling
+        fresh = ctx.fresh
         out = []
         for s in candidates:
-            m = s.fresh_metrics(ctx.now, ctx.staleness)
+            m = fresh[s]
             if m is None or (m.waiting < queue_ceiling and m.kv_usage < kv_ceiling):
                 out.append(s)
         return out
@@ -47,5 +50,6 @@ class FreshMetricsFilter:
     name = "staleness"
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
-        fresh = [s for s in candidates if s.fresh_metrics(ctx.now, ctx.staleness) is not None]
+        metrics = ctx.fresh
+        fresh = [s for s in candidates if metrics[s] is not None]
         return fresh or candidates

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from llmgw.config import ModelSpec
 from llmgw.hashring import HashRing
-from llmgw.registry import EndpointState
-from llmgw.types import RequestInfo
+from llmgw.registry import EndpointState, fresh_metrics_of
+from llmgw.types import EngineMetrics, RequestInfo
 
 
 @dataclass(slots=True)
@@ -23,6 +23,12 @@ class PickContext:
     ring: HashRing
     all_states: list[EndpointState]
     rng: random.Random
+    # Each endpoint's fresh metrics (None: stale or never scraped), computed once per pick.
+    fresh: dict[EndpointState, EngineMetrics | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.fresh:
+            self.fresh = fresh_metrics_of(self.all_states, self.now, self.staleness)
 
 
 class Filter(Protocol):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
 from itertools import count
 
 from llmgw.scheduling.interfaces import PickContext
@@ -13,8 +12,23 @@ _EPS = 1e-9
 
 def _best_first(ctx: PickContext, totals: list[float], limit: int, exclude: int = -1) -> list[int]:
     """Highest totals first; ties broken at random so equal endpoints share the load."""
-    keyed = [(t, ctx.rng.random(), i) for i, t in enumerate(totals) if i != exclude]
-    return [i for _, _, i in heapq.nlargest(limit, keyed)]
+    # A C-level stable sort, then random draws only for runs of equal totals that reach the
+    # first `limit` places (a uniform ordered sample of the run), not one per endpoint.
+    order = sorted(range(len(totals)), key=totals.__getitem__, reverse=True)
+    if exclude >= 0:
+        order.remove(exclude)
+    n = len(order)
+    i = 0
+    while i < limit and i < n:
+        top = totals[order[i]]
+        j = i + 1
+        while j < n and totals[order[j]] == top:
+            j += 1
+        if j - i > 1:
+            k = min(j - i, limit - i)  # k < j - i only when i + k == limit: the rest is cut
+            order[i : i + k] = ctx.rng.sample(order[i:j], k)
+        i = j
+    return order[:limit]
 
 
 class MaxScorePicker:

@@ -18,8 +18,11 @@ from llmgw.hashring import HashRing
 from llmgw.registry import EndpointState, Registry
 from llmgw.scheduling.interfaces import Filter, PickContext, Picker, Scorer
 from llmgw.scheduling.plugins import FILTERS, PICKERS, make_scorer
+from llmgw.scheduling.scorers import NoObserve
 from llmgw.scheduling.strategies import resolve
 from llmgw.types import Decision, Endpoint, Outcome, Rationale, RequestInfo, ScorerColumn
+
+_no_observe = NoObserve.observe
 
 # Which error a filter's emptying of the candidate set means.
 _EMPTIED_BY: dict[str, type[LlmgwError]] = {
@@ -50,6 +53,10 @@ class ModelRouter:
         self.scorers: list[tuple[Scorer, float]] = [
             (make_scorer(n, s.params), s.weight) for n, s in strategy.scorers.items()
         ]
+        # Only scorers that learn from the choice (the prefix index) are told about it.
+        self.observers: list[Scorer] = [
+            s for s, _ in self.scorers if getattr(type(s), "observe", None) is not _no_observe
+        ]
         picker = strategy.picker
         self.picker: Picker = (
             PICKERS[picker.type](temperature=picker.temperature)
@@ -61,9 +68,14 @@ class ModelRouter:
             num_virtual_nodes=spec.session.num_virtual_nodes,
             num_fallback_replicas=spec.session.num_fallback_replicas,
         )
+        self._ring_states: list[EndpointState] | None = None
 
     def ring_for(self, states: list[EndpointState]) -> HashRing:
-        ids = frozenset(s.id for s in states)
+        # The registry replaces a model's list on every set_endpoints: same list, same set.
+        if states is self._ring_states:
+            return self.ring
+        self._ring_states = states
+        ids = frozenset([s.id for s in states])
         if ids != self.ring.replica_ids:
             self.ring = HashRing(
                 sorted(ids),
@@ -157,12 +169,12 @@ class Scheduler:
         limit = 1 + router.spec.session.num_fallback_replicas
         order = router.picker.order(ctx, totals, limit)
         chosen = candidates[order[0]]
-        for scorer, _ in router.scorers:
+        for scorer in router.observers:
             scorer.observe(ctx, chosen)
         rationale = Rationale(
             strategy=router.strategy_name,
             picker=router.picker.name,
-            endpoint_ids=tuple(s.id for s in candidates),
+            endpoint_ids=tuple([s.id for s in candidates]),
             columns=tuple(columns),
             totals=tuple(totals),
             filter_drops=tuple(drops),

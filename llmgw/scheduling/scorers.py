@@ -28,12 +28,14 @@ def _smoothing(value: float) -> float:
     return value
 
 
-class _NoObserve:
+class NoObserve:
+    """Base for scorers that do not learn from the final choice."""
+
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
         return None
 
 
-class QueueScorer(_NoObserve):
+class QueueScorer(NoObserve):
     """Fewer waiting requests is better (engine metric; local inflight when stale)."""
 
     name = "queue"
@@ -42,17 +44,21 @@ class QueueScorer(_NoObserve):
         self.smoothing = _smoothing(smoothing)
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        fresh = ctx.fresh
         queues: list[float] = []
+        append = queues.append
         for s in candidates:
-            m = s.fresh_metrics(ctx.now, ctx.staleness)
+            m = fresh[s]
+            if m is None:
+                append(float(s.inflight))
+                continue
             # Requests sent since the scrape are not in its queue yet: count the excess.
-            queues.append(
-                float(s.inflight) if m is None else max(m.waiting, s.inflight - m.running)
-            )
+            excess = s.inflight - m.running
+            append(m.waiting if m.waiting >= excess else excess)
         return relative(queues, self.smoothing)
 
 
-class InflightScorer(_NoObserve):
+class InflightScorer(NoObserve):
     """Fewer requests in flight from this router is better (exact, no scrape lag)."""
 
     name = "inflight"
@@ -64,7 +70,7 @@ class InflightScorer(_NoObserve):
         return relative([float(s.inflight) for s in candidates], self.smoothing)
 
 
-class LoadScorer(_NoObserve):
+class LoadScorer(NoObserve):
     """Waiting + running from metrics, or local inflight if larger (other routers' load too)."""
 
     name = "load"
@@ -75,13 +81,13 @@ class LoadScorer(_NoObserve):
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         loads: list[float] = []
         for s in candidates:
-            m = s.fresh_metrics(ctx.now, ctx.staleness)
+            m = ctx.fresh[s]
             engine = 0.0 if m is None else m.waiting + m.running
             loads.append(max(engine, float(s.inflight)))
         return relative(loads, self.smoothing)
 
 
-class KvScorer(_NoObserve):
+class KvScorer(NoObserve):
     """Free KV cache is better; at or above `ceiling` the score is 0 (hard penalty)."""
 
     name = "kv"
@@ -92,19 +98,21 @@ class KvScorer(_NoObserve):
         self.ceiling = ceiling
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        fresh = ctx.fresh
+        ceiling = self.ceiling
         out: list[float] = []
         for s in candidates:
-            m = s.fresh_metrics(ctx.now, ctx.staleness)
+            m = fresh[s]
             if m is None:
                 out.append(0.5)  # unknown: neither reward nor punish
-            elif m.kv_usage >= self.ceiling:
+            elif m.kv_usage >= ceiling:
                 out.append(0.0)
             else:
                 out.append(1.0 - m.kv_usage)
         return out
 
 
-class WeightScorer(_NoObserve):
+class WeightScorer(NoObserve):
     """Configured endpoint weight, relative to the heaviest candidate."""
 
     name = "weight"
@@ -114,7 +122,7 @@ class WeightScorer(_NoObserve):
         return [s.endpoint.weight / top for s in candidates]
 
 
-class SessionScorer(_NoObserve):
+class SessionScorer(NoObserve):
     """Ray Serve ring affinity: 1 for the primary, then 1 - i/(k+1) for fallback i.
 
     With `bounded_load` (from the model's session settings, or a param) the ring skips

@@ -133,3 +133,32 @@ def test_max_score_fallbacks_are_best_first() -> None:
         totals = [rng.random() for _ in range(8)]
         order = MaxScorePicker().order(ctx_for(8), totals, 4)
         assert [totals[i] for i in order] == sorted(totals, reverse=True)[:4]
+
+
+def test_ties_across_the_fallback_places_are_drawn_uniformly() -> None:
+    picker = MaxScorePicker()
+    n, runs = 10, 3000
+    firsts: Counter[int] = Counter()
+    seconds: Counter[int] = Counter()
+    ctx = ctx_for(n)
+    for seed in range(runs):
+        ctx.rng = random.Random(seed)
+        order = picker.order(ctx, [1.0] * n, 3)
+        assert len(set(order)) == 3
+        firsts[order[0]] += 1
+        seconds[order[1]] += 1
+    for counts in (firsts, seconds):
+        assert set(counts) == set(range(n))
+        assert all(abs(c - runs / n) < 0.3 * runs / n for c in counts.values())
+
+
+def test_a_tie_below_the_best_is_broken_at_random_too() -> None:
+    picker = MaxScorePicker()
+    lasts: Counter[int] = Counter()
+    ctx = ctx_for(5)
+    for seed in range(400):
+        ctx.rng = random.Random(seed)
+        order = picker.order(ctx, [1.0, 1.0, 1.0, 0.5, 0.5], 4)
+        assert set(order[:3]) == {0, 1, 2}
+        lasts[order[3]] += 1
+    assert set(lasts) == {3, 4} and min(lasts.values()) > 120
