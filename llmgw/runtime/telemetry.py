@@ -11,7 +11,7 @@ Usage::
 
 Series (prefix `llmgw_`):
 - `decisions_total{model,endpoint,reason}`: `reason` is `decision_reason()` (the scorer
-  that contributed most to the chosen endpoint, or the picker when nothing was scored).
+  that gave the chosen endpoint its lead over the runner-up, else the picker's name).
 - `errors_total{code,status}`: errors answered to clients, by the error's stable code.
 - `stage_seconds{stage}` histogram: `parse` (headers/body -> RequestInfo), `schedule`
   (pick + acquire), `total` (first message of a request to its routing answer).
@@ -68,15 +68,23 @@ class ScrapeCounts(Protocol):
 
 
 def decision_reason(decision: Decision) -> str:
-    """Why the endpoint won, in one word: its largest weighted scorer, else the picker."""
+    """What made the difference, in one word: the scorer with the largest weighted lead of
+    the chosen endpoint over the best other candidate (`session` = affinity, `prefix` =
+    cached prompt, `queue`/`kv`/... = load). The picker's name when nothing was scored,
+    when it was the only candidate, or when no scorer favoured it (a tie, or a sampling
+    picker's choice)."""
     rationale = decision.rationale
-    if not rationale.columns:
+    ids = rationale.endpoint_ids
+    if not rationale.columns or len(ids) < 2 or decision.endpoint.id not in ids:
         return rationale.picker
-    scores = rationale.scores_for(decision.endpoint.id)
-    best, best_value = rationale.picker, 0.0
-    for name, (_, weighted) in scores.items():
-        if weighted > best_value:
-            best, best_value = name, weighted
+    chosen = ids.index(decision.endpoint.id)
+    totals = rationale.totals
+    runner_up = max((i for i in range(len(ids)) if i != chosen), key=lambda i: totals[i])
+    best, best_lead = rationale.picker, 1e-9
+    for column in rationale.columns:
+        lead = (column.raw[chosen] - column.raw[runner_up]) * column.weight
+        if lead > best_lead:
+            best, best_lead = column.name, lead
     return best
 
 

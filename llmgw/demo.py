@@ -1,0 +1,181 @@
+"""`llmgw demo` (`make demo`): 4 simulated vLLM replicas, the ext_proc server and a real
+Envoy on free loopback ports; a short multi-turn chat workload through Envoy with the
+`openai` client; a table of what happened; everything stopped again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Turn:
+    session: str | None
+    replica: str
+    ttft_ms: float
+    total_ms: float
+    status: int
+
+
+def _chat_turn(client: Any, session: str | None, history: list[dict[str, str]]) -> Turn:
+    headers = {"x-session-id": session} if session else {}
+    started = time.perf_counter()
+    raw = client.chat.completions.with_raw_response.create(
+        model="m1", messages=history, stream=True, max_tokens=24, extra_headers=headers
+    )
+    ttft: float | None = None
+    text: list[str] = []
+    for chunk in raw.parse():
+        if chunk.choices and chunk.choices[0].delta.content:
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            text.append(chunk.choices[0].delta.content)
+    total = time.perf_counter() - started
+    history.append({"role": "assistant", "content": "".join(text)})
+    return Turn(
+        session=session,
+        replica=raw.headers.get("x-sim-replica", "?"),
+        ttft_ms=(ttft if ttft is not None else total) * 1e3,
+        total_ms=total * 1e3,
+        status=raw.status_code,
+    )
+
+
+def _conversation(client: Any, session: str, turns: int) -> list[Turn]:
+    history = [{"role": "system", "content": "You are a concise travel assistant."}]
+    out = []
+    for i in range(turns):
+        history.append({"role": "user", "content": f"{session}: question {i + 1} about Lisbon?"})
+        out.append(_chat_turn(client, session, history))
+    return out
+
+
+def _pct(values: list[float], q: int) -> float:
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def _reasons(telemetry: Any) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for metric in telemetry.registry.collect():
+        if metric.name == "llmgw_decisions":
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["reason"]] += int(sample.value)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmgw demo", description=__doc__)
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--anonymous", type=int, default=12, help="requests without a session")
+    args = parser.parse_args(argv or [])
+
+    try:
+        import openai  # noqa: PLC0415
+
+        from extproc.envoyconfig import build  # noqa: PLC0415
+        from extproc.testing import (  # noqa: PLC0415
+            EnvoyProcess,
+            ExtProcThread,
+            fleet_config,
+            free_port,
+        )
+        from llmgw.sim import SimFleet  # noqa: PLC0415
+    except ImportError as exc:
+        print(f"llmgw demo needs the extproc, sim and dev extras: {exc}", file=sys.stderr)
+        return 2
+
+    began = time.monotonic()
+    print("starting 4 simulated vLLM replicas, the llmgw ext_proc server and Envoy ...")
+    fleet = SimFleet.start_in_thread(
+        replicas=4, model="m1", seed=1, decode_ms=4.0, default_output_tokens=(12, 24)
+    )
+    extproc: ExtProcThread | None = None
+    envoy: EnvoyProcess | None = None
+    try:
+        config = fleet_config(fleet)
+        extproc = ExtProcThread(config)
+        envoy = EnvoyProcess(
+            build(
+                config,
+                shape="override-host",
+                listen_host="127.0.0.1",
+                listen_port=free_port(),
+                admin_port=free_port(),
+                extproc_address=extproc.address,
+            )
+        )
+        client = openai.OpenAI(base_url=envoy.url + "/v1", api_key="demo", max_retries=0)
+        sessions = [f"user-{i + 1}" for i in range(args.sessions)]
+        with ThreadPoolExecutor(max_workers=max(1, args.sessions)) as pool:
+            conversations = list(pool.map(lambda s: _conversation(client, s, args.turns), sessions))
+            anonymous = list(
+                pool.map(
+                    lambda i: _chat_turn(
+                        client, None, [{"role": "user", "content": f"one-off question {i}"}]
+                    ),
+                    range(args.anonymous),
+                )
+            )
+        client.close()
+        turns = [t for conv in conversations for t in conv] + anonymous
+        print(_report(conversations, anonymous, turns, _reasons(extproc.server.telemetry)))
+        print("\nwhere to look (while it runs; `llmgw extproc` + `llmgw envoy-config` for real):")
+        print(f"  Envoy listener    {envoy.url}/v1/chat/completions")
+        print(f"  Envoy admin       {envoy.admin_url}/stats/prometheus")
+        print(f"  llmgw metrics     http://127.0.0.1:{extproc.ports['metrics']}/metrics")
+        print(f"  llmgw health      http://127.0.0.1:{extproc.ports['health']}/readyz")
+        failed = sum(1 for t in turns if t.status != 200)
+        print(f"\n{len(turns)} requests, {failed} failed, {time.monotonic() - began:.1f} s")
+        return 0 if failed == 0 else 1
+    finally:
+        if envoy is not None:
+            envoy.stop()
+        if extproc is not None:
+            extproc.stop()
+        fleet.stop()
+        print("stopped Envoy, ext_proc and the simulated replicas")
+
+
+def _report(
+    conversations: list[list[Turn]],
+    anonymous: list[Turn],
+    turns: list[Turn],
+    reasons: Counter[str],
+) -> str:
+    per_replica = Counter(t.replica for t in turns)
+    sticky = sum(1 for conv in conversations for t in conv if t.replica == conv[0].replica)
+    session_turns = sum(len(conv) for conv in conversations)
+    ttft = [t.ttft_ms for t in turns]
+    lines = ["", "requests per replica"]
+    for replica in sorted(per_replica):
+        sessions = sorted({t.session for t in turns if t.replica == replica and t.session})
+        lines.append(
+            f"  replica {replica}: {per_replica[replica]:3d} requests"
+            f"   sessions: {', '.join(s or '' for s in sessions) or '-'}"
+        )
+    lines += [
+        "",
+        f"session stickiness     {100.0 * sticky / max(1, session_turns):5.1f} %"
+        f"  ({sticky}/{session_turns} turns on their session's first replica)",
+        f"no-session spread      {len({t.replica for t in anonymous})} replicas"
+        f" for {len(anonymous)} requests",
+        f"TTFT p50 / p90         {_pct(ttft, 50):6.1f} / {_pct(ttft, 90):6.1f} ms",
+        f"latency p50 / p90      {_pct([t.total_ms for t in turns], 50):6.1f} / "
+        f"{_pct([t.total_ms for t in turns], 90):6.1f} ms",
+        "decision reasons       "
+        + ", ".join(f"{reason}: {n}" for reason, n in reasons.most_common()),
+        "  (the scorer that put the chosen replica ahead: session = affinity,"
+        " prefix = cached prompt, queue/kv = load, max-score = a tie)",
+    ]
+    return "\n".join(lines)

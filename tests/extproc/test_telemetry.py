@@ -1,0 +1,35 @@
+"""Telemetry: decision reasons, the registry-backed gauges, one registry per instance."""
+
+from __future__ import annotations
+
+from llmgw.runtime.telemetry import Telemetry, decision_reason
+from llmgw.types import Decision, Endpoint, Rationale, ScorerColumn
+
+
+def decision(columns: tuple[ScorerColumn, ...], chosen: str = "a") -> Decision:
+    ids = ("a", "b", "c")
+    totals = tuple(sum(c.raw[i] * c.weight for c in columns) for i in range(3))
+    rationale = Rationale("chat", "max-score", ids, columns, totals, (), 3)
+    return Decision("m1", Endpoint(chosen, "m1"), (), rationale)
+
+
+def test_reason_is_the_scorer_that_gave_the_lead_not_the_largest_weight() -> None:
+    columns = (
+        ScorerColumn("queue", 2.0, (1.0, 1.0, 0.5)),  # large, but equal for a and b
+        ScorerColumn("session", 1.0, (1.0, 0.66, 0.33)),  # what separates a from b
+    )
+    assert decision_reason(decision(columns)) == "session"
+
+
+def test_reason_is_the_picker_on_a_tie_or_without_scorers() -> None:
+    tie = (ScorerColumn("queue", 1.0, (1.0, 1.0, 1.0)),)
+    assert decision_reason(decision(tie)) == "max-score"
+    assert decision_reason(decision(())) == "max-score"
+
+
+def test_each_instance_has_its_own_registry() -> None:
+    first, second = Telemetry(), Telemetry()
+    first.decision(decision((ScorerColumn("queue", 1.0, (1.0, 0.5, 0.5)),)))
+    assert b'reason="queue"' in first.render()[0]
+    assert b"reason=" not in second.render()[0]
+    assert first.render()[1].startswith("text/plain")
