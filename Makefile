@@ -28,6 +28,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/pick_latency.py
+	$(PY) bench/routing.py
+	$(PY) bench/asgi_proxy.py
+	$(PY) bench/envoy_overhead.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
