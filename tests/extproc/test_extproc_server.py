@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
 import grpc
@@ -17,10 +23,12 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from extproc.server import ExtProcServer, build_parser
 from extproc.testing import (
     chat_headers,
+    free_port,
     make_config,
     request_headers,
     response_headers,
     set_headers,
+    wait_for,
 )
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -151,3 +159,46 @@ async def test_stop_lets_open_streams_finish_within_grace() -> None:
 def test_parser_defaults_are_the_documented_ports() -> None:
     args = build_parser().parse_args(["--config", "x.yaml"])
     assert (args.grpc_port, args.health_port, args.metrics_port) == (9002, 9003, 9090)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_cli_serves_then_drains_on_sigterm(tmp_path: Path, workers: int) -> None:
+    config = tmp_path / "llmgw.yaml"
+    config.write_text("models:\n  m1:\n    endpoints: ['127.0.0.1:9100']\n    strategy: ring\n")
+    ready = tmp_path / "ready.json"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmgw.cli",
+            "extproc",
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--grpc-port",
+            "0" if workers == 1 else str(free_port()),
+            "--health-port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--no-scrape",
+            "--ready-file",
+            str(ready),
+            "--workers",
+            str(workers),
+            "--log-level",
+            "warning",
+        ]
+    )
+    try:
+        wait_for(ready.exists, 20, "ready file")
+        ports = json.loads(ready.read_text())
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['health']}/readyz", timeout=5) as r:
+            assert r.status == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
