@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add, mul
 
 from llmgw.config import Config, ModelMode, ModelSpec, endpoints_of, model_mode
 from llmgw.errors import (
@@ -162,9 +164,13 @@ class Scheduler:
         totals = [0.0] * len(candidates)
         for scorer, weight in router.scorers:
             raw = scorer.score(ctx, candidates)
+            if len(raw) != len(totals):
+                raise ValueError(
+                    f"scorer {scorer.name!r} returned {len(raw)} scores for {len(totals)}"
+                )
             columns.append(ScorerColumn(scorer.name, weight, tuple(raw)))
-            if weight:
-                totals = [t + weight * r for t, r in zip(totals, raw, strict=True)]
+            if weight:  # C-level maps: this runs per endpoint per scorer on every pick
+                totals = list(map(add, totals, map(mul, repeat(weight, len(raw)), raw)))
 
         limit = 1 + router.spec.session.num_fallback_replicas
         order = router.picker.order(ctx, totals, limit)
@@ -183,7 +189,7 @@ class Scheduler:
         return Decision(
             model=request.model,
             endpoint=chosen.endpoint,
-            fallbacks=tuple(candidates[i].endpoint for i in order[1:]),
+            fallbacks=tuple([candidates[i].endpoint for i in order[1:]]),
             rationale=rationale,
         )
 

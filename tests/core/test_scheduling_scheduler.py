@@ -229,3 +229,11 @@ def test_lease_on_a_half_open_endpoint_is_a_probe() -> None:
     expect(NoHealthyEndpoint, 503, "no_healthy_endpoint", sched, req())  # its one slot is taken
     lease.finish(Outcome.CANCELLED)
     assert sched.pick(req()).endpoint.id == ADDRS[0]
+
+
+def test_a_scorer_returning_the_wrong_number_of_scores_is_an_error() -> None:
+    sched, _, _ = scheduler({"chat": static_model(3, strategy="batch")})
+    scorer, _ = sched.routers["chat"].scorers[0]
+    scorer.score = lambda ctx, candidates: [1.0]  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="1 scores for 3"):
+        sched.pick(req())
