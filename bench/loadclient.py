@@ -1,7 +1,7 @@
 """A small async load client for OpenAI-compatible streaming chat: replays a `Workload`.
 
-Why our own and not aiperf / inference-perf / locust: the routing benchmark needs, in
-one tool, (1) a per-*conversation* session header (`x-session-id: <id>`; aiperf and
+Why our own and not aiperf (0.13) / inference-perf / locust: the routing benchmark needs,
+in one tool, (1) a per-*conversation* session header (`x-session-id: <id>`; aiperf and
 inference-perf set static headers for the whole run), (2) multi-turn replay where turn
 k+1 is sent only after turn k's response ended plus a think time, with the history
 re-sent (aiperf's multi-turn mode does this, but not with a per-conversation header),

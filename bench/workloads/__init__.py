@@ -171,7 +171,7 @@ def multi_turn_chat(
     reply_tokens: tuple[int, int] = (50, 200),
     max_tokens: tuple[int, int] = (8, 16),
     think_s: float = 0.25,
-    arrival_rate: float = 60.0,
+    arrival_rate: float = 40.0,
 ) -> Workload:
     """Conversations sharing one system prompt, each its own session, growing history."""
     rng = random.Random(f"chat:{seed}")
@@ -223,7 +223,7 @@ def hot_sessions(
     reply_tokens: tuple[int, int] = (50, 150),
     max_tokens: tuple[int, int] = (8, 16),
     think_s: float = 0.25,
-    arrival_rate: float = 60.0,
+    arrival_rate: float = 40.0,
 ) -> Workload:
     """Conversations keyed by a user id drawn from Zipf(s) over `users`: hot keys.
 
@@ -276,7 +276,7 @@ def shared_prefixes(
     seed: int = 1,
     *,
     scale: float = 1.0,
-    requests: int = 800,
+    requests: int = 600,
     prefixes: int = 12,
     prefix_tokens: tuple[int, int] = (1500, 3000),
     question_tokens: tuple[int, int] = (50, 200),
@@ -335,7 +335,7 @@ def mixed_lengths(
     long_tokens: tuple[int, int] = (3000, 6000),
     max_tokens: tuple[int, int] = (8, 16),
     think_s: float = 0.25,
-    arrival_rate: float = 60.0,
+    arrival_rate: float = 40.0,
 ) -> Workload:
     """Short multi-turn chat (with sessions) mixed with long-context one-shot requests."""
     rng = random.Random(f"mixed:{seed}")
