@@ -23,6 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "vllm-cpu.sh"
 START_TIMEOUT = 240.0
+# Queueing made visible (2 running at most, 64 KV blocks of 128 tokens); room for multi-turn.
+PAIR_ARGS = ("--max-num-seqs", "2", "--num-gpu-blocks-override", "64", "--max-model-len", "2048")
 
 pytestmark = pytest.mark.real_engine
 
@@ -118,10 +120,10 @@ def vllm_ready() -> None:
     setup_vllm()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_pair(vllm_ready: None) -> Iterator[list[VllmInstance]]:
     """Two instances of the tiny model, one per core, with queueing made visible."""
-    extra = ("--max-num-seqs", "2", "--num-gpu-blocks-override", "64")
+    extra = PAIR_ARGS
     pair = [start_instance(core, *extra) for core in (0, 1)]
     try:
         for inst in pair:
