@@ -47,7 +47,19 @@ CHAT_TEMPLATE = (
 def corpus(rng: random.Random) -> list[str]:
     """Synthetic sentences with enough distinct pieces for BPE to fill the vocabulary."""
     syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
-    vocab = "router replica session prefix cache queue token model metric stream chat".split()
+    vocab = [
+        "router",
+        "replica",
+        "session",
+        "prefix",
+        "cache",
+        "queue",
+        "token",
+        "model",
+        "metric",
+        "stream",
+        "chat",
+    ]
     vocab += ["".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(3000)]
     text = [
         " ".join(rng.choices(vocab, k=rng.randint(3, 20))) + rng.choice(".?!,")

@@ -9,15 +9,15 @@ platform detection looks for "cpu" in it) and hand over to the CLI.
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import sys
+from importlib import metadata
 
 _real_version = metadata.version
 
 
-def _version(name: str) -> str:
-    if name != "vllm":
-        return _real_version(name)
+def _version(distribution_name: str) -> str:
+    if distribution_name != "vllm":
+        return _real_version(distribution_name)
     try:
         return _real_version("vllm")
     except metadata.PackageNotFoundError:
