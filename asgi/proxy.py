@@ -25,7 +25,7 @@ import asyncio
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -52,7 +52,7 @@ from llmgw.types import Outcome
 
 if TYPE_CHECKING:
     from llmgw.runtime.router import Router
-    from llmgw.runtime.telemetry import ScrapeCounts, Telemetry
+    from llmgw.runtime.telemetry import Telemetry
 
 log = logging.getLogger("llmgw.proxy")
 
@@ -264,8 +264,7 @@ class ProxyApp:
         self.config = config
         self.router = router or Router(config, scrape=scrape)
         self.telemetry = telemetry or Telemetry()
-        # Scraper.errors is a Counter; ScrapeCounts declares a mutable Mapping attribute.
-        self.telemetry.bind(self.router.registry, cast("ScrapeCounts", self.router.scraper))
+        self.telemetry.bind(self.router.registry, self.router.scraper)
         self.pool = UpstreamPool(pool_limits(config))
         self.forwarder = Forwarder(self.pool, config)
         self.routed = SchedulerMiddleware(

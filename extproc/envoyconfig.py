@@ -125,6 +125,12 @@ def _override_host_policy() -> dict[str, Any]:
     }
 
 
+NO_PICK_BODY = (
+    '{"error": {"message": "the router could not pick an endpoint (ext_proc unavailable)", '
+    '"type": "service_unavailable", "code": "no_pick"}}'
+)
+
+
 def build(
     config: Config,
     *,
@@ -144,8 +150,11 @@ def build(
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     addresses = list(dict.fromkeys(e.address for m in config.models.values() for e in m.endpoints))
-    if not addresses:
-        raise ValueError("the llmgw config lists no static endpoints to put in the Envoy cluster")
+    if not addresses and shape != "original-dst":
+        raise ValueError(
+            f"shape {shape!r} needs static endpoints to list in the Envoy cluster; the config has "
+            "none (on-demand models only): use shape original-dst"
+        )
     if retries is None:
         retries = max(m.session.num_fallback_replicas for m in config.models.values())
     timeout = f"{route_timeout:g}s"
@@ -195,8 +204,17 @@ def build(
                 },
                 "route": {"cluster": ORIGINAL_DST_CLUSTER, "timeout": timeout},
             },
-            # No pick (ext_proc down, fail-open): any configured endpoint.
-            {"match": {"prefix": "/"}, "route": {"cluster": POOL_CLUSTER, "timeout": timeout}},
+            # No pick (ext_proc down, fail-open): any configured endpoint, or a clear 503
+            # when every model is started on demand (nothing static to fall back to).
+            {"match": {"prefix": "/"}, "route": {"cluster": POOL_CLUSTER, "timeout": timeout}}
+            if addresses
+            else {
+                "match": {"prefix": "/"},
+                "direct_response": {
+                    "status": 503,
+                    "body": {"inline_string": NO_PICK_BODY},
+                },
+            },
         ]
         clusters.append(
             {
@@ -210,9 +228,10 @@ def build(
                 },
             }
         )
-        pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=connect)
-        pool["lb_policy"] = "LEAST_REQUEST"
-        clusters.append(pool)
+        if addresses:
+            pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=connect)
+            pool["lb_policy"] = "LEAST_REQUEST"
+            clusters.append(pool)
     else:
         route: dict[str, Any] = {"cluster": POOL_CLUSTER, "timeout": timeout}
         if retries > 0:

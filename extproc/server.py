@@ -27,10 +27,11 @@ import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
-from extproc.translate import Exchange, Hooks
+from extproc.translate import AWAIT_ACTIVATION, Exchange, Hooks
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
 from llmgw.logs import configure, log_decision
+from llmgw.runtime.router import Router
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Decision
@@ -73,13 +74,15 @@ class ExtProcServer:
     ) -> None:
         self.config = config
         self.host = host
-        self.scheduler = scheduler or Scheduler(config)
+        # A given Scheduler is used bare (tests, parity); else a Router adds scraping and
+        # on-demand activation around a Scheduler of its own.
+        self.router: Router | None = None
+        if scheduler is None:
+            self.router = Router(config, scrape=scrape)
+            scheduler = self.router.scheduler
+        self.scheduler = scheduler
         self.telemetry = telemetry or Telemetry()
-        self.scraper: Any = None
-        if scrape:
-            from llmgw.runtime.scraper import Scraper  # noqa: PLC0415 (optional at import)
-
-            self.scraper = Scraper(config, self.scheduler.registry)
+        self.scraper = self.router.scraper if self.router is not None else None
         self.telemetry.bind(self.scheduler.registry, self.scraper)
         self.hooks = Hooks(
             decision=self._on_decision,
@@ -102,7 +105,7 @@ class ExtProcServer:
 
     async def process(self, _requests: AsyncIterator[ProcessingRequest], context: Any) -> None:
         """One Envoy stream = one HTTP request. Reader/writer API: no generator overhead."""
-        exchange = Exchange(self.scheduler, self.hooks)
+        exchange = Exchange(self.scheduler, self.hooks, self.router)
         self.open_streams += 1
         try:
             read, write, eof = context.read, context.write, grpc.aio.EOF
@@ -110,7 +113,10 @@ class ExtProcServer:
                 message = await read()
                 if message is eof:
                     break
-                await write(exchange.handle(message))
+                answer = exchange.handle(message)
+                if answer is AWAIT_ACTIVATION:
+                    answer = await exchange.activate()
+                await write(answer)
         finally:
             # Response end, client abort or stream cancel: release exactly once.
             exchange.close()
@@ -146,6 +152,10 @@ class ExtProcServer:
         if self.draining or self._grpc is None:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "ready", "open_streams": self.open_streams})
+
+    async def _models_status(self, _request: web.Request) -> web.Response:
+        status = self.router.models_status() if self.router is not None else {}
+        return web.json_response(status)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         body, content_type = self.telemetry.render()
@@ -202,13 +212,17 @@ class ExtProcServer:
         if not bound:
             raise OSError(f"cannot bind gRPC port {self.host}:{self._ports['grpc']}")
         self._ports["grpc"] = bound
-        if self.scraper is not None:
-            await self.scraper.start()
+        if self.router is not None:
+            await self.router.start()
         await server.start()
         self._grpc = server
         if self._ports["health"] is not None:
             self._ports["health"] = await self._serve_http(
-                [web.get("/healthz", self._healthz), web.get("/readyz", self._readyz)],
+                [
+                    web.get("/healthz", self._healthz),
+                    web.get("/readyz", self._readyz),
+                    web.get("/models/status", self._models_status),
+                ],
                 self._ports["health"],
             )
         if self._ports["metrics"] is not None:
@@ -228,8 +242,8 @@ class ExtProcServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
-        if self.scraper is not None:
-            await self.scraper.stop()
+        if self.router is not None:
+            await self.router.stop()
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -42,10 +43,13 @@ from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct  # type: ignore[import-untyped]
 
 from llmgw.config import Config
-from llmgw.errors import LlmgwError
+from llmgw.errors import LlmgwError, ModelNotReady
 from llmgw.request import build_request, needs_body
 from llmgw.scheduling.scheduler import Lease, Scheduler
-from llmgw.types import Decision, Endpoint, Outcome
+from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
+
+if TYPE_CHECKING:
+    from llmgw.runtime.router import Router, RouterLease
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
@@ -199,6 +203,11 @@ def outcome_for_status(status: int) -> Outcome:
     return Outcome.SUCCESS
 
 
+# Returned by `Exchange.handle` when an on-demand model must be started first: the server
+# awaits `Exchange.activate()` for the real answer (the waiting is I/O; it lives there).
+AWAIT_ACTIVATION = b""
+
+
 class InternalError(LlmgwError):
     """A bug in the router: answered as 500 rather than a broken gRPC stream."""
 
@@ -224,6 +233,7 @@ class Exchange:
     """
 
     __slots__ = (
+        "_acquire",
         "_body",
         "_headers",
         "_outcome",
@@ -233,16 +243,27 @@ class Exchange:
         "decision",
         "hooks",
         "lease",
+        "pending",
+        "router",
         "scheduler",
         "status",
     )
 
-    def __init__(self, scheduler: Scheduler, hooks: Hooks = _NO_HOOKS) -> None:
+    def __init__(
+        self, scheduler: Scheduler, hooks: Hooks = _NO_HOOKS, router: Router | None = None
+    ) -> None:
         self.scheduler = scheduler
+        self.router = router
         self.config: Config = scheduler.config
         self.hooks = hooks
+        # With a Router, leases also keep on-demand models alive until the response ends.
+        self._acquire: Callable[..., Lease | RouterLease] = (
+            router.acquire if router is not None else scheduler.acquire
+        )
         self.decision: Decision | None = None
-        self.lease: Lease | None = None
+        self.lease: Lease | RouterLease | None = None
+        # (request, after_body) of a request waiting for its on-demand model to start.
+        self.pending: tuple[RequestInfo, bool] | None = None
         self.status: int | None = None
         self._outcome: Outcome | None = None
         self._headers: Mapping[str, str] = {}
@@ -290,7 +311,13 @@ class Exchange:
             request = build_request(self.config, self._headers, self._path, body)
             t1 = time.perf_counter()
             decision = self.scheduler.pick(request)
-            self.lease = self.scheduler.acquire(decision)
+            self.lease = self._acquire(decision)
+        except ModelNotReady as exc:
+            activator = self.router.activator if self.router is not None else None
+            if activator is None or not activator.manages(request.model):
+                return self._error(exc)
+            self.pending = (request, after_body)
+            return AWAIT_ACTIVATION
         except LlmgwError as exc:
             if hooks.error is not None:
                 hooks.error(exc)
@@ -308,6 +335,26 @@ class Exchange:
             hooks.stage("total", t2 - self._started)
         if hooks.decision is not None:
             hooks.decision(decision, request.request_id)
+        return route_response(decision, after_body=after_body)
+
+    def _error(self, exc: LlmgwError) -> bytes:
+        if self.hooks.error is not None:
+            self.hooks.error(exc)
+        return immediate_response(exc)
+
+    async def activate(self) -> bytes:
+        """Wait (bounded) for the pending request's on-demand model, then answer it."""
+        assert self.pending is not None and self.router is not None
+        request, after_body = self.pending
+        self.pending = None
+        try:
+            decision = await self.router.decide(request)
+            self.lease = self._acquire(decision)
+        except LlmgwError as exc:
+            return self._error(exc)
+        self.decision = decision
+        if self.hooks.decision is not None:
+            self.hooks.decision(decision, request.request_id)
         return route_response(decision, after_body=after_body)
 
     def _response_headers(self, headers: HttpHeaders) -> bytes:
@@ -335,9 +382,9 @@ class Exchange:
         if target is None:
             return
         self._finish(lease, Outcome.FAILURE)
-        self.lease = self.scheduler.acquire(decision, target)
+        self.lease = self._acquire(decision, target)
 
-    def _finish(self, lease: Lease, outcome: Outcome) -> None:
+    def _finish(self, lease: Lease | RouterLease, outcome: Outcome) -> None:
         if lease.done:
             return
         lease.finish(outcome)

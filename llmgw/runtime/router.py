@@ -36,6 +36,10 @@ class RouterLease:
         return self._lease.endpoint_id
 
     @property
+    def model(self) -> str:
+        return self._lease.model
+
+    @property
     def done(self) -> bool:
         return self._lease.done
 

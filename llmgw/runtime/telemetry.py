@@ -64,7 +64,8 @@ _BUCKETS = (
 class ScrapeCounts(Protocol):
     """What telemetry reads from a scraper: failed scrapes per address."""
 
-    errors: Mapping[str, int]
+    @property
+    def errors(self) -> Mapping[str, int]: ...
 
 
 def decision_reason(decision: Decision) -> str:
