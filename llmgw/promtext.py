@@ -182,7 +182,7 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
             label = sample.labels.get(contract.model_label)
             if label is not None and label != model:
                 continue
-        if math.isnan(sample.value):
+        if not math.isfinite(sample.value):  # NaN or ±Inf: no usable reading
             continue
         found.setdefault(sample.name, []).append(sample.value)
 

@@ -79,6 +79,13 @@ class ModelRouter:
         self._ring_states = states
         ids = frozenset([s.id for s in states])
         if ids != self.ring.replica_ids:
+            # Endpoints that left (an on-demand replica on a new port each start) must not
+            # keep their share of the prefix index.
+            for gone in self.ring.replica_ids - ids:
+                for scorer, _ in self.scorers:
+                    forget = getattr(scorer, "forget", None)
+                    if forget is not None:
+                        forget(gone)
             self.ring = HashRing(
                 sorted(ids),
                 num_virtual_nodes=self.spec.session.num_virtual_nodes,

@@ -180,6 +180,10 @@ class PrefixScorer:
         if hashes:
             self.index.insert(chosen.id, hashes)
 
+    def forget(self, endpoint_id: str) -> None:
+        """The endpoint left the pool: drop what the index remembers about it."""
+        self.index.forget(endpoint_id)
+
 
 def softmax_weights(scores: list[float], temperature: float) -> list[float]:
     top = max(scores)

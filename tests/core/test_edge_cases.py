@@ -1,0 +1,36 @@
+"""Fixes for cases found in review: infinite metric values, endpoints leaving the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.config import load_dict
+from llmgw.errors import MetricsError
+from llmgw.promtext import CONTRACTS, extract
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.scheduling.scorers import PrefixScorer
+from llmgw.types import Endpoint, Engine, RequestInfo
+
+
+@pytest.mark.parametrize("value", ["+Inf", "-Inf", "NaN"])
+def test_non_finite_queue_reading_is_missing_not_a_number(value: str) -> None:
+    page = (
+        f'vllm:num_requests_waiting{{model_name="m"}} {value}\n'
+        'vllm:num_requests_running{model_name="m"} 1\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n'
+    )
+    with pytest.raises(MetricsError, match="vllm:num_requests_waiting"):
+        extract(page, CONTRACTS[Engine.VLLM], model="m")
+
+
+def test_prefix_index_forgets_an_endpoint_that_leaves_the_pool() -> None:
+    config = load_dict({"models": {"m": {"endpoints": ["127.0.0.1:1", "127.0.0.1:2"]}}})
+    scheduler = Scheduler(config, seed=1)
+    prompt = "system prompt " * 200
+    chosen = scheduler.pick(RequestInfo(model="m", request_id="a", prompt=prompt)).endpoint
+    prefix = next(s for s, _ in scheduler.routers["m"].scorers if isinstance(s, PrefixScorer))
+    assert prefix.index.size(chosen.id) > 0
+    keep = "127.0.0.1:2" if chosen.id == "127.0.0.1:1" else "127.0.0.1:1"
+    scheduler.registry.set_endpoints("m", [Endpoint(address=keep, model="m", pool="m")])
+    assert scheduler.pick(RequestInfo(model="m", request_id="b", prompt=prompt)).endpoint.id == keep
+    assert prefix.index.size(chosen.id) == 0
