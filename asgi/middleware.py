@@ -220,6 +220,12 @@ class SchedulerMiddleware:
         self._model_header = config.model_header.encode("latin-1")
         self._max_body = config.limits.max_body_bytes
 
+    def reconfigure(self, config: Config) -> None:
+        """Use `config` for requests that arrive from now on (the router reloads itself)."""
+        self.config = config
+        self._model_header = config.model_header.encode("latin-1")
+        self._max_body = config.limits.max_body_bytes
+
     def _routed(self, scope: Scope) -> bool:
         path: str = scope["path"]
         if path.startswith(self.paths):

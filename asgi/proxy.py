@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
+import time
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -48,10 +52,11 @@ from asgi.upstream import (
 )
 from llmgw.config import Config, ModelMode, load_file, model_mode
 from llmgw.errors import ConfigError, LlmgwError
+from llmgw.logs import configure
 from llmgw.types import Outcome
 
 if TYPE_CHECKING:
-    from llmgw.runtime.router import Router
+    from llmgw.runtime.router import ConfigWatcher, Router
     from llmgw.runtime.telemetry import Telemetry
 
 log = logging.getLogger("llmgw.proxy")
@@ -257,8 +262,10 @@ class ProxyApp:
         router: Router | None = None,
         telemetry: Telemetry | None = None,
         scrape: bool = True,
+        config_path: str | None = None,
+        reload_interval: float = 1.0,
     ) -> None:
-        from llmgw.runtime.router import Router  # noqa: PLC0415
+        from llmgw.runtime.router import ConfigWatcher, Router  # noqa: PLC0415
         from llmgw.runtime.telemetry import Telemetry  # noqa: PLC0415
 
         self.config = config
@@ -271,22 +278,46 @@ class ProxyApp:
             self.forwarder, config, router=self.router, telemetry=self.telemetry
         )
         self.started = False
-        self._models = orjson.dumps(
-            {
-                "object": "list",
-                "data": [
-                    {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-                    for name in config.models
-                ],
-            }
+        self.draining = False  # SIGTERM: /readyz answers 503 before the listener closes
+        self._models = _model_list(config)
+        # With a config file: SIGHUP or a change of the file reloads it (see ConfigWatcher).
+        self.watcher: ConfigWatcher | None = (
+            ConfigWatcher(config_path, self.reload, interval=reload_interval)
+            if config_path is not None
+            else None
         )
+        self._watching: asyncio.Task[None] | None = None
+
+    def reload(self, config: Config) -> None:
+        """Route requests that arrive from now on with `config`; raises ConfigError.
+        (Upstream pool limits stay as they were at start.)"""
+        self.router.reload(config)
+        self.config = config
+        self.routed.reconfigure(config)
+        self.forwarder.max_body = config.limits.max_body_bytes
+        self.forwarder.debug_headers = config.debug_headers
+        self._models = _model_list(config)
 
     async def startup(self) -> None:
         await self.router.start()
+        if self.watcher is not None:
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
+                loop.add_signal_handler(signal.SIGHUP, self.watcher.reload)
+            if self.watcher.interval > 0:
+                self._watching = loop.create_task(self.watcher.run(), name="config watch")
         self.started = True
 
     async def shutdown(self) -> None:
         self.started = False
+        if self.watcher is not None:
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        if self._watching is not None:
+            self._watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watching
+            self._watching = None
         await self.router.stop()
         await self.pool.aclose()
 
@@ -345,7 +376,7 @@ class ProxyApp:
             available = sum(1 for s in states if s.breaker.available(now))
             models[name] = {"mode": mode.value, "endpoints": len(states), "available": available}
             routable |= available > 0 or mode is ModelMode.ON_DEMAND
-        ready = ready and routable
+        ready = ready and routable and not self.draining
         body = orjson.dumps({"ready": ready, "models": models})
         return (200 if ready else 503), "application/json", body
 
@@ -369,8 +400,50 @@ class ProxyApp:
                 return
 
 
-def build_app(config: Config, *, scrape: bool = True) -> ProxyApp:
-    return ProxyApp(config, scrape=scrape)
+def _model_list(config: Config) -> bytes:
+    return orjson.dumps(
+        {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+                for name in config.models
+            ],
+        }
+    )
+
+
+def build_app(
+    config: Config,
+    *,
+    scrape: bool = True,
+    config_path: str | None = None,
+    reload_interval: float = 1.0,
+) -> ProxyApp:
+    return ProxyApp(config, scrape=scrape, config_path=config_path, reload_interval=reload_interval)
+
+
+def _draining_server(config: Any, app: ProxyApp, drain_delay: float) -> Any:
+    """A uvicorn Server whose SIGTERM first turns /readyz to 503, then, `drain_delay` s
+    later, closes the listener; open requests then get `timeout_graceful_shutdown` s."""
+    import uvicorn  # noqa: PLC0415
+
+    class Server(uvicorn.Server):
+        exit_at: float | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            app.draining = True
+            if drain_delay > 0 and self.exit_at is None and sig == signal.SIGTERM:
+                self._captured_signals.append(sig)  # re-raised after shutdown, as uvicorn does
+                self.exit_at = time.monotonic() + drain_delay
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.exit_at is not None and time.monotonic() >= self.exit_at:
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return Server(config)
 
 
 def _event_loop_and_parser() -> tuple[str, str]:
@@ -395,7 +468,12 @@ _WORKER_ARGS = "_LLMGW_PROXY_WORKER_ARGS"  # parent -> worker processes, set by 
 def _worker_app() -> ProxyApp:
     """The app of one worker process of `--workers N` (uvicorn imports it by name)."""
     args = orjson.loads(os.environ[_WORKER_ARGS])
-    return build_app(load_file(args["config"]), scrape=args["scrape"])
+    return build_app(
+        load_file(args["config"]),
+        scrape=args["scrape"],
+        config_path=args["config"],
+        reload_interval=args["reload_interval"],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,9 +491,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-scrape", action="store_true", help="do not poll /metrics")
     parser.add_argument(
+        "--drain-delay",
+        type=float,
+        default=0.0,
+        help="seconds between SIGTERM (readiness false) and closing the listener",
+    )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=10.0, help="seconds open requests get to finish"
+    )
+    parser.add_argument(
+        "--reload-interval",
+        type=float,
+        default=1.0,
+        help="seconds between checks of the config file for changes (0: only on SIGHUP)",
+    )
+    parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
     args = parser.parse_args(argv)
+    configure(args.log_level)
     try:
         config = load_file(args.config)
     except ConfigError as exc:
@@ -435,13 +529,24 @@ def main(argv: list[str] | None = None) -> int:
         "server_header": False,
         "date_header": False,
         "proxy_headers": False,  # a routing proxy forwards X-Forwarded-* untouched
+        "timeout_graceful_shutdown": args.drain_timeout,
     }
     if args.workers > 1:
         os.environ[_WORKER_ARGS] = orjson.dumps(
-            {"config": os.path.abspath(args.config), "scrape": not args.no_scrape}
+            {
+                "config": os.path.abspath(args.config),
+                "scrape": not args.no_scrape,
+                "reload_interval": args.reload_interval,
+            }
         ).decode()
         uvicorn.run("asgi.proxy:_worker_app", factory=True, workers=args.workers, **options)
         return 0
-    server = uvicorn.Server(uvicorn.Config(build_app(config, scrape=not args.no_scrape), **options))
+    app = build_app(
+        config,
+        scrape=not args.no_scrape,
+        config_path=args.config,
+        reload_interval=args.reload_interval,
+    )
+    server = _draining_server(uvicorn.Config(app, **options), app, args.drain_delay)
     server.run()
     return 0 if server.started else 1

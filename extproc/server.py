@@ -31,7 +31,7 @@ from extproc.translate import AWAIT_ACTIVATION, Exchange, Hooks
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
 from llmgw.logs import configure, log_decision
-from llmgw.runtime.router import Router
+from llmgw.runtime.router import ConfigWatcher, Router
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Decision
@@ -231,6 +231,13 @@ class ExtProcServer:
             )
         log.info("ext_proc listening", extra={"ports": self.ports})
 
+    def reload(self, config: Config) -> None:
+        """Route new streams with `config` (see `Router.reload`); raises ConfigError."""
+        if self.router is None:
+            raise ConfigError(["<reload>: this server routes with a fixed Scheduler"])
+        self.router.reload(config)
+        self.config = config
+
     def begin_drain(self) -> None:
         """Readiness and gRPC health go false; streams keep being served."""
         self.draining = True
@@ -280,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--loop", choices=("asyncio", "uvloop"), default="asyncio", help="event loop"
     )
+    parser.add_argument(
+        "--reload-interval",
+        type=float,
+        default=1.0,
+        help="seconds between checks of the config file for changes (0: only on SIGHUP)",
+    )
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
@@ -311,12 +324,27 @@ async def serve(args: argparse.Namespace, config: Config, worker: int = 0) -> No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # SIGHUP or a changed file: reload; an invalid file is logged and the old config kept.
+    watcher = ConfigWatcher(
+        args.config, lambda c: server.reload(_with_flags(c, args)), interval=args.reload_interval
+    )
+    loop.add_signal_handler(signal.SIGHUP, watcher.reload)
+    polling = asyncio.create_task(watcher.run()) if args.reload_interval > 0 else None
     await stop.wait()
+    if polling is not None:
+        polling.cancel()
     log.info("draining", extra={"open_streams": server.open_streams})
     server.begin_drain()
     if args.drain_delay > 0:
         await asyncio.sleep(args.drain_delay)  # let load balancers see readiness go false
     await server.stop(args.drain_timeout)
+
+
+def _with_flags(config: Config, args: argparse.Namespace) -> Config:
+    """The config as the command line amends it."""
+    if args.debug_headers:
+        return config.model_copy(update={"debug_headers": True})
+    return config
 
 
 def _run_worker(args: argparse.Namespace, config: Config, worker: int) -> None:
@@ -340,8 +368,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    if args.debug_headers:
-        config = config.model_copy(update={"debug_headers": True})
+    config = _with_flags(config, args)
     if args.workers < 1:
         print("llmgw extproc: --workers must be >= 1", file=sys.stderr)
         return 2

@@ -90,6 +90,13 @@ class Registry:
         self._by_id: dict[tuple[str, str], EndpointState] = {}
         self.version = 0  # bumped when any model's endpoint set changes
 
+    def configure(self, *, breaker: BreakerSettings, staleness: float) -> None:
+        """New breaker settings and staleness (a config reload); live state is kept."""
+        self._breaker = breaker
+        self.staleness = staleness
+        for state in self._by_id.values():
+            state.breaker.settings = breaker
+
     def set_endpoints(self, model: str, endpoints: Iterable[Endpoint]) -> None:
         """Replace a model's endpoint set, keeping live state of endpoints that stay."""
         new: list[EndpointState] = []

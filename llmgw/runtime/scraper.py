@@ -53,6 +53,16 @@ class Scraper:
         self._seen_version = -1
         self._rng = random.Random()
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config: new timings and contracts; loops follow the new targets."""
+        self.config = config
+        self.interval = config.scrape.interval
+        self.timeout = config.scrape.timeout
+        self.jitter = config.scrape.jitter
+        if self._supervisor is not None:
+            self._seen_version = self.registry.version
+            self._sync()
+
     def targets(self) -> dict[str, list[Target]]:
         """Address -> the models it serves, from the registry's current endpoint sets."""
         out: dict[str, list[Target]] = {}
