@@ -46,6 +46,7 @@ from asgi.upstream import (
     ConnectFailed,
     PoolLimits,
     ResetBeforeResponse,
+    UpstreamError,
     UpstreamPool,
     UpstreamResponse,
     UpstreamTimeout,
@@ -150,6 +151,11 @@ class Forwarder:
             await self._relay(dispatch, response, send)
         except UpstreamUnreachable as error:
             await send_error(send, error)
+        except UpstreamError as error:
+            # Cut after the head went out (engine died mid-stream): nothing can be retried.
+            # A failure for the breaker; uvicorn closes the client connection unfinished.
+            log.warning("upstream broke mid-response: %s", error)
+            dispatch.finish(Outcome.FAILURE)
         except asyncio.CancelledError:
             if not watch.gone:
                 raise

@@ -12,6 +12,12 @@ Two shapes (both speak the Gateway API Inference Extension endpoint-picker proto
   failure, 429) walk the fallbacks. Without a pick (fail-open) it falls back to
   least-request over the same endpoints.
 
+Timeouts: `route_timeout` bounds a whole request (streams included; 0 disables);
+`limits.upstream_read_timeout` (the longest silence from an endpoint, the same knob as
+the embedded proxy's) is the route's idle timeout in `original-dst`, and the per-try idle
+timeout in `override-host`, so a replica that hangs is retried on a fallback (a route idle
+timeout there would end the request before the retry).
+
 Both: the ext_proc filter asks for request and response headers only (the server asks
 for the body per request with `mode_override`, so GETs and header-routed requests never
 buffer), accepts dynamic metadata in `envoy.lb`, and Envoy adds `x-llmgw-upstream`
@@ -145,6 +151,7 @@ def build(
     route_timeout: float = 600.0,
     retries: int | None = None,
     connect_timeout: float = 1.0,
+    read_timeout: float | None = None,
 ) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
     if shape not in SHAPES:
@@ -158,6 +165,7 @@ def build(
     if retries is None:
         retries = max(m.session.num_fallback_replicas for m in config.models.values())
     timeout = f"{route_timeout:g}s"
+    idle = f"{read_timeout or config.limits.upstream_read_timeout:g}s"
     connect = f"{connect_timeout:g}s"
 
     ext_proc = {
@@ -202,11 +210,18 @@ def build(
                     "prefix": "/",
                     "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
                 },
-                "route": {"cluster": ORIGINAL_DST_CLUSTER, "timeout": timeout},
+                "route": {
+                    "cluster": ORIGINAL_DST_CLUSTER,
+                    "timeout": timeout,
+                    "idle_timeout": idle,
+                },
             },
             # No pick (ext_proc down, fail-open): any configured endpoint, or a clear 503
             # when every model is started on demand (nothing static to fall back to).
-            {"match": {"prefix": "/"}, "route": {"cluster": POOL_CLUSTER, "timeout": timeout}}
+            {
+                "match": {"prefix": "/"},
+                "route": {"cluster": POOL_CLUSTER, "timeout": timeout, "idle_timeout": idle},
+            }
             if addresses
             else {
                 "match": {"prefix": "/"},
@@ -239,6 +254,7 @@ def build(
                 "retry_on": "5xx,reset,connect-failure,retriable-status-codes",
                 "retriable_status_codes": [429],
                 "num_retries": retries,
+                "per_try_idle_timeout": idle,
             }
         routes = [{"match": {"prefix": "/"}, "route": route}]
         pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=connect)
