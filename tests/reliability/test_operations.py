@@ -1,0 +1,258 @@
+"""Operations with real processes: SIGTERM drain and config reload, for both servers.
+
+`llmgw extproc` behind a real Envoy, and `llmgw proxy`, each a child process:
+- SIGTERM: readiness goes false first, the stream in flight completes, new requests are
+  refused once the drain delay is over, and the process exits within its deadline;
+- reload on SIGHUP and on a change of the file, under load, drops no request; an invalid
+  file is rejected (its path-indexed problem logged) and the running config kept.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from extproc.envoyconfig import build
+from extproc.testing import EnvoyProcess, free_port, wait_for
+from llmgw.config import load_dict
+from llmgw.sim import ThreadedFleet
+
+from .conftest import Child, SpawnFn, http_status
+
+pytestmark = pytest.mark.e2e
+
+CHAT = "/v1/chat/completions"
+
+
+def addresses(sim: ThreadedFleet, indexes: list[int]) -> list[str]:
+    return [sim.urls[i].removeprefix("http://") for i in indexes]
+
+
+def config_for(sim: ThreadedFleet, indexes: list[int]) -> dict[str, Any]:
+    return {
+        "models": {
+            "m1": {
+                "endpoints": addresses(sim, indexes),
+                "strategy": "ring",
+                "session": {"num_fallback_replicas": 1},
+            }
+        },
+        "debug_headers": True,
+        "scrape": {"interval": 0.05},
+    }
+
+
+def envoy_for(config: dict[str, Any], extproc: Child) -> EnvoyProcess:
+    return EnvoyProcess(
+        build(
+            load_dict(config),
+            shape="original-dst",
+            listen_host="127.0.0.1",
+            listen_port=free_port(),
+            admin_port=free_port(),
+            extproc_address=f"127.0.0.1:{extproc.ports['grpc']}",
+            message_timeout=5.0,
+            connect_timeout=0.5,
+        )
+    )
+
+
+def chat(
+    client: httpx.Client, url: str, session: str, *, stream: bool = False, tokens: int = 2
+) -> httpx.Response:
+    body = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": session}],
+        "stream": stream,
+        "max_tokens": tokens,
+    }
+    return client.post(url + CHAT, json=body, headers={"x-session-id": session})
+
+
+def served_by(response: httpx.Response) -> str:
+    """The endpoint llmgw picked: Envoy edge `x-llmgw-decision`, proxy `x-llmgw-endpoint`."""
+    if "x-llmgw-endpoint" in response.headers:
+        return response.headers["x-llmgw-endpoint"]
+    return response.headers["x-llmgw-decision"].split()[0].removeprefix("endpoint=")
+
+
+class SlowStream(threading.Thread):
+    """One streamed request that takes a while; `.first_chunk` is set once it is flowing."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.first_chunk = threading.Event()
+        self.status = 0
+        self.body = b""
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {
+            "model": "m1",
+            "messages": [{"role": "user", "content": "drain me"}],
+            "stream": True,
+            "max_tokens": 8,
+        }
+        try:
+            with (
+                httpx.Client(timeout=15) as client,
+                client.stream("POST", self.url + CHAT, json=body) as r,
+            ):
+                self.status = r.status_code
+                for piece in r.iter_bytes():
+                    self.body += piece
+                    self.first_chunk.set()
+        except BaseException as exc:
+            self.error = exc
+            self.first_chunk.set()
+
+
+class Load(threading.Thread):
+    """Requests one after another (bounded) until stopped; every status is counted."""
+
+    def __init__(self, url: str, limit: int = 5000) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.limit = limit
+        self.stopped = threading.Event()
+        self.statuses: Counter[int] = Counter()
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            for i in range(self.limit):
+                if self.stopped.is_set():
+                    return
+                try:
+                    r = chat(client, self.url, f"load-{i}")
+                    self.statuses[r.status_code] += 1
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(15)
+
+
+@pytest.fixture
+def slow_sim(sim: ThreadedFleet) -> Iterator[ThreadedFleet]:
+    """Every replica 100x slower (a token every 200 ms) for the drain tests."""
+    sim.call(lambda: [r.set_faults(slowdown=100.0) for r in sim.fleet.replicas])
+    yield sim
+    for i in range(len(sim.urls)):
+        sim.reset(i)
+
+
+# -- SIGTERM drain ------------------------------------------------------------------------
+def test_extproc_sigterm_drains_behind_envoy(
+    slow_sim: ThreadedFleet, spawn_extproc: SpawnFn
+) -> None:
+    config = config_for(slow_sim, [0, 1, 2, 3])
+    extproc = spawn_extproc(config, drain_delay=0.6, drain_timeout=8, no_scrape=True)
+    readyz = extproc.url("health") + "/readyz"
+    with envoy_for(config, extproc) as envoy:
+        stream = SlowStream(envoy.url)
+        stream.start()
+        assert stream.first_chunk.wait(10) and stream.error is None
+        sent = time.monotonic()
+        extproc.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: http_status(readyz) == 503, 5, "readiness false")
+        assert time.monotonic() - sent < 0.6, "readiness must go false before streams are refused"
+
+        def refused() -> bool:
+            with httpx.Client(timeout=10) as client:
+                return chat(client, envoy.url, "late", tokens=1).status_code >= 500
+
+        wait_for(refused, 5, "new requests refused (fail-closed Envoy answers 5xx)")
+        stream.join(15)
+        assert stream.error is None and stream.status == 200
+        assert stream.body.rstrip().endswith(b"data: [DONE]")  # completed, not cut
+        assert extproc.process.wait(10) == 0
+    assert time.monotonic() - sent < 0.6 + 8
+
+
+def test_proxy_sigterm_drains(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn) -> None:
+    config = config_for(slow_sim, [0, 1, 2, 3])
+    proxy = spawn_proxy(config, drain_delay=0.6, drain_timeout=8)
+    base = proxy.url("http")
+    stream = SlowStream(base)
+    stream.start()
+    assert stream.first_chunk.wait(10) and stream.error is None
+    sent = time.monotonic()
+    proxy.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: http_status(base + "/readyz") == 503, 5, "readiness false")
+    assert time.monotonic() - sent < 0.6, "readiness must go false before the listener closes"
+    wait_for(lambda: http_status(base + "/healthz") == 0, 5, "new connections refused")
+    stream.join(15)
+    assert stream.error is None and stream.status == 200
+    assert stream.body.rstrip().endswith(b"data: [DONE]")
+    # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully.
+    assert proxy.process.wait(10) in (0, -signal.SIGTERM)
+    assert time.monotonic() - sent < 0.6 + 8
+
+
+# -- reload -------------------------------------------------------------------------------
+def _only(url: str, expected: set[str], what: str) -> None:
+    """Wait until llmgw routes only to `expected`, then check 20 more requests."""
+    with httpx.Client(timeout=10) as client:
+
+        def switched() -> bool:
+            return served_by(chat(client, url, f"probe-{time.monotonic()}")) in expected
+
+        wait_for(switched, 10, what)
+        seen = {served_by(chat(client, url, f"check-{i}")) for i in range(20)}
+    assert seen <= expected, (what, seen)
+
+
+def _reload_under_load(sim: ThreadedFleet, child: Child, url: str) -> None:
+    load = Load(url)
+    load.start()
+    try:
+        child.write_config(config_for(sim, [2, 3]))
+        child.process.send_signal(signal.SIGHUP)
+        _only(url, set(addresses(sim, [2, 3])), "reload on SIGHUP")
+
+        bad = config_for(sim, [2, 3])
+        bad["models"]["m1"]["endpoints"] = ["no-port-here"]
+        child.write_config(bad)  # picked up by the mtime poll
+        wait_for(lambda: "models.m1.endpoints.0.address" in child.log(), 10, "the rejection logged")
+        _only(url, set(addresses(sim, [2, 3])), "old config kept")
+
+        child.write_config(config_for(sim, [0]))  # no signal: the file change is enough
+        _only(url, set(addresses(sim, [0])), "reload on file change")
+    finally:
+        load.stop()
+    assert load.errors == []
+    assert set(load.statuses) == {200}, load.statuses
+    assert sum(load.statuses.values()) > 0
+    assert "config reload rejected, keeping the running config" in child.log()
+
+
+def test_extproc_reload_on_sighup_and_file_change_drops_nothing(
+    sim: ThreadedFleet, spawn_extproc: SpawnFn
+) -> None:
+    config = config_for(sim, [0, 1])
+    extproc = spawn_extproc(config, reload_interval=0.1)
+    with envoy_for(config, extproc) as envoy:
+        _only(envoy.url, set(addresses(sim, [0, 1])), "initial config")
+        _reload_under_load(sim, extproc, envoy.url)
+    ready = json.loads(httpx.get(extproc.url("health") + "/readyz", timeout=5).text)
+    assert ready["status"] == "ready"
+
+
+def test_proxy_reload_on_sighup_and_file_change_drops_nothing(
+    sim: ThreadedFleet, spawn_proxy: SpawnFn
+) -> None:
+    proxy = spawn_proxy(config_for(sim, [0, 1]), reload_interval=0.1)
+    url = proxy.url("http")
+    _only(url, set(addresses(sim, [0, 1])), "initial config")
+    _reload_under_load(sim, proxy, url)
