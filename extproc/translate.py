@@ -113,9 +113,10 @@ def response_status(headers: HttpHeaders) -> tuple[int, str | None]:
     for h in headers.headers.headers:
         key = h.key
         if key == ":status":
-            raw = h.raw_value
-            text = raw.decode() if raw else h.value
-            status = int(text) if text.isdigit() else 0
+            # Three ASCII digits, else 0 (unknown): bytes.isdigit() is ASCII-only, so odd
+            # input (invalid UTF-8, "²", 5000 digits) never raises here.
+            raw = h.raw_value or h.value.encode()
+            status = int(raw) if len(raw) == 3 and raw.isdigit() else 0
         elif key == UPSTREAM_HEADER:
             raw = h.raw_value
             upstream = raw.decode("utf-8", "replace") if raw else h.value
