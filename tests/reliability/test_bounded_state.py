@@ -5,7 +5,7 @@ per-session label), the cached route answers of the ext_proc edge."""
 from __future__ import annotations
 
 from extproc import translate
-from extproc.testing import make_config
+from llmgw.config import load_dict
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.scorers import PrefixScorer
@@ -16,11 +16,16 @@ CAPACITY = 512
 
 
 def test_state_is_bounded_across_many_distinct_sessions() -> None:
-    config = make_config(
-        4,
-        strategy={
-            "scorers": {"session": 2, "prefix": {"weight": 1, "params": {"capacity": CAPACITY}}}
-        },
+    prefix_spec = {"weight": 1, "params": {"capacity": CAPACITY}}
+    config = load_dict(
+        {
+            "models": {
+                "m1": {
+                    "endpoints": [f"127.0.0.1:{9100 + i}" for i in range(4)],
+                    "strategy": {"scorers": {"session": 2, "prefix": prefix_spec}},
+                }
+            }
+        }
     )
     scheduler = Scheduler(config, seed=1)
     telemetry = Telemetry()
