@@ -7,6 +7,12 @@ from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 
 
+def _kept(candidates: list[EndpointState], kept: list[EndpointState]) -> list[EndpointState]:
+    # Nothing dropped (the common case): hand back the same list, so the scheduler can
+    # reuse what it derived from it last time (ids, endpoints).
+    return candidates if len(kept) == len(candidates) else kept
+
+
 class HealthyFilter:
     """Drops endpoints whose breaker is open (or half-open with every probe slot taken)."""
 
@@ -15,7 +21,10 @@ class HealthyFilter:
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         now = ctx.now
         closed = BreakerState.CLOSED  # the common case, without a call
-        return [s for s in candidates if s.breaker.state is closed or s.breaker.available(now)]
+        return _kept(
+            candidates,
+            [s for s in candidates if s.breaker.state is closed or s.breaker.available(now)],
+        )
 
 
 class ModelServesFilter:
@@ -24,7 +33,7 @@ class ModelServesFilter:
     name = "model-serves"
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
-        return [s for s in candidates if s.serves_model is not False]
+        return _kept(candidates, [s for s in candidates if s.serves_model is not False])
 
 
 class NotSaturatedFilter:
@@ -36,12 +45,15 @@ class NotSaturatedFilter:
         queue_ceiling = ctx.spec.saturation.queue_ceiling
         kv_ceiling = ctx.spec.saturation.kv_ceiling
         fresh = ctx.fresh
-        out = []
-        for s in candidates:
-            m = fresh[s]
-            if m is None or (m.waiting < queue_ceiling and m.kv_usage < kv_ceiling):
-                out.append(s)
-        return out
+        return _kept(
+            candidates,
+            [
+                s
+                for s in candidates
+                if (m := fresh[s]) is None
+                or (m.waiting < queue_ceiling and m.kv_usage < kv_ceiling)
+            ],
+        )
 
 
 class FreshMetricsFilter:
@@ -52,4 +64,4 @@ class FreshMetricsFilter:
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         metrics = ctx.fresh
         fresh = [s for s in candidates if metrics[s] is not None]
-        return fresh or candidates
+        return _kept(candidates, fresh) if fresh else candidates

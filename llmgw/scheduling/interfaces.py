@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from llmgw.config import ModelSpec
@@ -12,23 +11,39 @@ from llmgw.registry import EndpointState, fresh_metrics_of
 from llmgw.types import EngineMetrics, RequestInfo
 
 
-@dataclass(slots=True)
 class PickContext:
     """Everything a plugin may look at for one pick. Built once per request."""
 
-    request: RequestInfo
-    spec: ModelSpec
-    now: float
-    staleness: float
-    ring: HashRing
-    all_states: list[EndpointState]
-    rng: random.Random
-    # Each endpoint's fresh metrics (None: stale or never scraped), computed once per pick.
-    fresh: dict[EndpointState, EngineMetrics | None] = field(default_factory=dict)
+    __slots__ = ("_fresh", "all_states", "now", "request", "ring", "rng", "spec", "staleness")
 
-    def __post_init__(self) -> None:
-        if not self.fresh:
-            self.fresh = fresh_metrics_of(self.all_states, self.now, self.staleness)
+    def __init__(
+        self,
+        request: RequestInfo,
+        spec: ModelSpec,
+        now: float,
+        staleness: float,
+        ring: HashRing,
+        all_states: list[EndpointState],
+        rng: random.Random,
+        fresh: dict[EndpointState, EngineMetrics | None] | None = None,
+    ) -> None:
+        self.request = request
+        self.spec = spec
+        self.now = now
+        self.staleness = staleness
+        self.ring = ring
+        self.all_states = all_states
+        self.rng = rng
+        self._fresh = fresh or None
+
+    @property
+    def fresh(self) -> dict[EndpointState, EngineMetrics | None]:
+        """Each endpoint's fresh metrics (None: stale or never scraped), computed once per
+        pick and only if a plugin asks (session-only strategies never do)."""
+        fresh = self._fresh
+        if fresh is None:
+            fresh = self._fresh = fresh_metrics_of(self.all_states, self.now, self.staleness)
+        return fresh
 
 
 class Filter(Protocol):

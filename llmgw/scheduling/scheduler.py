@@ -71,6 +71,18 @@ class ModelRouter:
             num_fallback_replicas=spec.session.num_fallback_replicas,
         )
         self._ring_states: list[EndpointState] | None = None
+        # The ids of the last full candidate list (filters hand the list back when they
+        # drop nothing): most picks reuse them instead of walking every endpoint again.
+        self._ids_states: list[EndpointState] | None = None
+        self._ids: tuple[str, ...] = ()
+
+    def ids_of(self, candidates: list[EndpointState]) -> tuple[str, ...]:
+        if candidates is self._ids_states:
+            return self._ids
+        ids = tuple([s.id for s in candidates])
+        if candidates is self._ring_states:  # the registry's list: stable until replaced
+            self._ids_states, self._ids = candidates, ids
+        return ids
 
     def ring_for(self, states: list[EndpointState]) -> HashRing:
         # The registry replaces a model's list on every set_endpoints: same list, same set.
@@ -168,16 +180,18 @@ class Scheduler:
             candidates = kept
 
         columns: list[ScorerColumn] = []
-        totals = [0.0] * len(candidates)
+        n = len(candidates)
+        totals: list[float] | None = None
         for scorer, weight in router.scorers:
             raw = scorer.score(ctx, candidates)
-            if len(raw) != len(totals):
-                raise ValueError(
-                    f"scorer {scorer.name!r} returned {len(raw)} scores for {len(totals)}"
-                )
+            if len(raw) != n:
+                raise ValueError(f"scorer {scorer.name!r} returned {len(raw)} scores for {n}")
             columns.append(ScorerColumn(scorer.name, weight, tuple(raw)))
             if weight:  # C-level maps: this runs per endpoint per scorer on every pick
-                totals = list(map(add, totals, map(mul, repeat(weight, len(raw)), raw)))
+                weighted = map(mul, repeat(weight, n), raw)
+                totals = list(map(add, totals or repeat(0.0, n), weighted))
+        if totals is None:
+            totals = [0.0] * n
 
         limit = 1 + router.spec.session.num_fallback_replicas
         order = router.picker.order(ctx, totals, limit)
@@ -187,7 +201,7 @@ class Scheduler:
         rationale = Rationale(
             strategy=router.strategy_name,
             picker=router.picker.name,
-            endpoint_ids=tuple([s.id for s in candidates]),
+            endpoint_ids=router.ids_of(candidates),
             columns=tuple(columns),
             totals=tuple(totals),
             filter_drops=tuple(drops),
