@@ -27,7 +27,9 @@ The response is never buffered: `send` is wrapped, messages pass straight throug
 
 from __future__ import annotations
 
+import itertools
 import time
+import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
@@ -137,6 +139,16 @@ class Dispatch:
         self.lease.finish(outcome)
         if self._telemetry is not None:
             self._telemetry.outcome(self.decision.model, self.endpoint.id, outcome)
+
+
+# Request ids for requests that come without `x-request-id`: a random per-process prefix
+# and a counter, 32 hex digits like `uuid4().hex` (which costs a getrandom call each).
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_id_counter = itertools.count()
+
+
+def next_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_id_counter) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
 def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -259,10 +271,16 @@ class SchedulerMiddleware:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         telemetry = self.telemetry
         started = time.perf_counter()
-        raw_headers: list[tuple[bytes, bytes]] = [
-            (n.lower(), v) for n, v in scope["headers"] if n.lower() not in _OWN_HEADERS
-        ]
-        headers = header_map(raw_headers)
+        # One pass: the headers passed on (own headers from the client dropped) and the
+        # {name: value} map `build_request` reads (see `header_map`).
+        raw_headers: list[tuple[bytes, bytes]] = []
+        headers: dict[str, str] = {}
+        for given, value in scope["headers"]:
+            name = given.lower()
+            if name in _OWN_HEADERS:
+                continue
+            raw_headers.append((name, value))
+            headers[name.decode("latin-1").lower()] = value.decode("utf-8", "replace")
         path: str = scope["path"]
         body: bytes | None = None
         try:
@@ -274,7 +292,13 @@ class SchedulerMiddleware:
                     body = await read_body(receive, self._max_body)
                 except _Disconnected:
                     return
-            request = build_request(self.config, headers, path, body)
+            request = build_request(
+                self.config,
+                headers,
+                path,
+                body,
+                request_id=None if "x-request-id" in headers else next_request_id(),
+            )
             parsed = time.perf_counter()
             decision = await self.routing.decide(request)
             dispatch = Dispatch(self.routing, request, decision, telemetry)

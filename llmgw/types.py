@@ -99,9 +99,11 @@ class Rationale:
     def summary(self, endpoint_id: str) -> str:
         """One short line, fit for a response header or a log field."""
         parts = [f"strategy={self.strategy}", f"picker={self.picker}"]
-        if self.columns:
-            parts.append(f"total={self.total_for(endpoint_id):.3f}")
-            parts.extend(f"{n}={raw:.3f}" for n, (raw, _) in self.scores_for(endpoint_id).items())
+        if self.columns:  # (one index lookup; a name given twice shows its last value)
+            i = self.endpoint_ids.index(endpoint_id)
+            parts.append(f"total={self.totals[i]:.3f}")
+            scores = {c.name: c.raw[i] for c in self.columns}
+            parts.extend([f"{n}={raw:.3f}" for n, raw in scores.items()])
         dropped = [f"{name}:{n}" for name, n in self.filter_drops if n]
         if dropped:
             parts.append("dropped=" + ",".join(dropped))

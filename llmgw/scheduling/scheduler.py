@@ -198,20 +198,21 @@ class Scheduler:
         chosen = candidates[order[0]]
         for scorer in router.observers:
             scorer.observe(ctx, chosen)
+        # Positional arguments: a frozen dataclass is cheaper to build that way (per pick).
         rationale = Rationale(
-            strategy=router.strategy_name,
-            picker=router.picker.name,
-            endpoint_ids=router.ids_of(candidates),
-            columns=tuple(columns),
-            totals=tuple(totals),
-            filter_drops=tuple(drops),
-            considered=len(states),
+            router.strategy_name,
+            router.picker.name,
+            router.ids_of(candidates),
+            tuple(columns),
+            tuple(totals),
+            tuple(drops),
+            len(states),
         )
         return Decision(
-            model=request.model,
-            endpoint=chosen.endpoint,
-            fallbacks=tuple([candidates[i].endpoint for i in order[1:]]),
-            rationale=rationale,
+            request.model,
+            chosen.endpoint,
+            tuple([candidates[i].endpoint for i in order[1:]]),
+            rationale,
         )
 
     def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> Lease:
