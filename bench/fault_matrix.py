@@ -63,6 +63,7 @@ class FaultCase:
     breaker_opens: bool  # the victim's breaker must open, then close again
     stale: bool = False  # a scrape fault: data stale, the victim still served
     restart: bool = False  # the replica died: restart it to recover
+    streams_only: bool = False  # every request streamed (the fault cuts streams only)
     # Edges on which some requests may fail (clearly) rather than all succeed.
     may_fail: tuple[str, ...] = ()
     # Edges on which the breaker is not fed (documented limitation), see `notes`.
@@ -85,6 +86,7 @@ CASES: tuple[FaultCase, ...] = (
         "crash mid-stream",
         {"crash_after_chunks": 2},
         breaker_opens=True,
+        streams_only=True,
         may_fail=("envoy", "asgi"),
         blind=("envoy",),
         notes="a stream cut after its head cannot be retried; through Envoy the ext_proc "
@@ -338,7 +340,8 @@ async def run_case(edge: Edge, fleet: ThreadedFleet, case: FaultCase, requests: 
         async def gated(i: int, session: str) -> _Result:
             async with gate:
                 # Sessions alternate victim / elsewhere; streams alternate in pairs: both mix.
-                return await one_request(client, edge.url, session, stream=i // 2 % 2 == 0)
+                stream = case.streams_only or i // 2 % 2 == 0
+                return await one_request(client, edge.url, session, stream=stream)
 
         results = await asyncio.gather(*(gated(i, s) for i, s in enumerate(sessions)))
         statuses: Counter[str] = Counter()
