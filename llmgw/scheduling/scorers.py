@@ -127,16 +127,23 @@ class SessionScorer(NoObserve):
 
     With `bounded_load` (from the model's session settings, or a param) the ring skips
     replicas holding more than ceil(c * mean) of the inflight requests.
+
+    A request without a session is hashed by its request id (Ray Serve's uniform spread)
+    unless `abstain_without_session`: then every candidate scores 0, so the other scorers
+    decide alone instead of against a random preference.
     """
 
     name = "session"
 
-    def __init__(self, bounded_load: float = 0.0) -> None:
+    def __init__(self, bounded_load: float = 0.0, abstain_without_session: bool = False) -> None:
         if bounded_load != 0 and not bounded_load >= 1.0:
             raise ValueError(f"bounded_load must be 0 (off) or >= 1.0, got {bounded_load!r}")
         self.bounded_load = bounded_load
+        self.abstain_without_session = abstain_without_session
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        if self.abstain_without_session and ctx.request.session_key is None:
+            return [0.0] * len(candidates)
         key = ctx.request.routing_key
         c = self.bounded_load or ctx.spec.session.bounded_load or 0.0
         if c >= 1.0:

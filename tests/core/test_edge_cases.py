@@ -34,3 +34,25 @@ def test_prefix_index_forgets_an_endpoint_that_leaves_the_pool() -> None:
     scheduler.registry.set_endpoints("m", [Endpoint(address=keep, model="m", pool="m")])
     assert scheduler.pick(RequestInfo(model="m", request_id="b", prompt=prompt)).endpoint.id == keep
     assert prefix.index.size(chosen.id) == 0
+
+
+def test_session_scorer_can_abstain_for_requests_without_a_session() -> None:
+    config = load_dict(
+        {
+            "models": {
+                "m": {
+                    "endpoints": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"],
+                    "strategy": {
+                        "scorers": {
+                            "session": {"weight": 1, "params": {"abstain_without_session": True}}
+                        }
+                    },
+                }
+            }
+        }
+    )
+    scheduler = Scheduler(config, seed=1)
+    anonymous = scheduler.pick(RequestInfo(model="m", request_id="r1")).rationale
+    assert anonymous.columns[0].raw == (0.0, 0.0, 0.0)
+    keyed = scheduler.pick(RequestInfo(model="m", request_id="r2", session_key="s")).rationale
+    assert sorted(keyed.columns[0].raw, reverse=True)[0] == 1.0
