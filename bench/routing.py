@@ -482,6 +482,9 @@ def plots(data: dict[str, Any]) -> list[Path]:
     except ImportError:
         print("matplotlib is not installed: no plots (.venv/bin/pip install matplotlib)")
         return []
+    # Twelve-odd contenders: tab10 would repeat colours; tab20 keeps every line apart.
+    tab20 = plt.get_cmap("tab20")
+    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=[tab20(i) for i in range(20)])
     written: list[Path] = []
     results: dict[str, dict[str, dict[str, Any]]] = data["results"]
     names = list(results)
