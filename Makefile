@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint demo bench clean
+.PHONY: test test-fast lint demo bench bench-quick soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ bench: $(STAMP)
 	$(PY) bench/routing.py
 	$(PY) bench/asgi_proxy.py
 	$(PY) bench/envoy_overhead.py
+	$(PY) bench/fault_matrix.py
+
+bench-quick: $(STAMP)
+	$(PY) bench/routing.py --quick
+
+soak: $(STAMP)
+	$(PY) bench/soak.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
