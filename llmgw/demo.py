@@ -176,6 +176,6 @@ def _report(
         "decision reasons       "
         + ", ".join(f"{reason}: {n}" for reason, n in reasons.most_common()),
         "  (the scorer that put the chosen replica ahead: session = affinity,"
-        " prefix = cached prompt, queue/kv = load, max-score = a tie)",
+        " prefix = cached prompt, load/queue/kv = busy replicas avoided, max-score = a tie)",
     ]
     return "\n".join(lines)
