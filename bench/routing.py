@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.workloads.split(",") if args.workloads else ["chat", "hot", "prefix", "mixed"]
     if args.quick and not args.workloads:
         names = ["chat", "hot"]
-    scale = args.scale or (0.4 if args.quick else 1.0)
+    scale = args.scale or (0.4 if args.quick else 0.8)
     workloads = {n: build(n, seed=args.seed, scale=scale) for n in names}
     contenders = all_contenders()
     if args.only:
