@@ -38,7 +38,7 @@ from llmgw.config import Config
 from llmgw.errors import LlmgwError
 from llmgw.request import BODY_PATHS, build_request, check_body_size, needs_body
 from llmgw.scheduling.scheduler import Scheduler
-from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
+from llmgw.types import Decision, Endpoint, Outcome, RequestInfo, outcome_for_status
 
 if TYPE_CHECKING:
     from llmgw.runtime.router import Router
@@ -49,15 +49,6 @@ DISPATCH_KEY = "llmgw_dispatch"
 DESTINATION_HEADER = b"x-gateway-destination-endpoint"
 DECISION_HEADER = b"x-llmgw-decision"
 _OWN_HEADERS = (DESTINATION_HEADER, DECISION_HEADER)
-
-
-def outcome_for_status(status: int) -> Outcome:
-    """What a response status says about the replica that produced it."""
-    if status in (429, 503):
-        return Outcome.BACKPRESSURE
-    if status >= 500:
-        return Outcome.FAILURE
-    return Outcome.SUCCESS
 
 
 class LeaseLike(Protocol):

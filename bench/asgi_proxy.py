@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,9 +44,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._tools import find_load_tool, format_table, write_results  # noqa: E402
+from bench.peers import ensure_peers, free_port  # noqa: E402
 
-PEERS_VENV = ROOT / ".venv-peers"
-PEER_PACKAGES = ("vllm-router", "sglang-router")
 MODEL = "m1"
 BODIES = {
     "non-stream": {
@@ -102,13 +100,6 @@ class Row:
 
 
 # -- processes ----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -179,19 +170,6 @@ def running(command: list[str], url: str, probe: bytes, timeout: float = 60.0) -
             process.wait(10)
         log.close()
         os.unlink(log.name)
-
-
-def ensure_peers(install: bool) -> dict[str, str]:
-    """{name: executable} of the Rust routers, installing them into .venv-peers if asked."""
-    binaries = {name: str(PEERS_VENV / "bin" / name) for name in PEER_PACKAGES}
-    missing = [n for n, path in binaries.items() if not Path(path).exists()]
-    if missing and install:
-        if not (PEERS_VENV / "bin" / "python").exists():
-            subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
-        subprocess.run(
-            [str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PEER_PACKAGES], check=False
-        )
-    return {n: p for n, p in binaries.items() if Path(p).exists()}
 
 
 def proxy_command(

@@ -40,12 +40,12 @@ import uvicorn
 
 from asgi.proxy import ProxyApp
 from extproc.envoyconfig import build
-from extproc.testing import EnvoyProcess, ExtProcThread, fleet_config, free_port
+from extproc.testing import EnvoyProcess, ExtProcThread, fleet_config, free_port, quick_fleet
 from llmgw.breaker import BreakerState
 from llmgw.config import Config
 from llmgw.hashring import HashRing
 from llmgw.registry import Registry
-from llmgw.sim import SimFleet, ThreadedFleet
+from llmgw.sim import ThreadedFleet
 
 T = TypeVar("T")
 RESULTS = Path(__file__).parent / "results" / "fault_matrix.json"
@@ -233,14 +233,7 @@ def matrix_config(fleet: ThreadedFleet) -> Config:
 
 
 def start_fleet() -> ThreadedFleet:
-    return SimFleet.start_in_thread(
-        replicas=4,
-        model="m1",
-        seed=11,
-        decode_ms=2.0,
-        prefill_us_per_token=5.0,
-        default_output_tokens=(4, 8),
-    )
+    return quick_fleet(seed=11)
 
 
 # -- the scenario ---------------------------------------------------------------------------

@@ -479,12 +479,13 @@ def plots(data: dict[str, Any]) -> list[Path]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
+        from cycler import cycler  # noqa: PLC0415
     except ImportError:
         print("matplotlib is not installed: no plots (.venv/bin/pip install matplotlib)")
         return []
     # Twelve-odd contenders: tab10 would repeat colours; tab20 keeps every line apart.
     tab20 = plt.get_cmap("tab20")
-    plt.rcParams["axes.prop_cycle"] = plt.cycler(color=[tab20(i) for i in range(20)])
+    plt.rcParams["axes.prop_cycle"] = cycler(color=[tab20(i) for i in range(20)])
     written: list[Path] = []
     results: dict[str, dict[str, dict[str, Any]]] = data["results"]
     names = list(results)
@@ -585,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.workloads.split(",") if args.workloads else ["chat", "hot", "prefix", "mixed"]
     if args.quick and not args.workloads:
         names = ["chat", "hot"]
-    scale = args.scale or (0.4 if args.quick else 0.8)
+    scale = args.scale or (0.4 if args.quick else 0.65)
     workloads = {n: build(n, seed=args.seed, scale=scale) for n in names}
     contenders = all_contenders()
     if args.only:

@@ -45,7 +45,7 @@ from extproc.envoyconfig import render
 from extproc.server import ExtProcServer
 from llmgw.config import Config, load_dict
 from llmgw.scheduling.scheduler import Scheduler
-from llmgw.sim import ThreadedFleet
+from llmgw.sim import SimFleet, ThreadedFleet
 
 T = TypeVar("T")
 
@@ -215,6 +215,18 @@ class Stack:
     @property
     def url(self) -> str:
         return self.envoy.url
+
+
+def quick_fleet(seed: int = 7) -> ThreadedFleet:
+    """4 simulated vLLM replicas serving `m1` in a thread: fast (ms-scale) and seeded."""
+    return SimFleet.start_in_thread(
+        replicas=4,
+        model="m1",
+        seed=seed,
+        decode_ms=2.0,
+        prefill_us_per_token=5.0,
+        default_output_tokens=(4, 8),
+    )
 
 
 def fleet_config(fleet: ThreadedFleet, **top_level: Any) -> Config:

@@ -46,7 +46,7 @@ from llmgw.config import Config
 from llmgw.errors import LlmgwError, ModelNotReady
 from llmgw.request import build_request, needs_body
 from llmgw.scheduling.scheduler import Lease, Scheduler
-from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
+from llmgw.types import Decision, Endpoint, Outcome, RequestInfo, outcome_for_status
 
 if TYPE_CHECKING:
     from llmgw.runtime.router import Router, RouterLease
@@ -194,14 +194,6 @@ def immediate_response(error: LlmgwError) -> bytes:
             )
         )
     )
-
-
-def outcome_for_status(status: int) -> Outcome:
-    if status in (429, 503):
-        return Outcome.BACKPRESSURE
-    if status >= 500:
-        return Outcome.FAILURE
-    return Outcome.SUCCESS
 
 
 # Returned by `Exchange.handle` when an on-demand model must be started first: the server

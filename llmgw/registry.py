@@ -31,6 +31,7 @@ class EndpointState:
         "id",
         "inflight",
         "metrics",
+        "released_since_scrape",
         "scrape_error",
         "scraped_at",
         "serves_model",
@@ -40,6 +41,9 @@ class EndpointState:
         self.endpoint = endpoint
         self.id = endpoint.address  # an attribute, not a property: read per endpoint per pick
         self.inflight = 0
+        # Requests this router saw end since the last scrape: the engine's counts still
+        # include them until the next scrape (a replica that just answered looks busy).
+        self.released_since_scrape = 0
         self.metrics: EngineMetrics | None = None
         self.scraped_at = float("-inf")
         self.scrape_error: str | None = None
@@ -151,6 +155,7 @@ class Registry:
             return  # the endpoint left the set while the request was in flight
         now = self.clock()
         state.inflight = max(0, state.inflight - 1)
+        state.released_since_scrape += 1
         if outcome is Outcome.CANCELLED:
             if probe:
                 state.breaker.release_probe()
@@ -172,6 +177,7 @@ class Registry:
             state._prev_finished = (now, metrics.finished_total)
         state.metrics = metrics
         state.scraped_at = now
+        state.released_since_scrape = 0
         state.scrape_error = None
         state.serves_model = True
 

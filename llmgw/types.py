@@ -48,6 +48,15 @@ class Outcome(enum.StrEnum):
     CANCELLED = "cancelled"  # the client went away: says nothing about the replica
 
 
+def outcome_for_status(status: int) -> Outcome:
+    """What a response status says about the replica that produced it (both edges)."""
+    if status in (429, 503):
+        return Outcome.BACKPRESSURE
+    if status >= 500:
+        return Outcome.FAILURE
+    return Outcome.SUCCESS
+
+
 @dataclass(frozen=True, slots=True)
 class RequestInfo:
     """What an edge learned about one request; the only input of `Scheduler.pick`."""

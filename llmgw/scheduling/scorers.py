@@ -71,7 +71,8 @@ class InflightScorer(NoObserve):
 
 
 class LoadScorer(NoObserve):
-    """Waiting + running from metrics, or local inflight if larger (other routers' load too)."""
+    """Waiting + running from metrics (less what ended here since the scrape), or local
+    inflight if larger: the engine's numbers include other routers' load."""
 
     name = "load"
 
@@ -79,10 +80,12 @@ class LoadScorer(NoObserve):
         self.smoothing = _smoothing(smoothing)
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        fresh = ctx.fresh
         loads: list[float] = []
         for s in candidates:
-            m = ctx.fresh[s]
-            engine = 0.0 if m is None else m.waiting + m.running
+            m = fresh[s]
+            # The scrape still counts requests that ended since: take those off.
+            engine = 0.0 if m is None else m.waiting + m.running - s.released_since_scrape
             loads.append(max(engine, float(s.inflight)))
         return relative(loads, self.smoothing)
 

@@ -16,14 +16,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from asgi.middleware import DECISION_KEY, DISPATCH_KEY, SchedulerMiddleware, outcome_for_status
+from asgi.middleware import DECISION_KEY, DISPATCH_KEY, SchedulerMiddleware
 from asgi.testing import MODEL, make_config
 from asgi.types import Message, Scope
 from llmgw.breaker import BreakerState
 from llmgw.config import Config
 from llmgw.errors import BadRequest, ModelNotFound
 from llmgw.scheduling.scheduler import Scheduler
-from llmgw.types import Decision, Outcome
+from llmgw.types import Decision
 
 ADDRESSES = ["127.0.0.1:9101", "127.0.0.1:9102", "127.0.0.1:9103"]
 CHAT = "/v1/chat/completions"
@@ -183,21 +183,6 @@ def test_5xx_from_the_app_counts_against_the_endpoint(
 def test_exception_in_the_app_releases_as_failure(client: TestClient, scheduler: Scheduler) -> None:
     assert client.post("/v1/embeddings", content=body(input="x")).status_code == 500
     assert inflight(scheduler) == 0
-
-
-@pytest.mark.parametrize(
-    ("status", "outcome"),
-    [
-        (200, Outcome.SUCCESS),
-        (404, Outcome.SUCCESS),
-        (429, Outcome.BACKPRESSURE),
-        (503, Outcome.BACKPRESSURE),
-        (500, Outcome.FAILURE),
-        (502, Outcome.FAILURE),
-    ],
-)
-def test_outcome_for_status(status: int, outcome: Outcome) -> None:
-    assert outcome_for_status(status) is outcome
 
 
 def test_fastapi_app_gets_the_decision(config: Config, scheduler: Scheduler) -> None:

@@ -26,21 +26,15 @@ from extproc.testing import (
     envoy_binary,
     fleet_config,
     free_port,
+    quick_fleet,
 )
 from llmgw.config import Config
-from llmgw.sim import SimFleet, ThreadedFleet
+from llmgw.sim import ThreadedFleet
 
 
 @pytest.fixture(scope="module")
 def sim_fleet() -> Iterator[ThreadedFleet]:
-    fleet = SimFleet.start_in_thread(
-        replicas=4,
-        model="m1",
-        seed=7,
-        decode_ms=2.0,
-        prefill_us_per_token=5.0,
-        default_output_tokens=(4, 8),
-    )
+    fleet = quick_fleet(seed=7)
     try:
         yield fleet
     finally:

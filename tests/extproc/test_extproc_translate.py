@@ -17,7 +17,7 @@ from extproc.testing import (
     response_trailers,
     set_headers,
 )
-from extproc.translate import Exchange, Hooks, outcome_for_status
+from extproc.translate import Exchange, Hooks
 from llmgw.breaker import BreakerState
 from llmgw.errors import LlmgwError
 from llmgw.runtime.telemetry import Telemetry
@@ -252,21 +252,6 @@ def test_a_router_bug_is_a_500_not_a_broken_stream(monkeypatch: pytest.MonkeyPat
         Exchange(scheduler).handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
     )
     assert answer.immediate_response.status.code == 500
-
-
-@pytest.mark.parametrize(
-    ("status", "outcome"),
-    [
-        (200, Outcome.SUCCESS),
-        (404, Outcome.SUCCESS),
-        (429, Outcome.BACKPRESSURE),
-        (503, Outcome.BACKPRESSURE),
-        (500, Outcome.FAILURE),
-        (502, Outcome.FAILURE),
-    ],
-)
-def test_outcome_for_status(status: int, outcome: Outcome) -> None:
-    assert outcome_for_status(status) is outcome
 
 
 def test_llmgw_error_headers_reach_the_immediate_response() -> None:

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.testing import free_port, wait_for
-from llmgw.sim import SimFleet, ThreadedFleet
+from extproc.testing import free_port, quick_fleet, wait_for
+from llmgw.sim import ThreadedFleet
 
 
 @dataclass
@@ -76,14 +76,7 @@ def _flags(options: dict[str, Any]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[ThreadedFleet]:
-    fleet = SimFleet.start_in_thread(
-        replicas=4,
-        model="m1",
-        seed=5,
-        decode_ms=2.0,
-        prefill_us_per_token=5.0,
-        default_output_tokens=(4, 8),
-    )
+    fleet = quick_fleet(seed=5)
     try:
         yield fleet
     finally:
