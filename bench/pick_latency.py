@@ -23,6 +23,7 @@ from typing import Any
 from llmgw.config import load_dict
 from llmgw.registry import Registry
 from llmgw.scheduling.scheduler import Scheduler
+from llmgw.scheduling.strategies import PRESETS
 from llmgw.types import EngineMetrics, RequestInfo
 
 SIZES = (4, 16, 64, 256)
@@ -34,10 +35,12 @@ ROOT = Path(__file__).resolve().parent
 
 
 def strategy(prefix: bool) -> dict[str, Any]:
-    scorers: dict[str, float] = {"session": 1.0, "queue": 2.0, "kv": 1.0}
-    if prefix:
-        scorers["prefix"] = 2.0  # exactly the `chat` preset
-    return {"name": "chat" if prefix else "chat-no-prefix", "scorers": scorers}
+    """The `chat` preset as it ships, with or without its prefix scorer."""
+    spec = PRESETS["chat"].model_dump()
+    if not prefix:
+        del spec["scorers"]["prefix"]
+    spec["name"] = "chat" if prefix else "chat-no-prefix"
+    return dict(spec)
 
 
 def build(n: int, prefix: bool, seed: int) -> tuple[Scheduler, Registry]:

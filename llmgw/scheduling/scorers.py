@@ -82,11 +82,16 @@ class LoadScorer(NoObserve):
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         fresh = ctx.fresh
         loads: list[float] = []
+        append = loads.append
         for s in candidates:
             m = fresh[s]
+            inflight = s.inflight
+            if m is None:
+                append(inflight)
+                continue
             # The scrape still counts requests that ended since: take those off.
-            engine = 0.0 if m is None else m.waiting + m.running - s.released_since_scrape
-            loads.append(max(engine, float(s.inflight)))
+            engine = m.waiting + m.running - s.released_since_scrape
+            append(engine if engine > inflight else inflight)  # max() costs a call per endpoint
         return relative(loads, self.smoothing)
 
 
@@ -104,14 +109,14 @@ class KvScorer(NoObserve):
         fresh = ctx.fresh
         ceiling = self.ceiling
         out: list[float] = []
+        append = out.append
         for s in candidates:
             m = fresh[s]
             if m is None:
-                out.append(0.5)  # unknown: neither reward nor punish
-            elif m.kv_usage >= ceiling:
-                out.append(0.0)
-            else:
-                out.append(1.0 - m.kv_usage)
+                append(0.5)  # unknown: neither reward nor punish
+                continue
+            usage = m.kv_usage
+            append(0.0 if usage >= ceiling else 1.0 - usage)
         return out
 
 
