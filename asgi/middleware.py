@@ -27,6 +27,7 @@ The response is never buffered: `send` is wrapped, messages pass straight throug
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 import uuid
@@ -345,6 +346,10 @@ class SchedulerMiddleware:
 
         try:
             await self.app(inner_scope, wrapped_receive, wrapped_send)
+        except asyncio.CancelledError:
+            # Shutdown or a client gone without an http.disconnect: not the replica's fault.
+            dispatch.finish(Outcome.CANCELLED)
+            raise
         except BaseException:
             dispatch.finish(Outcome.CANCELLED if disconnected else Outcome.FAILURE)
             raise

@@ -147,7 +147,7 @@ def build(
     admin_port: int = 9901,
     extproc_address: str = "127.0.0.1:9002",
     fail_open: bool = False,
-    message_timeout: float = 2.0,
+    message_timeout: float | None = None,
     route_timeout: float = 600.0,
     retries: int | None = None,
     connect_timeout: float = 1.0,
@@ -162,6 +162,11 @@ def build(
             f"shape {shape!r} needs static endpoints to list in the Envoy cluster; the config has "
             "none (on-demand models only): use shape original-dst"
         )
+    if message_timeout is None:
+        # A request for an on-demand model holds its ext_proc answer while the model starts:
+        # Envoy must wait longer than llmgw's activation_timeout, or it cuts the wait short.
+        launched = any(m.launch is not None for m in config.models.values())
+        message_timeout = config.activation_timeout + 5.0 if launched else 2.0
     if retries is None:
         retries = max(m.session.num_fallback_replicas for m in config.models.values())
     timeout = f"{route_timeout:g}s"
@@ -337,7 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--fail-closed", dest="fail_open", action="store_false", help="answer 500 (default)"
     )
-    parser.add_argument("--message-timeout", type=float, default=2.0, help="seconds per message")
+    parser.add_argument(
+        "--message-timeout",
+        type=float,
+        default=None,
+        help="seconds per ext_proc message (default 2, or activation_timeout + 5 with on-demand models)",
+    )
     parser.add_argument("--route-timeout", type=float, default=600.0, help="0 disables")
     parser.add_argument("--retries", type=int, help="override-host retries (default: fallbacks)")
     parser.add_argument("--out", help="write here instead of stdout")

@@ -47,6 +47,9 @@ class Activator:
         self._starts: dict[str, asyncio.Task[None]] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._always_on = {
+            name for name, spec in config.models.items() if model_mode(spec) is ModelMode.ALWAYS_ON
+        }
         control_plane.on_crash(self._on_crash)
 
     def manages(self, model: str) -> bool:
@@ -155,6 +158,11 @@ class Activator:
 
     async def tick(self) -> None:
         for model, machine in self.machines.items():
+            if model in self._always_on:
+                # min > 0: never stopped for idleness; restarted after a crash's backoff.
+                if machine.state.value in ("off", "failed") and machine.backoff_over(self.clock()):
+                    self._request(model)
+                continue
             if machine.tick(self.clock()) is Action.STOP:
                 log.info("model %s idle for %.0fs: stopping", model, machine.settings.idle_timeout)
                 self.registry.set_endpoints(model, [])

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from extproc.envoyconfig import SHAPES, build, main, render
-from llmgw.config import load_file
+from llmgw.config import load_dict, load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "envoy" / "llmgw.yaml"
@@ -84,3 +84,24 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     bad.write_text("models: {}\n")
     assert main(["--config", str(bad)]) == 2
     assert "models" in capsys.readouterr().err
+
+
+def test_message_timeout_outlasts_activation_wait_when_models_start_on_demand() -> None:
+    static = load_dict({"models": {"m": {"endpoints": ["127.0.0.1:1"]}}})
+    lazy = load_dict(
+        {
+            "activation_timeout": 45,
+            "models": {
+                "m": {"endpoints": ["127.0.0.1:1"]},
+                "big": {"launch": {"command": "serve {port}"}, "scaling": {"min": 0, "max": 1}},
+            },
+        }
+    )
+
+    def timeout_of(bootstrap: dict[str, object]) -> str:
+        text = str(bootstrap)
+        return text.split("'message_timeout': '")[1].split("'", maxsplit=1)[0]
+
+    assert timeout_of(build(static)) == "2s"
+    assert timeout_of(build(lazy)) == "50s"
+    assert timeout_of(build(lazy, message_timeout=3)) == "3s"

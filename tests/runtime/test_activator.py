@@ -3,6 +3,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,7 @@ from llmgw.activation import ModelFailed
 from llmgw.config import Config, load_dict
 from llmgw.errors import ModelDisabled, ModelLoading, ModelNotFound
 from llmgw.runtime.controlplanes import CrashCallback, StartError
+from llmgw.runtime.controlplanes.local import LocalProcessControlPlane, group_members
 from llmgw.runtime.router import Router
 from llmgw.types import Endpoint, Outcome, RequestInfo
 
@@ -207,3 +210,75 @@ async def test_a_crash_releases_the_replica_and_the_next_request_restarts_it() -
     await router.decide(req("lazy", 1))
     assert cp.wants == 2
     await router.stop()
+
+
+async def test_always_on_model_is_never_stopped_for_idleness_and_restarts_after_a_crash() -> None:
+    cp = FakeControlPlane()
+    cp.release.set()
+    cfg = load_dict(
+        {
+            "models": {
+                "warm": {
+                    "launch": {"command": "true"},
+                    "scaling": {"min": 1, "max": 1, "idle_timeout": 0.01},
+                }
+            }
+        }
+    )
+    router = Router(cfg, control_plane=cp, scrape=False)
+    assert router.activator is not None
+    await router.start()
+    try:
+        await router.decide(req("warm"))
+        clock = router.activator.clock
+        router.activator.clock = lambda: clock() + 1000
+        await router.activator.tick()
+        assert cp.stops == 0 and router.models_status()["warm"]["state"] == "idle"
+        for callback in cp.callbacks:
+            callback("warm", "killed")
+        router.activator.clock = lambda: clock() + 2000  # past the failure backoff
+        await router.activator.tick()
+        async with asyncio.timeout(5):
+            while router.models_status()["warm"]["state"] != "idle":
+                await asyncio.sleep(0)
+        assert cp.wants == 2
+    finally:
+        await router.stop()
+
+
+async def test_a_cancelled_start_leaves_no_process_behind() -> None:
+    token = f"llmgw-test-{uuid.uuid4().hex}"  # finds this test's process, not anybody else's
+    cfg = load_dict(
+        {
+            "models": {
+                "slow": {
+                    "launch": {
+                        "command": f"{sys.executable} -c 'import time; time.sleep(60)' {token}"
+                    },
+                    "scaling": {"min": 0, "max": 1, "start_timeout": 60},
+                }
+            }
+        }
+    )
+    cp = LocalProcessControlPlane(cfg, grace=2)
+    started = asyncio.create_task(cp.want("slow"))
+    pids: list[int] = []
+    async with asyncio.timeout(10):
+        while not pids:
+            await asyncio.sleep(0.02)  # polling the process table under a deadline
+            pids = [
+                int(p.name)
+                for p in Path("/proc").iterdir()
+                if p.name.isdigit() and _cmdline(p).endswith(token)
+            ]
+    started.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await started
+    assert all(group_members(pid) == [] for pid in pids)
+
+
+def _cmdline(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""

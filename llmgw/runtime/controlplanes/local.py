@@ -93,8 +93,8 @@ class LocalProcessControlPlane:
         timeout = spec.scaling.start_timeout if spec.scaling else 300.0
         try:
             await self._wait_healthy(replica, launch, timeout)
-        except StartError:
-            await self._terminate(replica)
+        except BaseException:  # a failed or cancelled start must not leave an engine running
+            await asyncio.shield(self._terminate(replica))
             raise
         self._replicas[model] = replica
         replica.watcher = asyncio.create_task(self._watch(model, replica))
@@ -137,6 +137,10 @@ class LocalProcessControlPlane:
             del self._replicas[model]
         tail = _log_tail(replica.log)
         reason = f"process exited with code {code}{': ' + tail if tail else ''}"
+        # The parent is gone; workers it forked into its group may still hold the GPU.
+        _signal_group(replica.process.pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            replica.log.unlink()
         for callback in self._callbacks:
             callback(model, reason)
 
