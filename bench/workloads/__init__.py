@@ -160,6 +160,27 @@ def _n(value: float, scale: float, minimum: int = 1) -> int:
     return max(minimum, round(value * scale))
 
 
+def _turns(
+    rng: random.Random,
+    text: TextSource,
+    count: int,
+    user_tokens: tuple[int, int],
+    reply_tokens: tuple[int, int],
+    max_tokens: tuple[int, int],
+    think_s: float,
+) -> tuple[Turn, ...]:
+    """`count` turns; the draws happen in one fixed order, so a seed replays exactly."""
+    return tuple(
+        Turn(
+            user=text.text(rng.randint(*user_tokens)),
+            reply=text.text(rng.randint(*reply_tokens)),
+            max_tokens=rng.randint(*max_tokens),
+            think_s=_think(rng, think_s),
+        )
+        for _ in range(count)
+    )
+
+
 def multi_turn_chat(
     seed: int = 1,
     *,
@@ -188,15 +209,7 @@ def multi_turn_chat(
                 session_id=f"chat-{seed}-{i:04d}",
                 start_s=starts[i],
                 system=system,
-                turns=tuple(
-                    Turn(
-                        user=text.text(rng.randint(*user_tokens)),
-                        reply=text.text(rng.randint(*reply_tokens)),
-                        max_tokens=rng.randint(*max_tokens),
-                        think_s=_think(rng, think_s),
-                    )
-                    for _ in range(n_turns)
-                ),
+                turns=_turns(rng, text, n_turns, user_tokens, reply_tokens, max_tokens, think_s),
             )
         )
     return Workload(
@@ -250,15 +263,7 @@ def hot_sessions(
                 session_id=f"user-{seed}-{user:03d}",
                 start_s=starts[i],
                 system=contexts[user],
-                turns=tuple(
-                    Turn(
-                        user=text.text(rng.randint(*user_tokens)),
-                        reply=text.text(rng.randint(*reply_tokens)),
-                        max_tokens=rng.randint(*max_tokens),
-                        think_s=_think(rng, think_s),
-                    )
-                    for _ in range(n_turns)
-                ),
+                turns=_turns(rng, text, n_turns, user_tokens, reply_tokens, max_tokens, think_s),
             )
         )
     return Workload(
@@ -369,14 +374,14 @@ def mixed_lengths(
                 session_id=f"mixed-{seed}-{i:04d}",
                 start_s=starts[i],
                 system=system,
-                turns=tuple(
-                    Turn(
-                        user=text.text(rng.randint(*user_tokens)),
-                        reply=text.text(rng.randint(*reply_tokens)),
-                        max_tokens=rng.randint(*max_tokens),
-                        think_s=_think(rng, think_s),
-                    )
-                    for _ in range(rng.randint(*chat_turns))
+                turns=_turns(
+                    rng,
+                    text,
+                    rng.randint(*chat_turns),
+                    user_tokens,
+                    reply_tokens,
+                    max_tokens,
+                    think_s,
                 ),
             )
         )
