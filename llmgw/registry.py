@@ -54,10 +54,9 @@ class EndpointState:
         self.counter_drain_rate: float | None = None
 
     def fresh_metrics(self, now: float, staleness: float) -> EngineMetrics | None:
-        """The last scrape if it is recent enough to trust and no scrape failed since, else None."""
-        if self.scrape_error is None and now - self.scraped_at <= staleness:
-            return self.metrics
-        return None
+        """The last scrape if it is recent enough to trust and no scrape failed since, else None
+        (the rule lives in `fresh_metrics_of`, which the scheduler uses for many at once)."""
+        return fresh_metrics_of((self,), now, staleness)[self]
 
     def drain_rate(self, now: float) -> float:
         """Requests finished per second: from the engine's counter when it has one,
