@@ -113,12 +113,19 @@ def parse(text: str) -> list[Sample]:
     return list(iter_samples(text))
 
 
+# Optional roles: counters and histogram bases (`_sum`/`_count` are read) the latency model
+# calibrates from. A page without them still routes, on configured defaults.
+OPTIONAL_ROLES = ("prefill_time", "computed_tokens", "prompt_tokens", "cached_tokens", "step_time")
+_HISTOGRAM_ROLES = ("prefill_time", "computed_tokens", "step_time")
+
+
 @dataclass(frozen=True, slots=True)
 class MetricContract:
     """Which metric names carry queue, running and KV usage for one engine.
 
     Each field is a tuple of names tried in order (the first present wins), so a renamed
-    metric can keep its deprecated name as a fallback.
+    metric can keep its deprecated name as a fallback. The optional roles name histograms
+    (by base name) and counters for the latency model's calibration.
     """
 
     waiting: tuple[str, ...]
@@ -126,9 +133,28 @@ class MetricContract:
     kv_usage: tuple[str, ...]
     finished: tuple[str, ...] = ()
     model_label: str = "model_name"
+    prefill_time: tuple[str, ...] = ()
+    computed_tokens: tuple[str, ...] = ()
+    prompt_tokens: tuple[str, ...] = ()
+    cached_tokens: tuple[str, ...] = ()
+    step_time: tuple[str, ...] = ()
 
     def names(self) -> frozenset[str]:
-        return frozenset((*self.waiting, *self.running, *self.kv_usage, *self.finished))
+        hist = [
+            f"{n}{suffix}"
+            for role in _HISTOGRAM_ROLES
+            for n in getattr(self, role)
+            for suffix in ("_sum", "_count")
+        ]
+        plain = (
+            *self.waiting,
+            *self.running,
+            *self.kv_usage,
+            *self.finished,
+            *self.prompt_tokens,
+            *self.cached_tokens,
+        )
+        return frozenset((*plain, *hist))
 
     def with_overrides(self, overrides: Mapping[str, str]) -> MetricContract:
         """A copy with some names replaced by config (`waiting`, `running`, `kv_usage`...)."""
@@ -138,6 +164,7 @@ class MetricContract:
             "kv_usage": self.kv_usage,
             "finished": self.finished,
             "model_label": self.model_label,
+            **{role: getattr(self, role) for role in OPTIONAL_ROLES},
         }
         for key, value in overrides.items():
             if key not in fields:
@@ -152,12 +179,20 @@ CONTRACTS: dict[Engine, MetricContract] = {
         running=("vllm:num_requests_running",),
         kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
         finished=("vllm:request_success_total",),
+        prefill_time=("vllm:request_prefill_time_seconds",),
+        computed_tokens=("vllm:request_prefill_kv_computed_tokens",),
+        prompt_tokens=("vllm:prompt_tokens_total",),
+        cached_tokens=("vllm:prefix_cache_hits_total",),
+        step_time=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
     ),
     Engine.SGLANG: MetricContract(
         waiting=("sglang:num_queue_reqs",),
         running=("sglang:num_running_reqs",),
         kv_usage=("sglang:token_usage",),
         finished=("sglang:num_requests_total",),
+        prompt_tokens=("sglang:prompt_tokens_total",),
+        cached_tokens=("sglang:cached_tokens_total",),
+        step_time=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
     ),
     Engine.TRTLLM: MetricContract(
         waiting=("trtllm_num_requests_waiting",),
@@ -209,10 +244,21 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
     if missing or waiting is None or running is None or kv is None:
         scope = f" for model {model!r}" if model is not None else ""
         raise MetricsError(f"metrics page lacks {', '.join(missing)}{scope}")
-    finished = first(contract.finished) if contract.finished else None
+
+    def total(names: tuple[str, ...], suffix: str = "") -> float | None:
+        values = first(tuple(n + suffix for n in names)) if names else None
+        return sum(values) if values is not None else None
+
     return EngineMetrics(
         waiting=sum(waiting),
         running=sum(running),
         kv_usage=min(1.0, max(0.0, *kv)),
-        finished_total=sum(finished) if finished is not None else None,
+        finished_total=total(contract.finished),
+        prefill_seconds_sum=total(contract.prefill_time, "_sum"),
+        prefill_count=total(contract.prefill_time, "_count"),
+        computed_tokens_sum=total(contract.computed_tokens, "_sum"),
+        prompt_tokens_total=total(contract.prompt_tokens),
+        cached_tokens_total=total(contract.cached_tokens),
+        step_seconds_sum=total(contract.step_time, "_sum"),
+        step_count=total(contract.step_time, "_count"),
     )

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from llmgw.breaker import Breaker, BreakerSettings, BreakerState
+from llmgw.calibration import Calibration
 from llmgw.types import Endpoint, EngineMetrics, Outcome
 
 Clock = Callable[[], float]
@@ -26,6 +27,8 @@ class EndpointState:
         "_completions",
         "_prev_finished",
         "breaker",
+        "busy_until",
+        "calibration",
         "counter_drain_rate",
         "endpoint",
         "id",
@@ -52,6 +55,10 @@ class EndpointState:
         self._completions: deque[float] = deque(maxlen=_DRAIN_SAMPLES)
         self._prev_finished: tuple[float, float] | None = None
         self.counter_drain_rate: float | None = None
+        self.calibration = Calibration()
+        # When the prefill work this router sent here would be done (fluid model, seconds
+        # on the registry clock): the latency scorer's queue estimate for its own traffic.
+        self.busy_until = float("-inf")
 
     def fresh_metrics(self, now: float, staleness: float) -> EngineMetrics | None:
         """The last scrape if it is recent enough to trust and no scrape failed since, else None
@@ -147,7 +154,13 @@ class Registry:
         return state.breaker.on_dispatch()
 
     def release(
-        self, model: str, endpoint_id: str, outcome: Outcome, *, probe: bool = False
+        self,
+        model: str,
+        endpoint_id: str,
+        outcome: Outcome,
+        *,
+        probe: bool = False,
+        started: float | None = None,
     ) -> None:
         state = self._by_id.get((model, endpoint_id))
         if state is None:
@@ -159,8 +172,20 @@ class Registry:
             if probe:
                 state.breaker.release_probe()
             return
+        if started is not None and outcome is Outcome.SUCCESS:
+            state.calibration.on_release(now - started)
         state._completions.append(now)
         state.breaker.record(outcome is Outcome.SUCCESS, now, probe=probe)
+
+    def first_token(self, model: str, endpoint_id: str, ready_at: float) -> None:
+        """The request predicted to finish its prefill at `ready_at` produced its first token
+        now: if that is earlier, the queue of prefill work there was shorter than modelled."""
+        state = self._by_id.get((model, endpoint_id))
+        if state is None:
+            return
+        now = self.clock()
+        if ready_at > now:
+            state.busy_until = max(now, state.busy_until - (ready_at - now))
 
     # -- scrapes -------------------------------------------------------------------------
     def record_scrape(self, model: str, endpoint_id: str, metrics: EngineMetrics) -> None:
@@ -174,6 +199,7 @@ class Registry:
                 state.counter_drain_rate = (metrics.finished_total - prev_v) / (now - prev_t)
         if metrics.finished_total is not None:
             state._prev_finished = (now, metrics.finished_total)
+        state.calibration.on_scrape(metrics)
         state.metrics = metrics
         state.scraped_at = now
         state.released_since_scrape = 0

@@ -15,8 +15,9 @@ import orjson
 
 from llmgw.config import Config
 from llmgw.errors import BadRequest, BodyTooLarge
+from llmgw.scheduling.plugins import SCORERS
 from llmgw.scheduling.strategies import resolve
-from llmgw.types import RequestInfo
+from llmgw.types import CHARS_PER_TOKEN, RequestInfo
 
 # Paths whose JSON body names the model (OpenAI-compatible APIs).
 BODY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
@@ -27,6 +28,7 @@ class BodyFields:
     model: str
     prompt: str
     stream: bool
+    prompt_chars: int = 0  # the whole prompt, however much of it `prompt` keeps
 
 
 def _content_text(content: Any) -> str:
@@ -43,6 +45,11 @@ def _content_text(content: Any) -> str:
 
 def prompt_text(payload: Mapping[str, Any], limit: int) -> str:
     """The prompt as one string (role-tagged messages, or `prompt`), cut at `limit` chars."""
+    return prompt_parts(payload, limit)[0]
+
+
+def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int]:
+    """`prompt_text`, and the length in characters of the whole prompt it was cut from."""
     parts: list[str] = []
     size = 0
     messages = payload.get("messages")
@@ -50,18 +57,25 @@ def prompt_text(payload: Mapping[str, Any], limit: int) -> str:
         for m in messages:
             if not isinstance(m, dict):
                 continue
-            text = f"<|{m.get('role', '')}|>{_content_text(m.get('content'))}"
+            content = _content_text(m.get("content"))
+            if size >= limit:  # past the kept prefix: only count
+                size += len(content) + 4
+                continue
+            text = f"<|{m.get('role', '')}|>{content}"
             parts.append(text)
             size += len(text)
-            if size >= limit:
-                break
     else:
         prompt = payload.get("prompt", payload.get("input"))
         if isinstance(prompt, str):
             parts.append(prompt)
         elif isinstance(prompt, list):
             parts.extend(p for p in prompt if isinstance(p, str))
-    return "".join(parts)[:limit]
+        size = sum(len(p) for p in parts)
+    return "".join(parts)[:limit], size
+
+
+def estimate_tokens(chars: int) -> int:
+    return int(chars / CHARS_PER_TOKEN + 0.5)
 
 
 def check_body_size(size: int, max_bytes: int, *, complete: bool = True) -> None:
@@ -92,7 +106,8 @@ def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
     messages = payload.get("messages")
     if messages is not None and not isinstance(messages, list):
         raise BadRequest("field 'messages' must be an array")
-    return BodyFields(model=model, prompt=prompt_text(payload, prefix_chars), stream=stream)
+    prompt, chars = prompt_parts(payload, prefix_chars)
+    return BodyFields(model=model, prompt=prompt, stream=stream, prompt_chars=chars)
 
 
 def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:
@@ -103,7 +118,9 @@ def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:
     if model is None:
         return True
     spec = config.models.get(model)
-    return spec is not None and "prefix" in resolve(spec.strategy).scorers
+    return spec is not None and any(
+        getattr(SCORERS.get(name), "needs_prompt", False) for name in resolve(spec.strategy).scorers
+    )
 
 
 def session_key(config: Config, headers: Mapping[str, str], model: str) -> str | None:
@@ -147,4 +164,5 @@ def build_request(
         stream=fields.stream if fields else False,
         body_size=len(body) if body is not None else 0,
         headers=headers,
+        prompt_tokens=estimate_tokens(fields.prompt_chars) if fields else 0,
     )

@@ -7,6 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# Characters per token when no tokenizer is configured: ~4 for English BPE vocabularies.
+CHARS_PER_TOKEN = 4.0
+
 
 class Engine(enum.StrEnum):
     VLLM = "vllm"
@@ -31,12 +34,20 @@ class Endpoint:
 
 @dataclass(frozen=True, slots=True)
 class EngineMetrics:
-    """The three numbers routing needs from an engine's /metrics, plus a finished counter."""
+    """The three numbers routing needs from an engine's /metrics, plus optional counters the
+    latency model calibrates from (cumulative: histogram sums and counts, token counters)."""
 
     waiting: float
     running: float
     kv_usage: float  # 0..1
     finished_total: float | None = None
+    prefill_seconds_sum: float | None = None  # request prefill time histogram _sum
+    prefill_count: float | None = None  # ... and its _count
+    computed_tokens_sum: float | None = None  # prompt tokens actually prefilled (not cached)
+    prompt_tokens_total: float | None = None
+    cached_tokens_total: float | None = None  # prefix-cache hits, in tokens
+    step_seconds_sum: float | None = None  # inter-token latency histogram _sum
+    step_count: float | None = None  # ... and its _count
 
 
 class Outcome(enum.StrEnum):
@@ -69,6 +80,9 @@ class RequestInfo:
     stream: bool = False
     body_size: int = 0
     headers: Mapping[str, str] = field(default_factory=dict)
+    # The whole prompt's length in tokens (estimated from characters unless a tokenizer is
+    # configured); `prompt` may be only its leading part.
+    prompt_tokens: int = 0
 
     @property
     def routing_key(self) -> str:
@@ -83,6 +97,12 @@ class ScorerColumn:
     name: str
     weight: float
     raw: tuple[float, ...]
+    # Named per-endpoint quantities behind the scores (the latency scorer's predicted
+    # milliseconds per term), aligned with `raw`; empty for most scorers.
+    terms: tuple[tuple[str, tuple[float, ...]], ...] = ()
+
+    def terms_at(self, i: int) -> dict[str, float]:
+        return {name: values[i] for name, values in self.terms}
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +133,9 @@ class Rationale:
             parts.append(f"total={self.totals[i]:.3f}")
             scores = {c.name: c.raw[i] for c in self.columns}
             parts.extend([f"{n}={raw:.3f}" for n, raw in scores.items()])
+            for c in self.columns:
+                if c.terms:
+                    parts.extend(_format_terms(c.terms_at(i)))
         dropped = [f"{name}:{n}" for name, n in self.filter_drops if n]
         if dropped:
             parts.append("dropped=" + ",".join(dropped))
@@ -128,13 +151,28 @@ class Rationale:
                 eid: {
                     "total": self.totals[i],
                     **{
-                        c.name: {"raw": c.raw[i], "weighted": c.raw[i] * c.weight}
+                        c.name: {
+                            "raw": c.raw[i],
+                            "weighted": c.raw[i] * c.weight,
+                            **c.terms_at(i),
+                        }
                         for c in self.columns
                     },
                 }
                 for i, eid in enumerate(self.endpoint_ids)
             },
         }
+
+
+def _format_terms(terms: dict[str, float]) -> list[str]:
+    """Seconds as `ttft_ms=42.0 queue_ms=...`, then the largest time term (`dominant=prefill`)."""
+    out = [f"{name}={value:.1f}" for name, value in terms.items()]
+    times = {
+        n.removesuffix("_ms"): v for n, v in terms.items() if n != "ttft_ms" and n.endswith("_ms")
+    }
+    if times:
+        out.append(f"dominant={max(times, key=times.__getitem__)}")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +183,10 @@ class Decision:
     endpoint: Endpoint
     fallbacks: tuple[Endpoint, ...]
     rationale: Rationale
+    # From a latency scorer, for the primary: when its prefill should be done (registry
+    # clock) and the predicted time to first token (seconds).
+    ready_at: float | None = None
+    predicted_ttft: float | None = None
 
     @property
     def destinations(self) -> tuple[str, ...]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from llmgw.config import ModelSpec
 from llmgw.hashring import HashRing
@@ -14,7 +14,17 @@ from llmgw.types import EngineMetrics, RequestInfo
 class PickContext:
     """Everything a plugin may look at for one pick. Built once per request."""
 
-    __slots__ = ("_fresh", "all_states", "now", "request", "ring", "rng", "spec", "staleness")
+    __slots__ = (
+        "_fresh",
+        "all_states",
+        "now",
+        "prediction",
+        "request",
+        "ring",
+        "rng",
+        "spec",
+        "staleness",
+    )
 
     def __init__(
         self,
@@ -35,6 +45,8 @@ class PickContext:
         self.all_states = all_states
         self.rng = rng
         self._fresh = fresh or None
+        # (ready_at, predicted ttft) for the chosen endpoint, set by a latency scorer.
+        self.prediction: tuple[float, float] | None = None
 
     @property
     def fresh(self) -> dict[EndpointState, EngineMetrics | None]:
@@ -59,9 +71,33 @@ class Scorer(Protocol):
         """One score in [0, 1] per candidate, higher is better."""
         ...
 
-    def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
-        """Learn from the final choice (e.g. the prefix index); most scorers do nothing."""
-        ...
+
+@runtime_checkable
+class NeedsPrompt(Protocol):
+    """A plugin that reads the prompt: the edges must parse the body to route for it."""
+
+    needs_prompt: bool
+
+
+@runtime_checkable
+class LearnsFromChoice(Protocol):
+    """A scorer told which endpoint was chosen (e.g. to remember where a prefix went)."""
+
+    def observe(self, ctx: PickContext, chosen: EndpointState) -> None: ...
+
+
+@runtime_checkable
+class ForgetsEndpoints(Protocol):
+    """A scorer holding per-endpoint memory that must drop an endpoint that left."""
+
+    def forget(self, endpoint_id: str) -> None: ...
+
+
+@runtime_checkable
+class ExplainsScores(Protocol):
+    """A scorer that can name the quantities behind its last scores (for the Decision)."""
+
+    def terms(self) -> tuple[tuple[str, tuple[float, ...]], ...]: ...
 
 
 class Picker(Protocol):

@@ -23,6 +23,7 @@ SCORERS: dict[str, Callable[..., Scorer]] = {
     "weight": scorers.WeightScorer,
     "session": scorers.SessionScorer,
     "prefix": scorers.PrefixScorer,
+    "latency": scorers.LatencyScorer,
 }
 
 PICKERS: dict[str, Callable[..., Picker]] = {

@@ -18,13 +18,18 @@ from llmgw.errors import (
 )
 from llmgw.hashring import HashRing
 from llmgw.registry import EndpointState, Registry
-from llmgw.scheduling.interfaces import Filter, PickContext, Picker, Scorer
+from llmgw.scheduling.interfaces import (
+    ExplainsScores,
+    Filter,
+    ForgetsEndpoints,
+    LearnsFromChoice,
+    PickContext,
+    Picker,
+    Scorer,
+)
 from llmgw.scheduling.plugins import FILTERS, PICKERS, make_scorer
-from llmgw.scheduling.scorers import NoObserve
 from llmgw.scheduling.strategies import resolve
 from llmgw.types import Decision, Endpoint, Outcome, Rationale, RequestInfo, ScorerColumn
-
-_no_observe = NoObserve.observe
 
 # Which error a filter's emptying of the candidate set means.
 _EMPTIED_BY: dict[str, type[LlmgwError]] = {
@@ -55,10 +60,16 @@ class ModelRouter:
         self.scorers: list[tuple[Scorer, float]] = [
             (make_scorer(n, s.params), s.weight) for n, s in strategy.scorers.items()
         ]
-        # Only scorers that learn from the choice (the prefix index) are told about it.
-        self.observers: list[Scorer] = [
-            s for s, _ in self.scorers if getattr(type(s), "observe", None) is not _no_observe
+        # Optional capabilities, found once: only scorers that declare them are called.
+        self.observers: list[LearnsFromChoice] = [
+            s for s, _ in self.scorers if isinstance(s, LearnsFromChoice)
         ]
+        self.forgetters: list[ForgetsEndpoints] = [
+            s for s, _ in self.scorers if isinstance(s, ForgetsEndpoints)
+        ]
+        self.explainers: dict[int, ExplainsScores] = {
+            id(s): s for s, _ in self.scorers if isinstance(s, ExplainsScores)
+        }
         picker = strategy.picker
         self.picker: Picker = (
             PICKERS[picker.type](temperature=picker.temperature)
@@ -94,10 +105,8 @@ class ModelRouter:
             # Endpoints that left (an on-demand replica on a new port each start) must not
             # keep their share of the prefix index.
             for gone in self.ring.replica_ids - ids:
-                for scorer, _ in self.scorers:
-                    forget = getattr(scorer, "forget", None)
-                    if forget is not None:
-                        forget(gone)
+                for scorer in self.forgetters:
+                    scorer.forget(gone)
             self.ring = HashRing(
                 sorted(ids),
                 num_virtual_nodes=self.spec.session.num_virtual_nodes,
@@ -114,13 +123,26 @@ class Lease:
     model: str
     endpoint_id: str
     probe: bool
+    started: float | None = None
+    ready_at: float | None = None
     done: bool = False
+    first_token_seen: bool = False
+
+    def first_token(self) -> None:
+        """The first response body byte arrived (the engine finished this prefill)."""
+        if self.first_token_seen or self.done:
+            return
+        self.first_token_seen = True
+        if self.ready_at is not None:
+            self.registry.first_token(self.model, self.endpoint_id, self.ready_at)
 
     def finish(self, outcome: Outcome) -> None:
         if self.done:
             return
         self.done = True
-        self.registry.release(self.model, self.endpoint_id, outcome, probe=self.probe)
+        self.registry.release(
+            self.model, self.endpoint_id, outcome, probe=self.probe, started=self.started
+        )
 
 
 class Scheduler:
@@ -186,7 +208,11 @@ class Scheduler:
             raw = scorer.score(ctx, candidates)
             if len(raw) != n:
                 raise ValueError(f"scorer {scorer.name!r} returned {len(raw)} scores for {n}")
-            columns.append(ScorerColumn(scorer.name, weight, tuple(raw)))
+            explainer = router.explainers.get(id(scorer)) if router.explainers else None
+            if explainer is not None:
+                columns.append(ScorerColumn(scorer.name, weight, tuple(raw), explainer.terms()))
+            else:
+                columns.append(ScorerColumn(scorer.name, weight, tuple(raw)))
             if weight:  # C-level maps: this runs per endpoint per scorer on every pick
                 weighted = map(mul, repeat(weight, n), raw)
                 totals = list(map(add, totals or repeat(0.0, n), weighted))
@@ -196,8 +222,8 @@ class Scheduler:
         limit = 1 + router.spec.session.num_fallback_replicas
         order = router.picker.order(ctx, totals, limit)
         chosen = candidates[order[0]]
-        for scorer in router.observers:
-            scorer.observe(ctx, chosen)
+        for observer in router.observers:
+            observer.observe(ctx, chosen)
         # Positional arguments: a frozen dataclass is cheaper to build that way (per pick).
         rationale = Rationale(
             router.strategy_name,
@@ -208,15 +234,21 @@ class Scheduler:
             tuple(drops),
             len(states),
         )
+        prediction = ctx.prediction
         return Decision(
             request.model,
             chosen.endpoint,
             tuple([candidates[i].endpoint for i in order[1:]]),
             rationale,
+            *(prediction or (None, None)),
         )
 
     def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> Lease:
         """Count the request as in flight on `endpoint` (default: the decision's primary)."""
         target = endpoint or decision.endpoint
         probe = self.registry.acquire(decision.model, target.id)
-        return Lease(self.registry, decision.model, target.id, probe)
+        # The prediction holds for the primary only; a fallback's first token says nothing.
+        ready_at = decision.ready_at if target is decision.endpoint else None
+        return Lease(
+            self.registry, decision.model, target.id, probe, self.registry.clock(), ready_at
+        )

@@ -7,7 +7,7 @@ import math
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.prefix import PrefixIndex
-from llmgw.types import RequestInfo
+from llmgw.types import CHARS_PER_TOKEN, RequestInfo
 
 
 def relative(values: list[float], smoothing: float) -> list[float]:
@@ -28,14 +28,7 @@ def _smoothing(value: float) -> float:
     return value
 
 
-class NoObserve:
-    """Base for scorers that do not learn from the final choice."""
-
-    def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
-        return None
-
-
-class QueueScorer(NoObserve):
+class QueueScorer:
     """Fewer waiting requests is better (engine metric; local inflight when stale)."""
 
     name = "queue"
@@ -58,7 +51,7 @@ class QueueScorer(NoObserve):
         return relative(queues, self.smoothing)
 
 
-class InflightScorer(NoObserve):
+class InflightScorer:
     """Fewer requests in flight from this router is better (exact, no scrape lag)."""
 
     name = "inflight"
@@ -70,7 +63,7 @@ class InflightScorer(NoObserve):
         return relative([float(s.inflight) for s in candidates], self.smoothing)
 
 
-class LoadScorer(NoObserve):
+class LoadScorer:
     """Waiting + running from metrics (less what ended here since the scrape), or local
     inflight if larger: the engine's numbers include other routers' load."""
 
@@ -95,7 +88,7 @@ class LoadScorer(NoObserve):
         return relative(loads, self.smoothing)
 
 
-class KvScorer(NoObserve):
+class KvScorer:
     """Free KV cache is better; at or above `ceiling` the score is 0 (hard penalty)."""
 
     name = "kv"
@@ -120,7 +113,7 @@ class KvScorer(NoObserve):
         return out
 
 
-class WeightScorer(NoObserve):
+class WeightScorer:
     """Configured endpoint weight, relative to the heaviest candidate."""
 
     name = "weight"
@@ -130,7 +123,7 @@ class WeightScorer(NoObserve):
         return [s.endpoint.weight / top for s in candidates]
 
 
-class SessionScorer(NoObserve):
+class SessionScorer:
     """Ray Serve ring affinity: 1 for the primary, then 1 - i/(k+1) for fallback i.
 
     With `bounded_load` (from the model's session settings, or a param) the ring skips
@@ -168,6 +161,7 @@ class PrefixScorer:
     """Share of the prompt's leading blocks that the endpoint probably has cached."""
 
     name = "prefix"
+    needs_prompt = True
 
     def __init__(
         self, block_chars: int = 256, max_blocks: int = 128, capacity: int = 16384
@@ -203,3 +197,163 @@ class PrefixScorer:
 def softmax_weights(scores: list[float], temperature: float) -> list[float]:
     top = max(scores)
     return [math.exp((s - top) / temperature) for s in scores]
+
+
+class LatencyScorer:
+    """Predicted time to first token on each endpoint, in seconds; the fastest scores 1.
+
+    ttft = queue + prefill + step, where
+      queue   = the prefill work this router already sent there and the engine has not done
+                (a fluid model: each pick adds its uncached tokens x seconds per token, time
+                drains it, an early first token cuts it), or what the engine's own waiting
+                count or full batch implies, whichever is longest;
+      prefill = (prompt tokens - tokens probably cached there) x seconds per prefill token;
+      step    = one engine step at that endpoint's current batch size.
+    Seconds per token and per step come from each engine's published histograms and
+    counters (`llmgw.calibration`), else the fleet's mean, else the params. Leaving a
+    replica costs the prefill of every uncached token; moving buys less queueing: both are
+    time, so the comparison holds at any load. `work_weight` also charges the uncached
+    prefill as work imposed on later requests (a move duplicates a history's cache).
+    """
+
+    name = "latency"
+    needs_prompt = True
+
+    def __init__(
+        self,
+        prefill_us_per_token: float = 100.0,
+        step_ms: float = 20.0,
+        batch_factor: float = 0.02,
+        work_weight: float = 1.0,
+        block_tokens: int = 64,
+        max_blocks: int = 256,
+        capacity: int = 16384,
+        calibrate: bool = True,
+        smoothing_ms: float = 1.0,
+    ) -> None:
+        for name, value in (
+            ("prefill_us_per_token", prefill_us_per_token),
+            ("step_ms", step_ms),
+            ("smoothing_ms", smoothing_ms),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        for name, value in (("batch_factor", batch_factor), ("work_weight", work_weight)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens!r}")
+        self.prefill_s = prefill_us_per_token / 1e6
+        self.step_s = step_ms / 1e3
+        self.batch_factor = batch_factor
+        self.work_weight = work_weight
+        self.block_tokens = block_tokens
+        self.calibrate = calibrate
+        self.smoothing = smoothing_ms / 1e3
+        self.index = PrefixIndex(
+            block_chars=int(block_tokens * CHARS_PER_TOKEN),
+            max_blocks=max_blocks,
+            capacity=capacity,
+        )
+        self._request: RequestInfo | None = None
+        self._hashes: list[int] = []
+        self._fleet: tuple[float, float, float] = (float("-inf"), self.prefill_s, self.step_s)
+        self._candidates: list[EndpointState] = []
+        self._ttft: list[float] = []
+        self._queue: list[float] = []
+        self._prefill: list[float] = []
+        self._step: list[float] = []
+
+    def _fleet_defaults(self, ctx: PickContext) -> tuple[float, float]:
+        """Mean calibrated costs over the model's endpoints (refreshed once a second):
+        a new endpoint starts from its peers' numbers, not from the params."""
+        at, prefill, step = self._fleet
+        if ctx.now - at < 1.0:
+            return prefill, step
+        cals = [s.calibration for s in ctx.all_states]
+        prefills = [p for c in cals if (p := c.prefill_s_per_token) is not None]
+        steps = [p for c in cals if (p := c.step_s) is not None]
+        prefill = sum(prefills) / len(prefills) if prefills else self.prefill_s
+        step = sum(steps) / len(steps) if steps else self.step_s
+        self._fleet = (ctx.now, prefill, step)
+        return prefill, step
+
+    def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+        request = ctx.request
+        if request is not self._request:
+            self._request = request
+            self._hashes = self.index.hashes(request.prompt)
+        matched = self.index.match(self._hashes) if self._hashes else {}
+        tokens = request.prompt_tokens if request.prompt_tokens > 0 else 1
+        block = self.block_tokens
+        now = ctx.now
+        fresh = ctx.fresh
+        calibrate = self.calibrate
+        fleet_prefill, fleet_step = (
+            self._fleet_defaults(ctx) if calibrate else (self.prefill_s, self.step_s)
+        )
+        factor = self.batch_factor
+        ttfts: list[float] = []
+        queues: list[float] = []
+        prefills: list[float] = []
+        steps: list[float] = []
+        costs: list[float] = []
+        work_weight = self.work_weight
+        for s in candidates:
+            cal = s.calibration
+            per_token = (cal.prefill_s_per_token or fleet_prefill) if calibrate else fleet_prefill
+            step0 = (cal.step_s or fleet_step) if calibrate else fleet_step
+            load: float = s.inflight
+            queue = s.busy_until - now
+            if queue < 0:
+                queue = 0.0
+            m = fresh[s]
+            if m is not None:
+                engine_load = m.waiting + m.running - s.released_since_scrape
+                load = max(load, engine_load)
+                if m.waiting >= 1:  # others' work too (other routers, direct clients)
+                    engine_queue = m.waiting * per_token * (cal.tokens_per_prefill or tokens)
+                    queue = max(queue, engine_queue)
+            slots = cal.slots
+            if slots is not None and load >= slots and cal.service_s is not None:
+                # A full batch: wait for (position in the queue) slots to free up.
+                slot_queue = (load - slots + 1) * cal.service_s / slots
+                queue = max(queue, slot_queue)
+            hit = matched.get(s.id, 0) * block
+            uncached = tokens - hit if hit < tokens else 1
+            prefill = per_token * uncached
+            step = step0 * (1 + factor * load)
+            ttft = queue + prefill + step
+            ttfts.append(ttft)
+            queues.append(queue)
+            prefills.append(prefill)
+            steps.append(step)
+            costs.append(ttft + work_weight * prefill)
+        self._candidates = candidates
+        self._ttft, self._queue, self._prefill, self._step = ttfts, queues, prefills, steps
+        low = min(costs) + self.smoothing if costs else 0.0
+        smoothing = self.smoothing
+        return [low / (c + smoothing) for c in costs]
+
+    def terms(self) -> tuple[tuple[str, tuple[float, ...]], ...]:
+        return (
+            ("ttft_s", tuple(self._ttft)),
+            ("queue_s", tuple(self._queue)),
+            ("prefill_s", tuple(self._prefill)),
+            ("step_s", tuple(self._step)),
+        )
+
+    def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
+        if self._hashes:
+            self.index.insert(chosen.id, self._hashes)
+        try:
+            i = self._candidates.index(chosen)
+        except ValueError:
+            return
+        now = ctx.now
+        start = chosen.busy_until if chosen.busy_until > now else now
+        chosen.busy_until = ready_at = start + self._prefill[i]
+        ctx.prediction = (ready_at, self._ttft[i])
+
+    def forget(self, endpoint_id: str) -> None:
+        self.index.forget(endpoint_id)

@@ -26,6 +26,16 @@ PRESETS: dict[str, StrategySpec] = {
             "kv": _s(1.0),
         },
     ),
+    # Predicted time to first token, in seconds: queueing vs the prefill of uncached tokens,
+    # calibrated online from each engine's histograms. The session ring only orders near-
+    # ties (a 5 % margin keeps a session home) and fallbacks; without a session it abstains.
+    "latency": StrategySpec(
+        name="latency",
+        scorers={
+            "latency": _s(1.0),
+            "session": _s(0.05, abstain_without_session=True),
+        },
+    ),
     # Throughput jobs: no affinity, spread by queue, local inflight and KV room.
     "batch": StrategySpec(
         name="batch",

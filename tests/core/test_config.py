@@ -107,8 +107,8 @@ INVALID: list[tuple[str, Any, str, str]] = [
     ),
     (
         "unknown-scorer",
-        one_model(endpoints=EP, strategy={"scorers": {"latency": 1}}),
-        "models.chat.strategy.scorers.latency",
+        one_model(endpoints=EP, strategy={"scorers": {"telepathy": 1}}),
+        "models.chat.strategy.scorers.telepathy",
         "unknown scorer",
     ),
     (

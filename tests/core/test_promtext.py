@@ -275,8 +275,30 @@ def test_overrides_leave_the_built_in_contract_unchanged() -> None:
             running=("sglang:num_running_reqs",),
             kv_usage=("sglang:token_usage",),
             finished=("sglang:num_requests_total",),
+            prompt_tokens=("sglang:prompt_tokens_total",),
+            cached_tokens=("sglang:cached_tokens_total",),
+            step_time=(
+                "sglang:inter_token_latency_seconds",
+                "sglang:time_per_output_token_seconds",
+            ),
         )
     )
+
+
+def test_the_real_vllm_page_gives_the_calibration_counters() -> None:
+    page = (Path(__file__).parents[1] / "fixtures" / "metrics-vllm-0.32.0-busy.txt").read_text()
+    m = extract(page, CONTRACTS[Engine.VLLM], model="tiny")
+    # Numbers read off the fixture: prefill histogram, computed-token histogram, counters.
+    assert (m.prefill_count, m.computed_tokens_sum) == (663.0, 8323.0)
+    assert m.prefill_seconds_sum == pytest.approx(5.2653167)
+    assert (m.prompt_tokens_total, m.cached_tokens_total) == (8865.0, 256.0)
+    assert m.step_count == 4716.0 and m.step_seconds_sum == pytest.approx(35.8706046)
+
+
+def test_a_page_without_the_optional_roles_still_extracts() -> None:
+    page = VLLM_TEMPLATE.format(kv="vllm:kv_cache_usage_perc 0.5")
+    m = extract(page, CONTRACTS[Engine.VLLM])
+    assert m.prefill_seconds_sum is None and m.step_count is None and m.kv_usage == 0.5
 
 
 def test_kv_usage_is_clamped_to_zero_one() -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from llmgw.hashring import HashRing
 from llmgw.registry import EndpointState
-from llmgw.scheduling.interfaces import Scorer
+from llmgw.scheduling.interfaces import LearnsFromChoice, Scorer
 from llmgw.scheduling.plugins import SCORERS
 from llmgw.scheduling.scorers import (
     InflightScorer,
@@ -229,7 +229,7 @@ def test_every_scorer_scores_in_zero_one(
     )
     for name, factory in SCORERS.items():
         scorer = factory()
-        if name == "prefix":
+        if isinstance(scorer, LearnsFromChoice):
             scorer.observe(ctx, states[0])
         scores = scorer.score(ctx, states)
         assert len(scores) == len(states)

@@ -1,0 +1,101 @@
+"""Online calibration of one endpoint's latency model, from what it publishes and what the
+router sees: seconds of prefill per computed prompt token, seconds per engine step (time
+between tokens) at a known batch size, batch slots, and how long a request holds a slot.
+
+Pure: counters arrive through `on_scrape`, lease durations through `on_release`. Each
+estimate is a ratio of decayed sums (sum of seconds / sum of tokens over recent scrapes),
+so a scrape window that saw one short request does not swing it.
+"""
+
+from __future__ import annotations
+
+from llmgw.types import EngineMetrics
+
+_DECAY = 0.9  # per scrape that carried new data: ~10 scrapes of memory
+_SERVICE_ALPHA = 0.05  # per finished request
+_MIN_TOKENS = 16.0  # a window with fewer computed tokens says little about per-token cost
+
+
+def _delta(new: float | None, old: float | None) -> float | None:
+    """Counter increase, or None when unknown or reset (engine restart)."""
+    if new is None or old is None or new < old:
+        return None
+    return new - old
+
+
+class Calibration:
+    """Per-endpoint latency estimates; None until the endpoint has published or served enough."""
+
+    __slots__ = (
+        "_prefill_den",
+        "_prefill_num",
+        "_prev",
+        "_step_den",
+        "_step_num",
+        "_tokens_den",
+        "_tokens_num",
+        "service_s",
+        "slots",
+    )
+
+    def __init__(self) -> None:
+        self._prev: EngineMetrics | None = None
+        self._prefill_num = 0.0  # decayed prefill seconds
+        self._prefill_den = 0.0  # decayed computed tokens
+        self._step_num = 0.0  # decayed step seconds, normalised to a batch of one
+        self._step_den = 0.0  # decayed steps
+        self._tokens_num = 0.0  # decayed computed tokens ...
+        self._tokens_den = 0.0  # ... per decayed prefills
+        self.slots: float | None = None  # most sequences seen running while others waited
+        self.service_s: float | None = None  # mean time a request holds its slot
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        return self._prefill_num / self._prefill_den if self._prefill_den > 0 else None
+
+    @property
+    def step_s(self) -> float | None:
+        """Seconds per engine step for a batch of one (scale by 1 + factor * (batch - 1))."""
+        return self._step_num / self._step_den if self._step_den > 0 else None
+
+    @property
+    def tokens_per_prefill(self) -> float | None:
+        """Mean prompt tokens an engine computed per request (cache hits excluded)."""
+        return self._tokens_num / self._tokens_den if self._tokens_den > 0 else None
+
+    def on_scrape(self, m: EngineMetrics, batch_factor: float = 0.02) -> None:
+        prev, self._prev = self._prev, m
+        if m.waiting >= 1 and m.running >= 1:
+            # Requests wait although sequences run: the batch is (near) full at this size.
+            self.slots = m.running if self.slots is None else max(self.slots, m.running)
+        if prev is None:
+            return
+        tokens = _delta(m.computed_tokens_sum, prev.computed_tokens_sum)
+        if tokens is None:
+            prompt = _delta(m.prompt_tokens_total, prev.prompt_tokens_total)
+            cached = _delta(m.cached_tokens_total, prev.cached_tokens_total)
+            if prompt is not None:
+                tokens = prompt - (cached or 0.0)
+        prefill = _delta(m.prefill_seconds_sum, prev.prefill_seconds_sum)
+        prefills = _delta(m.prefill_count, prev.prefill_count)
+        if tokens is not None and prefill is not None and tokens >= _MIN_TOKENS:
+            self._prefill_num = self._prefill_num * _DECAY + prefill
+            self._prefill_den = self._prefill_den * _DECAY + tokens
+        if tokens is not None and prefills:
+            self._tokens_num = self._tokens_num * _DECAY + tokens
+            self._tokens_den = self._tokens_den * _DECAY + prefills
+        steps = _delta(m.step_count, prev.step_count)
+        step_time = _delta(m.step_seconds_sum, prev.step_seconds_sum)
+        if steps and step_time is not None:
+            batch = max(1.0, (m.running + prev.running) / 2)
+            self._step_num = self._step_num * _DECAY + step_time / (1 + batch_factor * (batch - 1))
+            self._step_den = self._step_den * _DECAY + steps
+
+    def on_release(self, duration: float) -> None:
+        """A request that held a slot for `duration` seconds ended (router-side view)."""
+        if duration < 0:
+            return
+        if self.service_s is None:
+            self.service_s = duration
+        else:
+            self.service_s += _SERVICE_ALPHA * (duration - self.service_s)
