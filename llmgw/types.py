@@ -166,10 +166,8 @@ class Rationale:
 
 def _format_terms(terms: dict[str, float]) -> list[str]:
     """Seconds as `ttft_ms=42.0 queue_ms=...`, then the largest time term (`dominant=prefill`)."""
-    out = [f"{name}={value:.1f}" for name, value in terms.items()]
-    times = {
-        n.removesuffix("_ms"): v for n, v in terms.items() if n != "ttft_ms" and n.endswith("_ms")
-    }
+    out = [f"{name.removesuffix('_s')}_ms={value * 1e3:.1f}" for name, value in terms.items()]
+    times = {n.removesuffix("_s"): v for n, v in terms.items() if n != "ttft_s"}
     if times:
         out.append(f"dominant={max(times, key=times.__getitem__)}")
     return out
