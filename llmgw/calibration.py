@@ -34,8 +34,11 @@ class Calibration:
         "_step_num",
         "_tokens_den",
         "_tokens_num",
+        "prefill_s_per_token",
         "service_s",
         "slots",
+        "step_s",
+        "tokens_per_prefill",
     )
 
     def __init__(self) -> None:
@@ -48,20 +51,10 @@ class Calibration:
         self._tokens_den = 0.0  # ... per decayed prefills
         self.slots: float | None = None  # most sequences seen running while others waited
         self.service_s: float | None = None  # mean time a request holds its slot
-
-    @property
-    def prefill_s_per_token(self) -> float | None:
-        return self._prefill_num / self._prefill_den if self._prefill_den > 0 else None
-
-    @property
-    def step_s(self) -> float | None:
-        """Seconds per engine step for a batch of one (scale by 1 + factor * (batch - 1))."""
-        return self._step_num / self._step_den if self._step_den > 0 else None
-
-    @property
-    def tokens_per_prefill(self) -> float | None:
-        """Mean prompt tokens an engine computed per request (cache hits excluded)."""
-        return self._tokens_num / self._tokens_den if self._tokens_den > 0 else None
+        # Plain attributes, not properties: read per endpoint on every pick.
+        self.prefill_s_per_token: float | None = None
+        self.step_s: float | None = None  # one engine step for a batch of one
+        self.tokens_per_prefill: float | None = None  # prompt tokens computed per request
 
     def on_scrape(self, m: EngineMetrics, batch_factor: float = 0.02) -> None:
         prev, self._prev = self._prev, m
@@ -81,15 +74,18 @@ class Calibration:
         if tokens is not None and prefill is not None and tokens >= _MIN_TOKENS:
             self._prefill_num = self._prefill_num * _DECAY + prefill
             self._prefill_den = self._prefill_den * _DECAY + tokens
+            self.prefill_s_per_token = self._prefill_num / self._prefill_den
         if tokens is not None and prefills:
             self._tokens_num = self._tokens_num * _DECAY + tokens
             self._tokens_den = self._tokens_den * _DECAY + prefills
+            self.tokens_per_prefill = self._tokens_num / self._tokens_den
         steps = _delta(m.step_count, prev.step_count)
         step_time = _delta(m.step_seconds_sum, prev.step_seconds_sum)
         if steps and step_time is not None:
             batch = max(1.0, (m.running + prev.running) / 2)
             self._step_num = self._step_num * _DECAY + step_time / (1 + batch_factor * (batch - 1))
             self._step_den = self._step_den * _DECAY + steps
+            self.step_s = self._step_num / self._step_den
 
     def on_release(self, duration: float) -> None:
         """A request that held a slot for `duration` seconds ended (router-side view)."""

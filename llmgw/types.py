@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,12 +97,14 @@ class ScorerColumn:
     name: str
     weight: float
     raw: tuple[float, ...]
-    # Named per-endpoint quantities behind the scores (the latency scorer's predicted
-    # milliseconds per term), aligned with `raw`; empty for most scorers.
-    terms: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    # Named quantities behind the scores (the latency scorer's predicted seconds per term):
+    # one row per endpoint, aligned with `raw`, values in `term_names` order. Kept as the
+    # scorer's own rows (no copy per pick); empty for most scorers.
+    term_names: tuple[str, ...] = ()
+    term_rows: Sequence[tuple[float, ...]] = ()
 
     def terms_at(self, i: int) -> dict[str, float]:
-        return {name: values[i] for name, values in self.terms}
+        return dict(zip(self.term_names, self.term_rows[i], strict=True)) if self.term_names else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +136,7 @@ class Rationale:
             scores = {c.name: c.raw[i] for c in self.columns}
             parts.extend([f"{n}={raw:.3f}" for n, raw in scores.items()])
             for c in self.columns:
-                if c.terms:
+                if c.term_names:
                     parts.extend(_format_terms(c.terms_at(i)))
         dropped = [f"{name}:{n}" for name, n in self.filter_drops if n]
         if dropped:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from llmgw.config import ModelSpec
@@ -97,7 +98,11 @@ class ForgetsEndpoints(Protocol):
 class ExplainsScores(Protocol):
     """A scorer that can name the quantities behind its last scores (for the Decision)."""
 
-    def terms(self) -> tuple[tuple[str, tuple[float, ...]], ...]: ...
+    term_names: tuple[str, ...]
+
+    def term_rows(self) -> Sequence[tuple[float, ...]]:
+        """One row per candidate of the last `score` call, values in `term_names` order."""
+        ...
 
 
 class Picker(Protocol):

@@ -210,7 +210,11 @@ class Scheduler:
                 raise ValueError(f"scorer {scorer.name!r} returned {len(raw)} scores for {n}")
             explainer = router.explainers.get(id(scorer)) if router.explainers else None
             if explainer is not None:
-                columns.append(ScorerColumn(scorer.name, weight, tuple(raw), explainer.terms()))
+                columns.append(
+                    ScorerColumn(
+                        scorer.name, weight, tuple(raw), explainer.term_names, explainer.term_rows()
+                    )
+                )
             else:
                 columns.append(ScorerColumn(scorer.name, weight, tuple(raw)))
             if weight:  # C-level maps: this runs per endpoint per scorer on every pick

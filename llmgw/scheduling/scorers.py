@@ -218,6 +218,7 @@ class LatencyScorer:
 
     name = "latency"
     needs_prompt = True
+    term_names = ("ttft_s", "queue_s", "prefill_s", "step_s")
 
     def __init__(
         self,
@@ -259,10 +260,7 @@ class LatencyScorer:
         self._hashes: list[int] = []
         self._fleet: tuple[float, float, float] = (float("-inf"), self.prefill_s, self.step_s)
         self._candidates: list[EndpointState] = []
-        self._ttft: list[float] = []
-        self._queue: list[float] = []
-        self._prefill: list[float] = []
-        self._step: list[float] = []
+        self._terms: list[tuple[float, float, float, float]] = []
 
     def _fleet_defaults(self, ctx: PickContext) -> tuple[float, float]:
         """Mean calibrated costs over the model's endpoints (refreshed once a second):
@@ -284,6 +282,7 @@ class LatencyScorer:
             self._request = request
             self._hashes = self.index.hashes(request.prompt)
         matched = self.index.match(self._hashes) if self._hashes else {}
+        get_matched = matched.get
         tokens = request.prompt_tokens if request.prompt_tokens > 0 else 1
         block = self.block_tokens
         now = ctx.now
@@ -293,16 +292,20 @@ class LatencyScorer:
             self._fleet_defaults(ctx) if calibrate else (self.prefill_s, self.step_s)
         )
         factor = self.batch_factor
-        ttfts: list[float] = []
-        queues: list[float] = []
-        prefills: list[float] = []
-        steps: list[float] = []
-        costs: list[float] = []
         work_weight = self.work_weight
+        # (queue, prefill, step) seconds per candidate; this loop runs per endpoint per pick,
+        # so it avoids calls (no max(), no properties) and appends once.
+        terms: list[tuple[float, float, float, float]] = []
+        append = terms.append
+        costs: list[float] = []
+        append_cost = costs.append
         for s in candidates:
             cal = s.calibration
-            per_token = (cal.prefill_s_per_token or fleet_prefill) if calibrate else fleet_prefill
-            step0 = (cal.step_s or fleet_step) if calibrate else fleet_step
+            if calibrate:
+                per_token = cal.prefill_s_per_token or fleet_prefill
+                step = cal.step_s or fleet_step
+            else:
+                per_token, step = fleet_prefill, fleet_step
             load: float = s.inflight
             queue = s.busy_until - now
             if queue < 0:
@@ -310,38 +313,37 @@ class LatencyScorer:
             m = fresh[s]
             if m is not None:
                 engine_load = m.waiting + m.running - s.released_since_scrape
-                load = max(load, engine_load)
+                if engine_load > load:  # noqa: PLR1730 (no call per endpoint)
+                    load = engine_load
                 if m.waiting >= 1:  # others' work too (other routers, direct clients)
                     engine_queue = m.waiting * per_token * (cal.tokens_per_prefill or tokens)
-                    queue = max(queue, engine_queue)
+                    if engine_queue > queue:  # noqa: PLR1730
+                        queue = engine_queue
             slots = cal.slots
             if slots is not None and load >= slots and cal.service_s is not None:
                 # A full batch: wait for (position in the queue) slots to free up.
                 slot_queue = (load - slots + 1) * cal.service_s / slots
-                queue = max(queue, slot_queue)
-            hit = matched.get(s.id, 0) * block
-            uncached = tokens - hit if hit < tokens else 1
-            prefill = per_token * uncached
-            step = step0 * (1 + factor * load)
+                if slot_queue > queue:  # noqa: PLR1730
+                    queue = slot_queue
+            hit = get_matched(s.id, 0) * block
+            prefill = per_token * (tokens - hit if hit < tokens else 1)
+            step *= 1 + factor * load
             ttft = queue + prefill + step
-            ttfts.append(ttft)
-            queues.append(queue)
-            prefills.append(prefill)
-            steps.append(step)
-            costs.append(ttft + work_weight * prefill)
+            append((ttft, queue, prefill, step))
+            append_cost(ttft + work_weight * prefill)
         self._candidates = candidates
-        self._ttft, self._queue, self._prefill, self._step = ttfts, queues, prefills, steps
-        low = min(costs) + self.smoothing if costs else 0.0
+        self._terms = terms  # a new list each pick: the Decision keeps the old one
         smoothing = self.smoothing
+        low = min(costs) + smoothing if costs else 0.0
         return [low / (c + smoothing) for c in costs]
 
-    def terms(self) -> tuple[tuple[str, tuple[float, ...]], ...]:
-        return (
-            ("ttft_s", tuple(self._ttft)),
-            ("queue_s", tuple(self._queue)),
-            ("prefill_s", tuple(self._prefill)),
-            ("step_s", tuple(self._step)),
-        )
+    def term_rows(self) -> list[tuple[float, float, float, float]]:
+        return self._terms
+
+    def terms(self) -> dict[str, tuple[float, ...]]:
+        """The last score call's terms by name, one value per candidate (for tests, tools)."""
+        columns = zip(*self._terms, strict=True) if self._terms else [()] * 4
+        return dict(zip(self.term_names, columns, strict=True))
 
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
         if self._hashes:
@@ -351,9 +353,10 @@ class LatencyScorer:
         except ValueError:
             return
         now = ctx.now
+        ttft, _, prefill, _ = self._terms[i]
         start = chosen.busy_until if chosen.busy_until > now else now
-        chosen.busy_until = ready_at = start + self._prefill[i]
-        ctx.prediction = (ready_at, self._ttft[i])
+        chosen.busy_until = ready_at = start + prefill
+        ctx.prediction = (ready_at, ttft)
 
     def forget(self, endpoint_id: str) -> None:
         self.index.forget(endpoint_id)

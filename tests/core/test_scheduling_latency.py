@@ -25,7 +25,7 @@ def request(prompt: str = HISTORY, session: str | None = None, rid: str = "r") -
 
 
 def predicted(scorer: LatencyScorer) -> dict[str, tuple[float, ...]]:
-    return dict(scorer.terms())
+    return scorer.terms()
 
 
 @dataclass
@@ -103,7 +103,7 @@ def test_prediction_is_in_seconds_from_the_terms() -> None:
     scorer = LatencyScorer()
     states = [state("a:1")]
     scorer.score(context(states, request=request(), now=NOW), states)
-    terms = {name: values[0] for name, values in scorer.terms()}
+    terms = {name: values[0] for name, values in scorer.terms().items()}
     assert terms["prefill_s"] == pytest.approx(4000 * PER_TOKEN)
     assert terms["queue_s"] == 0.0
     assert terms["step_s"] == pytest.approx(STEP)
@@ -122,7 +122,7 @@ def test_choosing_an_endpoint_queues_its_prefill_there() -> None:
     # Same prompt again: a:1 has it cached now, but its queue holds the first prefill.
     second = context(states, request=request(rid="2"), now=NOW)
     scores = scorer.score(second, states)
-    queue = dict(scorer.terms())["queue_s"]
+    queue = scorer.terms()["queue_s"]
     assert queue[0] == pytest.approx(4000 * PER_TOKEN) and queue[1] == 0.0
     # Waiting 0.4 s for a cached prompt ~ prefilling it elsewhere in 0.4 s, but that second
     # copy is 0.4 s of work imposed on the fleet (work_weight): stay.
@@ -136,7 +136,7 @@ def test_queued_prefill_drains_with_time() -> None:
     states = [state("a:1")]
     states[0].busy_until = NOW + 0.5
     scorer.score(context(states, request=request(), now=NOW + 0.3), states)
-    assert dict(scorer.terms())["queue_s"][0] == pytest.approx(0.2)
+    assert scorer.terms()["queue_s"][0] == pytest.approx(0.2)
 
 
 def test_an_early_first_token_cuts_the_modelled_queue() -> None:
@@ -174,7 +174,7 @@ def test_calibrated_endpoint_costs_replace_the_defaults() -> None:
     slow.calibration.on_scrape(metrics(prefill_s=0.0, tokens=0.0))
     slow.calibration.on_scrape(metrics(prefill_s=1.0, tokens=1000.0))
     scorer.score(context([slow, fresh_peer], request=request(), now=NOW), [slow, fresh_peer])
-    prefill = dict(scorer.terms())["prefill_s"]
+    prefill = scorer.terms()["prefill_s"]
     assert prefill[0] == pytest.approx(4.0)
     # b:1 never published: it takes the fleet's mean (the one calibrated peer), not the param.
     assert prefill[1] == pytest.approx(4.0)
