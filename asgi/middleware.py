@@ -31,7 +31,6 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from asgi.types import ASGIApp, Message, Receive, Scope, Send
@@ -141,13 +140,6 @@ _id_counter = itertools.count()
 
 def next_request_id() -> str:
     return f"{_ID_PREFIX}{next(_id_counter) & 0xFFFFFFFFFFFFFFFF:016x}"
-
-
-def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
-    """ASGI header pairs as the {lower-case name: value} mapping `build_request` takes.
-    Values decode as UTF-8 like the Envoy edge's (`extproc.translate.header_map`), so a
-    non-ASCII session id hashes to the same replica through either edge."""
-    return {name.decode("latin-1").lower(): value.decode("utf-8", "replace") for name, value in raw}
 
 
 async def send_error(send: Send, error: LlmgwError) -> None:
@@ -264,7 +256,7 @@ class SchedulerMiddleware:
         telemetry = self.telemetry
         started = time.perf_counter()
         # One pass: the headers passed on (own headers from the client dropped) and the
-        # {name: value} map `build_request` reads (see `header_map`).
+        # {name: value} map `build_request` reads (values decoded as UTF-8, as Envoy's are).
         raw_headers: list[tuple[bytes, bytes]] = []
         headers: dict[str, str] = {}
         for given, value in scope["headers"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 from operator import add, mul
@@ -108,13 +109,23 @@ class ModelRouter:
 
 @dataclass(slots=True)
 class Lease:
-    """One dispatched request: `finish` releases the inflight slot and feeds the breaker."""
+    """One dispatched request: `finish` releases the inflight slot and feeds the breaker;
+    `first_token` marks the first response byte (once; calls `on_first_token` if set)."""
 
     registry: Registry
     model: str
     endpoint_id: str
     probe: bool
     done: bool = False
+    first_token_seen: bool = False
+    on_first_token: Callable[[], None] | None = None
+
+    def first_token(self) -> None:
+        if self.first_token_seen:
+            return
+        self.first_token_seen = True
+        if self.on_first_token is not None:
+            self.on_first_token()
 
     def finish(self, outcome: Outcome) -> None:
         if self.done:
