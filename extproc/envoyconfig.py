@@ -38,9 +38,9 @@ from typing import Any
 
 import yaml
 
-from extproc.translate import DESTINATION_HEADER, METADATA_NAMESPACE, UPSTREAM_HEADER
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
+from llmgw.lifecycle import DESTINATION_HEADER, METADATA_NAMESPACE, UPSTREAM_HEADER
 
 SHAPES = ("original-dst", "override-host")
 EXTPROC_CLUSTER = "llmgw-extproc"

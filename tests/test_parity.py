@@ -16,6 +16,7 @@ from asgi.types import Message, Scope
 from extproc.testing import parse, request_body, request_headers, response_headers
 from extproc.translate import ASK_FOR_BODY, Exchange
 from llmgw.config import Config, load_dict
+from llmgw.gateway import Gateway
 from llmgw.registry import Registry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Decision, EngineMetrics
@@ -91,7 +92,7 @@ def calls(n: int = 300) -> list[Call]:
 
 
 def through_extproc(sched: Scheduler, call: Call) -> tuple[str, Decision | bytes]:
-    exchange = Exchange(sched)
+    exchange = Exchange(Gateway(sched))
     answer = exchange.handle(request_headers({":method": "POST", ":path": PATH, **call.headers}))
     if answer == ASK_FOR_BODY:
         answer = exchange.handle(request_body(call.body))

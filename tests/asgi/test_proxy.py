@@ -13,8 +13,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi import Request as FastAPIRequest
 
+from asgi.app import ProxyApp
 from asgi.middleware import SchedulerMiddleware
-from asgi.proxy import ProxyApp
 from asgi.testing import (
     DEADLINE,
     MODEL,

@@ -9,9 +9,8 @@ from llmgw.activation import (
     ActivationSettings,
     ActivationState,
     ModelActivation,
-    ModelFailed,
 )
-from llmgw.errors import ModelLoading, NoCapacity
+from llmgw.errors import ModelFailed, ModelLoading, NoCapacity
 
 S = ActivationState
 
