@@ -170,15 +170,18 @@ async def test_first_upstream_chunk_marks_the_first_token_once() -> None:
         lease.on_first_token = lambda: marks.append(lease.endpoint_id)
         return lease
 
-    app.router.scheduler.acquire = acquire_with_hook  # type: ignore[method-assign]
+    app.router.scheduler.acquire = acquire_with_hook  # type: ignore[method-assign, assignment]
     try:
-        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-            async with client.stream("POST", CHAT, content=BODY) as reply:
-                pieces = reply.aiter_raw()
-                assert await asyncio.wait_for(anext(pieces), DEADLINE) == b"data: first\n\n"
-                assert marks == [upstream.address]  # before the stream ended
-                release.set()
-                assert b"".join([p async for p in pieces]) == b"data: [DONE]\n\n"
+        async with (
+            serve(app) as base,
+            httpx.AsyncClient(base_url=base) as client,
+            client.stream("POST", CHAT, content=BODY) as reply,
+        ):
+            pieces = reply.aiter_raw()
+            assert await asyncio.wait_for(anext(pieces), DEADLINE) == b"data: first\n\n"
+            assert marks == [upstream.address]  # before the stream ended
+            release.set()
+            assert b"".join([p async for p in pieces]) == b"data: [DONE]\n\n"
     finally:
         await upstream.stop()
     assert marks == [upstream.address]

@@ -191,6 +191,6 @@ def test_reload_that_changes_launch_settings_changes_nothing() -> None:
     gw, _, _ = gateway(on_demand=True)
     before = gw.snapshot
     changed = {**LAZY, "scaling": {"min": 0, "max": 2}}
-    with pytest.raises(ConfigError, match="models.lazy"):
+    with pytest.raises(ConfigError, match=r"models\.lazy"):
         gw.reload(config({"chat": static_model(4), "lazy": changed}))
     assert gw.snapshot is before
