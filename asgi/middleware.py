@@ -8,16 +8,19 @@ header) it:
 
 1. reads the JSON body only when `llmgw.request.needs_body` says routing needs it, and then
    replays it to the inner app unchanged (the inner app reads the same bytes);
-2. builds the RequestInfo with `llmgw.request.build_request` and asks `Scheduler.pick`, so
-   this edge and the Envoy edge make the same Decision for the same request;
+2. drives the request's `llmgw.lifecycle.Lifecycle` (parse, pick, wait once for an
+   on-demand model, lease), the same object the Envoy edge drives, so both make the same
+   Decision for the same request;
 3. answers the core's typed errors itself (`error.status`, `error.body()`,
    `error.response_headers()`: the same bodies as the Envoy edge);
 4. hands the Decision to the inner app:
    - `scope["state"]["llmgw_decision"]`: the `Decision` (Starlette: `request.state.llmgw_decision`);
-   - `scope["state"]["llmgw_dispatch"]`: the `Dispatch` (the live lease; an app that forwards
-     and falls back calls `dispatch.fall_back(outcome)`);
+   - `scope["state"]["llmgw_dispatch"]`: the `Lifecycle` (the live lease; an app that
+     forwards and falls back calls `dispatch.fall_back(outcome)`, and may report
+     `dispatch.first_byte()` when the upstream's first body byte arrives);
    - request headers `x-gateway-destination-endpoint: host:port` (the primary) and
-     `x-llmgw-decision: <rationale summary>`; copies sent by the client are removed;
+     `x-llmgw-decision: <rationale summary>`; internal headers sent by the client
+     (`llmgw.lifecycle.INTERNAL_HEADERS`) are removed;
 5. counts the request in flight on the chosen endpoint until the last byte of the response
    body has been sent (streams included), then feeds the outcome to the breaker: failure on
    5xx / 429 or an exception, cancelled (no breaker verdict) when the client went away.
@@ -28,126 +31,33 @@ The response is never buffered: `send` is wrapped, messages pass straight throug
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
-import uuid
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from asgi.types import ASGIApp, Message, Receive, Scope, Send
 from llmgw.config import Config
 from llmgw.errors import LlmgwError
-from llmgw.request import BODY_PATHS, build_request, check_body_size, needs_body
+from llmgw.lifecycle import (
+    DECISION_HEADER,
+    DESTINATION_HEADER,
+    INTERNAL_HEADERS,
+    AwaitActivation,
+    Hooks,
+    Lifecycle,
+)
+from llmgw.request import BODY_PATHS, check_body_size, needs_body
+from llmgw.runtime.driver import activate
+from llmgw.runtime.router import Router, router_for
 from llmgw.scheduling.scheduler import Scheduler
-from llmgw.types import Decision, Endpoint, Outcome, RequestInfo, outcome_for_status
+from llmgw.types import Outcome, outcome_for_status
 
 if TYPE_CHECKING:
-    from llmgw.runtime.router import Router
     from llmgw.runtime.telemetry import Telemetry
 
 DECISION_KEY = "llmgw_decision"
 DISPATCH_KEY = "llmgw_dispatch"
-DESTINATION_HEADER = b"x-gateway-destination-endpoint"
-DECISION_HEADER = b"x-llmgw-decision"
-_OWN_HEADERS = (DESTINATION_HEADER, DECISION_HEADER)
-
-
-class LeaseLike(Protocol):
-    @property
-    def done(self) -> bool: ...
-
-    def finish(self, outcome: Outcome) -> None: ...
-
-
-class Routing(Protocol):
-    """What the middleware needs from the core: `Router` (activation, scraping) or a bare
-    `Scheduler` wrapped in `SchedulerRouting`."""
-
-    async def decide(self, request: RequestInfo) -> Decision: ...
-
-    def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> LeaseLike: ...
-
-
-class SchedulerRouting:
-    """A bare Scheduler as `Routing`: no on-demand activation, no scraping of its own."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-
-    async def decide(self, request: RequestInfo) -> Decision:
-        return self.scheduler.pick(request)
-
-    def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> LeaseLike:
-        return self.scheduler.acquire(decision, endpoint)
-
-
-class Dispatch:
-    """One routed request in flight: its Decision and the lease on the endpoint it is on."""
-
-    __slots__ = ("_next", "_routing", "_telemetry", "decision", "endpoint", "lease", "request")
-
-    def __init__(
-        self,
-        routing: Routing,
-        request: RequestInfo,
-        decision: Decision,
-        telemetry: Telemetry | None = None,
-    ) -> None:
-        self._routing = routing
-        self._telemetry = telemetry
-        self.request = request
-        self.decision = decision
-        self.endpoint: Endpoint = decision.endpoint
-        self.lease = routing.acquire(decision)
-        self._next = 0
-
-    @property
-    def attempts(self) -> int:
-        """How many endpoints this request has been sent to so far (1 = no fallback yet)."""
-        return self._next + 1
-
-    @property
-    def done(self) -> bool:
-        return self.lease.done
-
-    def fall_back(self, outcome: Outcome) -> Endpoint | None:
-        """Finish the current attempt with `outcome` and lease the next fallback endpoint.
-
-        Returns it, or None when the Decision has no fallback left (the lease then stays on
-        the current endpoint). The Decision carries at most `num_fallback_replicas` of them.
-        """
-        fallbacks = self.decision.fallbacks
-        if self._next >= len(fallbacks):
-            return None
-        self.finish(outcome)
-        self.endpoint = fallbacks[self._next]
-        self._next += 1
-        self.lease = self._routing.acquire(self.decision, self.endpoint)
-        return self.endpoint
-
-    def finish(self, outcome: Outcome) -> None:
-        if self.lease.done:
-            return
-        self.lease.finish(outcome)
-        if self._telemetry is not None:
-            self._telemetry.outcome(self.decision.model, self.endpoint.id, outcome)
-
-
-# Request ids for requests that come without `x-request-id`: a random per-process prefix
-# and a counter, 32 hex digits like `uuid4().hex` (which costs a getrandom call each).
-_ID_PREFIX = uuid.uuid4().hex[:16]
-_id_counter = itertools.count()
-
-
-def next_request_id() -> str:
-    return f"{_ID_PREFIX}{next(_id_counter) & 0xFFFFFFFFFFFFFFFF:016x}"
-
-
-def header_map(raw: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
-    """ASGI header pairs as the {lower-case name: value} mapping `build_request` takes.
-    Values decode as UTF-8 like the Envoy edge's (`extproc.translate.header_map`), so a
-    non-ASCII session id hashes to the same replica through either edge."""
-    return {name.decode("latin-1").lower(): value.decode("utf-8", "replace") for name, value in raw}
+INTERNAL_HEADER_NAMES = frozenset(name.encode("latin-1") for name in INTERNAL_HEADERS)
+_DESTINATION = DESTINATION_HEADER.encode("latin-1")
+_DECISION = DECISION_HEADER.encode("latin-1")
 
 
 async def send_error(send: Send, error: LlmgwError) -> None:
@@ -160,18 +70,18 @@ async def send_error(send: Send, error: LlmgwError) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-class _Disconnected(Exception):
+class Disconnected(Exception):
     """The client went away while the request body was being read."""
 
 
 async def read_body(receive: Receive, max_bytes: int) -> bytes:
-    """The whole request body; raises BodyTooLarge past `max_bytes`, _Disconnected."""
+    """The whole request body; raises BodyTooLarge past `max_bytes`, Disconnected."""
     parts: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _Disconnected
+            raise Disconnected
         chunk: bytes = message.get("body", b"")
         if chunk:
             size += len(chunk)
@@ -179,6 +89,23 @@ async def read_body(receive: Receive, max_bytes: int) -> bytes:
             parts.append(chunk)
         if not message.get("more_body", False):
             return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def split_headers(
+    scope: Scope,
+) -> tuple[list[tuple[bytes, bytes]], dict[str, str]]:
+    """One pass: the headers passed on (internal ones from the client dropped) and the
+    {lower-case name: value} map the lifecycle reads (values decoded as UTF-8, as Envoy's
+    are, so a non-ASCII session id hashes to the same replica through either edge)."""
+    raw_headers: list[tuple[bytes, bytes]] = []
+    headers: dict[str, str] = {}
+    for given, value in scope["headers"]:
+        name = given.lower()
+        if name in INTERNAL_HEADER_NAMES:
+            continue
+        raw_headers.append((name, value))
+        headers[name.decode("latin-1")] = value.decode("utf-8", "replace")
+    return raw_headers, headers
 
 
 class SchedulerMiddleware:
@@ -192,6 +119,8 @@ class SchedulerMiddleware:
     - `paths`: path prefixes that are routed (default: the OpenAI inference paths); a request
       on another path is routed only if it carries the model header (`config.model_header`).
     - `telemetry`: a `llmgw.runtime.telemetry.Telemetry` to count decisions, errors, outcomes.
+
+    The config is read from the router's current snapshot per request (a reload applies).
     """
 
     def __init__(
@@ -203,38 +132,36 @@ class SchedulerMiddleware:
         telemetry: Telemetry | None = None,
         paths: tuple[str, ...] = BODY_PATHS,
     ) -> None:
-        if scheduler is not None and router is not None:
-            raise ValueError("pass a scheduler or a router, not both")
         self.app = app
-        self.config = config
-        self.telemetry = telemetry
+        self.router = router_for(config, scheduler=scheduler, router=router)
+        owned = scheduler is None and router is None
+        self._owned_router = self.router if owned else None
+        self.gateway = self.router.gateway
+        self.hooks = telemetry.hooks("asgi") if telemetry is not None else Hooks("asgi")
         self.paths = paths
-        self._owned_router: Router | None = None
-        self.routing: Routing
-        if scheduler is not None:
-            self.scheduler = scheduler
-            self.routing = SchedulerRouting(scheduler)
-        else:
-            if router is None:
-                from llmgw.runtime.router import Router  # noqa: PLC0415 (runtime is optional)
+        self._header_of: tuple[Config, bytes] | None = None
 
-                router = self._owned_router = Router(config)
-            self.scheduler = router.scheduler
-            self.routing = router
-        self._model_header = config.model_header.encode("latin-1")
-        self._max_body = config.limits.max_body_bytes
+    @property
+    def config(self) -> Config:
+        return self.gateway.config
 
-    def reconfigure(self, config: Config) -> None:
-        """Use `config` for requests that arrive from now on (the router reloads itself)."""
-        self.config = config
-        self._model_header = config.model_header.encode("latin-1")
-        self._max_body = config.limits.max_body_bytes
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.gateway.scheduler
+
+    def _model_header(self) -> bytes:
+        config = self.gateway.config
+        cached = self._header_of
+        if cached is None or cached[0] is not config:
+            cached = self._header_of = (config, config.model_header.encode("latin-1"))
+        return cached[1]
 
     def _routed(self, scope: Scope) -> bool:
         path: str = scope["path"]
         if path.startswith(self.paths):
             return True
-        return any(name.lower() == self._model_header for name, _ in scope["headers"])
+        wanted = self._model_header()
+        return any(name.lower() == wanted for name, _ in scope["headers"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -261,62 +188,51 @@ class SchedulerMiddleware:
         return wrapped
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        telemetry = self.telemetry
-        started = time.perf_counter()
-        # One pass: the headers passed on (own headers from the client dropped) and the
-        # {name: value} map `build_request` reads (see `header_map`).
-        raw_headers: list[tuple[bytes, bytes]] = []
-        headers: dict[str, str] = {}
-        for given, value in scope["headers"]:
-            name = given.lower()
-            if name in _OWN_HEADERS:
-                continue
-            raw_headers.append((name, value))
-            headers[name.decode("latin-1").lower()] = value.decode("utf-8", "replace")
+        lifecycle = Lifecycle(self.gateway, self.hooks)
+        raw_headers, headers = split_headers(scope)
         path: str = scope["path"]
         body: bytes | None = None
+        max_body = lifecycle.config.limits.max_body_bytes
         try:
             length = headers.get("content-length")
             if length is not None and length.isdigit():
-                check_body_size(int(length), self._max_body, complete=True)
-            if needs_body(self.config, headers, path):
-                try:
-                    body = await read_body(receive, self._max_body)
-                except _Disconnected:
-                    return
-            request = build_request(
-                self.config,
-                headers,
-                path,
-                body,
-                request_id=None if "x-request-id" in headers else next_request_id(),
-            )
-            parsed = time.perf_counter()
-            decision = await self.routing.decide(request)
-            dispatch = Dispatch(self.routing, request, decision, telemetry)
-        except LlmgwError as error:
-            if telemetry is not None:
-                telemetry.error(error)
-            await send_error(send, error)
+                check_body_size(int(length), max_body, complete=True)
+            if needs_body(lifecycle.config, headers, path):
+                body = await read_body(receive, max_body)
+        except Disconnected:
             return
-        if telemetry is not None:
-            done = time.perf_counter()
-            telemetry.decision(decision)
-            telemetry.stage("parse", parsed - started)
-            telemetry.stage("schedule", done - parsed)
-            telemetry.stage("total", done - started)
-
-        raw_headers.append((DESTINATION_HEADER, decision.endpoint.address.encode("latin-1")))
-        raw_headers.append((DECISION_HEADER, decision.describe().encode("latin-1", "replace")))
+        except LlmgwError as error:
+            await send_error(send, lifecycle.refuse(error))
+            return
+        result = lifecycle.route(headers, path, body)
+        if isinstance(result, AwaitActivation):
+            result = await activate(lifecycle, result)
+        if isinstance(result, LlmgwError):
+            await send_error(send, result)
+            return
+        decision = result
+        raw_headers.append((_DESTINATION, decision.endpoint.address.encode("latin-1")))
+        raw_headers.append((_DECISION, decision.describe().encode("latin-1", "replace")))
         state = dict(scope.get("state") or {})
         state[DECISION_KEY] = decision
-        state[DISPATCH_KEY] = dispatch
+        state[DISPATCH_KEY] = lifecycle
         inner_scope = dict(scope)
         inner_scope["headers"] = raw_headers
         inner_scope["state"] = state
+        await self._call_inner(inner_scope, body, lifecycle, receive, send)
 
+    async def _call_inner(
+        self,
+        scope: Scope,
+        body: bytes | None,
+        lifecycle: Lifecycle,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Run the inner app; the outcome comes from what it sends (or how it fails)."""
         status = 0
         disconnected = False
+        first_byte = True
         replay: Message | None = (
             {"type": "http.request", "body": body, "more_body": False} if body is not None else None
         )
@@ -327,35 +243,39 @@ class SchedulerMiddleware:
                 message, replay = replay, None
                 return message
             message = await receive()
-            if message["type"] == "http.disconnect" and not dispatch.done:
+            if message["type"] == "http.disconnect" and not lifecycle.done:
                 disconnected = True
             return message
 
         async def wrapped_send(message: Message) -> None:
-            nonlocal status
+            nonlocal status, first_byte
             kind = message["type"]
             if kind == "http.response.start":
                 status = message["status"]
+                lifecycle.response(status)
+            elif first_byte and kind == "http.response.body":
+                first_byte = False
+                lifecycle.first_byte()
             try:
                 await send(message)
             except OSError:
-                dispatch.finish(Outcome.CANCELLED)
+                lifecycle.finish(Outcome.CANCELLED)
                 raise
             if kind == "http.response.body" and not message.get("more_body", False):
-                dispatch.finish(outcome_for_status(status))
+                lifecycle.finish()
 
         try:
-            await self.app(inner_scope, wrapped_receive, wrapped_send)
+            await self.app(scope, wrapped_receive, wrapped_send)
         except asyncio.CancelledError:
             # Shutdown or a client gone without an http.disconnect: not the replica's fault.
-            dispatch.finish(Outcome.CANCELLED)
+            lifecycle.finish(Outcome.CANCELLED)
             raise
         except BaseException:
-            dispatch.finish(Outcome.CANCELLED if disconnected else Outcome.FAILURE)
+            lifecycle.finish(Outcome.CANCELLED if disconnected else Outcome.FAILURE)
             raise
-        if not dispatch.done:
+        if not lifecycle.done:
             # The app returned without finishing the response body.
             if disconnected:
-                dispatch.finish(Outcome.CANCELLED)
+                lifecycle.finish(Outcome.CANCELLED)
             else:
-                dispatch.finish(outcome_for_status(status) if status else Outcome.FAILURE)
+                lifecycle.finish(outcome_for_status(status) if status else Outcome.FAILURE)

@@ -34,9 +34,8 @@ from extproc.translate import (
     CONTINUE_RESPONSE_BODY,
     CONTINUE_RESPONSE_HEADERS,
     CONTINUE_RESPONSE_TRAILERS,
-    DESTINATION_HEADER,
-    METADATA_NAMESPACE,
 )
+from llmgw.lifecycle import DESTINATION_HEADER, METADATA_NAMESPACE
 
 # Field numbers of ProcessingRequest's oneof -> the answer when nothing is decided there.
 _CONTINUE = {

@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 import httpx
 import uvicorn
 
-from asgi.proxy import ProxyApp
+from asgi.app import ProxyApp
 from extproc.envoyconfig import build
 from extproc.testing import EnvoyProcess, ExtProcThread, fleet_config, free_port, quick_fleet
 from llmgw.breaker import BreakerState

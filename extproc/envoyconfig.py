@@ -33,14 +33,15 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from extproc.translate import DESTINATION_HEADER, METADATA_NAMESPACE, UPSTREAM_HEADER
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
+from llmgw.lifecycle import DESTINATION_HEADER, METADATA_NAMESPACE, UPSTREAM_HEADER
 
 SHAPES = ("original-dst", "override-host")
 EXTPROC_CLUSTER = "llmgw-extproc"
@@ -169,11 +170,107 @@ def build(
         message_timeout = config.activation_timeout + 5.0 if launched else 2.0
     if retries is None:
         retries = max(m.session.num_fallback_replicas for m in config.models.values())
-    timeout = f"{route_timeout:g}s"
-    idle = f"{read_timeout or config.limits.upstream_read_timeout:g}s"
-    connect = f"{connect_timeout:g}s"
+    timing = _Timing(
+        route=f"{route_timeout:g}s",
+        idle=f"{read_timeout or config.limits.upstream_read_timeout:g}s",
+        connect=f"{connect_timeout:g}s",
+    )
+    if shape == "original-dst":
+        routes, clusters = _original_dst_shape(addresses, timing)
+    else:
+        routes, clusters = _override_host_shape(addresses, timing, retries)
+    extproc_cluster = _static_cluster(
+        EXTPROC_CLUSTER, [extproc_address], http2=True, connect_timeout=timing.connect
+    )
+    listener = _listener(
+        _socket(listen_host, listen_port),
+        routes,
+        _ext_proc_filter(fail_open=fail_open, message_timeout=message_timeout),
+        # Room for the largest body llmgw accepts (it answers 413 beyond it).
+        buffer_limit=config.limits.max_body_bytes + (64 << 10),
+    )
+    return {
+        "admin": {"address": _socket(admin_host, admin_port)},
+        "static_resources": {"listeners": [listener], "clusters": [extproc_cluster, *clusters]},
+    }
 
-    ext_proc = {
+
+@dataclass(frozen=True, slots=True)
+class _Timing:
+    route: str  # whole request
+    idle: str  # longest silence mid-response
+    connect: str
+
+
+Routes = list[dict[str, Any]]
+Clusters = list[dict[str, Any]]
+
+
+def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, Clusters]:
+    """(a) ORIGINAL_DST reading the destination header: one host, no fallback (GIE default)."""
+    picked = {"cluster": ORIGINAL_DST_CLUSTER, "timeout": timing.route, "idle_timeout": timing.idle}
+    routes: Routes = [
+        {
+            "match": {
+                "prefix": "/",
+                "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
+            },
+            "route": picked,
+        },
+        # No pick (ext_proc down, fail-open): any configured endpoint, or a clear 503
+        # when every model is started on demand (nothing static to fall back to).
+        {
+            "match": {"prefix": "/"},
+            "route": {
+                "cluster": POOL_CLUSTER,
+                "timeout": timing.route,
+                "idle_timeout": timing.idle,
+            },
+        }
+        if addresses
+        else {
+            "match": {"prefix": "/"},
+            "direct_response": {"status": 503, "body": {"inline_string": NO_PICK_BODY}},
+        },
+    ]
+    clusters: Clusters = [
+        {
+            "name": ORIGINAL_DST_CLUSTER,
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": timing.connect,
+            "original_dst_lb_config": {
+                "use_http_header": True,
+                "http_header_name": DESTINATION_HEADER,
+            },
+        }
+    ]
+    if addresses:
+        pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=timing.connect)
+        pool["lb_policy"] = "LEAST_REQUEST"
+        clusters.append(pool)
+    return routes, clusters
+
+
+def _override_host_shape(
+    addresses: list[str], timing: _Timing, retries: int
+) -> tuple[Routes, Clusters]:
+    """(b) The endpoints listed, override_host LB: primary first, fallbacks on retries."""
+    route: dict[str, Any] = {"cluster": POOL_CLUSTER, "timeout": timing.route}
+    if retries > 0:
+        route["retry_policy"] = {
+            "retry_on": "5xx,reset,connect-failure,retriable-status-codes",
+            "retriable_status_codes": [429],
+            "num_retries": retries,
+            "per_try_idle_timeout": timing.idle,
+        }
+    pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=timing.connect)
+    pool["load_balancing_policy"] = _override_host_policy()
+    return [{"match": {"prefix": "/"}, "route": route}], [pool]
+
+
+def _ext_proc_filter(*, fail_open: bool, message_timeout: float) -> dict[str, Any]:
+    return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
@@ -192,10 +289,13 @@ def build(
             "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
         },
     }
-    router = {
-        "name": "envoy.filters.http.router",
-        "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"},
-    }
+
+
+def _listener(
+    address: dict[str, Any], routes: Routes, ext_proc: dict[str, Any], *, buffer_limit: int
+) -> dict[str, Any]:
+    """The HTTP listener: client copies of the destination header stripped first, ext_proc,
+    then the router; responses say which host answered (for the outcome after retries)."""
     strip_destination = {
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {
@@ -204,68 +304,10 @@ def build(
             "mutations": [{"remove": DESTINATION_HEADER}],
         },
     }
-
-    clusters: list[dict[str, Any]] = [
-        _static_cluster(EXTPROC_CLUSTER, [extproc_address], http2=True, connect_timeout=connect)
-    ]
-    if shape == "original-dst":
-        routes = [
-            {
-                "match": {
-                    "prefix": "/",
-                    "headers": [{"name": DESTINATION_HEADER, "present_match": True}],
-                },
-                "route": {
-                    "cluster": ORIGINAL_DST_CLUSTER,
-                    "timeout": timeout,
-                    "idle_timeout": idle,
-                },
-            },
-            # No pick (ext_proc down, fail-open): any configured endpoint, or a clear 503
-            # when every model is started on demand (nothing static to fall back to).
-            {
-                "match": {"prefix": "/"},
-                "route": {"cluster": POOL_CLUSTER, "timeout": timeout, "idle_timeout": idle},
-            }
-            if addresses
-            else {
-                "match": {"prefix": "/"},
-                "direct_response": {
-                    "status": 503,
-                    "body": {"inline_string": NO_PICK_BODY},
-                },
-            },
-        ]
-        clusters.append(
-            {
-                "name": ORIGINAL_DST_CLUSTER,
-                "type": "ORIGINAL_DST",
-                "lb_policy": "CLUSTER_PROVIDED",
-                "connect_timeout": connect,
-                "original_dst_lb_config": {
-                    "use_http_header": True,
-                    "http_header_name": DESTINATION_HEADER,
-                },
-            }
-        )
-        if addresses:
-            pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=connect)
-            pool["lb_policy"] = "LEAST_REQUEST"
-            clusters.append(pool)
-    else:
-        route: dict[str, Any] = {"cluster": POOL_CLUSTER, "timeout": timeout}
-        if retries > 0:
-            route["retry_policy"] = {
-                "retry_on": "5xx,reset,connect-failure,retriable-status-codes",
-                "retriable_status_codes": [429],
-                "num_retries": retries,
-                "per_try_idle_timeout": idle,
-            }
-        routes = [{"match": {"prefix": "/"}, "route": route}]
-        pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=connect)
-        pool["load_balancing_policy"] = _override_host_policy()
-        clusters.append(pool)
-
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": _T + "envoy.extensions.filters.http.router.v3.Router"},
+    }
     hcm = {
         "@type": _T
         + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -291,28 +333,16 @@ def build(
         "http_filters": [ext_proc, router],
     }
     return {
-        "admin": {"address": _socket(admin_host, admin_port)},
-        "static_resources": {
-            "listeners": [
-                {
-                    "name": "llm",
-                    "address": _socket(listen_host, listen_port),
-                    # Room for the largest body llmgw accepts (it answers 413 beyond it).
-                    "per_connection_buffer_limit_bytes": config.limits.max_body_bytes + (64 << 10),
-                    "filter_chains": [
-                        {
-                            "filters": [
-                                {
-                                    "name": "envoy.filters.network.http_connection_manager",
-                                    "typed_config": hcm,
-                                }
-                            ]
-                        }
-                    ],
-                }
-            ],
-            "clusters": clusters,
-        },
+        "name": "llm",
+        "address": address,
+        "per_connection_buffer_limit_bytes": buffer_limit,
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
     }
 
 

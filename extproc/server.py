@@ -27,14 +27,16 @@ import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
-from extproc.translate import AWAIT_ACTIVATION, Exchange, Hooks
+from extproc.translate import Exchange
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
-from llmgw.logs import configure, log_decision
-from llmgw.runtime.router import ConfigWatcher, Router
+from llmgw.lifecycle import AwaitActivation
+from llmgw.logs import configure
+from llmgw.runtime.driver import activate
+from llmgw.runtime.health import readiness
+from llmgw.runtime.router import ConfigWatcher, router_for
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.scheduling.scheduler import Scheduler
-from llmgw.types import Decision
 
 log = logging.getLogger("llmgw.extproc")
 
@@ -72,24 +74,13 @@ class ExtProcServer:
         telemetry: Telemetry | None = None,
         reuse_port: bool = False,
     ) -> None:
-        self.config = config
         self.host = host
-        # A given Scheduler is used bare (tests, parity); else a Router adds scraping and
-        # on-demand activation around a Scheduler of its own.
-        self.router: Router | None = None
-        if scheduler is None:
-            self.router = Router(config, scrape=scrape)
-            scheduler = self.router.scheduler
-        self.scheduler = scheduler
+        self.router = router_for(config, scheduler=scheduler, scrape=scrape)
+        self.gateway = self.router.gateway
         self.telemetry = telemetry or Telemetry()
-        self.scraper = self.router.scraper if self.router is not None else None
-        self.telemetry.bind(self.scheduler.registry, self.scraper)
-        self.hooks = Hooks(
-            decision=self._on_decision,
-            error=self.telemetry.error,
-            outcome=self.telemetry.outcome,
-            stage=self.telemetry.stage,
-        )
+        self.scraper = self.router.scraper
+        self.telemetry.bind(self.router.registry, self.scraper)
+        self.hooks = self.telemetry.hooks("extproc")
         self.draining = False
         self.open_streams = 0
         self._ports = {"grpc": grpc_port, "health": health_port, "metrics": metrics_port}
@@ -98,14 +89,18 @@ class ExtProcServer:
         self._runners: list[web.AppRunner] = []
         self._health_changed = asyncio.Event()
 
-    # -- ext_proc ------------------------------------------------------------------------
-    def _on_decision(self, decision: Decision, request_id: str) -> None:
-        self.telemetry.decision(decision)
-        log_decision(decision, request_id, "extproc")
+    @property
+    def config(self) -> Config:
+        return self.gateway.config
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.gateway.scheduler
+
+    # -- ext_proc ------------------------------------------------------------------------
     async def process(self, _requests: AsyncIterator[ProcessingRequest], context: Any) -> None:
         """One Envoy stream = one HTTP request. Reader/writer API: no generator overhead."""
-        exchange = Exchange(self.scheduler, self.hooks, self.router)
+        exchange = Exchange(self.gateway, self.hooks)
         self.open_streams += 1
         try:
             read, write, eof = context.read, context.write, grpc.aio.EOF
@@ -114,8 +109,8 @@ class ExtProcServer:
                 if message is eof:
                     break
                 answer = exchange.handle(message)
-                if answer is AWAIT_ACTIVATION:
-                    answer = await exchange.activate()
+                if isinstance(answer, AwaitActivation):
+                    answer = exchange.answer(await activate(exchange.lifecycle, answer))
                 await write(answer)
         finally:
             # Response end, client abort or stream cancel: release exactly once.
@@ -149,13 +144,13 @@ class ExtProcServer:
         return web.json_response({"status": "ok"})
 
     async def _readyz(self, _request: web.Request) -> web.Response:
-        if self.draining or self._grpc is None:
-            return web.json_response({"status": "draining"}, status=503)
-        return web.json_response({"status": "ready", "open_streams": self.open_streams})
+        ready, body = readiness(self.router, started=self._grpc is not None, draining=self.draining)
+        return web.Response(
+            body=body, status=200 if ready else 503, content_type="application/json"
+        )
 
     async def _models_status(self, _request: web.Request) -> web.Response:
-        status = self.router.models_status() if self.router is not None else {}
-        return web.json_response(status)
+        return web.json_response(self.router.models_status())
 
     async def _metrics(self, _request: web.Request) -> web.Response:
         body, content_type = self.telemetry.render()
@@ -212,8 +207,7 @@ class ExtProcServer:
         if not bound:
             raise OSError(f"cannot bind gRPC port {self.host}:{self._ports['grpc']}")
         self._ports["grpc"] = bound
-        if self.router is not None:
-            await self.router.start()
+        await self.router.start()
         await server.start()
         self._grpc = server
         if self._ports["health"] is not None:
@@ -233,10 +227,7 @@ class ExtProcServer:
 
     def reload(self, config: Config) -> None:
         """Route new streams with `config` (see `Router.reload`); raises ConfigError."""
-        if self.router is None:
-            raise ConfigError(["<reload>: this server routes with a fixed Scheduler"])
         self.router.reload(config)
-        self.config = config
 
     def begin_drain(self) -> None:
         """Readiness and gRPC health go false; streams keep being served."""
@@ -249,8 +240,7 @@ class ExtProcServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
-        if self.router is not None:
-            await self.router.stop()
+        await self.router.stop()
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()

@@ -301,7 +301,9 @@ def response_trailers() -> ProcessingRequest:
     return ProcessingRequest(response_trailers=HttpTrailers())
 
 
-def parse(data: bytes) -> ProcessingResponse:
+def parse(data: object) -> ProcessingResponse:
+    """An Exchange's answer as a message (it must be bytes, not an AwaitActivation)."""
+    assert isinstance(data, bytes), f"expected an answer, got {data!r}"
     return ProcessingResponse.FromString(data)
 
 

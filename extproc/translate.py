@@ -21,11 +21,6 @@ The protocol (Gateway API Inference Extension endpoint picker):
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -42,21 +37,21 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct  # type: ignore[import-untyped]
 
-from llmgw.config import Config
-from llmgw.errors import LlmgwError, ModelNotReady
-from llmgw.request import build_request, needs_body
-from llmgw.scheduling.scheduler import Lease, Scheduler
-from llmgw.types import Decision, Endpoint, Outcome, RequestInfo, outcome_for_status
-
-if TYPE_CHECKING:
-    from llmgw.runtime.router import Router, RouterLease
-
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-METADATA_NAMESPACE = "envoy.lb"
-DECISION_HEADER = "x-llmgw-decision"
-# Envoy adds this response header (route `response_headers_to_add: %UPSTREAM_HOST%`) so
-# the outcome is charged to the host that really answered after retries.
-UPSTREAM_HEADER = "x-llmgw-upstream"
+from llmgw.errors import LlmgwError
+from llmgw.gateway import Gateway
+from llmgw.lifecycle import (
+    DECISION_HEADER,
+    DESTINATION_HEADER,
+    METADATA_NAMESPACE,
+    NO_HOOKS,
+    UPSTREAM_HEADER,
+    AwaitActivation,
+    Hooks,
+    Lifecycle,
+    debug_summary,
+)
+from llmgw.request import needs_body
+from llmgw.types import Decision, Endpoint
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -168,12 +163,11 @@ def _build_route_response(destinations: tuple[str, ...], *, after_body: bool) ->
     return _serialize(message)
 
 
-def debug_response_headers(decision: Decision | None) -> bytes:
+def debug_response_headers(decision: Decision | None, endpoint: Endpoint | None = None) -> bytes:
     """Answer to response headers that shows the client why (`debug_headers: true`)."""
-    mutation = HeaderMutation()
+    mutation = HeaderMutation(remove_headers=[UPSTREAM_HEADER])
     if decision is not None:
-        summary = f"endpoint={decision.endpoint.address} {decision.describe()}"
-        mutation.set_headers.append(_set(DECISION_HEADER, summary))
+        mutation.set_headers.append(_set(DECISION_HEADER, debug_summary(decision, endpoint)))
     return _serialize(
         ProcessingResponse(
             response_headers=HeadersResponse(response=CommonResponse(header_mutation=mutation))
@@ -196,75 +190,30 @@ def immediate_response(error: LlmgwError) -> bytes:
     )
 
 
-# Returned by `Exchange.handle` when an on-demand model must be started first: the server
-# awaits `Exchange.activate()` for the real answer (the waiting is I/O; it lives there).
-AWAIT_ACTIVATION = b""
-
-
-class InternalError(LlmgwError):
-    """A bug in the router: answered as 500 rather than a broken gRPC stream."""
-
-
-@dataclass(slots=True)
-class Hooks:
-    """What an Exchange reports to the server (metrics, logs); all optional."""
-
-    decision: Callable[[Decision, str], object] | None = None
-    error: Callable[[LlmgwError], None] | None = None
-    outcome: Callable[[str, str, Outcome], None] | None = None
-    stage: Callable[[str, float], None] | None = None
-
-
-_NO_HOOKS = Hooks()
-
-
 class Exchange:
     """The protocol state of one ext_proc stream (one HTTP request). Not thread-safe.
 
-    `handle(message) -> bytes` answers every message; `close()` must be called when the
-    stream ends for any reason, and releases the lease if the response did not end it.
+    `handle(message)` answers every message with bytes, or with `AwaitActivation` when an
+    on-demand model must start first: the server awaits `llmgw.runtime.driver.activate`
+    and sends `answer(result)`. `close()` must be called when the stream ends for any
+    reason; it releases the lease if the response did not end it.
     """
 
-    __slots__ = (
-        "_acquire",
-        "_body",
-        "_headers",
-        "_outcome",
-        "_path",
-        "_started",
-        "config",
-        "decision",
-        "hooks",
-        "lease",
-        "pending",
-        "router",
-        "scheduler",
-        "status",
-    )
+    __slots__ = ("_after_body", "_body", "_headers", "_path", "lifecycle", "status")
 
-    def __init__(
-        self, scheduler: Scheduler, hooks: Hooks = _NO_HOOKS, router: Router | None = None
-    ) -> None:
-        self.scheduler = scheduler
-        self.router = router
-        self.config: Config = scheduler.config
-        self.hooks = hooks
-        # With a Router, leases also keep on-demand models alive until the response ends.
-        self._acquire: Callable[..., Lease | RouterLease] = (
-            router.acquire if router is not None else scheduler.acquire
-        )
-        self.decision: Decision | None = None
-        self.lease: Lease | RouterLease | None = None
-        # (request, after_body) of a request waiting for its on-demand model to start.
-        self.pending: tuple[RequestInfo, bool] | None = None
+    def __init__(self, gateway: Gateway, hooks: Hooks = NO_HOOKS) -> None:
+        self.lifecycle = Lifecycle(gateway, hooks)
         self.status: int | None = None
-        self._outcome: Outcome | None = None
-        self._headers: Mapping[str, str] = {}
+        self._headers: dict[str, str] = {}
         self._path = "/"
         self._body: list[bytes] = []
-        self._started = 0.0
+        self._after_body = False
 
-    def handle(self, message: ProcessingRequest) -> bytes:
+    @property
+    def decision(self) -> Decision | None:
+        return self.lifecycle.decision
+
+    def handle(self, message: ProcessingRequest) -> bytes | AwaitActivation:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             return self._request_headers(message.request_headers)
@@ -273,10 +222,12 @@ class Exchange:
             self._body.append(body.body)
             if not body.end_of_stream:
                 return CONTINUE_REQUEST_BODY
-            return self._decide(b"".join(self._body), after_body=True)
+            self._after_body = True
+            return self._route(b"".join(self._body))
         if kind == "response_headers":
             return self._response_headers(message.response_headers)
         if kind == "response_body":
+            self.lifecycle.first_byte()
             if message.response_body.end_of_stream:
                 self.close()
             return CONTINUE_RESPONSE_BODY
@@ -287,105 +238,44 @@ class Exchange:
             return CONTINUE_REQUEST_TRAILERS
         return CONTINUE_REQUEST_HEADERS  # unknown: never reached with a v3 Envoy
 
-    def _request_headers(self, headers: HttpHeaders) -> bytes:
-        self._started = time.perf_counter()
+    def _request_headers(self, headers: HttpHeaders) -> bytes | AwaitActivation:
         self._headers = header_map(headers)
         self._path = self._headers.get(":path", "/")
-        if needs_body(self.config, self._headers, self._path):
+        if needs_body(self.lifecycle.config, self._headers, self._path):
             if not headers.end_of_stream:
                 return ASK_FOR_BODY
-            return self._decide(b"", after_body=False)
-        return self._decide(None, after_body=False)
+            return self._route(b"")
+        return self._route(None)
 
-    def _decide(self, body: bytes | None, *, after_body: bool) -> bytes:
-        hooks = self.hooks
-        t0 = time.perf_counter()
-        try:
-            request = build_request(self.config, self._headers, self._path, body)
-            t1 = time.perf_counter()
-            decision = self.scheduler.pick(request)
-            self.lease = self._acquire(decision)
-        except ModelNotReady as exc:
-            activator = self.router.activator if self.router is not None else None
-            if activator is None or not activator.manages(request.model):
-                return self._error(exc)
-            self.pending = (request, after_body)
-            return AWAIT_ACTIVATION
-        except LlmgwError as exc:
-            if hooks.error is not None:
-                hooks.error(exc)
-            return immediate_response(exc)
-        except Exception as exc:  # a router bug must not break the client's request
-            error = InternalError(f"router error: {type(exc).__name__}: {exc}")
-            if hooks.error is not None:
-                hooks.error(error)
-            return immediate_response(error)
-        self.decision = decision
-        t2 = time.perf_counter()
-        if hooks.stage is not None:
-            hooks.stage("parse", t1 - t0)
-            hooks.stage("schedule", t2 - t1)
-            hooks.stage("total", t2 - self._started)
-        if hooks.decision is not None:
-            hooks.decision(decision, request.request_id)
-        return route_response(decision, after_body=after_body)
+    def _route(self, body: bytes | None) -> bytes | AwaitActivation:
+        result = self.lifecycle.route(self._headers, self._path, body)
+        if isinstance(result, AwaitActivation):
+            return result
+        return self.answer(result)
 
-    def _error(self, exc: LlmgwError) -> bytes:
-        if self.hooks.error is not None:
-            self.hooks.error(exc)
-        return immediate_response(exc)
-
-    async def activate(self) -> bytes:
-        """Wait (bounded) for the pending request's on-demand model, then answer it."""
-        assert self.pending is not None and self.router is not None
-        request, after_body = self.pending
-        self.pending = None
-        try:
-            decision = await self.router.decide(request)
-            self.lease = self._acquire(decision)
-        except LlmgwError as exc:
-            return self._error(exc)
-        self.decision = decision
-        if self.hooks.decision is not None:
-            self.hooks.decision(decision, request.request_id)
-        return route_response(decision, after_body=after_body)
+    def answer(self, result: Decision | LlmgwError) -> bytes:
+        """The routing answer (after headers or body), or the error as a local reply."""
+        if isinstance(result, LlmgwError):
+            return immediate_response(result)
+        return route_response(result, after_body=self._after_body)
 
     def _response_headers(self, headers: HttpHeaders) -> bytes:
+        lifecycle = self.lifecycle
         status, upstream = response_status(headers)
         self.status = status
-        self._outcome = outcome_for_status(status)
-        if upstream and self.decision is not None and self.lease is not None:
-            self._follow_fallback(self.decision, upstream)
+        lifecycle.response(status)
+        if upstream:
+            lifecycle.answered_by(upstream)
+        # Not the first token: engines (vLLM) send the head before prefill ends. Only a
+        # response body message (when Envoy is set to send bodies) marks the first byte.
         if headers.end_of_stream:
             self.close()
-        if self.config.debug_headers:
-            return debug_response_headers(self.decision)
+        if lifecycle.config.debug_headers:
+            return debug_response_headers(lifecycle.decision, lifecycle.endpoint)
         if upstream is not None:
             return STRIP_UPSTREAM_HEADER
         return CONTINUE_RESPONSE_HEADERS
 
-    def _follow_fallback(self, decision: Decision, upstream: str) -> None:
-        """Envoy retried on a fallback: the primary rejected it; count the fallback instead."""
-        lease = self.lease
-        if lease is None or upstream == lease.endpoint_id:
-            return
-        target: Endpoint | None = next(
-            (e for e in decision.fallbacks if e.address == upstream), None
-        )
-        if target is None:
-            return
-        self._finish(lease, Outcome.FAILURE)
-        self.lease = self._acquire(decision, target)
-
-    def _finish(self, lease: Lease | RouterLease, outcome: Outcome) -> None:
-        if lease.done:
-            return
-        lease.finish(outcome)
-        if self.hooks.outcome is not None:
-            self.hooks.outcome(lease.model, lease.endpoint_id, outcome)
-
     def close(self) -> None:
         """Release the lease: the response's outcome if seen, else the client went away."""
-        lease = self.lease
-        if lease is not None and not lease.done:
-            self._finish(lease, self._outcome or Outcome.CANCELLED)
+        self.lifecycle.finish()

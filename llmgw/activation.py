@@ -14,7 +14,7 @@ import enum
 import math
 from dataclasses import dataclass
 
-from llmgw.errors import LlmgwError, ModelLoading, NoCapacity
+from llmgw.errors import LlmgwError, ModelFailed, ModelLoading, NoCapacity
 
 
 class ActivationState(enum.StrEnum):
@@ -58,20 +58,13 @@ TRANSITIONS: dict[tuple[ActivationState, ActivationEvent], tuple[ActivationState
 }
 
 
-class ModelFailed(LlmgwError):
-    """The last start of an on-demand model failed; the reason is in the message."""
-
-    status = 503
-    code = "model_start_failed"
-    type = "service_unavailable"
-
-
 @dataclass(frozen=True, slots=True)
 class ActivationSettings:
     idle_timeout: float = 600.0
     expected_start_seconds: float = 30.0
     max_waiting_requests: int = 256
     failure_backoff: float = 10.0
+    always_on: bool = False  # min > 0: never idle-stopped, restarted after a failure's backoff
 
 
 class ModelActivation:
@@ -158,7 +151,13 @@ class ModelActivation:
         self._fire(ActivationEvent.CRASHED, now)
 
     def tick(self, now: float) -> Action:
-        """Called periodically: STOP once idle for idle_timeout (never with a request in flight)."""
+        """Called periodically: STOP once idle for idle_timeout (never with a request in
+        flight); an always-on model is never stopped, and is STARTed again when it is off or
+        failed and the backoff is over."""
+        if self.settings.always_on:
+            if self.state in (ActivationState.OFF, ActivationState.FAILED):
+                return self.request(now)
+            return Action.NONE
         if (
             self.state is ActivationState.IDLE
             and self.in_use == 0
@@ -169,6 +168,10 @@ class ModelActivation:
         return Action.NONE
 
     # -- answers for waiters -------------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        return self.state is ActivationState.FAILED
+
     @property
     def running(self) -> bool:
         return self.state in (ActivationState.READY, ActivationState.IDLE)

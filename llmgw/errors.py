@@ -93,6 +93,38 @@ class ModelNotReady(LlmgwError):
     type = "service_unavailable"
 
 
+class ModelFailed(LlmgwError):
+    """The last start of an on-demand model failed; the reason is in the message."""
+
+    status = 503
+    code = "model_start_failed"
+    type = "service_unavailable"
+
+
+class InternalError(LlmgwError):
+    """A bug in the router: answered as 500 rather than a broken request."""
+
+
+class UpstreamUnreachable(LlmgwError):
+    """No endpoint of the Decision could be reached (connect error, reset, timeout)."""
+
+    status = 502
+    code = "upstream_unreachable"
+    type = "server_error"
+
+
+class RouteNotFound(LlmgwError):
+    status = 404
+    code = "route_not_found"
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(LlmgwError):
+    status = 405
+    code = "method_not_allowed"
+    type = "invalid_request_error"
+
+
 class ConfigError(ValueError):
     """Invalid configuration; `problems` are `path: message` lines, e.g.
     `models.chat.scaling.max: must be >= min (1)`."""

@@ -7,7 +7,6 @@ in, the scheduler reads. Time comes from an injected clock.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 from llmgw.breaker import Breaker, BreakerSettings, BreakerState
@@ -16,15 +15,11 @@ from llmgw.types import Endpoint, EngineMetrics, Outcome
 
 Clock = Callable[[], float]
 
-_DRAIN_WINDOW = 10.0  # seconds of local completions kept for the drain rate
-_DRAIN_SAMPLES = 4096
-
 
 class EndpointState:
     """Mutable live state of one endpoint (owned by the Registry)."""
 
     __slots__ = (
-        "_completions",
         "_prev_finished",
         "breaker",
         "busy_until",
@@ -52,7 +47,6 @@ class EndpointState:
         self.scrape_error: str | None = None
         self.serves_model: bool | None = None  # None: not known yet
         self.breaker = Breaker(breaker)
-        self._completions: deque[float] = deque(maxlen=_DRAIN_SAMPLES)
         self._prev_finished: tuple[float, float] | None = None
         self.counter_drain_rate: float | None = None
         self.calibration = Calibration()
@@ -64,15 +58,6 @@ class EndpointState:
         """The last scrape if it is recent enough to trust and no scrape failed since, else None
         (the rule lives in `fresh_metrics_of`, which the scheduler uses for many at once)."""
         return fresh_metrics_of((self,), now, staleness)[self]
-
-    def drain_rate(self, now: float) -> float:
-        """Requests finished per second: from the engine's counter when it has one,
-        else from completions seen locally in the last few seconds."""
-        if self.counter_drain_rate is not None:
-            return self.counter_drain_rate
-        while self._completions and now - self._completions[0] > _DRAIN_WINDOW:
-            self._completions.popleft()
-        return len(self._completions) / _DRAIN_WINDOW
 
 
 def fresh_metrics_of(
@@ -140,10 +125,6 @@ class Registry:
         for states in self._by_model.values():
             yield from states
 
-    def states_at(self, address: str) -> list[EndpointState]:
-        """Every model's state for one server address (one scrape feeds them all)."""
-        return [s for s in self.all_states() if s.id == address]
-
     # -- dispatch accounting -------------------------------------------------------------
     def acquire(self, model: str, endpoint_id: str) -> bool:
         """Count a request sent to the endpoint; returns True if it is a half-open probe."""
@@ -174,7 +155,6 @@ class Registry:
             return
         if started is not None and outcome is Outcome.SUCCESS:
             state.calibration.on_release(now - started)
-        state._completions.append(now)
         state.breaker.record(outcome is Outcome.SUCCESS, now, probe=probe)
 
     def first_token(self, model: str, endpoint_id: str, ready_at: float) -> None:

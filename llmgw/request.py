@@ -6,6 +6,7 @@ errors and therefore the same Decision, whether it came through Envoy or ASGI.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -133,6 +134,16 @@ def session_key(config: Config, headers: Mapping[str, str], model: str) -> str |
     return None
 
 
+# Ids for requests that come without `x-request-id` (both edges): a random per-process
+# prefix and a counter, 32 hex digits like `uuid4().hex` (which costs a getrandom call each).
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_id_counter = itertools.count()
+
+
+def next_request_id() -> str:
+    return f"{_ID_PREFIX}{next(_id_counter) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
 def build_request(
     config: Config,
     headers: Mapping[str, str],
@@ -154,7 +165,7 @@ def build_request(
         raise BadRequest(
             f"cannot tell the model: send a JSON body with 'model' or a {config.model_header} header"
         )
-    rid = request_id or headers.get("x-request-id") or uuid.uuid4().hex
+    rid = request_id or headers.get("x-request-id") or next_request_id()
     return RequestInfo(
         model=model,
         request_id=rid,

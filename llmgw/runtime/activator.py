@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from llmgw.activation import Action, ActivationSettings, ModelActivation
 from llmgw.config import Config, ModelMode, model_mode
+from llmgw.gateway import ConfigSource, config_source
 from llmgw.registry import Registry
 from llmgw.runtime.controlplanes import ControlPlane, StartError
 
@@ -19,20 +20,21 @@ log = logging.getLogger("llmgw.activator")
 class Activator:
     def __init__(
         self,
-        config: Config,
+        config: Config | ConfigSource,
         registry: Registry,
         control_plane: ControlPlane,
         *,
         clock: Callable[[], float] = time.monotonic,
         failure_backoff: float = 10.0,
     ) -> None:
-        self.config = config
+        self._config = config_source(config)
         self.registry = registry
         self.control_plane = control_plane
         self.clock = clock
         self.machines: dict[str, ModelActivation] = {}
-        for name, spec in config.models.items():
-            if model_mode(spec) in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
+        for name, spec in self.config.models.items():
+            mode = model_mode(spec)
+            if mode in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
                 assert spec.scaling is not None and spec.launch is not None
                 self.machines[name] = ModelActivation(
                     name,
@@ -41,23 +43,26 @@ class Activator:
                         expected_start_seconds=spec.launch.expected_start_seconds,
                         max_waiting_requests=spec.scaling.max_waiting_requests,
                         failure_backoff=failure_backoff,
+                        always_on=mode is ModelMode.ALWAYS_ON,
                     ),
                 )
         self._ready: dict[str, asyncio.Event] = {m: asyncio.Event() for m in self.machines}
         self._starts: dict[str, asyncio.Task[None]] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
-        self._always_on = {
-            name for name, spec in config.models.items() if model_mode(spec) is ModelMode.ALWAYS_ON
-        }
         control_plane.on_crash(self._on_crash)
+
+    @property
+    def config(self) -> Config:
+        """The current config snapshot (timeouts are read per wait, so a reload applies)."""
+        return self._config.config
 
     def manages(self, model: str) -> bool:
         return model in self.machines
 
     async def start(self, tick: float = 0.5) -> None:
-        for name, spec in self.config.models.items():
-            if model_mode(spec) is ModelMode.ALWAYS_ON:
+        for name, machine in self.machines.items():
+            if machine.settings.always_on:
                 self._request(name)
         if self._ticker is None:
             self._ticker = asyncio.create_task(self._tick_loop(tick), name="activator tick")
@@ -75,12 +80,14 @@ class Activator:
         await self.control_plane.close()
 
     def _request(self, model: str) -> None:
-        machine = self.machines[model]
-        if machine.request(self.clock()) is Action.START:
-            # The start belongs to the activator, not to any waiter: a waiter giving up
-            # (timeout, client gone) must not cancel it.
-            self._ready[model].clear()
-            self._starts[model] = asyncio.create_task(self._start(model), name=f"start {model}")
+        if self.machines[model].request(self.clock()) is Action.START:
+            self._launch(model)
+
+    def _launch(self, model: str) -> None:
+        # The start belongs to the activator, not to any waiter: a waiter giving up
+        # (timeout, client gone) must not cancel it.
+        self._ready[model].clear()
+        self._starts[model] = asyncio.create_task(self._start(model), name=f"start {model}")
 
     async def _start(self, model: str) -> None:
         machine = self.machines[model]
@@ -115,7 +122,7 @@ class Activator:
             deadline = self.clock() + self.config.activation_timeout
             poll = self.config.activation_poll_interval
             while not (machine.running and self.registry.states(model)):
-                if machine.state.value == "failed":
+                if machine.failed:
                     raise machine.not_ready_error(self.clock())
                 remaining = deadline - self.clock()
                 if remaining <= 0:
@@ -158,12 +165,10 @@ class Activator:
 
     async def tick(self) -> None:
         for model, machine in self.machines.items():
-            if model in self._always_on:
-                # min > 0: never stopped for idleness; restarted after a crash's backoff.
-                if machine.state.value in ("off", "failed") and machine.backoff_over(self.clock()):
-                    self._request(model)
-                continue
-            if machine.tick(self.clock()) is Action.STOP:
+            action = machine.tick(self.clock())
+            if action is Action.START:
+                self._launch(model)
+            elif action is Action.STOP:
                 log.info("model %s idle for %.0fs: stopping", model, machine.settings.idle_timeout)
                 self.registry.set_endpoints(model, [])
                 await self.control_plane.stop(model)

@@ -1,14 +1,15 @@
-"""The runtime facade both edges use: scheduler + scraper + activator behind one object.
+"""The runtime facade both edges use: gateway + scraper + activator behind one object.
 
 router = Router(config)            # builds Scheduler, Registry, Scraper, Activator
+router = Router.bare(scheduler)    # a given Scheduler as is: no scraping, no activation
 await router.start()
-decision = await router.decide(request)   # waits for on-demand models, bounded
-lease = router.acquire(decision)          # inflight + keep-alive of on-demand models
-...; lease.finish(Outcome.SUCCESS)
+lifecycle = Lifecycle(router.gateway, hooks)   # what the edges drive per request
 await router.stop()
 
-router.reload(new_config)          # SIGHUP / file change: swap config, keep live state
+router.reload(new_config)          # SIGHUP / file change: one snapshot swap, live state kept
 watcher = ConfigWatcher(path, router.reload)   # `await watcher.run()`: mtime poll
+
+`decide` / `acquire` serve code that drives the scheduler itself (tools, tests).
 """
 
 from __future__ import annotations
@@ -19,17 +20,18 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from llmgw.config import Config, ModelMode, ModelSpec, endpoints_of, load_file, model_mode
+from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError, ModelNotReady
+from llmgw.gateway import Gateway
+from llmgw.registry import Registry
 from llmgw.runtime.activator import Activator
 from llmgw.runtime.controlplanes import ControlPlane
 from llmgw.runtime.controlplanes.composite import control_plane_for
 from llmgw.runtime.scraper import Scraper
-from llmgw.scheduling.scheduler import Lease, ModelRouter, Scheduler
+from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
 
 log = logging.getLogger("llmgw.reload")
-_LAUNCHED = (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON)
 
 
 class RouterLease:
@@ -71,16 +73,33 @@ class Router:
         control_plane: ControlPlane | None = None,
         scrape: bool = True,
         seed: int | None = None,
+        scheduler: Scheduler | None = None,
     ) -> None:
-        self.config = config
-        self.scheduler = Scheduler(config, seed=seed)
-        self.registry = self.scheduler.registry
-        self.scraper = Scraper(config, self.registry) if scrape else None
-        if control_plane is None:
+        self.gateway = Gateway(scheduler or Scheduler(config, seed=seed))
+        self.registry: Registry = self.gateway.scheduler.registry
+        self.scraper = Scraper(self.gateway, self.registry) if scrape else None
+        if control_plane is None and scheduler is None:
             control_plane = control_plane_for(config)  # local processes and/or Kubernetes
         self.activator = (
-            Activator(config, self.registry, control_plane) if control_plane is not None else None
+            Activator(self.gateway, self.registry, control_plane)
+            if control_plane is not None
+            else None
         )
+        self.gateway.activation = self.activator
+
+    @classmethod
+    def bare(cls, scheduler: Scheduler) -> Router:
+        """`scheduler` used as is (its registry, breakers, ring, seed): nothing scraped or
+        started (tests, parity, an app that scrapes itself)."""
+        return cls(scheduler.config, scrape=False, scheduler=scheduler)
+
+    @property
+    def config(self) -> Config:
+        return self.gateway.config
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.gateway.scheduler
 
     async def start(self) -> None:
         if self.scraper is not None:
@@ -95,71 +114,46 @@ class Router:
             await self.activator.stop()
 
     async def decide(self, request: RequestInfo) -> Decision:
+        scheduler = self.scheduler
         try:
-            return self.scheduler.pick(request)
+            return scheduler.pick(request)
         except ModelNotReady:
             if self.activator is None or not self.activator.manages(request.model):
                 raise
         await self.activator.ensure_ready(request.model)
-        return self.scheduler.pick(request)
+        return scheduler.pick(request)
 
     def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> RouterLease:
-        activator = (
-            self.activator if self.activator and self.activator.manages(decision.model) else None
-        )
+        activator = self.activator if self.gateway.manages(decision.model) else None
         return RouterLease(self.scheduler.acquire(decision, endpoint), activator)
 
     def models_status(self) -> dict[str, dict[str, object]]:
         return self.activator.status() if self.activator is not None else {}
 
     def reload(self, config: Config) -> None:
-        """Swap in `config` between two requests (everything here runs on the event loop).
-
-        Per-model routers are rebuilt only for models whose spec changed (an unchanged
-        model keeps its ring and prefix index); endpoint sets are replaced through
-        `Registry.set_endpoints`, so endpoints that stay keep inflight counts, breakers and
-        metrics; the scraper follows the new targets. Requests already routed finish on
-        the endpoint they were given. Changing an on-demand model's launch or scaling needs
-        a restart: such a config is rejected (ConfigError) and nothing changes.
-        """
-        problems = _restart_only_changes(self.config, config)
-        if problems:
-            raise ConfigError(problems, "reloaded config")
-        scheduler, registry = self.scheduler, self.registry
-        routers: dict[str, ModelRouter] = {}
-        for name, spec in config.models.items():
-            old = scheduler.routers.get(name)
-            routers[name] = old if old is not None and old.spec == spec else ModelRouter(name, spec)
-        registry.configure(breaker=config.breaker.settings(), staleness=config.scrape.staleness)
-        for name in set(self.config.models) | set(config.models):
-            if self.activator is not None and self.activator.manages(name):
-                continue  # its endpoints are the control plane's
-            new_spec = config.models.get(name)
-            if new_spec is not None and routers[name].mode is not ModelMode.OFF:
-                registry.set_endpoints(name, endpoints_of(name, new_spec))
-            elif registry.states(name):
-                registry.set_endpoints(name, [])
-        scheduler.routers = routers
-        scheduler.config = config
+        """Swap in `config` between two requests (see `Gateway.reload`; raises ConfigError);
+        the scraper follows the new targets."""
+        self.gateway.reload(config)
         if self.scraper is not None:
-            self.scraper.reconfigure(config)
-        if self.activator is not None:
-            self.activator.config = config
-        self.config = config
+            self.scraper.resync()
 
 
-def _launch_settings(spec: ModelSpec | None) -> object:
-    if spec is None or model_mode(spec) not in _LAUNCHED:
-        return None
-    return (model_mode(spec), spec.launch, spec.scaling)
-
-
-def _restart_only_changes(old: Config, new: Config) -> list[str]:
-    return [
-        f"models.{name}: launch and scaling of an on-demand model change only on restart"
-        for name in sorted(set(old.models) | set(new.models))
-        if _launch_settings(old.models.get(name)) != _launch_settings(new.models.get(name))
-    ]
+def router_for(
+    config: Config,
+    *,
+    scheduler: Scheduler | None = None,
+    router: Router | None = None,
+    scrape: bool = True,
+) -> Router:
+    """The one rule both edges follow: a given Router; else a given Scheduler used bare
+    (no scraping, no activation); else a Router of its own built from `config`."""
+    if scheduler is not None and router is not None:
+        raise ValueError("pass a scheduler or a router, not both")
+    if router is not None:
+        return router
+    if scheduler is not None:
+        return Router.bare(scheduler)
+    return Router(config, scrape=scrape)
 
 
 class ConfigWatcher:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from llmgw.config import Config
 from llmgw.errors import MetricsError
+from llmgw.gateway import ConfigSource, config_source
 from llmgw.promtext import CONTRACTS, MetricContract, extract
 from llmgw.registry import Registry
 from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
@@ -37,14 +38,15 @@ def split_address(address: str) -> tuple[str, int]:
 
 class Scraper:
     def __init__(
-        self, config: Config, registry: Registry, *, metrics_path: str = "/metrics"
+        self,
+        config: Config | ConfigSource,
+        registry: Registry,
+        *,
+        metrics_path: str = "/metrics",
     ) -> None:
-        self.config = config
+        self._config = config_source(config)
         self.registry = registry
         self.metrics_path = metrics_path
-        self.interval = config.scrape.interval
-        self.timeout = config.scrape.timeout
-        self.jitter = config.scrape.jitter
         self.errors: Counter[str] = Counter()  # address -> failed scrapes
         self.scrapes: Counter[str] = Counter()  # address -> successful scrapes
         self._getters: dict[str, KeepAliveGetter] = {}
@@ -53,12 +55,25 @@ class Scraper:
         self._seen_version = -1
         self._rng = random.Random()
 
-    def reconfigure(self, config: Config) -> None:
-        """A reloaded config: new timings and contracts; loops follow the new targets."""
-        self.config = config
-        self.interval = config.scrape.interval
-        self.timeout = config.scrape.timeout
-        self.jitter = config.scrape.jitter
+    @property
+    def config(self) -> Config:
+        """The current config snapshot: timings and contracts are read from it each time."""
+        return self._config.config
+
+    @property
+    def interval(self) -> float:
+        return self.config.scrape.interval
+
+    @property
+    def timeout(self) -> float:
+        return self.config.scrape.timeout
+
+    @property
+    def jitter(self) -> float:
+        return self.config.scrape.jitter
+
+    def resync(self) -> None:
+        """After a reload: loops follow the new targets."""
         if self._supervisor is not None:
             self._seen_version = self.registry.version
             self._sync()

@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from llmgw.breaker import BreakerState
 from llmgw.errors import LlmgwError
+from llmgw.lifecycle import Hooks
 from llmgw.registry import Registry
 from llmgw.types import Decision, Outcome
 
@@ -196,6 +197,16 @@ class Telemetry:
 
     def error(self, error: LlmgwError) -> None:
         self._errors.labels(error.code, str(error.status)).inc()
+
+    def hooks(self, edge: str) -> Hooks:
+        """What a request's Lifecycle reports here; `edge` names it in decision logs."""
+        return Hooks(
+            edge,
+            decision=lambda decision, _request_id: self.decision(decision),
+            error=self.error,
+            outcome=self.outcome,
+            stage=self.stage,
+        )
 
     def stage(self, stage: str, seconds: float) -> None:
         """Observe one stage duration; `stage` is one of STAGES."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import repeat
 from operator import add, mul
@@ -117,7 +118,8 @@ class ModelRouter:
 
 @dataclass(slots=True)
 class Lease:
-    """One dispatched request: `finish` releases the inflight slot and feeds the breaker."""
+    """One dispatched request: `finish` releases the inflight slot and feeds the breaker;
+    `first_token` marks the first response byte (once; calls `on_first_token` if set)."""
 
     registry: Registry
     model: str
@@ -127,6 +129,7 @@ class Lease:
     ready_at: float | None = None
     done: bool = False
     first_token_seen: bool = False
+    on_first_token: Callable[[], None] | None = None
 
     def first_token(self) -> None:
         """The first response body byte arrived (the engine finished this prefill)."""
@@ -135,6 +138,8 @@ class Lease:
         self.first_token_seen = True
         if self.ready_at is not None:
             self.registry.first_token(self.model, self.endpoint_id, self.ready_at)
+        if self.on_first_token is not None:
+            self.on_first_token()
 
     def finish(self, outcome: Outcome) -> None:
         if self.done:

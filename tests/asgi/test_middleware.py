@@ -289,7 +289,6 @@ async def test_client_disconnect_releases_as_cancelled(
     assert inflight(scheduler) == 0
     state = scheduler.registry.get(MODEL, seen[0].endpoint.address)
     assert state is not None and state.breaker.state is BreakerState.CLOSED
-    assert state.drain_rate(scheduler.registry.clock()) == 0  # cancelled is not a completion
 
 
 async def _until(predicate: Any) -> None:

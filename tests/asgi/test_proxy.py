@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import openai
@@ -13,8 +14,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi import Request as FastAPIRequest
 
+from asgi.app import ProxyApp
 from asgi.middleware import SchedulerMiddleware
-from asgi.proxy import ProxyApp
 from asgi.testing import (
     DEADLINE,
     MODEL,
@@ -31,7 +32,7 @@ from asgi.testing import (
 )
 from llmgw.config import Config
 from llmgw.request import build_request
-from llmgw.scheduling.scheduler import Scheduler
+from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.sim import SimFleet
 
 CHAT = "/v1/chat/completions"
@@ -115,6 +116,75 @@ async def test_sse_is_relayed_chunk_by_chunk_not_buffered() -> None:
     finally:
         await upstream.stop()
     assert inflight(app) == 0
+
+
+async def test_internal_headers_are_not_forwarded_upstream() -> None:
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(json_response(200, b"{}"))
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([upstream.address]))
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            reply = await client.post(
+                CHAT,
+                content=BODY,
+                headers={
+                    "x-gateway-destination-endpoint": "10.9.9.9:1",
+                    "x-llmgw-decision": "forged",
+                    "x-llmgw-upstream": "10.9.9.9:1",
+                    "x-session-id": "s1",
+                },
+            )
+            assert reply.status_code == 200
+    finally:
+        await upstream.stop()
+    sent = upstream.requests[0].headers
+    assert sent["x-session-id"] == "s1"  # ordinary headers pass
+    for name in ("x-gateway-destination-endpoint", "x-llmgw-decision", "x-llmgw-upstream"):
+        assert name not in sent, f"{name} leaked upstream"
+
+
+async def test_first_upstream_chunk_marks_the_first_token_once() -> None:
+    release = asyncio.Event()
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: first\n\n"))
+        await writer.drain()
+        await asyncio.wait_for(release.wait(), DEADLINE)
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([upstream.address]))
+    marks: list[str] = []
+    acquire = app.router.scheduler.acquire
+
+    def acquire_with_hook(*args: Any) -> Lease:
+        lease = acquire(*args)
+        lease.on_first_token = lambda: marks.append(lease.endpoint_id)
+        return lease
+
+    app.router.scheduler.acquire = acquire_with_hook  # type: ignore[method-assign, assignment]
+    try:
+        async with (
+            serve(app) as base,
+            httpx.AsyncClient(base_url=base) as client,
+            client.stream("POST", CHAT, content=BODY) as reply,
+        ):
+            pieces = reply.aiter_raw()
+            assert await asyncio.wait_for(anext(pieces), DEADLINE) == b"data: first\n\n"
+            assert marks == [upstream.address]  # before the stream ended
+            release.set()
+            assert b"".join([p async for p in pieces]) == b"data: [DONE]\n\n"
+    finally:
+        await upstream.stop()
+    assert marks == [upstream.address]
 
 
 async def test_429_falls_back_to_the_next_replica(fleet: SimFleet) -> None:

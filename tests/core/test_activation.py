@@ -9,9 +9,8 @@ from llmgw.activation import (
     ActivationSettings,
     ActivationState,
     ModelActivation,
-    ModelFailed,
 )
-from llmgw.errors import ModelLoading, NoCapacity
+from llmgw.errors import ModelFailed, ModelLoading, NoCapacity
 
 S = ActivationState
 
@@ -110,3 +109,14 @@ def test_waiters_are_capped() -> None:
     assert info.value.status == 429
     m.end_wait()
     m.begin_wait()
+
+
+def test_always_on_model_is_never_idle_stopped_and_restarts_after_backoff() -> None:
+    m = ModelActivation("m", ActivationSettings(idle_timeout=1, failure_backoff=5, always_on=True))
+    assert m.tick(0.0) is Action.START  # off: started by the tick, not by a request
+    m.started(1.0)
+    assert m.tick(1000.0) is Action.NONE  # idle far past idle_timeout: kept
+    m.crashed("oom", 1000.0)
+    assert m.failed
+    assert m.tick(1002.0) is Action.NONE  # backoff still running
+    assert m.tick(1005.0) is Action.START and m.state is ActivationState.STARTING

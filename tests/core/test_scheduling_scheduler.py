@@ -219,6 +219,18 @@ def test_lease_counts_inflight_and_finishes_once() -> None:
     assert fallback.endpoint_id == d.fallbacks[0].id
 
 
+def test_lease_first_token_calls_its_hook_once() -> None:
+    sched, _, _ = scheduler()
+    lease = sched.acquire(sched.pick(req()))
+    lease.first_token()  # no hook: only marks it
+    calls: list[str] = []
+    lease = sched.acquire(sched.pick(req()))
+    lease.on_first_token = lambda: calls.append(lease.endpoint_id)
+    lease.first_token()
+    lease.first_token()
+    assert calls == [lease.endpoint_id] and lease.first_token_seen
+
+
 def test_lease_on_a_half_open_endpoint_is_a_probe() -> None:
     sched, reg, clock = scheduler({"chat": static_model(1)})
     trip(reg, "chat", ADDRS[0])

@@ -18,7 +18,7 @@ import httpx
 import orjson
 import pytest
 
-from asgi.proxy import ProxyApp
+from asgi.app import ProxyApp
 from asgi.testing import serve
 from extproc.envoyconfig import build
 from extproc.testing import EnvoyProcess, ExtProcThread, free_port

@@ -17,9 +17,11 @@ from extproc.testing import (
     response_trailers,
     set_headers,
 )
-from extproc.translate import Exchange, Hooks
+from extproc.translate import Exchange
 from llmgw.breaker import BreakerState
 from llmgw.errors import LlmgwError
+from llmgw.gateway import Gateway
+from llmgw.lifecycle import Hooks
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Outcome
@@ -36,7 +38,7 @@ def inflight(scheduler: Scheduler) -> dict[str, int]:
 def test_headers_only_decision_sets_header_metadata_and_clears_route_cache() -> None:
     scheduler = Scheduler(make_config())
     answer = parse(
-        Exchange(scheduler).handle(
+        Exchange(Gateway(scheduler)).handle(
             request_headers(chat_headers(**{"x-llmgw-model": "m1", "x-session-id": "s1"}))
         )
     )
@@ -54,7 +56,7 @@ def test_headers_only_decision_sets_header_metadata_and_clears_route_cache() -> 
 def test_reads_raw_value_and_legacy_value_headers(raw: bool) -> None:
     scheduler = Scheduler(make_config())
     headers = chat_headers(**{"x-llmgw-model": "m1", "x-session-id": "s1"})
-    answer = parse(Exchange(scheduler).handle(request_headers(headers, raw=raw)))
+    answer = parse(Exchange(Gateway(scheduler)).handle(request_headers(headers, raw=raw)))
     assert answer.request_headers.response.clear_route_cache
 
 
@@ -63,7 +65,7 @@ def test_same_session_gets_same_primary_and_no_session_spreads() -> None:
 
     def primary(**extra: str) -> str:
         answer = parse(
-            Exchange(scheduler).handle(
+            Exchange(Gateway(scheduler)).handle(
                 request_headers(chat_headers(**{"x-llmgw-model": "m1"}, **extra))
             )
         )
@@ -76,7 +78,7 @@ def test_same_session_gets_same_primary_and_no_session_spreads() -> None:
 
 def test_body_needed_asks_for_buffered_body_then_routes_on_it() -> None:
     scheduler = Scheduler(make_config(strategy="chat"))
-    exchange = Exchange(scheduler)
+    exchange = Exchange(Gateway(scheduler))
     first = parse(exchange.handle(request_headers(chat_headers())))
     assert first.WhichOneof("response") == "request_headers"
     assert first.mode_override.request_body_mode == ProcessingMode.BUFFERED
@@ -91,7 +93,7 @@ def test_body_needed_asks_for_buffered_body_then_routes_on_it() -> None:
 
 def test_body_in_chunks_is_joined_before_parsing() -> None:
     scheduler = Scheduler(make_config(strategy="chat"))
-    exchange = Exchange(scheduler)
+    exchange = Exchange(Gateway(scheduler))
     exchange.handle(request_headers(chat_headers()))
     middle = parse(exchange.handle(request_body(CHAT[:10], end_of_stream=False)))
     assert middle.WhichOneof("response") == "request_body"
@@ -116,7 +118,7 @@ def test_errors_become_immediate_responses_with_json_bodies(
         update={"limits": make_config().limits.model_copy(update={"max_body_bytes": 4096})}
     )
     scheduler = Scheduler(config)
-    exchange = Exchange(scheduler)
+    exchange = Exchange(Gateway(scheduler))
     exchange.handle(request_headers(chat_headers()))
     answer = parse(exchange.handle(request_body(body)))
     assert answer.WhichOneof("response") == "immediate_response"
@@ -131,14 +133,18 @@ def test_errors_become_immediate_responses_with_json_bodies(
 def test_unknown_model_header_is_404_without_asking_for_the_body() -> None:
     scheduler = Scheduler(make_config())
     answer = parse(
-        Exchange(scheduler).handle(request_headers(chat_headers(**{"x-llmgw-model": "nope"})))
+        Exchange(Gateway(scheduler)).handle(
+            request_headers(chat_headers(**{"x-llmgw-model": "nope"}))
+        )
     )
     assert answer.immediate_response.status.code == 404
 
 
 def test_post_without_body_is_400() -> None:
     scheduler = Scheduler(make_config(strategy="chat"))
-    answer = parse(Exchange(scheduler).handle(request_headers(chat_headers(), end_of_stream=True)))
+    answer = parse(
+        Exchange(Gateway(scheduler)).handle(request_headers(chat_headers(), end_of_stream=True))
+    )
     assert answer.immediate_response.status.code == 400
 
 
@@ -149,7 +155,9 @@ def test_every_breaker_open_is_503_with_retry_hint() -> None:
             scheduler.registry.acquire("m1", state.id)
             scheduler.registry.release("m1", state.id, Outcome.FAILURE)
     answer = parse(
-        Exchange(scheduler).handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+        Exchange(Gateway(scheduler)).handle(
+            request_headers(chat_headers(**{"x-llmgw-model": "m1"}))
+        )
     )
     assert answer.immediate_response.status.code == 503
     assert b"no_healthy_endpoint" in answer.immediate_response.body
@@ -157,7 +165,7 @@ def test_every_breaker_open_is_503_with_retry_hint() -> None:
 
 def test_lease_is_held_until_the_response_ends() -> None:
     scheduler = Scheduler(make_config())
-    exchange = Exchange(scheduler)
+    exchange = Exchange(Gateway(scheduler))
     answer = parse(exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"}))))
     primary = set_headers(answer)["x-gateway-destination-endpoint"]
     assert inflight(scheduler)[primary] == 1
@@ -171,7 +179,7 @@ def test_lease_is_held_until_the_response_ends() -> None:
 
 def test_client_abort_releases_without_touching_the_breaker() -> None:
     scheduler = Scheduler(make_config())
-    exchange = Exchange(scheduler)
+    exchange = Exchange(Gateway(scheduler))
     exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
     assert sum(inflight(scheduler).values()) == 1
     exchange.close()
@@ -183,7 +191,7 @@ def test_5xx_responses_open_the_breaker() -> None:
     scheduler = Scheduler(make_config())
     target = None
     for _ in range(3):
-        exchange = Exchange(scheduler)
+        exchange = Exchange(Gateway(scheduler))
         answer = parse(
             exchange.handle(
                 request_headers(chat_headers(**{"x-llmgw-model": "m1", "x-session-id": "s"}))
@@ -199,7 +207,7 @@ def test_answer_from_a_fallback_charges_the_primary_and_holds_the_fallback() -> 
     scheduler = Scheduler(make_config())
     outcomes: list[tuple[str, Outcome]] = []
     hooks = Hooks(outcome=lambda _m, e, o: outcomes.append((e, o)))
-    exchange = Exchange(scheduler, hooks)
+    exchange = Exchange(Gateway(scheduler), hooks)
     answer = parse(exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"}))))
     primary, fallback, _ = destinations(answer).split(",")
     exchange.handle(response_headers(200, fallback))
@@ -211,7 +219,7 @@ def test_answer_from_a_fallback_charges_the_primary_and_holds_the_fallback() -> 
 
 def test_upstream_header_is_stripped_unless_debugging() -> None:
     scheduler = Scheduler(make_config(debug=False))
-    exchange = Exchange(scheduler)
+    exchange = Exchange(Gateway(scheduler))
     exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
     reply = parse(exchange.handle(response_headers(200, "127.0.0.1:9100")))
     assert list(reply.response_headers.response.header_mutation.remove_headers) == [
@@ -229,10 +237,12 @@ def test_hooks_feed_telemetry() -> None:
         outcome=telemetry.outcome,
         stage=telemetry.stage,
     )
-    exchange = Exchange(scheduler, hooks)
+    exchange = Exchange(Gateway(scheduler), hooks)
     exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
     exchange.handle(response_headers(200, end_of_stream=True))
-    Exchange(scheduler, hooks).handle(request_headers(chat_headers(**{"x-llmgw-model": "zz"})))
+    Exchange(Gateway(scheduler), hooks).handle(
+        request_headers(chat_headers(**{"x-llmgw-model": "zz"}))
+    )
     text = telemetry.render()[0].decode()
     assert 'llmgw_decisions_total{endpoint="127.0.0.1:' in text
     assert 'llmgw_errors_total{code="model_not_found",status="404"} 1.0' in text
@@ -249,7 +259,9 @@ def test_a_router_bug_is_a_500_not_a_broken_stream(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(scheduler, "pick", boom)
     answer = parse(
-        Exchange(scheduler).handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
+        Exchange(Gateway(scheduler)).handle(
+            request_headers(chat_headers(**{"x-llmgw-model": "m1"}))
+        )
     )
     assert answer.immediate_response.status.code == 500
 
@@ -268,7 +280,7 @@ def test_llmgw_error_headers_reach_the_immediate_response() -> None:
 
 def test_debug_headers_explain_the_decision_on_the_response() -> None:
     scheduler = Scheduler(make_config(debug=True))
-    exchange = Exchange(scheduler)
+    exchange = Exchange(Gateway(scheduler))
     answer = parse(exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"}))))
     primary = set_headers(answer)["x-gateway-destination-endpoint"]
     reply = parse(exchange.handle(response_headers(200, primary)))

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager, contextmanager
 import openai
 import pytest
 
-from asgi.proxy import ProxyApp
+from asgi.app import ProxyApp
 from asgi.testing import serve
 from extproc.envoyconfig import build
 from extproc.testing import EnvoyProcess, ExtProcThread, free_port

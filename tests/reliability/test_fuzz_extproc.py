@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from extproc.server import ExtProcServer
 from extproc.testing import chat_headers, make_config, request_headers, response_headers
 from extproc.translate import Exchange, response_status
+from llmgw.gateway import Gateway
 from llmgw.scheduling.scheduler import Scheduler
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,14 +79,14 @@ messages = st.one_of(
 )
 
 
-def assert_valid_answer(answer: bytes) -> None:
+def assert_valid_answer(answer: object) -> None:
     assert isinstance(answer, bytes)
     parsed = ProcessingResponse.FromString(answer)
     assert parsed.WhichOneof("response") is not None
 
 
 def run_exchange(scheduler: Scheduler, sequence: list[ProcessingRequest]) -> None:
-    exchange = Exchange(scheduler)
+    exchange = Exchange(Gateway(scheduler))
     try:
         for message in sequence:
             assert_valid_answer(exchange.handle(message))

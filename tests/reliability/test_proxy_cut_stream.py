@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from asgi.proxy import ProxyApp
+from asgi.app import ProxyApp
 from asgi.testing import (
     MODEL,
     SSE_HEAD,

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.activation import ModelFailed
 from llmgw.config import Config, load_dict
-from llmgw.errors import ModelDisabled, ModelLoading, ModelNotFound
+from llmgw.errors import ModelDisabled, ModelFailed, ModelLoading, ModelNotFound
 from llmgw.runtime.controlplanes import CrashCallback, StartError
 from llmgw.runtime.controlplanes.local import LocalProcessControlPlane, group_members
 from llmgw.runtime.router import Router

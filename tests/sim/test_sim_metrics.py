@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmgw.promtext import CONTRACTS, extract
 from llmgw.sim import SimFleet
 
-FIXTURE = Path("/work/shared/engines/vllm-cpu/metrics-vllm-0.32.0-busy.txt")
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "metrics-vllm-0.32.0-busy.txt"
 
 # Names written out here, apart from both the simulator and the router core.
 CONTRACT_NAMES = {

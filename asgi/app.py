@@ -1,0 +1,182 @@
+"""`ProxyApp`: the embedded proxy's ASGI app, an OpenAI-compatible reverse proxy.
+
+Routes: `POST /v1/...` inference paths (and any request with the model header) go through
+`SchedulerMiddleware` and are forwarded by `asgi.forwarder.Forwarder` to the chosen
+endpoint; `GET /v1/models` lists the configured models; `/healthz` and `/readyz` mean what
+they mean on the Envoy edge (`llmgw.runtime.health`); `/metrics` (the shared `Telemetry`
+series, the same names as the ext_proc server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import orjson
+
+from asgi.forwarder import Forwarder, pool_limits
+from asgi.middleware import SchedulerMiddleware, send_error
+from asgi.types import Receive, Scope, Send
+from asgi.upstream import UpstreamPool
+from llmgw.config import Config
+from llmgw.errors import MethodNotAllowed
+from llmgw.runtime.health import HEALTHZ_BODY, readiness
+from llmgw.runtime.router import ConfigWatcher, Router
+from llmgw.runtime.telemetry import Telemetry
+
+
+class ProxyApp:
+    """The proxy's ASGI app: a handful of fixed routes, everything else through the middleware."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        router: Router | None = None,
+        telemetry: Telemetry | None = None,
+        scrape: bool = True,
+        config_path: str | None = None,
+        reload_interval: float = 1.0,
+    ) -> None:
+        self.router = router or Router(config, scrape=scrape)
+        self.telemetry = telemetry or Telemetry()
+        self.telemetry.bind(self.router.registry, self.router.scraper)
+        self.pool = UpstreamPool(pool_limits(config))
+        self.forwarder = Forwarder(self.pool, self.router.gateway)
+        self.routed = SchedulerMiddleware(
+            self.forwarder, config, router=self.router, telemetry=self.telemetry
+        )
+        self.started = False
+        self.draining = False  # SIGTERM: /readyz answers 503 before the listener closes
+        self._models = (config, _model_list(config))
+        # With a config file: SIGHUP or a change of the file reloads it (see ConfigWatcher).
+        self.watcher: ConfigWatcher | None = (
+            ConfigWatcher(config_path, self.reload, interval=reload_interval)
+            if config_path is not None
+            else None
+        )
+        self._watching: asyncio.Task[None] | None = None
+
+    @property
+    def config(self) -> Config:
+        return self.router.config
+
+    def reload(self, config: Config) -> None:
+        """Route requests that arrive from now on with `config` (one snapshot swap every
+        part reads); raises ConfigError. Upstream pool limits stay as they were at start."""
+        self.router.reload(config)
+
+    async def startup(self) -> None:
+        await self.router.start()
+        if self.watcher is not None:
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
+                loop.add_signal_handler(signal.SIGHUP, self.watcher.reload)
+            if self.watcher.interval > 0:
+                self._watching = loop.create_task(self.watcher.run(), name="config watch")
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.started = False
+        if self.watcher is not None:
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        if self._watching is not None:
+            self._watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watching
+            self._watching = None
+        await self.router.stop()
+        await self.pool.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path: str = scope["path"]
+            if path.startswith("/v1/") and path != "/v1/models":
+                await self.routed(scope, receive, send)
+                return
+            await self._fixed(path, scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _fixed(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = {
+            "/v1/models": self._list_models,
+            "/healthz": self._healthz,
+            "/readyz": self._readyz,
+            "/metrics": self._metrics,
+        }.get(path)
+        if handler is None:
+            await self.routed(scope, receive, send)  # routed if it names a model, else 404
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            await send_error(send, MethodNotAllowed(f"{path} answers GET only"))
+            return
+        status, content_type, body = handler()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _list_models(self) -> tuple[int, str, bytes]:
+        config = self.router.config
+        if self._models[0] is not config:
+            self._models = (config, _model_list(config))
+        return 200, "application/json", self._models[1]
+
+    def _healthz(self) -> tuple[int, str, bytes]:
+        return 200, "application/json", HEALTHZ_BODY
+
+    def _readyz(self) -> tuple[int, str, bytes]:
+        ready, body = readiness(self.router, started=self.started, draining=self.draining)
+        return (200 if ready else 503), "application/json", body
+
+    def _metrics(self) -> tuple[int, str, bytes]:
+        body, content_type = self.telemetry.render()
+        return 200, content_type, body
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:  # reported to the server, which exits
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def _model_list(config: Config) -> bytes:
+    return orjson.dumps(
+        {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+                for name in config.models
+            ],
+        }
+    )
+
+
+def build_app(
+    config: Config,
+    *,
+    scrape: bool = True,
+    config_path: str | None = None,
+    reload_interval: float = 1.0,
+) -> ProxyApp:
+    return ProxyApp(config, scrape=scrape, config_path=config_path, reload_interval=reload_interval)

@@ -1,0 +1,226 @@
+"""`Forwarder`: the proxy's inner ASGI app, sending a routed request to its endpoint.
+
+The request body is held (it is bounded by `limits.max_body_bytes` and needed to replay on
+a fallback) and sent with the client's headers minus hop-by-hop and llmgw's internal ones
+over pooled HTTP/1.1 keep-alive connections (`asgi.upstream`, limits from
+`limits.upstream_*`). If the endpoint refuses before any response byte reached the client
+(connect error, reset, 429, 503), the request goes to the Decision's next fallback, at
+most `num_fallback_replicas` times; once the response head has been sent nothing is
+retried. Status, headers (minus hop-by-hop) and the body pass through chunk by chunk (SSE
+is never buffered). A client that goes away cancels the upstream exchange (its connection
+is dropped) and the lease ends CANCELLED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from asgi.middleware import (
+    DISPATCH_KEY,
+    INTERNAL_HEADER_NAMES,
+    Disconnected,
+    read_body,
+    send_error,
+)
+from asgi.types import Message, Receive, Scope, Send
+from asgi.upstream import (
+    ConnectFailed,
+    PoolLimits,
+    ResetBeforeResponse,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+from llmgw.config import Config
+from llmgw.errors import LlmgwError, RouteNotFound, UpstreamUnreachable
+from llmgw.gateway import ConfigSource
+from llmgw.lifecycle import DECISION_HEADER, Lifecycle, debug_summary
+from llmgw.types import Outcome
+
+log = logging.getLogger("llmgw.proxy")
+
+# Headers that describe one hop, not the message: never forwarded either way.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+# Request headers never forwarded: hop-by-hop, the ones the upstream client sets itself,
+# and llmgw's internal ones (the middleware adds them for the inner app, not the engine).
+REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"} | INTERNAL_HEADER_NAMES
+_REFUSING = (429, 503)  # an engine saying "not now": another replica may take it
+_WATCH_AFTER = 0.02  # seconds before a slow exchange starts watching for a disconnect
+_DEBUG_HEADER = DECISION_HEADER.encode("latin-1")
+
+
+def pool_limits(config: Config) -> PoolLimits:
+    limits = config.limits
+    return PoolLimits(
+        max_connections=limits.upstream_max_connections,
+        connect_timeout=limits.upstream_connect_timeout,
+        read_timeout=limits.upstream_read_timeout,
+        idle_timeout=limits.upstream_idle_timeout,
+    )
+
+
+class Forwarder:
+    """The inner ASGI app: forwards a routed request to `scope["state"]["llmgw_dispatch"]`."""
+
+    def __init__(self, pool: UpstreamPool, config: ConfigSource) -> None:
+        self.pool = pool
+        self._config = config  # read per request: a reload applies to the next one
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope.get("state") or {}
+        dispatch: Lifecycle | None = state.get(DISPATCH_KEY)
+        if dispatch is None:
+            error = RouteNotFound(f"no route for {scope['method']} {scope['path']}")
+            await send_error(send, error)
+            return
+        try:
+            body = await read_body(receive, dispatch.config.limits.max_body_bytes)
+        except Disconnected:
+            return
+        except LlmgwError as error:
+            await send_error(send, error)
+            return
+        query: bytes = scope.get("query_string", b"")
+        target = scope.get("raw_path") or scope["path"].encode()
+        if query:
+            target = target + b"?" + query
+        headers = [(n, v) for n, v in scope["headers"] if n not in REQUEST_DROP]
+
+        task = asyncio.current_task()
+        assert task is not None
+        watch = DisconnectWatch(receive, task)
+        response: UpstreamResponse | None = None
+        try:
+            response = await self._exchange(
+                dispatch, scope["method"], target.decode("latin-1"), headers, body
+            )
+            await self._relay(dispatch, response, send)
+        except UpstreamUnreachable as error:
+            await send_error(send, error)
+        except UpstreamError as error:
+            # Cut after the head went out (engine died mid-stream): nothing can be retried.
+            # A failure for the breaker; uvicorn closes the client connection unfinished.
+            log.warning("upstream broke mid-response: %s", error)
+            dispatch.finish(Outcome.FAILURE)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            task.uncancel()  # the client went away: the middleware records CANCELLED
+        finally:
+            watch.stop()
+            if response is not None:
+                response.close()
+
+    async def _exchange(
+        self,
+        dispatch: Lifecycle,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> UpstreamResponse:
+        """The first acceptable response head, trying fallbacks while nothing was sent."""
+        while True:
+            endpoint = dispatch.endpoint
+            assert endpoint is not None  # the middleware hands over a dispatched request
+            address = endpoint.address
+            try:
+                response = await self.pool.request(address, method, target, headers, body)
+            except (ConnectFailed, ResetBeforeResponse, UpstreamTimeout) as exc:
+                log.debug("upstream %s refused before answering: %s", address, exc)
+                if dispatch.fall_back(Outcome.FAILURE) is None:
+                    raise UpstreamUnreachable(
+                        f"no endpoint of model {endpoint.model!r} could be reached "
+                        f"(tried {dispatch.attempts}; last: {exc})"
+                    ) from None
+                continue
+            if response.status in _REFUSING and dispatch.fall_back(Outcome.BACKPRESSURE):
+                log.debug("upstream %s answered %d; falling back", address, response.status)
+                response.close()
+                continue
+            return response
+
+    async def _relay(self, dispatch: Lifecycle, response: UpstreamResponse, send: Send) -> None:
+        headers = [(n, v) for n, v in response.headers if n not in HOP_BY_HOP]
+        if dispatch.config.debug_headers and dispatch.decision is not None:
+            summary = debug_summary(dispatch.decision, dispatch.endpoint)
+            headers.append((_DEBUG_HEADER, summary.encode("latin-1", "replace")))
+        start: Message = {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": headers,
+        }
+        if response.complete:  # the whole body came with the head: one send each
+            body = response.take_buffered()
+            response.release()
+            dispatch.first_byte()
+            await send(start)
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await send(start)
+        first = True
+        while True:
+            data = await response.next_chunk()
+            if first:
+                first = False
+                dispatch.first_byte()
+            done = response.complete and not response.has_buffered
+            if not data or done:
+                response.release()
+                await send({"type": "http.response.body", "body": data, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+class DisconnectWatch:
+    """Cancels the forwarding task when the client disconnects.
+
+    Waiting on `receive()` takes a task of its own; most exchanges are over before
+    `_WATCH_AFTER`, so the watcher is only started when one takes longer (a timer handle
+    costs far less than a task). Uvicorn remembers a disconnect, so none is missed.
+    """
+
+    __slots__ = ("_receive", "_task", "_timer", "_watcher", "gone")
+
+    def __init__(self, receive: Receive, task: asyncio.Task[None]) -> None:
+        self._receive = receive
+        self._task = task
+        self._watcher: asyncio.Task[None] | None = None
+        self.gone = False
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            _WATCH_AFTER, self._start
+        )
+
+    def _start(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                self._task.cancel()
+                return
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None

@@ -1,0 +1,71 @@
+"""How `llmgw proxy` runs under uvicorn: draining on SIGTERM, event loop and parser
+choice, and the hand-off of the command line to worker processes (`--workers N`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+import orjson
+
+from asgi.app import ProxyApp, build_app
+from llmgw.config import load_file
+from llmgw.logs import configure
+
+
+def draining_server(config: Any, app: ProxyApp, drain_delay: float) -> Any:
+    """A uvicorn Server whose SIGTERM first turns /readyz to 503, then, `drain_delay` s
+    later, closes the listener; open requests then get `timeout_graceful_shutdown` s."""
+    import uvicorn  # noqa: PLC0415
+
+    class Server(uvicorn.Server):
+        exit_at: float | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            app.draining = True
+            if drain_delay > 0 and self.exit_at is None and sig == signal.SIGTERM:
+                self._captured_signals.append(sig)  # re-raised after shutdown, as uvicorn does
+                self.exit_at = time.monotonic() + drain_delay
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.exit_at is not None and time.monotonic() >= self.exit_at:
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    return Server(config)
+
+
+def event_loop_and_parser() -> tuple[str, str]:
+    try:
+        import uvloop  # noqa: F401, PLC0415
+    except ImportError:
+        loop = "asyncio"
+    else:
+        loop = "uvloop"
+    try:
+        import httptools  # noqa: F401, PLC0415
+    except ImportError:
+        http = "h11"
+    else:
+        http = "httptools"
+    return loop, http
+
+
+WORKER_ARGS = "_LLMGW_PROXY_WORKER_ARGS"  # parent -> worker processes, set by `llmgw proxy`
+
+
+def worker_app() -> ProxyApp:
+    """The app of one worker process of `--workers N` (uvicorn imports it by name)."""
+    args = orjson.loads(os.environ[WORKER_ARGS])
+    configure(args["log_level"], args["log_format"])
+    return build_app(
+        load_file(args["config"]),
+        scrape=args["scrape"],
+        config_path=args["config"],
+        reload_interval=args["reload_interval"],
+    )

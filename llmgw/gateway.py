@@ -1,0 +1,128 @@
+"""What every request and every runtime part reads: one immutable snapshot, swapped as one.
+
+    gateway = Gateway(Scheduler(config))          # or Gateway(scheduler, activation=activator)
+    gateway.config, gateway.scheduler             # the current snapshot's parts
+    gateway.reload(new_config)                    # build a new snapshot, then one assignment
+
+A reload never writes into a live object: it builds a new `Scheduler` over the same
+`Registry` (per-model routers of unchanged models carried over, so rings and prefix
+indexes survive), updates the registry's endpoint sets, and publishes the new `Snapshot`
+with one assignment. A request keeps the snapshot it started with until it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from llmgw.config import Config, ModelMode, ModelSpec, endpoints_of, model_mode
+from llmgw.errors import ConfigError
+from llmgw.registry import Registry
+from llmgw.scheduling.scheduler import Scheduler
+
+_LAUNCHED = (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON)
+
+
+class Activation(Protocol):
+    """The on-demand side a request's lifecycle talks to (`llmgw.runtime.activator.Activator`)."""
+
+    def manages(self, model: str) -> bool: ...
+
+    def use_begin(self, model: str) -> None: ...
+
+    def use_end(self, model: str) -> None: ...
+
+    async def ensure_ready(self, model: str) -> None: ...
+
+
+class ConfigSource(Protocol):
+    """Anything that hands out the current config (a Gateway, or a fixed config)."""
+
+    @property
+    def config(self) -> Config: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FixedConfig:
+    """A config that never changes, as a ConfigSource (tests, one-off tools)."""
+
+    config: Config
+
+
+def config_source(source: Config | ConfigSource) -> ConfigSource:
+    return FixedConfig(source) if isinstance(source, Config) else source
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One config and the scheduler built for it."""
+
+    config: Config
+    scheduler: Scheduler
+
+
+class Gateway:
+    """The current Snapshot plus the on-demand activation (None: static models only)."""
+
+    __slots__ = ("activation", "snapshot")
+
+    def __init__(self, scheduler: Scheduler, *, activation: Activation | None = None) -> None:
+        self.snapshot = Snapshot(scheduler.config, scheduler)
+        self.activation = activation
+
+    @property
+    def config(self) -> Config:
+        return self.snapshot.config
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.snapshot.scheduler
+
+    def manages(self, model: str) -> bool:
+        """Is `model` started on demand (its endpoints come from the control plane)?"""
+        return self.activation is not None and self.activation.manages(model)
+
+    def reload(self, config: Config) -> None:
+        """Route requests that arrive from now on with `config`; raises ConfigError.
+
+        Endpoints that stay keep inflight counts, breakers and metrics; requests already
+        routed finish on the endpoint they were given. Launch and scaling of a launched
+        model change only on restart: such a config is rejected and nothing changes.
+        """
+        old = self.snapshot
+        problems = restart_only_changes(old.config, config)
+        if problems:
+            raise ConfigError(problems, "reloaded config")
+        registry = old.scheduler.registry
+        registry.configure(breaker=config.breaker.settings(), staleness=config.scrape.staleness)
+        # Built over a scratch registry (its constructor would also set the endpoints of
+        # models the control plane owns), then pointed at the live one before publishing.
+        scheduler = Scheduler(config, Registry())
+        scheduler.registry = registry
+        scheduler.rng = old.scheduler.rng
+        for name, router in old.scheduler.routers.items():
+            if name in scheduler.routers and router.spec == config.models[name]:
+                scheduler.routers[name] = router  # keeps its ring and prefix index
+        for name in set(old.config.models) | set(config.models):
+            if self.manages(name):
+                continue  # its endpoints are the control plane's
+            spec = config.models.get(name)
+            if spec is not None and scheduler.routers[name].mode is not ModelMode.OFF:
+                registry.set_endpoints(name, endpoints_of(name, spec))
+            elif registry.states(name):
+                registry.set_endpoints(name, [])
+        self.snapshot = Snapshot(config, scheduler)
+
+
+def _launch_settings(spec: ModelSpec | None) -> object:
+    if spec is None or model_mode(spec) not in _LAUNCHED:
+        return None
+    return (model_mode(spec), spec.launch, spec.scaling)
+
+
+def restart_only_changes(old: Config, new: Config) -> list[str]:
+    return [
+        f"models.{name}: launch and scaling of an on-demand model change only on restart"
+        for name in sorted(set(old.models) | set(new.models))
+        if _launch_settings(old.models.get(name)) != _launch_settings(new.models.get(name))
+    ]

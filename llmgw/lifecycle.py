@@ -1,0 +1,234 @@
+"""One request's lifecycle, driven the same way by both edges (sans-I/O, like h11's Connection).
+
+    lifecycle = Lifecycle(gateway, hooks)
+    result = lifecycle.route(headers, path, body)      # Decision | LlmgwError | AwaitActivation
+    # AwaitActivation: the edge awaits `llmgw.runtime.driver.activate(lifecycle, result)`,
+    # which waits for the on-demand model once and picks a second (and last) time.
+    lifecycle.first_byte()                             # the first response byte arrived
+    lifecycle.answered_by("10.0.0.2:8000")             # Envoy retried on a fallback
+    lifecycle.fall_back(Outcome.BACKPRESSURE)          # an edge that forwards itself retries
+    lifecycle.response(status); lifecycle.finish()     # outcome from the status, exactly once
+
+It owns: pick, lease, the keep-alive of on-demand models, fallback accounting (the host
+that really answered is charged), the outcome, telemetry hooks, the decision log line and
+the stage timings. The edges only translate their protocol to and from it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from llmgw.config import Config
+from llmgw.errors import InternalError, LlmgwError, ModelNotReady
+from llmgw.gateway import Gateway, Snapshot
+from llmgw.logs import log_decision
+from llmgw.request import build_request
+from llmgw.scheduling.scheduler import Lease
+from llmgw.types import Decision, Endpoint, Outcome, RequestInfo, outcome_for_status
+
+# Wire names both edges use.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"  # the chosen endpoint, ip:port
+METADATA_NAMESPACE = "envoy.lb"  # Envoy dynamic metadata: primary + fallbacks
+DECISION_HEADER = "x-llmgw-decision"  # to the inner app, and (debug_headers) to the client
+# Envoy adds this response header (route `response_headers_to_add: %UPSTREAM_HOST%`) so
+# the outcome is charged to the host that really answered after retries.
+UPSTREAM_HEADER = "x-llmgw-upstream"
+# Set by llmgw for itself: dropped when a client sends them, never forwarded upstream.
+INTERNAL_HEADERS = frozenset({DESTINATION_HEADER, DECISION_HEADER, UPSTREAM_HEADER})
+
+
+@dataclass(slots=True)
+class Hooks:
+    """What a lifecycle reports (metrics); all optional. `edge` names it in decision logs."""
+
+    edge: str = "core"
+    decision: Callable[[Decision, str], object] | None = None
+    error: Callable[[LlmgwError], None] | None = None
+    outcome: Callable[[str, str, Outcome], None] | None = None
+    stage: Callable[[str, float], None] | None = None
+
+
+NO_HOOKS = Hooks()
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitActivation:
+    """`route` could not pick yet: the on-demand `model` must start first."""
+
+    model: str
+
+
+def debug_summary(decision: Decision, answered: Endpoint | None = None) -> str:
+    """The `x-llmgw-decision` response value (both edges): the primary picked, the fallback
+    that answered if another did, and why."""
+    primary = decision.endpoint.address
+    if answered is not None and answered.address != primary:
+        return f"endpoint={primary} answered={answered.address} {decision.describe()}"
+    return f"endpoint={primary} {decision.describe()}"
+
+
+class Lifecycle:
+    """One request from routing to its outcome. Not thread-safe; every step is idempotent
+    where an edge may see the same event twice (a stream closing after the response ended)."""
+
+    __slots__ = (
+        "_attempt",
+        "_in_use",
+        "_started",
+        "_status",
+        "decision",
+        "endpoint",
+        "gateway",
+        "hooks",
+        "lease",
+        "request",
+        "snapshot",
+    )
+
+    def __init__(
+        self, gateway: Gateway, hooks: Hooks = NO_HOOKS, started: float | None = None
+    ) -> None:
+        self.gateway = gateway
+        self.snapshot: Snapshot = gateway.snapshot  # one config for the whole request
+        self.hooks = hooks
+        self.request: RequestInfo | None = None
+        self.decision: Decision | None = None
+        self.endpoint: Endpoint | None = None
+        self.lease: Lease | None = None
+        self._attempt = 0
+        self._status: int | None = None
+        self._in_use = False
+        self._started = time.perf_counter() if started is None else started
+
+    @property
+    def config(self) -> Config:
+        return self.snapshot.config
+
+    # -- routing -------------------------------------------------------------------------
+    def route(
+        self, headers: Mapping[str, str], path: str, body: bytes | None
+    ) -> Decision | LlmgwError | AwaitActivation:
+        """Parse and pick. Headers are lower-cased names; `body` None = not read."""
+        t0 = time.perf_counter()
+        try:
+            request = self.request = build_request(self.snapshot.config, headers, path, body)
+            t1 = time.perf_counter()
+            decision = self.snapshot.scheduler.pick(request)
+        except ModelNotReady as exc:
+            if self.request is not None and self.gateway.manages(self.request.model):
+                return AwaitActivation(self.request.model)
+            return self.refuse(exc)
+        except LlmgwError as exc:
+            return self.refuse(exc)
+        except Exception as exc:  # a router bug must not break the client's request
+            return self.refuse(InternalError(f"router error: {type(exc).__name__}: {exc}"))
+        self._dispatch(decision)
+        stage = self.hooks.stage
+        if stage is not None:
+            t2 = time.perf_counter()
+            stage("parse", t1 - t0)
+            stage("schedule", t2 - t1)
+            stage("total", t2 - self._started)
+        return decision
+
+    def activated(self) -> Decision | LlmgwError:
+        """The on-demand model is ready (the driver waited): the second and last pick."""
+        assert self.request is not None
+        try:
+            decision = self.snapshot.scheduler.pick(self.request)
+        except LlmgwError as exc:
+            return self.refuse(exc)
+        self._dispatch(decision)
+        return decision
+
+    def refuse(self, error: LlmgwError) -> LlmgwError:
+        """The request is answered with `error` (nothing was dispatched)."""
+        if self.hooks.error is not None:
+            self.hooks.error(error)
+        return error
+
+    def _dispatch(self, decision: Decision) -> None:
+        self.decision = decision
+        self.endpoint = decision.endpoint
+        self.lease = self.snapshot.scheduler.acquire(decision)
+        activation = self.gateway.activation
+        if activation is not None and activation.manages(decision.model):
+            activation.use_begin(decision.model)  # keeps the model alive until finish
+            self._in_use = True
+        request_id = self.request.request_id if self.request is not None else ""
+        if self.hooks.decision is not None:
+            self.hooks.decision(decision, request_id)
+        log_decision(decision, request_id, self.hooks.edge)
+
+    # -- the response --------------------------------------------------------------------
+    @property
+    def attempts(self) -> int:
+        """Endpoints this request has been sent to so far (1 = no fallback yet)."""
+        return self._attempt + 1
+
+    @property
+    def done(self) -> bool:
+        return self.lease is None or self.lease.done
+
+    def first_byte(self) -> None:
+        """The first response byte arrived (idempotent)."""
+        if self.lease is not None:
+            self.lease.first_token()
+
+    def response(self, status: int) -> None:
+        """The response status seen by the edge (decides the outcome at `finish`)."""
+        self._status = status
+
+    def fall_back(self, outcome: Outcome) -> Endpoint | None:
+        """Finish the current attempt with `outcome` and lease the next fallback endpoint.
+
+        Returns it, or None when no fallback is left (the lease stays where it was).
+        """
+        decision, lease = self.decision, self.lease
+        if decision is None or lease is None or self._attempt >= len(decision.fallbacks):
+            return None
+        return self._move(decision, lease, decision.fallbacks[self._attempt], outcome)
+
+    def answered_by(self, address: str) -> None:
+        """The response came from `address` (Envoy retried on a fallback): the attempts
+        before it failed; the rest of the request is charged to it."""
+        decision, lease = self.decision, self.lease
+        if decision is None or lease is None or lease.done or address == lease.endpoint_id:
+            return
+        for index, endpoint in enumerate(decision.fallbacks):
+            if endpoint.address == address:
+                self._attempt = index
+                self._move(decision, lease, endpoint, Outcome.FAILURE)
+                return
+
+    def _move(
+        self, decision: Decision, lease: Lease, target: Endpoint, outcome: Outcome
+    ) -> Endpoint:
+        self._release(lease, outcome)
+        self._attempt += 1
+        self.endpoint = target
+        self.lease = self.snapshot.scheduler.acquire(decision, target)
+        return target
+
+    def _release(self, lease: Lease, outcome: Outcome) -> None:
+        lease.finish(outcome)
+        if self.hooks.outcome is not None:
+            self.hooks.outcome(lease.model, lease.endpoint_id, outcome)
+
+    def finish(self, outcome: Outcome | None = None) -> None:
+        """End the request (once): `outcome`, else the status seen, else CANCELLED."""
+        lease = self.lease
+        if lease is None or lease.done:
+            return
+        if outcome is None:
+            status = self._status
+            outcome = Outcome.CANCELLED if status is None else outcome_for_status(status)
+        lease.first_token()  # a no-op if the first byte was seen
+        self._release(lease, outcome)
+        if self._in_use:
+            self._in_use = False
+            activation = self.gateway.activation
+            if activation is not None:
+                activation.use_end(lease.model)

@@ -1,0 +1,196 @@
+"""Lifecycle: one request from pick to outcome, without a network (both edges drive it)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from llmgw.errors import ConfigError, LlmgwError, ModelNotReady
+from llmgw.gateway import Gateway
+from llmgw.lifecycle import AwaitActivation, Hooks, Lifecycle, debug_summary
+from llmgw.registry import Registry
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.types import Decision, Endpoint, Outcome
+
+from .helpers import FakeClock, config, static_model
+
+CHAT = "/v1/chat/completions"
+HEADERS = {"x-llmgw-model": "chat", "x-session-id": "s1"}
+LAZY = {"launch": {"command": "true"}, "scaling": {"min": 0, "max": 1}}
+LAZY_ADDRESS = "127.0.0.1:9"
+
+
+class FakeActivation:
+    """Records what the lifecycle asks of the on-demand side; `start()` plays the control plane."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self.uses: list[tuple[str, str]] = []
+
+    def manages(self, model: str) -> bool:
+        return model == "lazy"
+
+    def use_begin(self, model: str) -> None:
+        self.uses.append(("begin", model))
+
+    def use_end(self, model: str) -> None:
+        self.uses.append(("end", model))
+
+    async def ensure_ready(self, model: str) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.registry.set_endpoints("lazy", [Endpoint(LAZY_ADDRESS, "lazy")])
+
+
+class CountingScheduler(Scheduler):
+    picks = 0
+
+    def pick(self, request: object) -> Decision:
+        self.picks += 1
+        return super().pick(request)  # type: ignore[arg-type]
+
+
+def gateway(
+    models: dict[str, object] | None = None, *, on_demand: bool = False
+) -> tuple[Gateway, CountingScheduler, FakeActivation | None]:
+    cfg = config(models or {"chat": static_model(4), "lazy": LAZY})
+    registry = Registry(clock=FakeClock())
+    scheduler = CountingScheduler(cfg, registry, seed=1)
+    activation = FakeActivation(registry) if on_demand else None
+    return Gateway(scheduler, activation=activation), scheduler, activation
+
+
+def inflight(gw: Gateway, model: str = "chat") -> dict[str, int]:
+    return {s.id: s.inflight for s in gw.scheduler.registry.states(model)}
+
+
+def test_static_request_is_picked_leased_and_finished_once() -> None:
+    gw, _, _ = gateway()
+    outcomes: list[tuple[str, Outcome]] = []
+    lifecycle = Lifecycle(gw, Hooks(outcome=lambda _m, e, o: outcomes.append((e, o))))
+    decision = lifecycle.route(HEADERS, CHAT, None)
+    assert isinstance(decision, Decision)
+    assert inflight(gw)[decision.endpoint.id] == 1
+    lifecycle.response(200)
+    lifecycle.finish()
+    lifecycle.finish(Outcome.FAILURE)  # a stream closing after the response ended
+    assert outcomes == [(decision.endpoint.id, Outcome.SUCCESS)]
+    assert set(inflight(gw).values()) == {0}
+
+
+def test_on_demand_model_is_picked_once_before_and_once_after_the_wait() -> None:
+    gw, scheduler, activation = gateway(on_demand=True)
+    assert activation is not None
+    lifecycle = Lifecycle(gw)
+    pending = lifecycle.route({"x-llmgw-model": "lazy"}, CHAT, None)
+    assert pending == AwaitActivation("lazy") and scheduler.picks == 1
+    activation.start()  # what the runtime driver awaits
+    decision = lifecycle.activated()
+    assert isinstance(decision, Decision) and decision.endpoint.address == LAZY_ADDRESS
+    assert scheduler.picks == 2
+    assert activation.uses == [("begin", "lazy")]  # the model is kept alive while in use
+    lifecycle.finish(Outcome.SUCCESS)
+    assert activation.uses == [("begin", "lazy"), ("end", "lazy")]
+
+
+def test_not_ready_model_without_activation_is_an_error_not_a_wait() -> None:
+    gw, _, _ = gateway()
+    errors: list[LlmgwError] = []
+    result = Lifecycle(gw, Hooks(error=errors.append)).route({"x-llmgw-model": "lazy"}, CHAT, None)
+    assert isinstance(result, ModelNotReady) and errors == [result]
+
+
+def test_envoy_fallback_charges_the_host_that_answered() -> None:
+    gw, _, _ = gateway()
+    outcomes: list[tuple[str, Outcome]] = []
+    lifecycle = Lifecycle(gw, Hooks(outcome=lambda _m, e, o: outcomes.append((e, o))))
+    decision = lifecycle.route(HEADERS, CHAT, None)
+    assert isinstance(decision, Decision) and len(decision.fallbacks) == 2
+    second = decision.fallbacks[1]
+    lifecycle.answered_by(second.address)
+    lifecycle.answered_by(second.address)  # the same news twice changes nothing
+    assert lifecycle.endpoint == second
+    assert inflight(gw)[second.id] == 1 and inflight(gw)[decision.endpoint.id] == 0
+    lifecycle.response(200)
+    lifecycle.finish()
+    assert outcomes == [(decision.endpoint.id, Outcome.FAILURE), (second.id, Outcome.SUCCESS)]
+
+
+def test_forwarding_edge_falls_back_in_order_then_runs_out() -> None:
+    gw, _, _ = gateway()
+    lifecycle = Lifecycle(gw)
+    decision = lifecycle.route(HEADERS, CHAT, None)
+    assert isinstance(decision, Decision)
+    tried = [lifecycle.fall_back(Outcome.BACKPRESSURE) for _ in range(3)]
+    assert tried == [*decision.fallbacks, None]
+    assert lifecycle.attempts == 3 and lifecycle.endpoint == decision.fallbacks[-1]
+    assert sum(inflight(gw).values()) == 1  # only the last attempt is in flight
+
+
+def test_first_token_reaches_the_lease_once_and_before_finish() -> None:
+    gw, scheduler, _ = gateway()
+    marks: list[str] = []
+    acquire = scheduler.acquire
+
+    def acquire_with_hook(decision: Decision, endpoint: Endpoint | None = None) -> object:
+        lease = acquire(decision, endpoint)
+        lease.on_first_token = lambda: marks.append(lease.endpoint_id)
+        return lease
+
+    scheduler.acquire = acquire_with_hook  # type: ignore[assignment]
+    streamed = Lifecycle(gw)
+    first = streamed.route(HEADERS, CHAT, None)
+    assert isinstance(first, Decision)
+    streamed.first_byte()
+    streamed.first_byte()
+    streamed.finish(Outcome.SUCCESS)
+    silent = Lifecycle(gw)  # the client left before any byte: marked once, at finish
+    second = silent.route({**HEADERS, "x-session-id": "s2"}, CHAT, None)
+    assert isinstance(second, Decision)
+    silent.finish()
+    assert marks == [first.endpoint.id, second.endpoint.id]
+
+
+def test_each_decision_is_logged_once_with_the_edge(caplog: pytest.LogCaptureFixture) -> None:
+    gw, _, _ = gateway()
+    with caplog.at_level(logging.DEBUG, logger="llmgw.decision"):
+        Lifecycle(gw, Hooks("asgi")).route({**HEADERS, "x-request-id": "r1"}, CHAT, None)
+    records = [r for r in caplog.records if r.name == "llmgw.decision"]
+    assert [(r.__dict__["edge"], r.__dict__["request_id"]) for r in records] == [("asgi", "r1")]
+
+
+def test_debug_summary_names_the_primary_and_the_fallback_that_answered() -> None:
+    gw, _, _ = gateway()
+    decision = Lifecycle(gw).route(HEADERS, CHAT, None)
+    assert isinstance(decision, Decision)
+    assert debug_summary(decision).startswith(f"endpoint={decision.endpoint.address} strategy=")
+    moved = debug_summary(decision, decision.fallbacks[0])
+    assert f"answered={decision.fallbacks[0].address}" in moved
+
+
+def test_reload_is_one_swap_and_a_started_request_keeps_its_snapshot() -> None:
+    gw, _, _ = gateway({"chat": static_model(4), "other": static_model(2)})
+    before = gw.snapshot
+    ring_router = before.scheduler.routers["chat"]
+    started = Lifecycle(gw)
+    decision = started.route(HEADERS, CHAT, None)
+    assert isinstance(decision, Decision)
+    gw.reload(config({"chat": static_model(4), "other": static_model(1)}, debug_headers=True))
+    assert gw.snapshot is not before and gw.config.debug_headers
+    assert gw.scheduler.routers["chat"] is ring_router  # unchanged model: ring kept
+    assert [s.id for s in gw.scheduler.registry.states("other")] == ["10.0.0.1:8000"]
+    assert started.config is before.config  # the request in flight finishes as it began
+    started.finish(Outcome.SUCCESS)
+    assert set(inflight(gw).values()) == {0}
+    assert Lifecycle(gw).config.debug_headers
+
+
+def test_reload_that_changes_launch_settings_changes_nothing() -> None:
+    gw, _, _ = gateway(on_demand=True)
+    before = gw.snapshot
+    changed = {**LAZY, "scaling": {"min": 0, "max": 2}}
+    with pytest.raises(ConfigError, match=r"models\.lazy"):
+        gw.reload(config({"chat": static_model(4), "lazy": changed}))
+    assert gw.snapshot is before
