@@ -48,6 +48,8 @@ class Hooks:
     error: Callable[[LlmgwError], None] | None = None
     outcome: Callable[[str, str, Outcome], None] | None = None
     stage: Callable[[str, float], None] | None = None
+    # (model, observed time to first byte, predicted TTFT or None): seconds.
+    ttft: Callable[[str, float, float | None], None] | None = None
 
 
 NO_HOOKS = Hooks()
@@ -174,8 +176,16 @@ class Lifecycle:
 
     def first_byte(self) -> None:
         """The first response byte arrived (idempotent)."""
-        if self.lease is not None:
-            self.lease.first_token()
+        lease = self.lease
+        if lease is None or lease.first_token_seen or lease.done:
+            return
+        lease.first_token()
+        hook, decision = self.hooks.ttft, self.decision
+        if hook is not None and lease.started is not None and decision is not None:
+            observed = lease.registry.clock() - lease.started
+            # The prediction is for the primary; a fallback's wait says nothing about it.
+            primary = lease.endpoint_id == decision.endpoint.id
+            hook(decision.model, observed, decision.predicted_ttft if primary else None)
 
     def response(self, status: int) -> None:
         """The response status seen by the edge (decides the outcome at `finish`)."""

@@ -60,6 +60,14 @@ _BUCKETS = (
     0.25,
     1.0,
 )
+# vLLM's time-to-first-token buckets (seconds), so the two histograms line up.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+# Symmetric around 0: under- and over-prediction, from 5 ms to 10 s either way.
+_ERROR_BUCKETS = tuple(
+    [-x for x in (10.0, 2.5, 1.0, 0.5, 0.25, 0.1, 0.05, 0.025, 0.005)]
+    + [0.0, 0.005, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0]
+)
 
 
 class ScrapeCounts(Protocol):
@@ -167,6 +175,22 @@ class Telemetry:
             registry=self.registry,
         )
         self._stage_children = {s: self._stages.labels(s) for s in STAGES}
+        # Time to the first response byte as the edge saw it, and how far the latency
+        # model's prediction was off (observed - predicted): an operator sees drift here.
+        self._ttft = Histogram(
+            f"{prefix}_ttft_observed_seconds",
+            "Time from dispatch to the first response body byte, per model",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self._ttft_error = Histogram(
+            f"{prefix}_ttft_prediction_error_seconds",
+            "Observed minus predicted time to first token (latency scorer), per model",
+            ["model"],
+            buckets=_ERROR_BUCKETS,
+            registry=self.registry,
+        )
         self._decision_children: dict[tuple[str, str, str], Counter] = {}
         self._outcome_children: dict[tuple[str, str, str], Counter] = {}
         self._collector: _RegistryCollector | None = None
@@ -206,7 +230,13 @@ class Telemetry:
             error=self.error,
             outcome=self.outcome,
             stage=self.stage,
+            ttft=self.ttft,
         )
+
+    def ttft(self, model: str, observed: float, predicted: float | None) -> None:
+        self._ttft.labels(model).observe(observed)
+        if predicted is not None:
+            self._ttft_error.labels(model).observe(observed - predicted)
 
     def stage(self, stage: str, seconds: float) -> None:
         """Observe one stage duration; `stage` is one of STAGES."""

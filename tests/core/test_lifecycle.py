@@ -194,3 +194,21 @@ def test_reload_that_changes_launch_settings_changes_nothing() -> None:
     with pytest.raises(ConfigError, match=r"models\.lazy"):
         gw.reload(config({"chat": static_model(4), "lazy": changed}))
     assert gw.snapshot is before
+
+
+def test_first_byte_reports_observed_and_predicted_ttft_once() -> None:
+    clock = FakeClock()
+    registry = Registry(clock=clock)
+    cfg = config({"chat": {**static_model(2), "strategy": "latency"}})
+    seen: list[tuple[str, float, float | None]] = []
+    gw = Gateway(Scheduler(cfg, registry, seed=1))
+    hooks = Hooks(ttft=lambda model, observed, predicted: seen.append((model, observed, predicted)))
+    lifecycle = Lifecycle(gw, hooks)
+    body = b'{"model": "chat", "messages": [{"role": "user", "content": "' + b"x" * 4000 + b'"}]}'
+    decision = lifecycle.route({}, CHAT, body)
+    assert isinstance(decision, Decision) and decision.predicted_ttft is not None
+    clock.advance(0.25)
+    lifecycle.first_byte()
+    lifecycle.first_byte()
+    lifecycle.finish(Outcome.SUCCESS)
+    assert seen == [("chat", pytest.approx(0.25), decision.predicted_ttft)]

@@ -33,3 +33,14 @@ def test_each_instance_has_its_own_registry() -> None:
     assert b'reason="queue"' in first.render()[0]
     assert b"reason=" not in second.render()[0]
     assert first.render()[1].startswith("text/plain")
+
+
+def test_ttft_prediction_error_is_exported_per_model() -> None:
+    telemetry = Telemetry()
+    telemetry.ttft("chat", 0.30, 0.20)  # 100 ms later than predicted
+    telemetry.ttft("chat", 0.05, None)  # a fallback answered: observed only
+    text = telemetry.render()[0].decode()
+    assert 'llmgw_ttft_observed_seconds_count{model="chat"} 2.0' in text
+    assert 'llmgw_ttft_prediction_error_seconds_count{model="chat"} 1.0' in text
+    assert 'llmgw_ttft_prediction_error_seconds_bucket{le="0.05",model="chat"} 0.0' in text
+    assert 'llmgw_ttft_prediction_error_seconds_bucket{le="0.1",model="chat"} 1.0' in text
