@@ -211,4 +211,7 @@ def test_first_byte_reports_observed_and_predicted_ttft_once() -> None:
     lifecycle.first_byte()
     lifecycle.first_byte()
     lifecycle.finish(Outcome.SUCCESS)
-    assert seen == [("chat", pytest.approx(0.25), decision.predicted_ttft)]
+    assert len(seen) == 1
+    model, observed, predicted = seen[0]
+    assert (model, predicted) == ("chat", decision.predicted_ttft)
+    assert observed == pytest.approx(0.25)
