@@ -110,6 +110,11 @@ class Scraper:
             reason = str(exc) or f"timeout after {self.timeout}s"
             self._fail(address, targets, f"scrape failed: {reason}")
             return
+        self.ingest(address, targets, text)
+
+    def ingest(self, address: str, targets: list[Target], text: str) -> bool:
+        """Feed one fetched /metrics page to the registry (pure: no I/O; the in-process
+        fleet simulator `bench/fleetsim.py` calls it too). False if a target failed."""
         ok = True
         for t in targets:
             try:
@@ -125,6 +130,7 @@ class Scraper:
             self.scrapes[address] += 1
         else:
             self.errors[address] += 1
+        return ok
 
     def _fail(self, address: str, targets: list[Target], message: str) -> None:
         self.errors[address] += 1

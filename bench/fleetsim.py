@@ -1,0 +1,573 @@
+"""In-process fleet simulation: the real llmgw core in front of N simulated engines,
+in virtual time (a heap of events; no sockets, no asyncio, no sleeps).
+
+    prepared = prepare(workload, engine_configs)           # prompts, block hashes, RequestInfo
+    result = simulate(prepared, make_contender("chat"), seed=1)
+    result.row()                                            # TTFT p50/p90/p99, hit rate...
+
+What is real and what is modelled:
+- Engines: `llmgw.sim.model.EngineModel` (continuous batching, prefix cache, LRU eviction),
+  one per replica with its own `EngineConfig`, stepped as `llmgw/sim/driver.py` does:
+  `duration = schedule(now)`, then `complete(now + duration)`; an idle engine wakes on
+  submit (after every other event of the same instant, as the driver's task runs after
+  the requests that woke it). Requests are built from the chat messages exactly as the
+  simulator's HTTP replica builds them (`chat_prompt`, `count_tokens`, `block_hashes`).
+- Router: `Scheduler.pick` / `acquire` / `Lease.finish` of a `Scheduler` built from a
+  `Config`, on a `Registry` whose clock is the virtual clock. `RequestInfo` comes from
+  `llmgw.request.build_request` on the JSON body the load client sends, so it is what
+  both edges would build. Scrapes render each replica's Prometheus page with the
+  simulator's own metrics code and feed it through `Scraper.ingest`, the runtime
+  scraper's parse path (every `scrape_interval` ± jitter, per replica).
+- Client: `bench/loadclient.py`'s open loop: a conversation starts at `start_s`, turn k+1
+  is sent when turn k's response ended plus the turn's think time, errors included.
+  TTFT = first token - send time (no network, no SSE framing).
+- Reference policies (consistent hash, round robin, least requests, sglang cache_aware)
+  are plain functions of router-local state; they see no scrape.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from bench.workloads import Workload, percentile
+from llmgw.config import Config, load_dict
+from llmgw.errors import LlmgwError
+from llmgw.hashring import HashRing
+from llmgw.registry import Registry
+from llmgw.request import build_request
+from llmgw.runtime.scraper import Scraper
+from llmgw.scheduling.scheduler import Lease, Scheduler
+from llmgw.scheduling.strategies import PRESETS
+from llmgw.sim.metrics import ModelObservations, ServedModel, make_registry, render
+from llmgw.sim.model import (
+    EngineConfig,
+    EngineModel,
+    QueueFullError,
+    RequestTooLargeError,
+    SeqRequest,
+)
+from llmgw.sim.tokens import block_hashes, chat_prompt, count_tokens
+from llmgw.types import Outcome, RequestInfo
+
+MODEL = "m1"
+SESSION_HEADER = "x-session-id"
+_TREE_CHARS = 16  # granularity of the sglang reference's prefix tree
+
+
+def address(index: int) -> str:
+    return f"10.0.0.{index + 1}:8000"
+
+
+# -- prepared requests (shared by every contender of a cell) ------------------------------
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One (conversation, turn): what the router sees and what the engine is given."""
+
+    info: RequestInfo
+    seq: SeqRequest
+    _chain: list[int] | None = None
+
+    def chain(self) -> list[int]:
+        """Chained hashes of the router-side prompt in 16-char chunks (sglang tree)."""
+        if self._chain is None:
+            text, h, out = self.info.prompt, 0, []
+            for i in range(0, len(text) - _TREE_CHARS + 1, _TREE_CHARS):
+                h = hash((h, text[i : i + _TREE_CHARS]))
+                out.append(h)
+            self._chain = out
+        return self._chain
+
+
+@dataclass
+class PreparedWorkload:
+    workload: Workload
+    engines: tuple[EngineConfig, ...]
+    requests: list[list[Prepared]]  # [conversation][turn]
+
+    @property
+    def total(self) -> int:
+        return sum(len(turns) for turns in self.requests)
+
+
+def router_config(
+    n: int, strategy: str | dict[str, Any] = "chat", scrape_interval: float = 0.05, seed: int = 1
+) -> Config:
+    return load_dict(
+        {
+            "models": {
+                MODEL: {
+                    "engine": "vllm",
+                    "endpoints": [address(i) for i in range(n)],
+                    "strategy": strategy,
+                }
+            },
+            "scrape": {"interval": scrape_interval},
+            "seed": seed,
+        }
+    )
+
+
+def prepare(workload: Workload, engines: Sequence[EngineConfig]) -> PreparedWorkload:
+    """Build every request once: the JSON body -> RequestInfo (the edges' code) and the
+    engine's SeqRequest (the HTTP replica's code). The block size must be the same."""
+    sizes = {e.block_size for e in engines}
+    if len(sizes) != 1:
+        raise ValueError("every engine of a fleet must use one block size")
+    block_size = sizes.pop()
+    caching = all(e.enable_prefix_caching for e in engines)
+    config = router_config(len(engines))
+    requests: list[list[Prepared]] = []
+    for conv in workload.conversations:
+        turns: list[Prepared] = []
+        for k, turn in enumerate(conv.turns):
+            messages = conv.messages(k)
+            body = orjson.dumps(
+                {
+                    "model": MODEL,
+                    "messages": messages,
+                    "max_tokens": turn.max_tokens,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+            )
+            headers = {"content-type": "application/json"}
+            if conv.session_id is not None:
+                headers[SESSION_HEADER] = conv.session_id
+            info = build_request(
+                config, headers, "/v1/chat/completions", body, request_id=f"c{conv.index}-t{k}"
+            )
+            prompt = chat_prompt(messages)  # type: ignore[arg-type]
+            hashes = block_hashes(prompt, block_size) if caching else ()
+            turns.append(Prepared(info, SeqRequest(count_tokens(prompt), turn.max_tokens, hashes)))
+        requests.append(turns)
+    return PreparedWorkload(workload, tuple(engines), requests)
+
+
+# -- contenders ---------------------------------------------------------------------------
+
+
+class RouteError(Exception):
+    """The router refused the request (an llmgw error: 429 shed, 503...)."""
+
+
+class Contender(Protocol):
+    name: str
+    uses_registry: bool
+
+    def bind(self, n: int, registry: Registry | None, seed: int) -> None: ...
+
+    def route(self, p: Prepared) -> tuple[int, Lease | None]: ...
+
+    def done(self, index: int) -> None: ...
+
+
+class LlmgwContender:
+    """The real Scheduler with a strategy (preset name or strategy dict)."""
+
+    uses_registry = True
+
+    def __init__(
+        self, name: str, strategy: str | dict[str, Any], scrape_interval: float = 0.05
+    ) -> None:
+        self.name = name
+        self.strategy = strategy
+        self.scrape_interval = scrape_interval
+        self.scheduler: Scheduler | None = None
+        self._index: dict[str, int] = {}
+
+    def bind(self, n: int, registry: Registry | None, seed: int) -> None:
+        config = router_config(n, self.strategy, self.scrape_interval, seed)
+        self.config = config
+        self.scheduler = Scheduler(config, registry, seed=seed)
+        self._index = {address(i): i for i in range(n)}
+
+    def route(self, p: Prepared) -> tuple[int, Lease | None]:
+        assert self.scheduler is not None
+        try:
+            decision = self.scheduler.pick(p.info)
+        except LlmgwError as exc:
+            raise RouteError(f"{exc.status} {exc.code}") from None
+        lease = self.scheduler.acquire(decision)
+        return self._index[decision.endpoint.address], lease
+
+    def done(self, index: int) -> None:
+        pass
+
+
+class _Local:
+    """Base of the reference policies: router-local in-flight counts, no scrapes."""
+
+    uses_registry = False
+    name = "local"
+
+    def bind(self, n: int, registry: Registry | None, seed: int) -> None:
+        self.n = n
+        self.inflight = [0] * n
+        self.rng = random.Random(seed)
+
+    def pick(self, p: Prepared) -> int:
+        raise NotImplementedError
+
+    def route(self, p: Prepared) -> tuple[int, Lease | None]:
+        i = self.pick(p)
+        self.inflight[i] += 1
+        return i, None
+
+    def done(self, index: int) -> None:
+        self.inflight[index] -= 1
+
+
+class ConsistentHash(_Local):
+    """Client-side consistent hashing: Ray's ring on the session id (request id without
+    one), no fallback, no load awareness."""
+
+    name = "consistent-hash"
+
+    def bind(self, n: int, registry: Registry | None, seed: int) -> None:
+        super().bind(n, registry, seed)
+        self.ring = HashRing([address(i) for i in range(n)], num_fallback_replicas=0)
+        self.by_address = {address(i): i for i in range(n)}
+
+    def pick(self, p: Prepared) -> int:
+        return self.by_address[self.ring.candidates(p.info.routing_key)[0]]
+
+
+class RoundRobin(_Local):
+    """Plain rotation."""
+
+    name = "round-robin"
+
+    def bind(self, n: int, registry: Registry | None, seed: int) -> None:
+        super().bind(n, registry, seed)
+        self.next = 0
+
+    def pick(self, p: Prepared) -> int:
+        i = self.next
+        self.next = (i + 1) % self.n
+        return i
+
+
+class LeastRequests(_Local):
+    """Fewest requests in flight from this router; ties broken by a seeded draw."""
+
+    name = "least-requests"
+
+    def pick(self, p: Prepared) -> int:
+        low = min(self.inflight)
+        ties = [i for i, v in enumerate(self.inflight) if v == low]
+        return ties[0] if len(ties) == 1 else self.rng.choice(ties)
+
+
+class SglangCacheAware(_Local):
+    """Approximation of sglang-router's `cache_aware` policy (sgl-router
+    src/policies/cache_aware.rs), with the defaults its CLI / RouterConfig ship
+    (cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5; the Rust
+    library's `CacheAwareConfig::default()` says 0.5 / 32 / 1.1 — pass them to compare).
+
+    Imbalanced (max - min in flight > abs AND max > rel * min): least loaded. Else the
+    worker whose tree matches the longest prefix of the request text if the match ratio
+    is > cache_threshold, else the worker with the smallest tree; the text is inserted in
+    the chosen worker's tree either way. Simplified: the per-worker tree is a set of
+    chained hashes of 16-character chunks (prefix matches are 16-char granular, not
+    char-exact); no LRU eviction (sglang's default max_tree_size, 67M chars, is never
+    reached in these runs); where several workers hold the longest match, sglang takes the
+    first tenant of the tree node (a hash-map order: arbitrary but stable), here the lowest
+    index. With a shared system prompt longer than `cache_threshold` of the first turn,
+    every new conversation therefore lands on the worker that saw the prompt first until
+    the in-flight imbalance passes the thresholds: that is sglang's behaviour too.
+    """
+
+    name = "sglang-cache-aware"
+
+    def __init__(
+        self, cache_threshold: float = 0.3, abs_threshold: int = 64, rel_threshold: float = 1.5
+    ) -> None:
+        self.cache_threshold = cache_threshold
+        self.abs_threshold = abs_threshold
+        self.rel_threshold = rel_threshold
+
+    def bind(self, n: int, registry: Registry | None, seed: int) -> None:
+        super().bind(n, registry, seed)
+        self.trees: list[set[int]] = [set() for _ in range(n)]
+
+    def _matched(self, tree: set[int], chain: list[int]) -> int:
+        lo, hi = 0, len(chain)  # trees are prefix-closed: binary search the longest match
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chain[mid - 1] in tree:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def pick(self, p: Prepared) -> int:
+        chain = p.chain()
+        loads = self.inflight
+        high, low = max(loads), min(loads)
+        if high - low > self.abs_threshold and high > low * self.rel_threshold:
+            choice = loads.index(low)
+        else:
+            matched = [self._matched(t, chain) for t in self.trees]
+            best = max(range(self.n), key=lambda i: matched[i])
+            text_len = len(p.info.prompt)
+            ratio = matched[best] * _TREE_CHARS / text_len if text_len else 0.0
+            if ratio > self.cache_threshold:
+                choice = best
+            else:
+                sizes = [len(t) for t in self.trees]
+                choice = sizes.index(min(sizes))
+        self.trees[choice].update(chain)
+        return choice
+
+
+class SglangCacheAwareLib(SglangCacheAware):
+    """`SglangCacheAware` with the Rust library's `CacheAwareConfig::default()` values."""
+
+    name = "sglang-cache-aware-lib"
+
+    def __init__(self) -> None:
+        super().__init__(cache_threshold=0.5, abs_threshold=32, rel_threshold=1.1)
+
+
+REFERENCES: dict[str, Callable[[], Contender]] = {
+    "consistent-hash": ConsistentHash,
+    "round-robin": RoundRobin,
+    "least-requests": LeastRequests,
+    "sglang-cache-aware": SglangCacheAware,
+    "sglang-cache-aware-lib": SglangCacheAwareLib,
+}
+
+
+def contender_names() -> list[str]:
+    """Every llmgw preset (as `llmgw:<name>`), then the reference policies."""
+    return [f"llmgw:{name}" for name in PRESETS] + list(REFERENCES)
+
+
+def make_contender(
+    name: str,
+    scrape_interval: float = 0.05,
+    custom: dict[str, dict[str, Any]] | None = None,
+) -> Contender:
+    """`llmgw:<preset>`, a reference name, or a name from `custom` (strategy dicts)."""
+    if custom and name in custom:
+        return LlmgwContender(name, custom[name], scrape_interval)
+    if name.startswith("llmgw:") and name[6:] in PRESETS:
+        return LlmgwContender(name, name[6:], scrape_interval)
+    if name in REFERENCES:
+        return REFERENCES[name]()
+    raise ValueError(f"unknown contender {name!r}; known: {', '.join(contender_names())}")
+
+
+# -- the simulation -----------------------------------------------------------------------
+
+_ARRIVAL, _WAKE, _STEP_END, _SCRAPE = 0, 1, 2, 3
+
+
+@dataclass
+class RunResult:
+    contender: str
+    requests: int
+    ttft_s: list[float]
+    e2e_s: list[float]
+    done_at: list[float]  # virtual completion times (capacity probes)
+    errors: int
+    error_kinds: dict[str, int]
+    per_replica: list[int]
+    prefix_hit_rate: float
+    virtual_s: float
+    finished_once: bool
+    registry_inflight: list[int] = field(default_factory=list)
+    scrapes: int = 0
+
+    def row(self) -> dict[str, Any]:
+        ttft = self.ttft_s
+        mean = sum(self.per_replica) / len(self.per_replica) if self.per_replica else 0.0
+        return {
+            "contender": self.contender,
+            "requests": self.requests,
+            "ttft_p50_ms": _ms(percentile(ttft, 50)),
+            "ttft_p90_ms": _ms(percentile(ttft, 90)),
+            "ttft_p99_ms": _ms(percentile(ttft, 99)),
+            "e2e_p90_ms": _ms(percentile(self.e2e_s, 90)),
+            "hit_rate": round(self.prefix_hit_rate, 3),
+            "max_mean": round(max(self.per_replica) / mean, 2) if mean else None,
+            "errors": self.errors,
+        }
+
+
+def _ms(value: float) -> float | None:
+    return None if math.isnan(value) else round(value * 1e3, 1)
+
+
+@dataclass(slots=True)
+class _Flight:
+    conv: int
+    turn: int
+    sent: float
+    engine: int
+    lease: Lease | None
+    first_seen: bool = False
+
+
+def simulate(
+    prepared: PreparedWorkload,
+    contender: Contender,
+    *,
+    seed: int = 1,
+    scrape_interval: float = 0.05,
+    scrape_jitter: float = 0.1,
+    max_events: int = 50_000_000,
+) -> RunResult:
+    """Replay the workload through `contender` onto fresh engines; deterministic."""
+    n = len(prepared.engines)
+    now = 0.0
+    registry: Registry | None = None
+    scraper: Scraper | None = None
+    if contender.uses_registry:
+        registry = Registry(clock=lambda: now)
+    contender.bind(n, registry, seed)
+    if registry is not None:
+        config = getattr(contender, "config", None) or router_config(n, seed=seed)
+        registry.staleness = config.scrape.staleness
+        scraper = Scraper(config, registry)
+    targets = scraper.targets() if scraper is not None else {}
+
+    engines = [EngineModel(cfg) for cfg in prepared.engines]
+    observations = [ModelObservations() for _ in range(n)]
+    pages = [
+        make_registry("vllm", [ServedModel(MODEL, engines[i], observations[i])]) for i in range(n)
+    ]
+    stepping = [False] * n
+    flights: dict[tuple[int, int], _Flight] = {}  # (engine, seq_id) -> flight
+    rng = random.Random(seed * 7919 + 17)
+    events: list[tuple[float, int, int, int, int]] = []
+    counter = itertools.count()
+
+    def push(t: float, kind: int, a: int, b: int = 0) -> None:
+        heapq.heappush(events, (t, next(counter), kind, a, b))
+
+    for conv in prepared.workload.conversations:
+        push(conv.start_s, _ARRIVAL, conv.index, 0)
+    conv_pos = {c.index: i for i, c in enumerate(prepared.workload.conversations)}
+    if scraper is not None:
+        for i in range(n):
+            push(rng.uniform(0, scrape_interval), _SCRAPE, i)
+
+    ttft: list[float] = []
+    e2e: list[float] = []
+    done_at: list[float] = []
+    per_replica = [0] * n
+    errors = 0
+    error_kinds: dict[str, int] = {}
+    outstanding = prepared.total
+    finished: set[tuple[int, int]] = set()
+    finished_once = True
+    scrapes = 0
+
+    def end_request(conv: int, turn: int) -> None:
+        nonlocal outstanding, finished_once
+        key = (conv, turn)
+        if key in finished:
+            finished_once = False
+        finished.add(key)
+        outstanding -= 1
+        turns = prepared.workload.conversations[conv_pos[conv]].turns
+        if turn + 1 < len(turns):
+            push(now + turns[turn].think_s, _ARRIVAL, conv, turn + 1)
+
+    def error(kind: str) -> None:
+        nonlocal errors
+        errors += 1
+        error_kinds[kind] = error_kinds.get(kind, 0) + 1
+
+    processed = 0
+    while events and outstanding > 0:
+        processed += 1
+        if processed > max_events:
+            raise RuntimeError("event budget exhausted (a stuck engine?)")
+        now, _, kind, a, b = heapq.heappop(events)
+        if kind == _ARRIVAL:
+            p = prepared.requests[conv_pos[a]][b]
+            try:
+                index, lease = contender.route(p)
+            except RouteError as exc:
+                error(str(exc))
+                end_request(a, b)
+                continue
+            per_replica[index] += 1
+            try:
+                seq = engines[index].submit(p.seq, now)
+            except (QueueFullError, RequestTooLargeError) as exc:
+                too_large = isinstance(exc, RequestTooLargeError)
+                if lease is not None:
+                    lease.finish(Outcome.FAILURE if too_large else Outcome.BACKPRESSURE)
+                contender.done(index)
+                error("400 too large" if too_large else "429 queue full")
+                end_request(a, b)
+                continue
+            flights[(index, seq.seq_id)] = _Flight(a, b, now, index, lease)
+            if not stepping[index]:
+                stepping[index] = True
+                push(now, _WAKE, index)
+        elif kind == _WAKE:
+            engine = engines[a]
+            push(now + engine.schedule(now), _STEP_END, a)
+        elif kind == _STEP_END:
+            engine = engines[a]
+            result = engine.complete(now)
+            for seq in result.emitted:
+                flight = flights.get((a, seq.seq_id))
+                if flight is not None and not flight.first_seen:
+                    flight.first_seen = True
+                    ttft.append(now - flight.sent)
+                    first_token = getattr(flight.lease, "first_token", None)
+                    if first_token is not None:
+                        first_token()
+            for seq in result.finished:
+                flight = flights.pop((a, seq.seq_id))
+                observations[a].observe(seq)
+                e2e.append(now - flight.sent)
+                done_at.append(now)
+                if flight.lease is not None:
+                    flight.lease.finish(Outcome.SUCCESS)
+                contender.done(a)
+                end_request(flight.conv, flight.turn)
+            if engine.has_work:
+                push(now + engine.schedule(now), _STEP_END, a)
+            else:
+                stepping[a] = False
+        elif scraper is not None:  # _SCRAPE
+            addr = address(a)
+            scraper.ingest(addr, targets[addr], render(pages[a]).decode())
+            scrapes += 1
+            spread = scrape_interval * scrape_jitter
+            push(now + scrape_interval + rng.uniform(-spread, spread), _SCRAPE, a)
+
+    hits = sum(e.stats.prefix_hits_tokens for e in engines)
+    queries = sum(e.stats.prefix_queries_tokens for e in engines)
+    inflight = [s.inflight for s in registry.states(MODEL)] if registry is not None else []
+    return RunResult(
+        contender=contender.name,
+        requests=prepared.total,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        done_at=done_at,
+        errors=errors,
+        error_kinds=error_kinds,
+        per_replica=per_replica,
+        prefix_hit_rate=hits / queries if queries else 0.0,
+        virtual_s=now,
+        finished_once=finished_once and len(finished) == prepared.total and not flights,
+        registry_inflight=inflight,
+        scrapes=scrapes,
+    )

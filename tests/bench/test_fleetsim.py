@@ -1,0 +1,125 @@
+"""The in-process fleet simulation: deterministic, conserves requests, uses the real core."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.fleetsim import (
+    MODEL,
+    PreparedWorkload,
+    make_contender,
+    prepare,
+    simulate,
+)
+from bench.fleetsim_grid import load_strategy_file
+from bench.workloads.regimes import chat_long
+from llmgw.registry import Registry
+from llmgw.sim.model import EngineConfig
+
+ENGINE = EngineConfig(
+    max_num_seqs=8,
+    max_queue=256,
+    kv_blocks=4096,
+    block_size=16,
+    prefill_us_per_token=200.0,
+    decode_ms=10.0,
+    max_model_len=16384,
+)
+
+
+def _chat(
+    conversations: int = 12, rate: float = 2.0, engine: EngineConfig = ENGINE
+) -> PreparedWorkload:
+    wl = chat_long(seed=5, scale=conversations / 100).with_rate(rate)
+    return prepare(wl, [engine] * 4)
+
+
+@pytest.fixture(scope="module")
+def chat() -> PreparedWorkload:
+    return _chat()
+
+
+@pytest.mark.parametrize("name", ["llmgw:chat", "sglang-cache-aware", "least-requests"])
+def test_same_seed_gives_the_same_table(chat: PreparedWorkload, name: str) -> None:
+    first = simulate(chat, make_contender(name), seed=3)
+    second = simulate(chat, make_contender(name), seed=3)
+    assert first.row() == second.row()
+    assert first.ttft_s == second.ttft_s
+    assert first.per_replica == second.per_replica
+
+
+@pytest.mark.parametrize("name", ["llmgw:chat", "llmgw:random", "consistent-hash", "round-robin"])
+def test_every_request_finishes_once_and_inflight_returns_to_zero(
+    chat: PreparedWorkload, name: str
+) -> None:
+    result = simulate(chat, make_contender(name), seed=1)
+    assert result.finished_once
+    assert result.errors == 0
+    assert len(result.ttft_s) == len(result.e2e_s) == chat.total
+    assert sum(result.per_replica) == chat.total
+    if name.startswith("llmgw:"):
+        assert result.registry_inflight == [0, 0, 0, 0]
+        assert result.scrapes > 0
+
+
+def test_scrapes_reach_the_registry_through_the_scraper_parse_path(
+    chat: PreparedWorkload,
+) -> None:
+    contender = make_contender("llmgw:least-load")
+    simulate(chat, contender, seed=1)
+    registry = getattr(contender, "scheduler").registry  # noqa: B009
+    assert isinstance(registry, Registry)
+    states = registry.states(MODEL)
+    assert all(s.metrics is not None and s.scrape_error is None for s in states)
+    assert all(s.metrics is not None and s.metrics.finished_total for s in states)
+
+
+def test_queue_full_is_backpressure_counted_as_error_and_released() -> None:
+    tiny = replace(ENGINE, max_queue=1, max_num_seqs=1)
+    prepared = _chat(conversations=30, rate=30.0, engine=tiny)
+    contender = make_contender("llmgw:round-robin")
+    result = simulate(prepared, contender, seed=1)
+    assert result.errors > 0
+    # 429s are BACKPRESSURE outcomes: they feed the breaker, which then opens (503s).
+    assert result.error_kinds.get("429 queue full", 0) > 0
+    assert set(result.error_kinds) <= {"429 queue full", "503 no_healthy_endpoint"}
+    assert result.finished_once
+    assert result.registry_inflight == [0, 0, 0, 0]
+    assert len(result.ttft_s) + result.errors == prepared.total
+
+
+def test_llmgw_ring_preset_routes_exactly_like_client_side_consistent_hashing(
+    chat: PreparedWorkload,
+) -> None:
+    ring = simulate(chat, make_contender("llmgw:ring"), seed=1)
+    reference = simulate(chat, make_contender("consistent-hash"), seed=1)
+    assert ring.per_replica == reference.per_replica
+    assert ring.ttft_s == reference.ttft_s
+
+
+def test_consistent_hash_keeps_conversations_cached_better_than_round_robin() -> None:
+    prepared = _chat(conversations=24, rate=3.0)
+    sticky = simulate(prepared, make_contender("consistent-hash"), seed=1)
+    spread = simulate(prepared, make_contender("round-robin"), seed=1)
+    assert sticky.prefix_hit_rate > spread.prefix_hit_rate + 0.15
+    assert sticky.row()["ttft_p50_ms"] < spread.row()["ttft_p50_ms"]
+
+
+def test_strategy_file_adds_a_custom_contender(tmp_path: Path, chat: PreparedWorkload) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: mine\nscorers: {session: 3, load: 1}\n")
+    custom = load_strategy_file(str(path))
+    assert list(custom) == ["custom:mine"]
+    result = simulate(chat, make_contender("custom:mine", custom=custom), seed=1)
+    assert result.finished_once and result.errors == 0
+
+
+def test_unknown_contender_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown contender"):
+        make_contender("llmgw:nope")
