@@ -16,8 +16,9 @@ conversational workloads (their cache hits save prefill), so "0.85" is 0.85 of
 least-requests' capacity. The working set (KV blocks) is estimated by Little's law:
 shared prompts once + live conversations x their final history, live = arrival rate x
 (think time + per-turn service estimate); tight cells size the KV so the working set
-is 2.5x the fleet's blocks (re-probing capacity with that KV), loose cells give every
-engine room for the whole working set. Both numbers are reported per cell.
+is 2.5x the fleet's blocks (re-probing capacity with that KV, a few rounds; never below
+1.5x the largest request per engine), loose cells give every engine room for the whole
+working set. Both numbers are reported per cell.
 
 Every contender replays the same prepared requests on fresh engines and a fresh router.
 Output: a table per cell, a summary of TTFT p90 / best-in-cell, bench/results/fleetsim.json
@@ -94,17 +95,36 @@ class Cell:
     tight: bool
     sessions: str
     mix: str
+    overrides: tuple[tuple[str, Any], ...] = ()  # workload generator arguments
 
 
 CELLS: tuple[Cell, ...] = (
     Cell("chat-long-mid-P", "chat-long", 0.6, "P", False, "many, growing", "long chat"),
     Cell("chat-long-mid-D", "chat-long", 0.6, "D", False, "many, growing", "long chat"),
     Cell("chat-long-low-P", "chat-long", 0.3, "P", False, "many, growing", "long chat"),
-    Cell("chat-long-high-P-tight", "chat-long", 0.85, "P", True, "many, growing", "long chat"),
+    Cell(
+        "chat-long-high-P-tight",
+        "chat-long",
+        0.85,
+        "P",
+        True,
+        "many, growing",
+        "long chat",
+        overrides=(("think_s", 2.5),),  # more live histories: a working set 2-3x the KV
+    ),
     Cell("hot-mid-P", "hot", 0.6, "P", False, "few hot (Zipf)", "long context"),
     Cell("hot-high-D-tight", "hot", 0.85, "D", True, "few hot (Zipf)", "long context"),
     Cell("prefix-mid-P", "prefix", 0.6, "P", False, "none", "shared prefixes"),
-    Cell("prefix-high-P-tight", "prefix", 0.85, "P", True, "none", "shared prefixes"),
+    Cell(
+        "prefix-high-P-tight",
+        "prefix",
+        0.85,
+        "P",
+        True,
+        "none",
+        "shared prefixes",
+        overrides=(("prefixes", 40),),  # 12 prefixes fit in the minimum KV of 4 engines
+    ),
     Cell("docs-mid-P", "docs", 0.6, "P", False, "none", "long documents"),
     Cell("decode-high-D", "decode", 0.85, "D", False, "none", "decode-heavy"),
     Cell("chat-short-low-D", "chat-short", 0.3, "D", False, "many cold", "short chat"),
@@ -113,13 +133,15 @@ CELLS: tuple[Cell, ...] = (
 CELL_BY_NAME = {c.name: c for c in CELLS}
 
 
-def make_workload(name: str, seed: int, count: int | None = None) -> Workload:
+def make_workload(
+    name: str, seed: int, count: int | None = None, overrides: tuple[tuple[str, Any], ...] = ()
+) -> Workload:
     """The named workload (bench/workloads or regimes), with about `count` conversations."""
 
     def at(scale: float) -> Workload:
         if name in WORKLOADS:
-            return build(name, seed, scale)
-        return REGIMES[name](seed, scale=scale)
+            return build(name, seed, scale, **dict(overrides))
+        return REGIMES[name](seed, scale=scale, **dict(overrides))
 
     base = at(1.0)
     if count is None:
@@ -186,10 +208,10 @@ class CellPlan:
 def plan_cell(cell: Cell, seed: int, quick: bool) -> CellPlan:
     shape = SHAPES[cell.shape]
     slots = REPLICAS * shape.max_num_seqs
-    base = make_workload(cell.workload, seed)
+    base = make_workload(cell.workload, seed, overrides=cell.overrides)
     mean_turns = _mean([len(c.turns) for c in base.conversations])
     chains = math.ceil((1.5 if mean_turns > 1.5 else 3.0) * slots)
-    probe_wl = make_workload(cell.workload, seed, chains)
+    probe_wl = make_workload(cell.workload, seed, chains, cell.overrides)
     worst = _max_request_blocks(probe_wl, shape)
     # Probe KV: every batch slot can hold a worst-case request, so memory never caps the batch.
     kv = max(8 * worst, shape.max_num_seqs * worst)
@@ -197,10 +219,14 @@ def plan_cell(cell: Cell, seed: int, quick: bool) -> CellPlan:
     conv_rate = cell.load * cap / mean_turns
     ws = working_set_blocks(base, conv_rate, shape)
     if cell.tight:
-        kv = max(2 * worst, math.ceil(ws / TIGHT_RATIO / REPLICAS))
-        cap = capacity(probe_wl, replace(shape, kv_blocks=kv), chains)
-        conv_rate = cell.load * cap / mean_turns
-        ws = working_set_blocks(base, conv_rate, shape)
+        # Less KV, less capacity, a lower rate, a smaller working set: iterate a few times.
+        for _ in range(4):
+            kv = max(3 * worst // 2, math.ceil(ws / TIGHT_RATIO / REPLICAS))
+            cap = capacity(probe_wl, replace(shape, kv_blocks=kv), chains)
+            conv_rate = cell.load * cap / mean_turns
+            ws = working_set_blocks(base, conv_rate, shape)
+            if kv == 3 * worst // 2 or abs(ws / (kv * REPLICAS) - TIGHT_RATIO) < 0.4:
+                break
     else:
         kv = max(kv, math.ceil(ws * 1.2))  # each engine could hold the whole working set
     window, min_requests = (10.0, 150) if quick else (30.0, 500)
@@ -226,7 +252,8 @@ def run_cell(
 ) -> dict[str, Any]:
     started = time.process_time()
     plan = plan_cell(cell, seed, quick)
-    wl = make_workload(cell.workload, seed, plan.conversations).with_rate(plan.conv_rate)
+    wl = make_workload(cell.workload, seed, plan.conversations, cell.overrides)
+    wl = wl.with_rate(plan.conv_rate)
     engine = replace(SHAPES[cell.shape], kv_blocks=plan.kv_blocks)
     prepared = prepare(wl, [engine] * REPLICAS)
     runs = []
@@ -298,7 +325,9 @@ def heat_map(cells: list[dict[str, Any]], path: Path) -> None:
             if not math.isnan(value):
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=7)
     ax.set_title("TTFT p90 / best contender in the cell (fleetsim, virtual time)")
-    fig.colorbar(image, ax=ax, shrink=0.8)
+    bar = fig.colorbar(image, ax=ax, shrink=0.8)
+    bar.set_ticks([1.0, 1.5, 2.0, 3.0, 4.0], labels=["1", "1.5", "2", "3", ">=4"])
+    bar.minorticks_off()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
