@@ -1,18 +1,22 @@
-"""Online calibration of one endpoint's latency model, from what it publishes and what the
-router sees: seconds of prefill per computed prompt token, seconds per engine step (time
-between tokens) at a known batch size, batch slots, and how long a request holds a slot.
+"""Online calibration of the latency model from what engines publish: seconds of prefill
+per computed prompt token, seconds per engine step (time between tokens) for a batch of
+one, and prompt tokens computed per request.
 
-Pure: counters arrive through `on_scrape`, lease durations through `on_release`. Each
-estimate is a ratio of decayed sums (sum of seconds / sum of tokens over recent scrapes),
-so a scrape window that saw one short request does not swing it.
+Pure: counters arrive through `on_scrape`. Each estimate is a ratio of decayed sums (sum of
+seconds / sum of tokens over recent scrapes), so a scrape window that saw one short request
+does not swing it. The scorer pools the sums over a model's endpoints (`pooled`): replicas
+of one model share hardware and per-token costs, while one replica's own numbers also carry
+its load (a busy engine's prefills share steps with others and look slower per token), and
+routing on those would feed back into them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from llmgw.types import EngineMetrics
 
 _DECAY = 0.9  # per scrape that carried new data: ~10 scrapes of memory
-_SERVICE_ALPHA = 0.05  # per finished request
 _MIN_TOKENS = 16.0  # a window with fewer computed tokens says little about per-token cost
 
 
@@ -35,8 +39,6 @@ class Calibration:
         "_tokens_den",
         "_tokens_num",
         "prefill_s_per_token",
-        "service_s",
-        "slots",
         "step_s",
         "tokens_per_prefill",
     )
@@ -49,8 +51,6 @@ class Calibration:
         self._step_den = 0.0  # decayed steps
         self._tokens_num = 0.0  # decayed computed tokens ...
         self._tokens_den = 0.0  # ... per decayed prefills
-        self.slots: float | None = None  # most sequences seen running while others waited
-        self.service_s: float | None = None  # mean time a request holds its slot
         # Plain attributes, not properties: read per endpoint on every pick.
         self.prefill_s_per_token: float | None = None
         self.step_s: float | None = None  # one engine step for a batch of one
@@ -58,9 +58,6 @@ class Calibration:
 
     def on_scrape(self, m: EngineMetrics, batch_factor: float = 0.02) -> None:
         prev, self._prev = self._prev, m
-        if m.waiting >= 1 and m.running >= 1:
-            # Requests wait although sequences run: the batch is (near) full at this size.
-            self.slots = m.running if self.slots is None else max(self.slots, m.running)
         if prev is None:
             return
         tokens = _delta(m.computed_tokens_sum, prev.computed_tokens_sum)
@@ -87,11 +84,20 @@ class Calibration:
             self._step_den = self._step_den * _DECAY + steps
             self.step_s = self._step_num / self._step_den
 
-    def on_release(self, duration: float) -> None:
-        """A request that held a slot for `duration` seconds ended (router-side view)."""
-        if duration < 0:
-            return
-        if self.service_s is None:
-            self.service_s = duration
-        else:
-            self.service_s += _SERVICE_ALPHA * (duration - self.service_s)
+
+def pooled(cals: Iterable[Calibration]) -> tuple[float | None, float | None, float | None]:
+    """(seconds per prefill token, seconds per step, tokens per prefill) over many endpoints:
+    ratios of the summed decayed sums, so busier endpoints (more data) weigh more."""
+    sums = [0.0] * 6
+    for c in cals:
+        sums[0] += c._prefill_num
+        sums[1] += c._prefill_den
+        sums[2] += c._step_num
+        sums[3] += c._step_den
+        sums[4] += c._tokens_num
+        sums[5] += c._tokens_den
+    return (
+        sums[0] / sums[1] if sums[1] > 0 else None,
+        sums[2] / sums[3] if sums[3] > 0 else None,
+        sums[4] / sums[5] if sums[5] > 0 else None,
+    )

@@ -141,7 +141,6 @@ class Registry:
         outcome: Outcome,
         *,
         probe: bool = False,
-        started: float | None = None,
     ) -> None:
         state = self._by_id.get((model, endpoint_id))
         if state is None:
@@ -153,8 +152,6 @@ class Registry:
             if probe:
                 state.breaker.release_probe()
             return
-        if started is not None and outcome is Outcome.SUCCESS:
-            state.calibration.on_release(now - started)
         state.breaker.record(outcome is Outcome.SUCCESS, now, probe=probe)
 
     def first_token(self, model: str, endpoint_id: str, ready_at: float) -> None:

@@ -145,9 +145,7 @@ class Lease:
         if self.done:
             return
         self.done = True
-        self.registry.release(
-            self.model, self.endpoint_id, outcome, probe=self.probe, started=self.started
-        )
+        self.registry.release(self.model, self.endpoint_id, outcome, probe=self.probe)
 
 
 class Scheduler:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from llmgw.calibration import pooled
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.prefix import PrefixIndex
@@ -203,17 +204,18 @@ class LatencyScorer:
     """Predicted time to first token on each endpoint, in seconds; the fastest scores 1.
 
     ttft = queue + prefill + step, where
-      queue   = the prefill work this router already sent there and the engine has not done
-                (a fluid model: each pick adds its uncached tokens x seconds per token, time
-                drains it, an early first token cuts it), or what the engine's own waiting
-                count or full batch implies, whichever is longest;
+      queue   = the prefill work this router already sent there that the engine has not
+                done (a fluid model: each pick adds its uncached tokens x seconds per token,
+                time drains it, an early first token cuts it), or the engine's own waiting
+                count x the prefill of a typical request, whichever is longer;
       prefill = (prompt tokens - tokens probably cached there) x seconds per prefill token;
-      step    = one engine step at that endpoint's current batch size.
-    Seconds per token and per step come from each engine's published histograms and
-    counters (`llmgw.calibration`), else the fleet's mean, else the params. Leaving a
-    replica costs the prefill of every uncached token; moving buys less queueing: both are
-    time, so the comparison holds at any load. `work_weight` also charges the uncached
-    prefill as work imposed on later requests (a move duplicates a history's cache).
+      step    = one engine step at that endpoint's batch size (waiting + running).
+    Seconds per token and per step come from the model's engines' published histograms
+    and counters, pooled over its endpoints (`llmgw.calibration`), else from the params.
+    Leaving a replica costs the prefill of every uncached token; moving buys less queueing:
+    both are time, so the comparison holds at any load. The choice minimises
+    ttft + work_weight x prefill: a prefill is also work that delays later requests there,
+    and a move duplicates a history's cache.
     """
 
     name = "latency"
@@ -258,23 +260,30 @@ class LatencyScorer:
         )
         self._request: RequestInfo | None = None
         self._hashes: list[int] = []
-        self._fleet: tuple[float, float, float] = (float("-inf"), self.prefill_s, self.step_s)
+        # (computed at, s per prefill token, s per step, tokens per prefill or None)
+        self._costs: tuple[float, float, float, float | None] = (
+            float("-inf"),
+            self.prefill_s,
+            self.step_s,
+            None,
+        )
         self._candidates: list[EndpointState] = []
         self._terms: list[tuple[float, float, float, float]] = []
 
-    def _fleet_defaults(self, ctx: PickContext) -> tuple[float, float]:
-        """Mean calibrated costs over the model's endpoints (refreshed once a second):
-        a new endpoint starts from its peers' numbers, not from the params."""
-        at, prefill, step = self._fleet
-        if ctx.now - at < 1.0:
-            return prefill, step
-        cals = [s.calibration for s in ctx.all_states]
-        prefills = [p for c in cals if (p := c.prefill_s_per_token) is not None]
-        steps = [p for c in cals if (p := c.step_s) is not None]
-        prefill = sum(prefills) / len(prefills) if prefills else self.prefill_s
-        step = sum(steps) / len(steps) if steps else self.step_s
-        self._fleet = (ctx.now, prefill, step)
-        return prefill, step
+    def costs(self, ctx: PickContext) -> tuple[float, float, float | None]:
+        """(s per prefill token, s per step for a batch of one, tokens per prefill): pooled
+        calibration of the model's endpoints, refreshed at most every 0.1 s, else params."""
+        at, per_token, step, tokens = self._costs
+        if ctx.now - at < 0.1:
+            return per_token, step, tokens
+        per_token, step, tokens = self.prefill_s, self.step_s, None
+        if self.calibrate:
+            measured = pooled([s.calibration for s in ctx.all_states])
+            per_token = measured[0] or per_token
+            step = measured[1] or step
+            tokens = measured[2]
+        self._costs = (ctx.now, per_token, step, tokens)
+        return per_token, step, tokens
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         request = ctx.request
@@ -287,25 +296,18 @@ class LatencyScorer:
         block = self.block_tokens
         now = ctx.now
         fresh = ctx.fresh
-        calibrate = self.calibrate
-        fleet_prefill, fleet_step = (
-            self._fleet_defaults(ctx) if calibrate else (self.prefill_s, self.step_s)
-        )
-        factor = self.batch_factor
+        per_token, step0, typical = self.costs(ctx)
+        # The engine's waiting requests: each a typical prefill (this one, if none known).
+        per_waiting = per_token * (typical or tokens)
+        factor = step0 * self.batch_factor
         work_weight = self.work_weight
-        # (queue, prefill, step) seconds per candidate; this loop runs per endpoint per pick,
-        # so it avoids calls (no max(), no properties) and appends once.
+        # (ttft, queue, prefill, step) seconds per candidate; this loop runs per endpoint per
+        # pick, so it avoids calls (no max(), no properties) and appends once.
         terms: list[tuple[float, float, float, float]] = []
         append = terms.append
         costs: list[float] = []
         append_cost = costs.append
         for s in candidates:
-            cal = s.calibration
-            if calibrate:
-                per_token = cal.prefill_s_per_token or fleet_prefill
-                step = cal.step_s or fleet_step
-            else:
-                per_token, step = fleet_prefill, fleet_step
             load: float = s.inflight
             queue = s.busy_until - now
             if queue < 0:
@@ -316,18 +318,12 @@ class LatencyScorer:
                 if engine_load > load:  # noqa: PLR1730 (no call per endpoint)
                     load = engine_load
                 if m.waiting >= 1:  # others' work too (other routers, direct clients)
-                    engine_queue = m.waiting * per_token * (cal.tokens_per_prefill or tokens)
+                    engine_queue = m.waiting * per_waiting
                     if engine_queue > queue:  # noqa: PLR1730
                         queue = engine_queue
-            slots = cal.slots
-            if slots is not None and load >= slots and cal.service_s is not None:
-                # A full batch: wait for (position in the queue) slots to free up.
-                slot_queue = (load - slots + 1) * cal.service_s / slots
-                if slot_queue > queue:  # noqa: PLR1730
-                    queue = slot_queue
             hit = get_matched(s.id, 0) * block
             prefill = per_token * (tokens - hit if hit < tokens else 1)
-            step *= 1 + factor * load
+            step = step0 + factor * load
             ttft = queue + prefill + step
             append((ttft, queue, prefill, step))
             append_cost(ttft + work_weight * prefill)

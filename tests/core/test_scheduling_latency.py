@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from llmgw.calibration import Calibration
+from llmgw.calibration import Calibration, pooled
 from llmgw.registry import EndpointState, Registry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.scorers import LatencyScorer
@@ -155,7 +155,7 @@ def test_an_early_first_token_cuts_the_modelled_queue() -> None:
     lease.first_token()
     assert state_a.busy_until == pytest.approx(NOW + 0.1)
     lease.finish(Outcome.SUCCESS)
-    assert state_a.calibration.service_s == pytest.approx(0.1)
+    assert state_a.inflight == 0
 
 
 def test_decision_summary_names_the_dominant_term() -> None:
@@ -167,17 +167,31 @@ def test_decision_summary_names_the_dominant_term() -> None:
     assert scores["ttft_s"] == pytest.approx(0.42)
 
 
-def test_calibrated_endpoint_costs_replace_the_defaults() -> None:
-    """An endpoint that publishes 1 ms per prefill token is predicted 10x slower per token."""
+def test_published_costs_replace_the_params_pooled_over_the_model() -> None:
+    """Engines that publish 1 ms per prefill token are predicted 10x slower per token than
+    the default; one replica's numbers count for all (a busy one's would feed back)."""
     scorer = LatencyScorer()
-    slow, fresh_peer = state("a:1"), state("b:1")
-    slow.calibration.on_scrape(metrics(prefill_s=0.0, tokens=0.0))
-    slow.calibration.on_scrape(metrics(prefill_s=1.0, tokens=1000.0))
-    scorer.score(context([slow, fresh_peer], request=request(), now=NOW), [slow, fresh_peer])
-    prefill = scorer.terms()["prefill_s"]
-    assert prefill[0] == pytest.approx(4.0)
-    # b:1 never published: it takes the fleet's mean (the one calibrated peer), not the param.
-    assert prefill[1] == pytest.approx(4.0)
+    a, b, quiet = state("a:1"), state("b:1"), state("c:1")
+    for s, (seconds, tokens) in ((a, (1.0, 1000.0)), (b, (3.0, 3000.0))):
+        s.calibration.on_scrape(metrics())
+        s.calibration.on_scrape(metrics(prefill_s=seconds, tokens=tokens))
+    states = [a, b, quiet]
+    scorer.score(context(states, request=request(), now=NOW), states)
+    assert scorer.terms()["prefill_s"] == pytest.approx((4.0, 4.0, 4.0))
+    assert LatencyScorer(calibrate=False).score(context(states, request=request(), now=NOW), states)
+    uncalibrated = LatencyScorer(calibrate=False)
+    uncalibrated.score(context(states, request=request(), now=NOW), states)
+    assert uncalibrated.terms()["prefill_s"][0] == pytest.approx(4000 * PER_TOKEN)
+
+
+def test_pooled_calibration_weighs_endpoints_by_their_data() -> None:
+    a, b = Calibration(), Calibration()
+    for cal, (seconds, tokens) in ((a, (1.0, 1000.0)), (b, (0.1, 9000.0))):
+        cal.on_scrape(metrics())
+        cal.on_scrape(metrics(prefill_s=seconds, tokens=tokens))
+    per_token, step, typical = pooled([a, b])
+    assert per_token == pytest.approx(1.1 / 10000) and step is None and typical is None
+    assert pooled([]) == (None, None, None)
 
 
 def metrics(
@@ -219,12 +233,3 @@ def test_calibration_ignores_counter_resets_and_tiny_windows() -> None:
     assert cal.prefill_s_per_token is None
     cal.on_scrape(metrics(prefill_s=0.2, tokens=104))  # 4 tokens: too few to say anything
     assert cal.prefill_s_per_token is None
-
-
-def test_calibration_learns_batch_slots_only_while_requests_wait() -> None:
-    cal = Calibration()
-    cal.on_scrape(metrics(running=5))
-    assert cal.slots is None
-    cal.on_scrape(metrics(running=8, waiting=3))
-    cal.on_scrape(metrics(running=6, waiting=1))
-    assert cal.slots == 8
