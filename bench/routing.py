@@ -510,7 +510,9 @@ def heatmap(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> Path |
             label = "-" if math.isnan(value) else f"{value:.2f}"
             ax.text(j, i, label, ha="center", va="center", fontsize=7)
     ax.set_title("TTFT p90 / best contender of the cell (1.00 = best)")
-    fig.colorbar(image, ax=ax, fraction=0.03)
+    bar = fig.colorbar(image, ax=ax, fraction=0.03)
+    bar.set_ticks([1.0, 1.5, 2.0, 3.0, 4.0])
+    bar.set_ticklabels(["1", "1.5", "2", "3", ">=4"])
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
