@@ -14,12 +14,16 @@ vLLM does not count), end-to-end at `[DONE]`/EOF, output tokens from the usage c
 
     records, wall = await run(url, "m1", workload, mode="open")          # Poisson arrivals
     records, wall = await run(url, "m1", workload, mode="closed", concurrency=32)
+    # client-side routing: no router, the client picks the replica of every request
+    records, wall = await run(url, "m1", workload, pick_url=ring_picker(replica_urls))
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,6 +33,31 @@ import orjson
 from bench.workloads import Conversation, Workload
 
 SESSION_HEADER = "x-session-id"
+CHAT_PATH = "/v1/chat/completions"
+
+# (conversation, turn) -> the full URL to send that request to.
+UrlPicker = Callable[[Conversation, int], str]
+
+
+def ring_picker(replica_urls: list[str]) -> UrlPicker:
+    """Client-side consistent hashing: the session id on the Ray-compatible ring (100
+    vnodes a replica, mmh3), straight to the replica; no session = a per-request key."""
+    from llmgw.hashring import HashRing  # noqa: PLC0415 (only this mode needs mmh3)
+
+    by_id = {u.removeprefix("http://"): u for u in replica_urls}
+    ring = HashRing(list(by_id), num_fallback_replicas=0)
+
+    def pick(conv: Conversation, turn: int) -> str:
+        key = conv.session_id or f"request-{conv.index}-{turn}"
+        return by_id[ring.candidates(key)[0]] + CHAT_PATH
+
+    return pick
+
+
+def round_robin_picker(replica_urls: list[str]) -> UrlPicker:
+    """Client-side round-robin over the replicas, in request order."""
+    cycle = itertools.cycle(replica_urls)
+    return lambda conv, turn: next(cycle) + CHAT_PATH
 
 
 @dataclass(slots=True)
@@ -155,14 +184,16 @@ async def _play(
     wait_for_start: bool,
     session_header: str,
     timeout_s: float,
+    pick_url: UrlPicker | None = None,
 ) -> None:
     if wait_for_start:
         delay = conv.start_s - (time.perf_counter() - t0)
         if delay > 0:
             await asyncio.sleep(delay)
     for turn in range(len(conv.turns)):
+        target = pick_url(conv, turn) if pick_url is not None else url
         record = await send_one(
-            http, url, model, conv, turn, t0, session_header=session_header, timeout_s=timeout_s
+            http, target, model, conv, turn, t0, session_header=session_header, timeout_s=timeout_s
         )
         out.append(record)
         think = conv.turns[turn].think_s
@@ -179,12 +210,14 @@ async def run(
     concurrency: int = 32,
     session_header: str = SESSION_HEADER,
     timeout_s: float = 60.0,
+    pick_url: UrlPicker | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Replay `workload` against `url` (a /v1/chat/completions URL).
 
     mode "open": every conversation starts at its `start_s` (Poisson arrivals), however
     slow the server is. mode "closed": `concurrency` conversations at a time, the next
-    starting when one ends. Returns (records, wall seconds of the whole run).
+    starting when one ends. `pick_url` routes on the client (then `url` is unused).
+    Returns (records, wall seconds of the whole run).
     """
     if mode not in ("open", "closed"):
         raise ValueError(f"mode must be 'open' or 'closed', got {mode!r}")
@@ -208,6 +241,7 @@ async def run(
                         wait_for_start=True,
                         session_header=session_header,
                         timeout_s=timeout_s,
+                        pick_url=pick_url,
                     )
                     for conv in workload.conversations
                 )
@@ -233,6 +267,7 @@ async def run(
                         wait_for_start=False,
                         session_header=session_header,
                         timeout_s=timeout_s,
+                        pick_url=pick_url,
                     )
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -30,7 +30,13 @@ PEER_PACKAGES = ("vllm-router", "sglang-router")
 
 # Which policies each peer offers for the routing benchmark (checked against --help).
 PEER_POLICIES: dict[str, tuple[str, ...]] = {
-    "vllm-router": ("consistent_hash", "cache_aware", "round_robin", "power_of_two"),
+    "vllm-router": (
+        "consistent_hash",
+        "cache_aware",
+        "sticky_least_loaded",
+        "round_robin",
+        "power_of_two",
+    ),
     "sglang-router": ("cache_aware", "round_robin", "power_of_two"),
 }
 

@@ -1,32 +1,36 @@
-"""Routing quality through the real Envoy: llmgw strategies vs round-robin, pure consistent
-hashing and the Rust peer routers, on the same simulated replicas and seeded workloads.
+"""Routing quality as a regime grid: every llmgw preset through the real Envoy, `llmgw
+proxy`, the Rust peer routers and client-side routing, on the same simulated replicas,
+over a named list of cells that spans load x prompt mix x sessions x cache pressure.
 
-    .venv/bin/python bench/routing.py            # full: < 10 min on 2 cores
-    .venv/bin/python bench/routing.py --quick    # < 2 min: 5 contenders, 2 workloads
-    .venv/bin/python bench/routing.py --only envoy:chat,envoy:round-robin --workloads chat
+    .venv/bin/python bench/routing.py                  # 12 cells, ~25 min on 2 cores
+    .venv/bin/python bench/routing.py --quick          # 3 cells, 8 contenders, < 5 min
+    .venv/bin/python bench/routing.py --cells chat-history,docs-shared --only envoy:chat
+    .venv/bin/python bench/routing.py --list           # the cells and contenders
 
-What runs (one process each, one contender at a time, same 8 replicas):
-- 8 simulated vLLM replicas (`llmgw sim`, time-scaled, prefix cache and continuous
-  batching on, `max_num_seqs` small so queues form, prefill of uncached tokens the main
-  cost of TTFT), `SIM_ARGS` below;
-- llmgw through Envoy: `llmgw extproc` + `envoy` with the config from `llmgw envoy-config
-  --shape override-host`, strategies round-robin, random, ring (pure Ray ring),
-  bounded-ring, chat, and chat's scorers with a softmax picker at a few temperatures;
-- llmgw's ASGI proxy (`llmgw proxy`) with chat;
-- `vllm-router` (consistent_hash, cache_aware) and `sglang-router` (cache_aware), from
-  `.venv-peers` (bench/peers.py installs them there).
+Cells (`bench/workloads/grid.py`, `REGIMES`): load 0.3 / 0.6 / 0.85 of a capacity
+computed from the simulator's parameters (`EngineSpeed`: prefill cost per uncached
+token, decode step, batch and KV limits, with ideal prefix reuse), prompt mixes (short
+chat, long growing histories, long documents, prefill-heavy, decode-heavy), sessions
+(none / many cold / few hot Zipf) and cache pressure (working set 0.4x or ~2.5x the
+fleet's KV cache). Low- and high-pressure cells run on two fleets that differ only in
+KV blocks (`KV_BLOCKS`), so pressure is the working set over the cache in earnest.
 
-Load: `bench/loadclient.py` (our own aiohttp client, see its docstring for why) replays
-`bench/workloads` (chat, hot, prefix, mixed) open loop at each workload's nominal rate;
-before every run the replicas are reset (`POST /admin/reset`: prefix caches cleared),
-so every contender starts cold. A throughput sweep replays each workload at higher
-offered rate (x3) for the saturation contenders. Reported per workload and
-contender: client TTFT p50/p90/p99, end-to-end p50/p90, output tokens/s, prefix-cache
-hit rate (deltas of the simulators' `vllm:prefix_cache_*` counters), requests served
-per replica max/mean (deltas of `vllm:request_success`), errors. Writes
-bench/results/routing.json and PNG plots (matplotlib) in bench/results/.
+What runs: 4 simulated vLLM replicas (`llmgw sim`, chunked prefill, prefix cache with
+LRU eviction, vLLM metric names; `SIM_ARGS`), then one contender at a time: llmgw
+through Envoy (`envoy-config --shape override-host`) with every preset in
+`llmgw.scheduling.strategies.PRESETS` (minus `SKIPPED_PRESETS`; a new preset such as
+`latency` appears by itself), `llmgw proxy` with the default strategy, vllm-router
+(consistent_hash, cache_aware, sticky_least_loaded), sglang-router (cache_aware), and
+client-side routing (`client:ring`: the load client hashes the session id on the
+Ray-compatible ring straight to a replica; `client:round-robin`).
 
-Everything shares the machine: compare contenders within one run, not across runs.
+Load: `bench/loadclient.py` replays each cell open loop (Poisson conversation starts,
+multi-turn with think times); TTFT is timed on the client at the first chunk carrying
+content (the role chunk does not count). Before each run the replicas drain and reset
+(prefix caches cleared). Per cell and contender: TTFT p50/p90/p99, e2e p90, output
+tokens/s, prefix hit rate (simulator counters), requests per replica max/mean, errors
+and 429s. Writes bench/results/routing_grid.json and routing_grid_heatmap.png (TTFT p90
+over the best contender of the cell). Compare contenders within one run, not across runs.
 """
 
 from __future__ import annotations
@@ -56,42 +60,72 @@ import aiohttp  # noqa: E402
 import yaml  # noqa: E402
 
 from bench._tools import format_table, write_results  # noqa: E402
-from bench.loadclient import RequestRecord, run  # noqa: E402
+from bench.loadclient import (  # noqa: E402
+    RequestRecord,
+    UrlPicker,
+    ring_picker,
+    round_robin_picker,
+    run,
+)
 from bench.peers import PEER_POLICIES, Service, ensure_peers, free_port, peer_command  # noqa: E402
-from bench.workloads import Workload, build, percentile  # noqa: E402
-from llmgw.sim.fleet import SimProcess, spawn  # noqa: E402
+from bench.workloads import Workload, percentile  # noqa: E402
+from bench.workloads.grid import (  # noqa: E402
+    QUICK_REGIMES,
+    REGIMES,
+    EngineSpeed,
+    Regime,
+    regime_workload,
+)
+from llmgw.scheduling.strategies import PRESETS  # noqa: E402
+from llmgw.sim.fleet import spawn  # noqa: E402
 
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 MODEL = "m1"
-REPLICAS = 8
+REPLICAS = 4
 
-# Simulated engine: 200 us/token prefill and 40 ms decode steps, run at 0.2x wall time
-# (40 us/token, 8 ms/step). A 3,000-token uncached history costs 120 ms of prefill that
-# blocks its replica's batch; 8 sequences a replica at most, so queues form under load.
-# 8192 blocks of 16 tokens (131k tokens) a replica: room for the histories a replica
-# owns under sticky routing, not for every history (what round-robin asks of each).
-SIM_ARGS = [
-    "--replicas", str(REPLICAS), "--base-port", "0", "--model", MODEL,
-    "--time-scale", "0.2", "--prefill-us-per-token", "200", "--decode-ms", "40",
-    "--decode-batch-factor", "0.03", "--max-num-seqs", "8", "--max-queue", "4096",
-    "--kv-blocks", "8192", "--block-size", "16", "--max-model-len", "16384",
-]  # fmt: skip
+# Simulated engine, wall time (time scale 1): 60 us a prefill token (3,000 uncached tokens
+# = 180 ms), 25 ms decode steps (+3 % per extra sequence), 8 sequences a replica, chunked
+# prefill at 2,048 tokens a step. Small enough rates for 2 cores: ~15-75 req/s at capacity.
+PREFILL_US, DECODE_MS, BATCH_FACTOR, MAX_SEQS, BLOCK = 60.0, 25.0, 0.03, 8, 16
+# KV blocks a replica per pressure level: 4096 (65k tokens) holds a 0.4x working set;
+# 768 (12k tokens) puts the ~2.5x cells' working set well above the fleet's cache.
+KV_BLOCKS = {"low": 4096, "high": 768}
 
 
-def sim_args() -> list[str]:
-    """SIM_ARGS on fixed ports when they are free: ring positions hash the addresses, so
-    fixed ports make the pure ring's placement (and its imbalance) the same every run."""
+def pressure_level(regime: Regime) -> str:
+    return "high" if regime.pressure > 1 else "low"
+
+
+def sim_args(level: str, base_port: int) -> list[str]:
+    return [
+        "--replicas", str(REPLICAS), "--base-port", str(base_port), "--model", MODEL,
+        "--time-scale", "1", "--prefill-us-per-token", str(PREFILL_US),
+        "--decode-ms", str(DECODE_MS), "--decode-batch-factor", str(BATCH_FACTOR),
+        "--max-num-seqs", str(MAX_SEQS), "--max-queue", "4096",
+        "--kv-blocks", str(KV_BLOCKS[level]), "--block-size", str(BLOCK),
+        "--max-model-len", "16384", "--max-num-batched-tokens", "2048",
+    ]  # fmt: skip
+
+
+def engine_speed(level: str) -> EngineSpeed:
+    return EngineSpeed(
+        replicas=REPLICAS,
+        prefill_s_per_token=PREFILL_US / 1e6,
+        decode_step_s=DECODE_MS / 1e3,
+        decode_batch_factor=BATCH_FACTOR,
+        max_num_seqs=MAX_SEQS,
+        kv_tokens_per_replica=KV_BLOCKS[level] * BLOCK,
+    )
+
+
+def base_port() -> int:
+    """Fixed ports when free: ring positions hash the addresses, so fixed ports keep the
+    ring's placement (and its imbalance) the same every run."""
     for base in (18100, 28100, 38100):
         if all(_port_free(base + i) for i in range(REPLICAS)):
-            return _with_base(base)
-    return SIM_ARGS
-
-
-def _with_base(base: int) -> list[str]:
-    args = list(SIM_ARGS)
-    args[args.index("--base-port") + 1] = str(base)
-    return args
+            return base
+    return 0
 
 
 def _port_free(port: int) -> bool:
@@ -105,67 +139,58 @@ def _port_free(port: int) -> bool:
     return True
 
 
-SOFTMAX_TEMPERATURES = (0.05, 0.2, 1.0)
-
-
 @dataclass(frozen=True)
 class Contender:
     name: str
-    edge: str  # envoy | asgi | vllm-router | sglang-router
+    edge: str  # envoy | asgi | vllm-router | sglang-router | client
     strategy: str | dict[str, Any] | None = None
     policy: str | None = None
 
 
-def _softmax(temperature: float) -> dict[str, Any]:
-    return {
-        "scorers": {"session": 1.0, "prefix": 2.0, "queue": 2.0, "kv": 1.0},
-        "picker": {"type": "softmax", "temperature": temperature},
-    }
+# Presets that are not routing policies for this traffic (throughput / long-context
+# tunings) or only noise (`random`); every other preset is a contender automatically.
+SKIPPED_PRESETS = frozenset({"batch", "long-context", "random"})
 
 
 def all_contenders() -> list[Contender]:
     out = [
-        Contender(f"envoy:{s}", "envoy", s)
-        for s in ("round-robin", "random", "ring", "bounded-ring", "chat")
+        Contender(f"envoy:{name}", "envoy", name) for name in PRESETS if name not in SKIPPED_PRESETS
     ]
-    out += [Contender(f"envoy:softmax-{t:g}", "envoy", _softmax(t)) for t in SOFTMAX_TEMPERATURES]
-    out.append(Contender("asgi:chat", "asgi", "chat"))
-    out.append(Contender("vllm-router:consistent_hash", "vllm-router", policy="consistent_hash"))
-    out.append(Contender("vllm-router:cache_aware", "vllm-router", policy="cache_aware"))
+    out.append(Contender("asgi:default", "asgi", None))
+    for policy in ("consistent_hash", "cache_aware", "sticky_least_loaded"):
+        out.append(Contender(f"vllm-router:{policy}", "vllm-router", policy=policy))
     out.append(Contender("sglang-router:cache_aware", "sglang-router", policy="cache_aware"))
+    out.append(Contender("client:ring", "client", policy="ring"))
+    out.append(Contender("client:round-robin", "client", policy="round-robin"))
     return out
 
 
 QUICK_CONTENDERS = (
-    "envoy:round-robin",
+    "envoy:chat",
+    "envoy:latency",
     "envoy:ring",
-    "envoy:bounded-ring",
-    "envoy:chat",
-    "vllm-router:cache_aware",
-)
-# Contenders replayed at higher offered rates for throughput at saturation.
-SWEEP_CONTENDERS = (
-    "envoy:chat",
+    "envoy:round-robin",
+    "asgi:default",
     "vllm-router:consistent_hash",
-    "vllm-router:cache_aware",
     "sglang-router:cache_aware",
+    "client:ring",
 )
-SWEEP_FACTORS = (3.0,)
 
 
 # -- the llmgw side ------------------------------------------------------------------------
 
 
-def llmgw_config(upstreams: list[str], strategy: str | dict[str, Any]) -> dict[str, Any]:
+def llmgw_config(upstreams: list[str], strategy: str | dict[str, Any] | None) -> dict[str, Any]:
+    """The config a new user writes; `strategy` None = the default strategy."""
+    model: dict[str, Any] = {
+        "engine": "vllm",
+        "endpoints": [u.removeprefix("http://") for u in upstreams],
+        "session": {"headers": ["x-session-id"]},
+    }
+    if strategy is not None:
+        model["strategy"] = strategy
     return {
-        "models": {
-            MODEL: {
-                "engine": "vllm",
-                "endpoints": [u.removeprefix("http://") for u in upstreams],
-                "session": {"headers": ["x-session-id"]},
-                "strategy": strategy,
-            }
-        },
+        "models": {MODEL: model},
         "scrape": {"interval": 0.05, "timeout": 0.5, "staleness": 1.0},
         "debug_headers": True,
         "seed": 7,
@@ -186,11 +211,13 @@ def _envoy() -> str:
 def start_contender(
     contender: Contender, upstreams: list[str], peers: dict[str, str], scratch: Path
 ) -> Iterator[str]:
-    """Run the contender; yield its base URL (no trailing slash)."""
+    """Run the contender; yield its base URL (no trailing slash; "" = client-side)."""
     python = _python()
     port = free_port()
+    if contender.edge == "client":
+        yield ""
+        return
     if contender.edge in ("envoy", "asgi"):
-        assert contender.strategy is not None
         config = scratch / f"{contender.name.replace(':', '-')}.yaml"
         config.write_text(yaml.safe_dump(llmgw_config(upstreams, contender.strategy)))
         if contender.edge == "asgi":
@@ -343,6 +370,7 @@ def summarize(
         "requests": len(records),
         "ok": len(ok),
         "errors": sum(errors.values()),
+        "rejected_429": errors.get("429", 0),
         "error_kinds": errors,
         "wall_s": round(wall, 2),
         "ttft_p50_ms": _ms(percentile(ttfts, 50)),
@@ -363,7 +391,11 @@ def summarize(
 
 
 async def run_one(
-    base_url: str, upstreams: list[str], workload: Workload, timeout_s: float
+    base_url: str,
+    upstreams: list[str],
+    workload: Workload,
+    timeout_s: float,
+    pick_url: UrlPicker | None = None,
 ) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
@@ -374,7 +406,11 @@ async def run_one(
         sampling = asyncio.create_task(sampler.run(http, stop))
         try:
             records, wall = await run(
-                base_url + "/v1/chat/completions", MODEL, workload, timeout_s=timeout_s
+                base_url + "/v1/chat/completions",
+                MODEL,
+                workload,
+                timeout_s=timeout_s,
+                pick_url=pick_url,
             )
         finally:
             stop.set()
@@ -411,168 +447,151 @@ TABLE_COLUMNS = (
     ("ttft_p50_ms", "TTFT p50"),
     ("ttft_p90_ms", "TTFT p90"),
     ("ttft_p99_ms", "TTFT p99"),
-    ("e2e_p50_ms", "e2e p50"),
     ("e2e_p90_ms", "e2e p90"),
     ("output_tok_s", "out tok/s"),
+    ("req_s", "req/s"),
     ("prefix_hit_rate", "hit rate"),
     ("load_max_mean", "served max/mean"),
     ("busy_max_mean", "busy max/mean"),
     ("errors", "errors"),
+    ("rejected_429", "429s"),
+    ("vs_best", "p90/best"),
 )
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
-    return format_table(
-        [
-            {label: name if key == "contender" else r.get(key) for key, label in TABLE_COLUMNS}
-            for name, r in rows.items()
-        ]
-    )
+    best = best_p90(rows)
+    out = []
+    for name, r in rows.items():
+        row = {label: name if key == "contender" else r.get(key) for key, label in TABLE_COLUMNS}
+        row["p90/best"] = _ratio(r.get("ttft_p90_ms"), best)
+        out.append(row)
+    return format_table(out)
+
+
+def best_p90(rows: dict[str, dict[str, Any]]) -> float | None:
+    values = [r["ttft_p90_ms"] for r in rows.values() if r.get("ttft_p90_ms") and not r["errors"]]
+    values = values or [r["ttft_p90_ms"] for r in rows.values() if r.get("ttft_p90_ms")]
+    return min(values) if values else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
-def targets(results: dict[str, dict[str, dict[str, Any]]], sweep: dict[str, Any]) -> list[str]:
-    """The issue's targets, measured: one line each (missing contenders say so)."""
-    lines = []
-    chat = results.get("chat", {})
-    rr, best = chat.get("envoy:round-robin"), chat.get("envoy:chat")
-    if rr and best:
-        ratio = _ratio(rr["ttft_p90_ms"], best["ttft_p90_ms"])
-        lines.append(f"chat: TTFT p90 round-robin / chat = {ratio}x (target >= 3x)")
-    hot = results.get("hot", {})
-    ring, chat_hot, bounded = (
-        hot.get("envoy:ring"),
-        hot.get("envoy:chat"),
-        hot.get("envoy:bounded-ring"),
-    )
-    if ring and chat_hot:
-        ratio = _ratio(ring["ttft_p90_ms"], chat_hot["ttft_p90_ms"])
-        lines.append(f"hot: TTFT p90 ring / chat = {ratio}x (target >= 2x)")
-    if ring and bounded:
-        ratio = _ratio(ring["ttft_p90_ms"], bounded["ttft_p90_ms"])
-        lines.append(f"hot: TTFT p90 ring / bounded-ring = {ratio}x (target >= 2x)")
-    if bounded:
-        lines.append(
-            f"hot: bounded-ring max/mean replica load = {bounded['load_max_mean']} by requests "
-            f"served, {bounded['busy_max_mean']} by time-averaged running+waiting "
-            "(target <= 1.25)"
-        )
-    for workload, per in sweep.items():
-        peak = per.get("saturation_tok_s", {})
-        ours = max((v for k, v in peak.items() if k.startswith(("envoy:", "asgi:"))), default=None)
-        theirs = {k: v for k, v in peak.items() if not k.startswith(("envoy:", "asgi:"))}
-        if ours and theirs:
-            top = max(theirs, key=lambda k: theirs[k])
-            lines.append(
-                f"{workload}: saturation out tok/s llmgw {ours:.0f} vs best peer {top} "
-                f"{theirs[top]:.0f} = {ours / theirs[top]:.2f}x (target >= 1x)"
-            )
-    return lines
-
-
-def plots(data: dict[str, Any]) -> list[Path]:
+def heatmap(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> Path | None:
+    """Rows contenders, columns cells: TTFT p90 over the cell's best contender."""
     try:
         import matplotlib  # noqa: PLC0415
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
-        from cycler import cycler  # noqa: PLC0415
+        from matplotlib.colors import LogNorm  # noqa: PLC0415
     except ImportError:
-        print("matplotlib is not installed: no plots (.venv/bin/pip install matplotlib)")
-        return []
-    # Twelve-odd contenders: tab10 would repeat colours; tab20 keeps every line apart.
-    tab20 = plt.get_cmap("tab20")
-    plt.rcParams["axes.prop_cycle"] = cycler(color=[tab20(i) for i in range(20)])
-    written: list[Path] = []
-    results: dict[str, dict[str, dict[str, Any]]] = data["results"]
-    names = list(results)
-    cols = 2 if len(names) > 1 else 1
-    rows_n = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 3.6 * rows_n), squeeze=False)
-    for ax, workload in zip(axes.flat, names, strict=False):
-        for contender, r in results[workload].items():
-            q = r.get("ttft_quantiles_ms") or []
-            xs = [v for v in q if v is not None]
-            if xs:
-                ax.plot(xs, [i / (len(xs) - 1) for i in range(len(xs))], label=contender, lw=1.2)
-        ax.set_xscale("log")
-        ax.set_title(f"TTFT CDF: {workload}")
-        ax.set_xlabel("TTFT (ms, log)")
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(names) :]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    path = RESULTS / "routing_ttft_cdf.png"
-    fig.savefig(path, dpi=80)
+        print("matplotlib is not installed: no heat map (.venv/bin/pip install matplotlib)")
+        return None
+    cells = [c for c in results if results[c]]
+    contenders = list(dict.fromkeys(name for c in cells for name in results[c]))
+    if not cells or not contenders:
+        return None
+    grid: list[list[float]] = []
+    for name in contenders:
+        row = []
+        for cell in cells:
+            ratio = _ratio(results[cell].get(name, {}).get("ttft_p90_ms"), best_p90(results[cell]))
+            row.append(ratio if ratio is not None else math.nan)
+        grid.append(row)
+    fig, ax = plt.subplots(figsize=(1.0 * len(cells) + 3, 0.42 * len(contenders) + 1.8))
+    image = ax.imshow(grid, cmap="RdYlGn_r", norm=LogNorm(vmin=1.0, vmax=4.0), aspect="auto")
+    ax.set_xticks(range(len(cells)), cells, rotation=40, ha="right", fontsize=8)
+    ax.set_yticks(range(len(contenders)), contenders, fontsize=8)
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            label = "-" if math.isnan(value) else f"{value:.2f}"
+            ax.text(j, i, label, ha="center", va="center", fontsize=7)
+    ax.set_title("TTFT p90 / best contender of the cell (1.00 = best)")
+    bar = fig.colorbar(image, ax=ax, fraction=0.03)
+    bar.set_ticks([1.0, 1.5, 2.0, 3.0, 4.0])
+    bar.set_ticklabels(["1", "1.5", "2", "3", ">=4"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
     plt.close(fig)
-    written.append(path)
-
-    sweep: dict[str, Any] = data.get("sweep", {})
-    if sweep:
-        fig, axes = plt.subplots(1, len(sweep), figsize=(4.5 * len(sweep), 3.4), squeeze=False)
-        for ax, (workload, per) in zip(axes.flat, sweep.items(), strict=True):
-            for contender, points in per["points"].items():
-                pts = sorted(points, key=lambda p: p["offered_req_s"])
-                ax.plot(
-                    [p["offered_req_s"] for p in pts],
-                    [p["output_tok_s"] for p in pts],
-                    marker="o",
-                    label=contender,
-                )
-            ax.set_title(f"throughput: {workload}")
-            ax.set_xlabel("offered req/s")
-            ax.set_ylabel("output tok/s")
-            ax.grid(alpha=0.3)
-        axes.flat[0].legend(fontsize=7)
-        fig.tight_layout()
-        path = RESULTS / "routing_throughput.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        written.append(path)
-
-    hot = results.get("hot") or results.get(names[0], {})
-    shown = [c for c in ("envoy:ring", "envoy:bounded-ring", "envoy:chat") if c in hot]
-    if shown:
-        fig, axes = plt.subplots(1, len(shown), figsize=(4.5 * len(shown), 3.2), squeeze=False)
-        for ax, contender in zip(axes.flat, shown, strict=True):
-            samples = hot[contender]["load_samples"]
-            if samples:
-                ts = [s[0] for s in samples]
-                for i in range(len(samples[0][1])):
-                    ax.plot(ts, [s[1][i] for s in samples], lw=1, label=f"replica {i}")
-            ax.set_title(f"{contender} (hot)")
-            ax.set_xlabel("s")
-            ax.set_ylabel("running + waiting")
-            ax.grid(alpha=0.3)
-        axes.flat[0].legend(fontsize=6, ncol=2)
-        fig.tight_layout()
-        path = RESULTS / "routing_load.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        written.append(path)
-    return written
+    return path
 
 
 # -- main ----------------------------------------------------------------------------------
 
 
+def _selected(names: str | None, known: list[str], what: str) -> list[str]:
+    if not names:
+        return known
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown {what}: {', '.join(unknown)}; known: {', '.join(known)}")
+    return wanted
+
+
+def _picker(contender: Contender, upstreams: list[str]) -> UrlPicker | None:
+    if contender.edge != "client":
+        return None
+    return ring_picker(upstreams) if contender.policy == "ring" else round_robin_picker(upstreams)
+
+
+def _run_group(
+    level: str,
+    cells: dict[str, tuple[Regime, Workload]],
+    contenders: list[Contender],
+    peers: dict[str, str],
+    timeout_s: float,
+    results: dict[str, dict[str, dict[str, Any]]],
+) -> None:
+    """All `cells` of one pressure level on one fleet; each contender started once."""
+    port = base_port()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-routing-") as scratch_dir,
+        spawn(sim_args(level, port), stdout=subprocess.DEVNULL) as sim,
+    ):
+        scratch = Path(scratch_dir)
+        upstreams = list(sim.urls)
+        for contender in contenders:
+            t = time.monotonic()
+            try:
+                with start_contender(contender, upstreams, peers, scratch) as base:
+                    if base:
+                        asyncio.run(warm_up(base))
+                    for name, (_, workload) in cells.items():
+                        summary = asyncio.run(
+                            run_one(
+                                base, upstreams, workload, timeout_s, _picker(contender, upstreams)
+                            )
+                        )
+                        summary["offered_req_s"] = workload.params["offered_req_s"]
+                        results[name][contender.name] = summary
+                        print(
+                            f"  {contender.name:30s} {name:20s} TTFT p90 "
+                            f"{summary['ttft_p90_ms']} ms, hit {summary['prefix_hit_rate']}, "
+                            f"load {summary['load_max_mean']}, errors {summary['errors']} "
+                            f"({summary['wall_s']} s)",
+                            flush=True,
+                        )
+            except RuntimeError as exc:
+                print(f"  {contender.name}: failed: {exc}")
+                continue
+            print(f"  ({contender.name}, {level} pressure: {time.monotonic() - t:.0f} s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="< 2 min: fewer, smaller runs")
-    parser.add_argument("--only", help="comma-separated contender names")
-    parser.add_argument("--workloads", help="comma-separated: chat,hot,prefix,mixed")
-    parser.add_argument("--scale", type=float, help="workload size multiplier")
+    parser.add_argument("--quick", action="store_true", help="3 cells, 8 contenders, < 5 min")
+    parser.add_argument("--cells", help="comma-separated cell names (see --list)")
+    parser.add_argument("--only", help="comma-separated contender names (see --list)")
+    parser.add_argument("--list", action="store_true", help="print cells and contenders")
+    parser.add_argument("--window", type=float, help="arrival window per cell, seconds")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--no-install", action="store_true", help="do not pip-install peers")
     parser.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
-    parser.add_argument("--out", default="routing", help="results name (bench/results/NAME.json)")
+    parser.add_argument("--out", default="routing_grid", help="bench/results/NAME.json")
     parser.add_argument(
         "--try",
         dest="tries",
@@ -583,21 +602,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    names = args.workloads.split(",") if args.workloads else ["chat", "hot", "prefix", "mixed"]
-    if args.quick and not args.workloads:
-        names = ["chat", "hot"]
-    scale = args.scale or (0.4 if args.quick else 0.65)
-    workloads = {n: build(n, seed=args.seed, scale=scale) for n in names}
     contenders = all_contenders()
+    if args.list:
+        for regime in REGIMES.values():
+            print(
+                f"{regime.name:20s} load {regime.load:<4g} mix {regime.mix:13s} sessions "
+                f"{regime.sessions:4s} pressure {regime.pressure:g} {regime.note}"
+            )
+        print("contenders:", ", ".join(c.name for c in contenders))
+        return 0
+    cell_names = _selected(args.cells, list(REGIMES), "cells")
+    if args.quick and not args.cells:
+        cell_names = list(QUICK_REGIMES)
+    names = [c.name for c in contenders]
     if args.only:
-        wanted = args.only.split(",")
+        wanted = _selected(args.only, names, "contenders")
         contenders = [c for c in contenders if c.name in wanted]
     elif args.quick:
         contenders = [c for c in contenders if c.name in QUICK_CONTENDERS]
     for spec in args.tries:
         label, _, strategy = spec.partition("=")
         contenders.append(Contender(f"envoy:{label}", "envoy", json.loads(strategy)))
-    do_sweep = not (args.no_sweep or args.quick)
 
     peers = ensure_peers(install=not args.no_install)
     for c in list(contenders):
@@ -607,12 +632,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {c.name}: not installed")
             contenders.remove(c)
 
-    for w in workloads.values():
-        print(f"workload {w.name}: {w.description}; {w.requests} requests, "
-              f"{w.offered_request_rate():.0f} req/s offered over {w.duration_s:.1f} s")  # fmt: skip
-    results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in workloads}
-    sweep: dict[str, Any] = {}
-    started = time.monotonic()
+    window = args.window or (5.0 if args.quick else None)
+    groups: dict[str, dict[str, tuple[Regime, Workload]]] = {}
+    for name in cell_names:
+        regime = REGIMES[name]
+        if window is not None:
+            regime = Regime(**{**regime.__dict__, "window_s": window})
+        level = pressure_level(regime)
+        workload = regime_workload(regime, engine_speed(level), seed=args.seed)
+        groups.setdefault(level, {})[name] = (regime, workload)
+        print(f"cell {name}: {workload.description}; {workload.requests} requests")
+
     loop_policy = None
     with contextlib.suppress(ImportError):
         import uvloop  # noqa: PLC0415
@@ -621,95 +651,57 @@ def main(argv: list[str] | None = None) -> int:
     if loop_policy is not None:
         asyncio.set_event_loop_policy(loop_policy)
 
-    sim: SimProcess
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-routing-") as scratch_dir,
-        spawn(sim_args(), stdout=subprocess.DEVNULL) as sim,
-    ):
-        scratch = Path(scratch_dir)
-        upstreams = list(sim.urls)
-        for contender in contenders:
-            t = time.monotonic()
-            try:
-                with start_contender(contender, upstreams, peers, scratch) as base:
-                    asyncio.run(warm_up(base))
-                    for name, workload in workloads.items():
-                        summary = asyncio.run(run_one(base, upstreams, workload, args.timeout))
-                        summary["offered_req_s"] = round(workload.offered_request_rate(), 1)
-                        results[name][contender.name] = summary
-                        print(
-                            f"  {contender.name:28s} {name:7s} TTFT p90 "
-                            f"{summary['ttft_p90_ms']} ms, {summary['output_tok_s']} tok/s, "
-                            f"hit {summary['prefix_hit_rate']}, load {summary['load_max_mean']}, "
-                            f"errors {summary['errors']} ({summary['wall_s']} s)",
-                            flush=True,
-                        )
-                        if do_sweep and contender.name in SWEEP_CONTENDERS:
-                            per = sweep.setdefault(name, {"points": {}, "saturation_tok_s": {}})
-                            points = per["points"].setdefault(contender.name, [])
-                            points.append(
-                                {"offered_req_s": summary["offered_req_s"],
-                                 "output_tok_s": summary["output_tok_s"]}
-                            )  # fmt: skip
-                            for factor in SWEEP_FACTORS:
-                                faster = workload.with_rate(workload.arrival_rate * factor)
-                                s = asyncio.run(run_one(base, upstreams, faster, args.timeout))
-                                points.append(
-                                    {"offered_req_s": round(faster.offered_request_rate(), 1),
-                                     "output_tok_s": s["output_tok_s"],
-                                     "ttft_p90_ms": s["ttft_p90_ms"], "errors": s["errors"]}
-                                )  # fmt: skip
-                            per["saturation_tok_s"][contender.name] = max(
-                                p["output_tok_s"] for p in points
-                            )
-            except RuntimeError as exc:
-                print(f"  {contender.name}: failed: {exc}")
-                continue
-            print(f"  ({contender.name}: {time.monotonic() - t:.0f} s)", flush=True)
+    started = time.monotonic()
+    results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
+    for level, cells in groups.items():
+        print(f"== fleet with {KV_BLOCKS[level]} KV blocks a replica ({level} pressure) ==")
+        _run_group(level, cells, contenders, peers, args.timeout, results)
 
     print()
-    for name, rows in results.items():
-        w = workloads[name]
-        print(f"== {name}: {w.description} ({w.requests} requests) ==")
-        print(table(rows))
+    every = {n: w for cells in groups.values() for n, w in cells.items()}
+    for name in cell_names:
+        regime, workload = every[name]
+        print(f"== {name}: {workload.description} ({workload.requests} requests) ==")
+        print(table(results[name]))
         print()
-    if sweep:
-        print("== saturation throughput (max output tok/s over offered rate x1, x3) ==")
-        for name, per in sweep.items():
-            print(f"  {name}: " + ", ".join(
-                f"{k} {v:.0f}" for k, v in per["saturation_tok_s"].items()))  # fmt: skip
-        print()
-    lines = targets(results, sweep)
-    for line in lines:
-        print(line)
+    summary_rows = []
+    for c in contenders:
+        row: dict[str, Any] = {"contender": c.name}
+        for name in cell_names:
+            row[name] = _ratio(
+                results[name].get(c.name, {}).get("ttft_p90_ms"), best_p90(results[name])
+            )
+        summary_rows.append(row)
+    print("== TTFT p90 / best contender, per cell ==")
+    print(format_table(summary_rows))
     elapsed = time.monotonic() - started
     print(f"\ntotal {elapsed:.0f} s")
     data = {
-        "benchmark": "routing",
+        "benchmark": "routing_grid",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "quick": args.quick,
         "seed": args.seed,
-        "scale": scale,
-        "sim_args": SIM_ARGS,
-        "workloads": {
+        "sim_args": {level: sim_args(level, 0) for level in groups},
+        "cells": {
             n: {
+                "regime": regime.__dict__,
                 "description": w.description,
                 "requests": w.requests,
-                "offered_req_s": round(w.offered_request_rate(), 1),
+                "params": w.params,
                 "fingerprint": w.fingerprint(),
             }
-            for n, w in workloads.items()
+            for n, (regime, w) in every.items()
         },
         "contenders": [c.name for c in contenders],
         "results": results,
-        "sweep": sweep,
-        "targets": lines,
+        "ttft_p90_over_best": summary_rows,
         "elapsed_s": round(elapsed, 1),
     }
     path = write_results(args.out, data)
     print(f"wrote {path}")
-    for png in plots(data) if args.out == "routing" else []:
+    png = heatmap(results, RESULTS / f"{args.out}_heatmap.png")
+    if png is not None:
         print(f"wrote {png}")
     return 0
 

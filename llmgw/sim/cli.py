@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="wall seconds per simulated second (0 = no latency)",
     )
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=None,
+        help="token budget per step: chunked prefill, as vLLM v1 (default: off)",
+    )
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
 
@@ -132,6 +138,7 @@ def _fleet(args: argparse.Namespace) -> SimFleet:
         decode_batch_factor=args.decode_batch_factor,
         time_scale=args.time_scale,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
     if args.port is not None:
         if args.replicas != 1:

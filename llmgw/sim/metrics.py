@@ -30,15 +30,40 @@ from llmgw.sim.model import EngineModel, Sequence
 
 ENGINES = ("vllm", "sglang", "trtllm")
 
-# Bucket bounds copied from vLLM 0.32.0's /metrics page.
+# Bucket bounds copied from vLLM 0.32.0's /metrics page (tests/fixtures checks them).
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
+# vLLM's request-latency buckets: e2e, queue, prefill, decode and inference time.
 E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+# vLLM's inter-token latency and per-request time per output token.
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+# SGLang's TokenizerMetricsCollector defaults (python/sglang/srt/metrics/collector.py).
+SGLANG_TTFT_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0,
+    200.0, 400.0,
+)  # fmt: skip
+SGLANG_E2E_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0,
+    200.0, 400.0, 600.0, 1200.0, 1800.0, 2400.0,
+)  # fmt: skip
+SGLANG_ITL_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
+    0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0,
+)  # fmt: skip
+# (ttft, e2e, itl) bounds per engine; TensorRT-LLM keeps vLLM's.
+BUCKETS: dict[str, tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]] = {
+    "vllm": (TTFT_BUCKETS, E2E_BUCKETS, ITL_BUCKETS),
+    "sglang": (SGLANG_TTFT_BUCKETS, SGLANG_E2E_BUCKETS, SGLANG_ITL_BUCKETS),
+    "trtllm": (TTFT_BUCKETS, E2E_BUCKETS, ITL_BUCKETS),
+}
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
@@ -58,6 +83,10 @@ class LatencyHistogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
 
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
     def buckets(self) -> list[tuple[str, float]]:
         out: list[tuple[str, float]] = []
         running = 0
@@ -68,22 +97,39 @@ class LatencyHistogram:
         return out
 
 
-@dataclass
 class ModelObservations:
-    """Per-model latency histograms, fed when a sequence finishes."""
+    """Per-model latency histograms, fed when a sequence finishes (vLLM's definitions:
+    queue = scheduled - arrival, prefill = first token - scheduled, decode = last token -
+    first token, inference = last token - scheduled)."""
 
-    ttft: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(TTFT_BUCKETS))
-    e2e: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(E2E_BUCKETS))
-    queue: LatencyHistogram = field(default_factory=lambda: LatencyHistogram(E2E_BUCKETS))
-    created: float = field(default_factory=time.time)
+    def __init__(self, engine: str = "vllm") -> None:
+        ttft, e2e, itl = BUCKETS[engine]
+        self.ttft = LatencyHistogram(ttft)
+        self.e2e = LatencyHistogram(e2e)
+        self.queue = LatencyHistogram(e2e)
+        self.prefill = LatencyHistogram(e2e)
+        self.decode = LatencyHistogram(e2e)
+        self.inference = LatencyHistogram(e2e)
+        self.itl = LatencyHistogram(itl)
+        self.tpot = LatencyHistogram(itl)
+        self.created = time.time()
 
     def observe(self, seq: Sequence) -> None:
-        if seq.first_token_time is not None:
-            self.ttft.observe(seq.first_token_time - seq.arrival_time)
-        if seq.scheduled_time is not None:
-            self.queue.observe(seq.scheduled_time - seq.arrival_time)
+        scheduled, first, last = seq.scheduled_time, seq.first_token_time, seq.last_token_time
+        if first is not None:
+            self.ttft.observe(first - seq.arrival_time)
+        if scheduled is not None:
+            self.queue.observe(scheduled - seq.arrival_time)
         if seq.finished_time is not None:
             self.e2e.observe(seq.finished_time - seq.arrival_time)
+        if scheduled is not None and first is not None and last is not None:
+            self.prefill.observe(first - scheduled)
+            self.decode.observe(last - first)
+            self.inference.observe(last - scheduled)
+            if seq.output_tokens > 1:
+                self.tpot.observe((last - first) / (seq.output_tokens - 1))
+        for gap in seq.token_intervals:
+            self.itl.observe(gap)
 
 
 @dataclass
@@ -199,6 +245,36 @@ def vllm_metrics(served: ServedModel) -> Iterator[Metric]:
         labels,
         obs.queue,
     )
+    yield _histogram(
+        "vllm:request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        labels,
+        obs.prefill,
+    )
+    yield _histogram(
+        "vllm:request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        labels,
+        obs.decode,
+    )
+    yield _histogram(
+        "vllm:request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        labels,
+        obs.inference,
+    )
+    yield _histogram(
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        labels,
+        obs.itl,
+    )
+    yield _histogram(
+        "vllm:request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.",
+        labels,
+        obs.tpot,
+    )
     config = engine.config
     info = GaugeMetricFamily(
         "vllm:cache_config_info",
@@ -295,6 +371,12 @@ def sglang_metrics(served: ServedModel) -> Iterator[Metric]:
         "Histogram of End-to-end request latency in seconds",
         tokenizer,
         obs.e2e,
+    )
+    yield _histogram(
+        "sglang:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        tokenizer,
+        obs.itl,
     )
 
 

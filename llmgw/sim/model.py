@@ -2,7 +2,11 @@
 
 One engine step = admit waiting sequences in FIFO order while there is a free batch slot
 and enough KV blocks, prefill the newly admitted ones (only their uncached tokens cost
-time), and decode one token for every sequence that was already running. A driver calls
+time), and decode one token for every sequence that was already running. With
+`max_num_batched_tokens` set (chunked prefill, as vLLM v1 does), a step computes at most
+that many tokens: one per decoding sequence first, then prefill chunks of partly
+prefilled sequences, then of newly admitted ones; a long prompt is prefilled over several
+steps, and running sequences keep decoding meanwhile. A driver calls
 `schedule(now)`, waits the returned duration, then calls `complete(now)`:
 
     duration = model.schedule(now)
@@ -49,11 +53,17 @@ class EngineConfig:
     time_scale: float = 1.0
     enable_prefix_caching: bool = True
     max_model_len: int = 8192
+    # Token budget per step (chunked prefill); None = every admitted prompt in one step.
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "kv_blocks", "block_size", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        budget = self.max_num_batched_tokens
+        # vLLM's rule too: every running sequence must be able to decode in one step.
+        if budget is not None and budget < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         for name in (
             "max_queue",
             "prefill_us_per_token",
@@ -90,7 +100,15 @@ class Sequence:
     cached_tokens: int = 0
     finish_reason: str | None = None
     allocation: Allocation | None = field(default=None, repr=False)
-    prefilled: bool = False
+    # Prompt tokens still to compute (set at admission; chunked prefill takes several steps).
+    prefill_remaining: int = 0
+    last_token_time: float | None = None
+    # Gaps between consecutive tokens, for the inter-token latency histogram.
+    token_intervals: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.scheduled_time is not None and self.prefill_remaining > 0
 
     @property
     def finished(self) -> bool:
@@ -182,11 +200,28 @@ class EngineModel:
             raise RuntimeError("complete() the previous step first")
         self._step_open = True
         config = self.config
-        decoding = len(self.running)
+        budget = config.max_num_batched_tokens
+        emitting = [seq for seq in self.running if seq.prefill_remaining == 0]
+        decoding = len(emitting)
+        if budget is not None:
+            budget -= decoding
         prefill_tokens = 0
-        admitted: list[Sequence] = []
+        # Partly prefilled sequences continue first, in admission order (chunked prefill).
+        for seq in self.running:
+            if seq.prefill_remaining == 0 or (budget is not None and budget <= 0):
+                continue
+            chunk = self._take_chunk(seq, budget)
+            prefill_tokens += chunk
+            if budget is not None:
+                budget -= chunk
+            if seq.prefill_remaining == 0:
+                emitting.append(seq)
         # FIFO: the head of the queue blocks everyone behind it, as in vLLM.
-        while self.waiting and len(self.running) < config.max_num_seqs:
+        while (
+            self.waiting
+            and len(self.running) < config.max_num_seqs
+            and (budget is None or budget > 0)
+        ):
             seq = self.waiting[0]
             request = seq.request
             needed = self.blocks_needed(request)
@@ -200,18 +235,29 @@ class EngineModel:
             )
             seq.cached_tokens = max(cached, 0)
             seq.scheduled_time = now
-            prefill_tokens += request.prompt_tokens - seq.cached_tokens
+            seq.prefill_remaining = request.prompt_tokens - seq.cached_tokens
             self.stats.prefix_queries_tokens += request.prompt_tokens
             self.stats.prefix_hits_tokens += seq.cached_tokens
             self.stats.prompt_tokens += request.prompt_tokens
             self.running.append(seq)
-            admitted.append(seq)
-        self._in_step = list(self.running)
+            chunk = self._take_chunk(seq, budget)
+            prefill_tokens += chunk
+            if budget is not None:
+                budget -= chunk
+            if seq.prefill_remaining == 0:
+                emitting.append(seq)
+        self._in_step = emitting
         seconds = prefill_tokens * config.prefill_us_per_token / 1e6
         if decoding:
             batch = len(self.running)
             seconds += config.decode_ms / 1e3 * (1 + config.decode_batch_factor * (batch - 1))
         return seconds * config.time_scale * self.slowdown
+
+    @staticmethod
+    def _take_chunk(seq: Sequence, budget: int | None) -> int:
+        chunk = seq.prefill_remaining if budget is None else min(seq.prefill_remaining, budget)
+        seq.prefill_remaining -= chunk
+        return chunk
 
     def complete(self, now: float) -> StepResult:
         """End the step at `now`: every sequence in it gets one token; some finish."""
@@ -225,6 +271,9 @@ class EngineModel:
                 continue  # aborted during the step
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            elif seq.last_token_time is not None:
+                seq.token_intervals.append(now - seq.last_token_time)
+            seq.last_token_time = now
             seq.output_tokens += 1
             self.stats.generation_tokens += 1
             emitted.append(seq)

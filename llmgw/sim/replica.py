@@ -93,7 +93,7 @@ class Replica:
     def _served_model(self, name: str) -> ServedModel:
         model = EngineModel(self.options.engine_config)
         model.slowdown = self.options.faults.slowdown
-        observations = ModelObservations()
+        observations = ModelObservations(self.options.engine)
         driver = EngineDriver(model, on_finish=observations.observe, signal=self.signal)
         self._served[name] = _Served(name, driver, observations)
         return ServedModel(name, model, observations)
@@ -312,10 +312,13 @@ class Replica:
             chunks += 1
 
         conn.start_stream(200, _SSE_CONTENT_TYPE)
+        seq = handle.seq
+        # vLLM sends the headers at once but the role chunk only with the first token, after
+        # prefill: a client timing TTFT to the first chunk must see queueing and prefill.
+        await handle.wait_tokens(0)
         first = api.first_chunk(call, response_id, created)
         if first is not None:
             await emit(first)
-        seq = handle.seq
         sent = 0
         while sent < seq.output_tokens or not seq.finished:
             available = await handle.wait_tokens(sent)

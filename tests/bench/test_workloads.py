@@ -93,3 +93,105 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0
     assert percentile([3.0, 1.0, 2.0, 4.0], 100) == 4.0
     assert percentile([5.0], 90) == 5.0
+
+
+# -- the regime grid (bench/workloads/grid.py) ------------------------------------------
+
+from bench.loadclient import ring_picker, round_robin_picker  # noqa: E402
+from bench.workloads.grid import (  # noqa: E402
+    MIXES,
+    REGIMES,
+    SESSION_KINDS,
+    EngineSpeed,
+    Regime,
+    regime_workload,
+)
+
+SPEED = EngineSpeed(
+    replicas=4,
+    prefill_s_per_token=60e-6,
+    decode_step_s=0.025,
+    decode_batch_factor=0.03,
+    max_num_seqs=8,
+    kv_tokens_per_replica=4096 * 16,
+)
+
+
+def small(name: str, **changes: object) -> Regime:
+    return Regime(**{**REGIMES[name].__dict__, "window_s": 2.0, **changes})
+
+
+@pytest.mark.parametrize("name", sorted(REGIMES))
+def test_regime_workloads_replay_identically_and_differ_by_seed(name: str) -> None:
+    one = regime_workload(small(name), SPEED, seed=3)
+    assert one.fingerprint() == regime_workload(small(name), SPEED, seed=3).fingerprint()
+    assert one.fingerprint() != regime_workload(small(name), SPEED, seed=4).fingerprint()
+
+
+def test_the_grid_covers_every_level_of_every_axis() -> None:
+    cells = REGIMES.values()
+    assert {r.load for r in cells} == {0.3, 0.6, 0.85}
+    assert {r.mix for r in cells} == set(MIXES)
+    assert {r.sessions for r in cells} == set(SESSION_KINDS)
+    assert any(r.pressure < 1 for r in cells) and any(r.pressure >= 2 for r in cells)
+    history = [r for r in cells if r.mix == "history" and r.sessions == "cold"]
+    assert any(r.load == 0.6 for r in history)  # multi-turn chat at moderate load
+
+
+@pytest.mark.parametrize(
+    ("sessions", "expect"), [("none", "no header"), ("cold", "one each"), ("hot", "shared")]
+)
+def test_session_kinds_shape_the_session_ids(sessions: str, expect: str) -> None:
+    wl = regime_workload(small("chat-light", sessions=sessions), SPEED, seed=1)
+    ids = [c.session_id for c in wl.conversations]
+    if expect == "no header":
+        assert set(ids) == {None}
+        assert all(len(c.turns) == 1 for c in wl.conversations)
+    elif expect == "one each":
+        assert None not in ids and len(set(ids)) == len(ids)
+    else:
+        assert None not in ids and len(set(ids)) < len(ids)
+        by_id: dict[str | None, set[str]] = {}
+        for c in wl.conversations:
+            by_id.setdefault(c.session_id, set()).add(c.system)
+        assert all(len(systems) == 1 for systems in by_id.values())  # a user, a context
+
+
+@pytest.mark.parametrize("load", [0.3, 0.6, 0.85])
+def test_offered_rate_is_the_load_fraction_of_computed_capacity(load: float) -> None:
+    wl = regime_workload(small("chat-heavy", load=load), SPEED, seed=1)
+    params = wl.params
+    assert params["offered_req_s"] == pytest.approx(
+        load * float(params["capacity_req_s"]), rel=0.02
+    )
+
+
+def test_history_mix_grows_the_prompt_over_four_to_eight_turns_with_think_time() -> None:
+    wl = regime_workload(small("chat-history"), SPEED, seed=1)
+    for conv in wl.conversations:
+        assert 4 <= len(conv.turns) <= 8
+        for k in range(1, len(conv.turns)):
+            assert conv.messages(k)[: len(conv.messages(k - 1))] == conv.messages(k - 1)
+    thinks = [t.think_s for c in wl.conversations for t in c.turns[:-1]]
+    assert 0.6 < sum(thinks) / len(thinks) < 1.4
+
+
+def test_high_pressure_cells_overflow_the_cache_and_low_ones_fit() -> None:
+    small_kv = EngineSpeed(**{**SPEED.__dict__, "kv_tokens_per_replica": 768 * 16})
+    high = regime_workload(REGIMES["docs-pressure"], small_kv, seed=1)
+    low = regime_workload(REGIMES["docs-shared"], SPEED, seed=1)
+    assert float(high.params["working_set_over_kv"]) >= 2.0
+    assert float(low.params["working_set_over_kv"]) < 1.0
+
+
+def test_client_side_ring_is_sticky_per_session_and_spreads_requests_without() -> None:
+    urls = [f"http://127.0.0.1:{18100 + i}" for i in range(4)]
+    pick = ring_picker(urls)
+    wl = regime_workload(small("hot-zipf"), SPEED, seed=1)
+    for conv in wl.conversations:
+        assert len({pick(conv, t) for t in range(len(conv.turns))}) == 1
+    assert pick(wl.conversations[0], 0) == ring_picker(urls)(wl.conversations[0], 0)
+    docs = regime_workload(small("docs-shared"), SPEED, seed=1)
+    assert len({pick(c, 0) for c in docs.conversations}) == 4
+    rr = round_robin_picker(urls)
+    assert [rr(docs.conversations[0], 0) for _ in range(5)][4] == urls[0] + "/v1/chat/completions"

@@ -46,6 +46,7 @@ def test_cli_stops_cleanly_on_sigterm_and_applies_fault_flags() -> None:
         ["--error-rate", "3"],
         ["--kv-blocks", "0"],
         ["--model", "a", "--models", "a,b"],
+        ["--max-num-batched-tokens", "8", "--max-num-seqs", "16"],
     ],
 )
 def test_bad_flags_exit_with_usage_error(argv: list[str]) -> None:
@@ -73,3 +74,11 @@ def test_fleet_in_a_background_thread_for_sync_tests() -> None:
         assert httpx.post(fleet.urls[0] + "/v1/chat/completions", json=chat).status_code == 200
         fleet.reset(1)
         assert httpx.post(fleet.urls[1] + "/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_chunked_prefill_flag_reaches_the_engine_config() -> None:
+    from llmgw.sim.cli import _fleet  # noqa: PLC0415
+
+    args = build_parser().parse_args(["--max-num-batched-tokens", "512"])
+    assert _fleet(args).options.engine_config.max_num_batched_tokens == 512
+    assert build_parser().parse_args([]).max_num_batched_tokens is None

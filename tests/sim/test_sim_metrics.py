@@ -24,6 +24,14 @@ CONTRACT_NAMES = {
         "vllm:request_success": {"engine", "model_name", "finished_reason"},
         "vllm:time_to_first_token_seconds": {"engine", "model_name"},
         "vllm:e2e_request_latency_seconds": {"engine", "model_name"},
+        "vllm:request_queue_time_seconds": {"engine", "model_name"},
+        "vllm:request_prefill_time_seconds": {"engine", "model_name"},
+        "vllm:request_decode_time_seconds": {"engine", "model_name"},
+        "vllm:request_inference_time_seconds": {"engine", "model_name"},
+        "vllm:inter_token_latency_seconds": {"engine", "model_name"},
+        "vllm:request_time_per_output_token_seconds": {"engine", "model_name"},
+        "vllm:prompt_tokens": {"engine", "model_name"},
+        "vllm:generation_tokens": {"engine", "model_name"},
     },
     "sglang": {
         "sglang:num_queue_reqs": {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"},
@@ -37,6 +45,11 @@ CONTRACT_NAMES = {
         "sglang:token_usage": {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"},
         "sglang:cache_hit_rate": {"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"},
         "sglang:time_to_first_token_seconds": {"model_name"},
+        "sglang:inter_token_latency_seconds": {"model_name"},
+        "sglang:e2e_request_latency_seconds": {"model_name"},
+        "sglang:prompt_tokens": {"model_name"},
+        "sglang:generation_tokens": {"model_name"},
+        "sglang:cached_tokens": {"model_name"},
     },
     "trtllm": {
         "trtllm_num_requests_waiting": {"model_name", "engine_type"},
@@ -96,3 +109,45 @@ async def test_the_router_core_contracts_read_the_sim(engine: str) -> None:
         assert metrics.running == 0
         assert 0.0 <= metrics.kv_usage <= 1.0
         assert metrics.finished_total == 1
+
+
+def shape(text: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Family name -> (type, bucket bounds) for every vllm: family."""
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("vllm:"):
+            continue
+        bounds = tuple(
+            dict.fromkeys(s.labels["le"] for s in family.samples if s.name.endswith("_bucket"))
+        )
+        out[family.name] = (family.type, bounds)
+    return out
+
+
+async def test_vllm_types_and_buckets_match_a_real_vllm_page() -> None:
+    ours = shape(await scrape("vllm"))
+    real = shape(FIXTURE.read_text())
+    for name in CONTRACT_NAMES["vllm"]:
+        assert ours[name] == real[name], name
+
+
+async def test_vllm_phase_histograms_add_up_for_a_long_prefill() -> None:
+    # 4,000 uncached tokens at 100 us: prefill 0.4 s, above the 0.3 s first bucket.
+    fleet = SimFleet(replicas=1, model="m1", decode_ms=5, prefill_us_per_token=100)
+    async with fleet, httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client:
+        body = {"model": "m1", "prompt": "x" * 16_000, "max_tokens": 3}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        text = (await client.get("/metrics")).text
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert samples[("vllm:request_prefill_time_seconds_bucket", "0.3")] == 0
+    assert samples[("vllm:request_prefill_time_seconds_count", None)] == 1
+    assert samples[("vllm:request_prefill_time_seconds_sum", None)] >= 0.4 * 0.99
+    assert samples[("vllm:inter_token_latency_seconds_count", None)] == 2
+    assert samples[("vllm:request_time_per_output_token_seconds_count", None)] == 1
+    assert samples[("vllm:prompt_tokens_total", None)] == 4000
+    assert samples[("vllm:generation_tokens_total", None)] == 3
+    assert samples[("vllm:prefix_cache_queries_total", None)] == 4000

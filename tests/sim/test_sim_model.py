@@ -248,3 +248,73 @@ def test_output_text_is_deterministic_given_the_seed() -> None:
 def test_config_rejects_non_positive_sizes(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: 0})  # type: ignore[arg-type]
+
+
+# Chunked prefill: (budget, prompts, steps until each first token, step durations in ms).
+# config(): 1 ms a prefill token, 10 ms a decode step, no batch factor, 4 seqs at most.
+CHUNKED_CASES = [
+    # Off: the whole 40-token prompt in one 40 ms step.
+    pytest.param(None, [40], [1], [40.0], id="off-one-step"),
+    # Budget 16: 16 + 16 + 8 tokens over three steps; the token comes after the last chunk.
+    pytest.param(16, [40], [3], [16.0, 16.0, 8.0], id="long-prompt-in-chunks"),
+    # Two prompts share the budget in FIFO order: the second starts in the first's last
+    # step (4 + 12 tokens) and ends alone in the third (2 tokens).
+    pytest.param(16, [20, 14], [2, 3], [16.0, 16.0, 2.0], id="fifo-shares-budget"),
+    # A prompt within the budget behaves as without chunking.
+    pytest.param(64, [40], [1], [40.0], id="fits-in-budget"),
+]
+
+
+@pytest.mark.parametrize(("budget", "prompts", "first_token_step", "durations_ms"), CHUNKED_CASES)
+def test_chunked_prefill_spreads_long_prompts_over_steps(
+    budget: int | None,
+    prompts: list[int],
+    first_token_step: list[int],
+    durations_ms: list[float],
+) -> None:
+    model = EngineModel(config(max_num_batched_tokens=budget, kv_blocks=256))
+    seqs = [model.submit(SeqRequest(p, 1), 0.0) for p in prompts]
+    now = 0.0
+    durations: list[float] = []
+    first_steps: dict[int, int] = {}
+    for index in range(1, len(durations_ms) + 1):
+        duration = model.schedule(now)
+        now += duration
+        durations.append(round(duration * 1e3, 6))
+        for seq in model.complete(now).emitted:
+            first_steps.setdefault(seq.seq_id, index)
+    assert [first_steps.get(s.seq_id) for s in seqs] == first_token_step
+    assert durations == durations_ms
+    assert not model.has_work
+
+
+def test_chunked_prefill_keeps_running_sequences_decoding() -> None:
+    model = EngineModel(config(max_num_batched_tokens=8, kv_blocks=256))
+    short = model.submit(SeqRequest(4, 5), 0.0)
+    now = step(model, 0.0)  # short prefilled, first token
+    long = model.submit(SeqRequest(30, 1), now)
+    for _ in range(4):  # 1 decode token + 7 prefill tokens a step
+        duration = model.schedule(now)
+        assert round(duration * 1e3, 6) == 7.0 + 10.0
+        now += duration
+        model.complete(now)
+    assert short.output_tokens == 5
+    assert (long.prefill_remaining, long.first_token_time) == (2, None)
+    now = step(model, now)
+    assert long.first_token_time == now
+
+
+def test_chunked_prefill_counts_a_prompt_once_and_caches_its_blocks() -> None:
+    model = EngineModel(config(max_num_batched_tokens=4, kv_blocks=64, block_size=4))
+    model.submit(SeqRequest(16, 1, h("a", "b", "c", "d")), 0.0)
+    run_until_idle(model)
+    assert model.stats.prompt_tokens == 16
+    assert model.stats.prefix_queries_tokens == 16
+    again = model.submit(SeqRequest(16, 1, h("a", "b", "c", "d")), 1.0)
+    run_until_idle(model, 1.0)
+    assert again.cached_tokens == 15
+
+
+def test_chunked_prefill_budget_below_max_num_seqs_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        config(max_num_batched_tokens=2, max_num_seqs=4)

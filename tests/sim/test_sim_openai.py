@@ -108,3 +108,29 @@ async def test_repeated_prefix_lowers_ttft() -> None:
             line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")
         )
         assert float(hits.split()[-1]) > 7000
+
+
+async def test_first_sse_chunk_waits_for_prefill_but_headers_do_not() -> None:
+    # 2,000 uncached tokens at 100 us each: 200 ms of prefill before the first token. The
+    # role chunk must come with that token, as in vLLM (headers 16 ms, first chunk 41 ms).
+    prefill_s = 2000 * 100e-6
+    async with (
+        SimFleet(replicas=1, model="m1", decode_ms=1, prefill_us_per_token=100) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as http,
+    ):
+        body = {
+            "model": "m1",
+            "messages": [{"role": "user", "content": "q" * 8000}],
+            "max_tokens": 2,
+            "stream": True,
+        }
+        start = time.monotonic()
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            headers_s = time.monotonic() - start
+            first_chunk_s = None
+            async for _ in response.aiter_raw():
+                first_chunk_s = time.monotonic() - start
+                break
+    assert first_chunk_s is not None
+    assert first_chunk_s >= prefill_s * 0.99
+    assert headers_s < first_chunk_s
