@@ -31,6 +31,7 @@ class Calibration:
     """Per-endpoint latency estimates; None until the endpoint has published or served enough."""
 
     __slots__ = (
+        "_pending",
         "_prefill_den",
         "_prefill_num",
         "_prev",
@@ -45,6 +46,10 @@ class Calibration:
 
     def __init__(self) -> None:
         self._prev: EngineMetrics | None = None
+        # Deltas not yet folded in: engines count prompt tokens when a request is admitted
+        # but observe its prefill time when it finishes, so one scrape window can hold one
+        # without the other; folding only windows with both would drop seconds (a bias).
+        self._pending = [0.0, 0.0, 0.0]  # prefill seconds, computed tokens, prefills
         self._prefill_num = 0.0  # decayed prefill seconds
         self._prefill_den = 0.0  # decayed computed tokens
         self._step_num = 0.0  # decayed step seconds, normalised to a batch of one
@@ -68,13 +73,21 @@ class Calibration:
                 tokens = prompt - (cached or 0.0)
         prefill = _delta(m.prefill_seconds_sum, prev.prefill_seconds_sum)
         prefills = _delta(m.prefill_count, prev.prefill_count)
-        if tokens is not None and prefill is not None and tokens >= _MIN_TOKENS:
-            self._prefill_num = self._prefill_num * _DECAY + prefill
-            self._prefill_den = self._prefill_den * _DECAY + tokens
+        pending = self._pending
+        if tokens is not None and prefill is not None and prefills is not None:
+            pending[0] += prefill
+            pending[1] += tokens
+            pending[2] += prefills
+        else:  # a counter went missing or was reset: what is pending no longer pairs up
+            pending[:] = [0.0, 0.0, 0.0]
+        seconds, tokens_in, count = pending
+        if tokens_in >= _MIN_TOKENS and seconds > 0 and count >= 1:
+            pending[:] = [0.0, 0.0, 0.0]
+            self._prefill_num = self._prefill_num * _DECAY + seconds
+            self._prefill_den = self._prefill_den * _DECAY + tokens_in
             self.prefill_s_per_token = self._prefill_num / self._prefill_den
-        if tokens is not None and prefills:
-            self._tokens_num = self._tokens_num * _DECAY + tokens
-            self._tokens_den = self._tokens_den * _DECAY + prefills
+            self._tokens_num = self._tokens_num * _DECAY + tokens_in
+            self._tokens_den = self._tokens_den * _DECAY + count
             self.tokens_per_prefill = self._tokens_num / self._tokens_den
         steps = _delta(m.step_count, prev.step_count)
         step_time = _delta(m.step_seconds_sum, prev.step_seconds_sum)

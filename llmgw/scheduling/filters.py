@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from llmgw.breaker import BreakerState
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
@@ -65,3 +67,23 @@ class FreshMetricsFilter:
         metrics = ctx.fresh
         fresh = [s for s in candidates if metrics[s] is not None]
         return _kept(candidates, fresh) if fresh else candidates
+
+
+class BoundedLoadFilter:
+    """A guard against herding: drops endpoints whose in-flight count from this router is at
+    capacity ceil(c * (total + 1) / n) (consistent hashing with bounded loads), where c is
+    the model's `session.bounded_load` (default 1.5). Keeps all when every one is at capacity.
+    """
+
+    name = "bounded-load"
+    default_factor = 1.5
+
+    def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
+        states = ctx.all_states
+        c = ctx.spec.session.bounded_load or self.default_factor
+        total = 0
+        for s in states:
+            total += s.inflight
+        capacity = math.ceil(c * (total + 1) / len(states))
+        kept = [s for s in candidates if s.inflight < capacity]
+        return _kept(candidates, kept) if kept else candidates

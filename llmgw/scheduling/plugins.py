@@ -13,6 +13,7 @@ FILTERS: dict[str, Callable[[], Filter]] = {
     "model-serves": filters.ModelServesFilter,
     "not-saturated": filters.NotSaturatedFilter,
     "staleness": filters.FreshMetricsFilter,
+    "bounded-load": filters.BoundedLoadFilter,
 }
 
 SCORERS: dict[str, Callable[..., Scorer]] = {

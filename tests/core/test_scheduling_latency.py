@@ -174,7 +174,7 @@ def test_published_costs_replace_the_params_pooled_over_the_model() -> None:
     a, b, quiet = state("a:1"), state("b:1"), state("c:1")
     for s, (seconds, tokens) in ((a, (1.0, 1000.0)), (b, (3.0, 3000.0))):
         s.calibration.on_scrape(metrics())
-        s.calibration.on_scrape(metrics(prefill_s=seconds, tokens=tokens))
+        s.calibration.on_scrape(metrics(prefill_s=seconds, tokens=tokens, prefills=4))
     states = [a, b, quiet]
     scorer.score(context(states, request=request(), now=NOW), states)
     assert scorer.terms()["prefill_s"] == pytest.approx((4.0, 4.0, 4.0))
@@ -188,9 +188,10 @@ def test_pooled_calibration_weighs_endpoints_by_their_data() -> None:
     a, b = Calibration(), Calibration()
     for cal, (seconds, tokens) in ((a, (1.0, 1000.0)), (b, (0.1, 9000.0))):
         cal.on_scrape(metrics())
-        cal.on_scrape(metrics(prefill_s=seconds, tokens=tokens))
+        cal.on_scrape(metrics(prefill_s=seconds, tokens=tokens, prefills=4))
     per_token, step, typical = pooled([a, b])
-    assert per_token == pytest.approx(1.1 / 10000) and step is None and typical is None
+    assert per_token == pytest.approx(1.1 / 10000) and step is None
+    assert typical == pytest.approx(10000 / 8)
     assert pooled([]) == (None, None, None)
 
 
@@ -231,5 +232,15 @@ def test_calibration_ignores_counter_resets_and_tiny_windows() -> None:
     cal.on_scrape(metrics(prefill_s=5.0, tokens=50_000))
     cal.on_scrape(metrics(prefill_s=0.1, tokens=100))  # engine restarted: counters fell
     assert cal.prefill_s_per_token is None
-    cal.on_scrape(metrics(prefill_s=0.2, tokens=104))  # 4 tokens: too few to say anything
+    cal.on_scrape(metrics(prefill_s=0.2, tokens=104, prefills=1))  # 4 tokens: too few yet
     assert cal.prefill_s_per_token is None
+
+
+def test_calibration_pairs_seconds_and_tokens_seen_in_different_windows() -> None:
+    """Prompt tokens count at admission, prefill time at finish: neither may be dropped."""
+    cal = Calibration()
+    cal.on_scrape(metrics())
+    cal.on_scrape(metrics(tokens=1000))  # admitted, not finished yet
+    assert cal.prefill_s_per_token is None
+    cal.on_scrape(metrics(tokens=1000, prefill_s=0.2, prefills=1))  # finished a window later
+    assert cal.prefill_s_per_token == pytest.approx(2e-4)
