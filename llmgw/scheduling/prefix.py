@@ -23,6 +23,10 @@ class PrefixIndex:
         self.capacity = capacity
         self._owners: dict[int, set[str]] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
+        # Per block: how many times the key using it changed (a count of distinct sessions
+        # when they interleave), and the last key. Kept while any endpoint holds the block.
+        self._sharers: dict[int, int] = {}
+        self._last_key: dict[int, str] = {}
 
     def hashes(self, prompt: str) -> list[int]:
         """Chained hashes of the prompt's full blocks (a partial tail block is not cached)."""
@@ -54,7 +58,23 @@ class PrefixIndex:
                 matched[eid] = depth + 1
         return matched
 
-    def insert(self, endpoint_id: str, hashes: list[int]) -> None:
+    def shared_depth(self, hashes: list[int], min_sharers: int) -> int:
+        """How many leading blocks several sessions use (a system prompt, not a history)."""
+        sharers = self._sharers
+        depth = 0
+        for h in hashes:
+            if sharers.get(h, 0) < min_sharers:
+                break
+            depth += 1
+        return depth
+
+    def insert(self, endpoint_id: str, hashes: list[int], key: str | None = None) -> None:
+        if key is not None:
+            last_key, sharers = self._last_key, self._sharers
+            for h in hashes:
+                if last_key.get(h) != key:
+                    last_key[h] = key
+                    sharers[h] = sharers.get(h, 0) + 1
         lru = self._lru.setdefault(endpoint_id, OrderedDict())
         for h in hashes:
             if h in lru:
@@ -68,7 +88,12 @@ class PrefixIndex:
                 if owners is not None:
                     owners.discard(endpoint_id)
                     if not owners:
-                        del self._owners[old]
+                        self._drop(old)
+
+    def _drop(self, h: int) -> None:
+        del self._owners[h]
+        self._sharers.pop(h, None)
+        self._last_key.pop(h, None)
 
     def forget(self, endpoint_id: str) -> None:
         for h in self._lru.pop(endpoint_id, OrderedDict()):
@@ -76,7 +101,7 @@ class PrefixIndex:
             if owners is not None:
                 owners.discard(endpoint_id)
                 if not owners:
-                    del self._owners[h]
+                    self._drop(h)
 
     def size(self, endpoint_id: str | None = None) -> int:
         if endpoint_id is not None:

@@ -233,7 +233,11 @@ class LatencyScorer:
         capacity: int = 16384,
         calibrate: bool = True,
         smoothing_ms: float = 1.0,
+        shared_sessions: int = 3,
     ) -> None:
+        if shared_sessions < 1:
+            raise ValueError(f"shared_sessions must be >= 1, got {shared_sessions!r}")
+        self.shared_sessions = shared_sessions
         for name, value in (
             ("prefill_us_per_token", prefill_us_per_token),
             ("step_ms", step_ms),
@@ -290,10 +294,20 @@ class LatencyScorer:
         if request is not self._request:
             self._request = request
             self._hashes = self.index.hashes(request.prompt)
-        matched = self.index.match(self._hashes) if self._hashes else {}
+        hashes = self._hashes
+        matched = self.index.match(hashes) if hashes else {}
         get_matched = matched.get
         tokens = request.prompt_tokens if request.prompt_tokens > 0 else 1
         block = self.block_tokens
+        # A prefix many sessions share (a system prompt) ends up cached wherever sessions
+        # go: its one-time prefill is amortised, so it must not pin new sessions to the
+        # replicas that saw it first (they would herd there). Only what is this session's
+        # own (its history) counts as a reason to stay.
+        shared = (
+            self.index.shared_depth(hashes, self.shared_sessions) * block
+            if hashes and request.session_key is not None
+            else 0
+        )
         now = ctx.now
         fresh = ctx.fresh
         per_token, step0, typical = self.costs(ctx)
@@ -322,6 +336,8 @@ class LatencyScorer:
                     if engine_queue > queue:  # noqa: PLR1730
                         queue = engine_queue
             hit = get_matched(s.id, 0) * block
+            if hit < shared:  # noqa: PLR1730
+                hit = shared
             prefill = per_token * (tokens - hit if hit < tokens else 1)
             step = step0 + factor * load
             ttft = queue + prefill + step
@@ -343,7 +359,7 @@ class LatencyScorer:
 
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
         if self._hashes:
-            self.index.insert(chosen.id, self._hashes)
+            self.index.insert(chosen.id, self._hashes, ctx.request.session_key)
         try:
             i = self._candidates.index(chosen)
         except ValueError:
