@@ -1,7 +1,7 @@
 """`ProxyApp`: the embedded proxy's ASGI app, an OpenAI-compatible reverse proxy.
 
 Routes: `POST /v1/...` inference paths (and any request with the model header) go through
-`SchedulerMiddleware` and are forwarded by `asgi.forwarder.Forwarder` to the chosen
+`SchedulerMiddleware` and are forwarded by `llmgw.asgi.forwarder.Forwarder` to the chosen
 endpoint; `GET /v1/models` lists the configured models; `/healthz` and `/readyz` mean what
 they mean on the Envoy edge (`llmgw.runtime.health`); `/metrics` (the shared `Telemetry`
 series, the same names as the ext_proc server).
@@ -15,10 +15,10 @@ import signal
 
 import orjson
 
-from asgi.forwarder import Forwarder, pool_limits
-from asgi.middleware import SchedulerMiddleware, send_error
-from asgi.types import Receive, Scope, Send
-from asgi.upstream import UpstreamPool
+from llmgw.asgi.forwarder import Forwarder, pool_limits
+from llmgw.asgi.middleware import SchedulerMiddleware, send_error
+from llmgw.asgi.types import Receive, Scope, Send
+from llmgw.asgi.upstream import UpstreamPool
 from llmgw.config import Config
 from llmgw.errors import MethodNotAllowed
 from llmgw.runtime.health import HEALTHZ_BODY, readiness

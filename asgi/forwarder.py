@@ -2,7 +2,7 @@
 
 The request body is held (it is bounded by `limits.max_body_bytes` and needed to replay on
 a fallback) and sent with the client's headers minus hop-by-hop and llmgw's internal ones
-over pooled HTTP/1.1 keep-alive connections (`asgi.upstream`, limits from
+over pooled HTTP/1.1 keep-alive connections (`llmgw.asgi.upstream`, limits from
 `limits.upstream_*`). If the endpoint refuses before any response byte reached the client
 (connect error, reset, 429, 503), the request goes to the Decision's next fallback, at
 most `num_fallback_replicas` times; once the response head has been sent nothing is
@@ -16,15 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from asgi.middleware import (
+from llmgw.asgi.middleware import (
     DISPATCH_KEY,
     INTERNAL_HEADER_NAMES,
     Disconnected,
     read_body,
     send_error,
 )
-from asgi.types import Message, Receive, Scope, Send
-from asgi.upstream import (
+from llmgw.asgi.types import Message, Receive, Scope, Send
+from llmgw.asgi.upstream import (
     ConnectFailed,
     PoolLimits,
     ResetBeforeResponse,

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from asgi.types import ASGIApp, Message, Receive, Scope, Send
+from llmgw.asgi.types import ASGIApp, Message, Receive, Scope, Send
 from llmgw.config import Config
 from llmgw.errors import LlmgwError
 from llmgw.lifecycle import (

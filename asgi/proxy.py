@@ -2,8 +2,8 @@
 
     llmgw proxy --config llmgw.yaml --host 0.0.0.0 --port 8000
 
-The app is `asgi.app.ProxyApp` (routes, health, metrics) around `asgi.forwarder.Forwarder`;
-`asgi.serving` runs it under uvicorn (draining, workers).
+The app is `llmgw.asgi.app.ProxyApp` (routes, health, metrics) around `llmgw.asgi.forwarder.Forwarder`;
+`llmgw.asgi.serving` runs it under uvicorn (draining, workers).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from asgi.app import build_app
-from asgi.serving import WORKER_ARGS, draining_server, event_loop_and_parser
+from llmgw.asgi.app import build_app
+from llmgw.asgi.serving import WORKER_ARGS, draining_server, event_loop_and_parser
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
 from llmgw.logs import configure
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 "log_format": args.log_format,
             }
         ).decode()
-        uvicorn.run("asgi.serving:worker_app", factory=True, workers=args.workers, **options)
+        uvicorn.run("llmgw.asgi.serving:worker_app", factory=True, workers=args.workers, **options)
         return 0
     app = build_app(
         config,

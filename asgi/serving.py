@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from asgi.app import ProxyApp, build_app
+from llmgw.asgi.app import ProxyApp, build_app
 from llmgw.config import load_file
 from llmgw.logs import configure
 

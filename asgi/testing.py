@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 
-from asgi.types import ASGIApp
+from llmgw.asgi.types import ASGIApp
 from llmgw.config import Config, load_dict
 
 if TYPE_CHECKING:

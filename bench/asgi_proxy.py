@@ -5,14 +5,14 @@
 
 Proxies (each in its own process, one at a time, on the same `llmgw sim` replicas):
 - `llmgw`: `llmgw proxy` (uvicorn + uvloop + httptools, `SchedulerMiddleware`, the lean
-  upstream client of `asgi.upstream`), strategy `ring` (consistent hashing), `llmgw-chat`
+  upstream client of `llmgw.asgi.upstream`), strategy `ring` (consistent hashing), `llmgw-chat`
   (the default `chat` strategy) and `llmgw-2w` (`ring`, `--workers 2`: the Rust routers
   use every core);
 - `vllm-router` (Rust, `--policy consistent_hash`) and `sglang-router` (Rust,
   `--policy round_robin`: it has no consistent hashing), pip-installed by this script into
   `.venv-peers/` (never into the project's `.venv`);
 - baselines, plain Starlette forwarding round-robin with no scheduling: `starlette+httpx`,
-  `starlette+aiohttp`, and `starlette+lean` (the same app with `asgi.upstream`), which
+  `starlette+aiohttp`, and `starlette+lean` (the same app with `llmgw.asgi.upstream`), which
   isolate the cost of the HTTP client.
 
 Load: h2load over HTTP/1.1, `--clients` connections, `--seconds` per scenario after a
@@ -350,7 +350,7 @@ def serve_baseline(client: str, port: int, upstreams: list[str]) -> None:
                 headers={k: v for k, v in response.headers.items() if k.lower() not in hop},
                 background=BackgroundTask(response.release),
             )
-        from asgi.upstream import UpstreamPool  # noqa: PLC0415
+        from llmgw.asgi.upstream import UpstreamPool  # noqa: PLC0415
 
         pool: UpstreamPool = state["client"]
         address = url.removeprefix("http://").split("/", 1)[0]
@@ -382,7 +382,7 @@ def serve_baseline(client: str, port: int, upstreams: list[str]) -> None:
             connector = aiohttp.TCPConnector(limit=512)
             state["client"] = aiohttp.ClientSession(connector=connector)
         else:
-            from asgi.upstream import UpstreamPool  # noqa: PLC0415
+            from llmgw.asgi.upstream import UpstreamPool  # noqa: PLC0415
 
             state["client"] = UpstreamPool()
         yield

@@ -26,7 +26,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from google.protobuf.struct_pb2 import Struct  # type: ignore[import-untyped]
 
-from extproc.translate import (
+from llmgw.extproc.translate import (
     ASK_FOR_BODY,
     CONTINUE_REQUEST_BODY,
     CONTINUE_REQUEST_HEADERS,

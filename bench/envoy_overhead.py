@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._tools import find_load_tool, format_table, parse_h2load, write_results  # noqa: E402
-from extproc.envoyconfig import build  # noqa: E402
-from extproc.testing import EnvoyProcess, free_port, wait_for  # noqa: E402
 from llmgw.config import Config, load_dict  # noqa: E402
+from llmgw.extproc.envoyconfig import build  # noqa: E402
+from llmgw.testing.extproc import EnvoyProcess, free_port, wait_for  # noqa: E402
 
 BODY = json.dumps(
     {

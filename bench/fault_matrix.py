@@ -38,14 +38,14 @@ from typing import Any, Protocol, TypeVar
 import httpx
 import uvicorn
 
-from asgi.app import ProxyApp
-from extproc.envoyconfig import build
-from extproc.testing import EnvoyProcess, ExtProcThread, fleet_config, free_port, quick_fleet
+from llmgw.asgi.app import ProxyApp
 from llmgw.breaker import BreakerState
 from llmgw.config import Config
+from llmgw.extproc.envoyconfig import build
 from llmgw.hashring import HashRing
 from llmgw.registry import Registry
 from llmgw.sim import ThreadedFleet
+from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, fleet_config, free_port, quick_fleet
 
 T = TypeVar("T")
 RESULTS = Path(__file__).parent / "results" / "fault_matrix.json"

@@ -34,10 +34,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._tools import format_table, write_results  # noqa: E402
-from extproc.envoyconfig import build  # noqa: E402
-from extproc.testing import EnvoyProcess, free_port, wait_for  # noqa: E402
 from llmgw.config import load_dict  # noqa: E402
+from llmgw.extproc.envoyconfig import build  # noqa: E402
 from llmgw.sim.fleet import spawn  # noqa: E402
+from llmgw.testing.extproc import EnvoyProcess, free_port, wait_for  # noqa: E402
 
 SESSION_SPACE = 1_000_000
 PREAMBLE = "You are a careful assistant. Answer briefly and cite the rules you follow. " * 24

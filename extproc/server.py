@@ -27,9 +27,9 @@ import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
-from extproc.translate import Exchange
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
+from llmgw.extproc.translate import Exchange
 from llmgw.lifecycle import AwaitActivation
 from llmgw.logs import configure
 from llmgw.runtime.driver import activate

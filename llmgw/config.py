@@ -21,7 +21,7 @@ import enum
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import (
@@ -35,6 +35,8 @@ from pydantic import (
 
 from llmgw.breaker import BreakerSettings
 from llmgw.errors import ConfigError
+from llmgw.scheduling.specs import StrategySpec
+from llmgw.scheduling.strategies import PRESETS
 from llmgw.types import Endpoint, Engine
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -106,63 +108,7 @@ class SessionSpec(_Strict):
         return tuple(h.lower() for h in value)
 
 
-class PickerSpec(_Strict):
-    type: Literal["max-score", "p2c", "softmax", "round-robin", "random"] = "max-score"
-    temperature: float = Field(default=0.0, ge=0)
-
-
-class ScorerSpec(_Strict):
-    weight: float = Field(default=1.0, ge=0)
-    params: dict[str, float | int | str | bool] = Field(default_factory=dict)
-
-
-class StrategySpec(_Strict):
-    """Explicit scorer weights (`{queue: 1, kv: {weight: 2, params: {ceiling: 0.9}}}`) + picker."""
-
-    name: str = "custom"
-    scorers: dict[str, ScorerSpec] = Field(default_factory=dict)
-    picker: PickerSpec = PickerSpec()
-    filters: tuple[str, ...] = ("healthy", "model-serves", "not-saturated")
-
-    @field_validator("scorers", mode="before")
-    @classmethod
-    def _weights(cls, value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {k: {"weight": v} if isinstance(v, int | float) else v for k, v in value.items()}
-        return value
-
-    @field_validator("picker", mode="before")
-    @classmethod
-    def _picker_name(cls, value: Any) -> Any:
-        return {"type": value} if isinstance(value, str) else value
-
-    @model_validator(mode="after")
-    def _known_plugins(self) -> StrategySpec:
-        from llmgw.scheduling.plugins import (  # noqa: PLC0415 (cycle)
-            FILTERS,
-            SCORERS,
-            make_scorer,
-        )
-
-        for name, scorer in self.scorers.items():
-            if name not in SCORERS:
-                raise ValueError(f"scorers.{name}: unknown scorer (known: {', '.join(SCORERS)})")
-            try:  # bad params must fail here, with a path, not when the scheduler starts
-                make_scorer(name, scorer.params)
-            except ValueError as exc:
-                detail = str(exc).removeprefix(f"scorers.{name}.params: ")
-                raise ValueError(f"scorers.{name}.params: {detail}") from None
-        for i, name in enumerate(self.filters):
-            if name not in FILTERS:
-                raise ValueError(
-                    f"filters.{i}: unknown filter {name!r} (known: {', '.join(FILTERS)})"
-                )
-        return self
-
-
 def _preset_strategy(name: str) -> StrategySpec:
-    from llmgw.scheduling.strategies import PRESETS  # noqa: PLC0415 (cycle)
-
     if name not in PRESETS:
         raise ValueError(f"unknown strategy preset {name!r} (known: {', '.join(PRESETS)})")
     return PRESETS[name]

@@ -1,6 +1,6 @@
 """The two edges make the same Decisions: one request sequence, one config, one seed, fed
-through the Envoy ext_proc translation (`extproc.translate.Exchange`) and through the ASGI
-middleware (`asgi.middleware.SchedulerMiddleware`), with identical outcomes fed back."""
+through the Envoy ext_proc translation (`llmgw.extproc.translate.Exchange`) and through the ASGI
+middleware (`llmgw.asgi.middleware.SchedulerMiddleware`), with identical outcomes fed back."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from typing import Any
 import orjson
 import pytest
 
-from asgi.middleware import DECISION_KEY, DISPATCH_KEY, SchedulerMiddleware
-from asgi.types import Message, Scope
-from extproc.testing import parse, request_body, request_headers, response_headers, set_headers
-from extproc.translate import ASK_FOR_BODY, Exchange
+from llmgw.asgi.middleware import DECISION_KEY, DISPATCH_KEY, SchedulerMiddleware
+from llmgw.asgi.types import Message, Scope
 from llmgw.config import Config, load_dict
+from llmgw.extproc.translate import ASK_FOR_BODY, Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import AwaitActivation
 from llmgw.registry import Registry
@@ -24,6 +23,13 @@ from llmgw.runtime.driver import activate
 from llmgw.runtime.router import Router
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.scheduling.scheduler import Scheduler
+from llmgw.testing.extproc import (
+    parse,
+    request_body,
+    request_headers,
+    response_headers,
+    set_headers,
+)
 from llmgw.types import Decision, Endpoint, EngineMetrics, Outcome
 
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 6)]

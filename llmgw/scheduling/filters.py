@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from llmgw.breaker import BreakerState
+from llmgw.errors import NoCapacity, NoHealthyEndpoint
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 
@@ -19,6 +20,8 @@ class HealthyFilter:
     """Drops endpoints whose breaker is open (or half-open with every probe slot taken)."""
 
     name = "healthy"
+    when_empty = NoHealthyEndpoint
+    empty_message = "every endpoint of model {model!r} is failing (circuit open); retry shortly"
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         now = ctx.now
@@ -33,6 +36,8 @@ class ModelServesFilter:
     """Drops endpoints whose last scrape showed no series for the requested model."""
 
     name = "model-serves"
+    when_empty = NoHealthyEndpoint
+    empty_message = "no endpoint currently serves model {model!r}"
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         return _kept(candidates, [s for s in candidates if s.serves_model is not False])
@@ -42,6 +47,11 @@ class NotSaturatedFilter:
     """Drops endpoints whose fresh metrics show a queue or KV usage at the ceiling."""
 
     name = "not-saturated"
+    when_empty = NoCapacity
+    empty_message = (
+        "every endpoint of model {model!r} is saturated (queue or KV cache full); "
+        "retry later or add replicas"
+    )
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         queue_ceiling = ctx.spec.saturation.queue_ceiling
@@ -62,6 +72,8 @@ class FreshMetricsFilter:
     """Prefers endpoints with fresh metrics; keeps all when none is fresh (never ejects)."""
 
     name = "staleness"
+    when_empty = NoHealthyEndpoint  # never raised: it keeps all when none is fresh
+    empty_message = "no endpoint of model {model!r} has fresh metrics"
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         metrics = ctx.fresh

@@ -6,10 +6,34 @@ import random
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from llmgw.config import ModelSpec
+from llmgw.errors import LlmgwError
 from llmgw.hashring import HashRing
 from llmgw.registry import EndpointState, fresh_metrics_of
 from llmgw.types import EngineMetrics, RequestInfo
+
+
+class SessionSettings(Protocol):
+    @property
+    def bounded_load(self) -> float | None: ...
+
+
+class SaturationSettings(Protocol):
+    @property
+    def queue_ceiling(self) -> float: ...
+
+    @property
+    def kv_ceiling(self) -> float: ...
+
+
+class ModelSettings(Protocol):
+    """What a plugin may read of its model's config (a `llmgw.config.ModelSpec`): a protocol,
+    so that plugins need not import the config, which checks its names against them."""
+
+    @property
+    def session(self) -> SessionSettings: ...
+
+    @property
+    def saturation(self) -> SaturationSettings: ...
 
 
 class PickContext:
@@ -30,7 +54,7 @@ class PickContext:
     def __init__(
         self,
         request: RequestInfo,
-        spec: ModelSpec,
+        spec: ModelSettings,
         now: float,
         staleness: float,
         ring: HashRing,
@@ -61,6 +85,16 @@ class PickContext:
 
 class Filter(Protocol):
     name: str
+
+    @property
+    def when_empty(self) -> type[LlmgwError]:
+        """The error a request gets when this filter drops every candidate."""
+        ...
+
+    @property
+    def empty_message(self) -> str:
+        """Its message; `{model}` is replaced by the model's name."""
+        ...
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]: ...
 

@@ -58,6 +58,8 @@ class SoftmaxPicker:
     name = "softmax"
 
     def __init__(self, temperature: float = 0.0) -> None:
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
         self.temperature = temperature
 
     def order(self, ctx: PickContext, totals: list[float], limit: int) -> list[int]:

@@ -1,9 +1,14 @@
-"""Name -> factory registry for filters, scorers and pickers (the config refers to these names)."""
+"""Name -> factory registry for filters, scorers and pickers (the config refers to these names).
+
+A plugin describes itself: a filter carries the error its emptying the set means, a scorer
+declares its optional capabilities (`interfaces.NeedsPrompt`, ...), scorers and pickers take
+their params as keyword arguments and reject bad ones with a ValueError.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from llmgw.scheduling import filters, pickers, scorers
 from llmgw.scheduling.interfaces import Filter, Picker, Scorer
@@ -35,9 +40,27 @@ PICKERS: dict[str, Callable[..., Picker]] = {
     "random": pickers.RandomPicker,
 }
 
+P = TypeVar("P")
+
+
+class PluginError(ValueError):
+    """A plugin rejected its params (unknown name, wrong type or value)."""
+
+
+def _build(factory: Callable[..., P], params: Mapping[str, Any]) -> P:
+    try:
+        return factory(**params)
+    except (TypeError, ValueError) as exc:
+        raise PluginError(str(exc)) from None
+
 
 def make_scorer(name: str, params: Mapping[str, Any]) -> Scorer:
-    try:
-        return SCORERS[name](**params)
-    except TypeError as exc:
-        raise ValueError(f"scorers.{name}.params: {exc}") from None
+    return _build(SCORERS[name], params)
+
+
+def make_picker(name: str, params: Mapping[str, Any]) -> Picker:
+    return _build(PICKERS[name], params)
+
+
+def make_filter(name: str) -> Filter:
+    return FILTERS[name]()

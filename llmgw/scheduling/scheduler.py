@@ -9,14 +9,7 @@ from itertools import repeat
 from operator import add, mul
 
 from llmgw.config import Config, ModelMode, ModelSpec, endpoints_of, model_mode
-from llmgw.errors import (
-    LlmgwError,
-    ModelDisabled,
-    ModelNotFound,
-    ModelNotReady,
-    NoCapacity,
-    NoHealthyEndpoint,
-)
+from llmgw.errors import ModelDisabled, ModelNotFound, ModelNotReady, NoHealthyEndpoint
 from llmgw.hashring import HashRing
 from llmgw.registry import EndpointState, Registry
 from llmgw.scheduling.interfaces import (
@@ -28,24 +21,9 @@ from llmgw.scheduling.interfaces import (
     Picker,
     Scorer,
 )
-from llmgw.scheduling.plugins import FILTERS, PICKERS, make_scorer
+from llmgw.scheduling.plugins import make_filter, make_picker, make_scorer
 from llmgw.scheduling.strategies import resolve
 from llmgw.types import Decision, Endpoint, Outcome, Rationale, RequestInfo, ScorerColumn
-
-# Which error a filter's emptying of the candidate set means.
-_EMPTIED_BY: dict[str, type[LlmgwError]] = {
-    "healthy": NoHealthyEndpoint,
-    "model-serves": NoHealthyEndpoint,
-    "not-saturated": NoCapacity,
-    "staleness": NoHealthyEndpoint,
-}
-_EMPTY_MESSAGES: dict[str, str] = {
-    "healthy": "every endpoint of model {model!r} is failing (circuit open); retry shortly",
-    "model-serves": "no endpoint currently serves model {model!r}",
-    "not-saturated": "every endpoint of model {model!r} is saturated (queue or KV cache full); "
-    "retry later or add replicas",
-    "staleness": "no endpoint of model {model!r} has fresh metrics",
-}
 
 
 class ModelRouter:
@@ -57,7 +35,7 @@ class ModelRouter:
         self.mode = model_mode(spec)
         strategy = resolve(spec.strategy)
         self.strategy_name = strategy.name
-        self.filters: list[Filter] = [FILTERS[f]() for f in strategy.filters]
+        self.filters: list[Filter] = [make_filter(f) for f in strategy.filters]
         self.scorers: list[tuple[Scorer, float]] = [
             (make_scorer(n, s.params), s.weight) for n, s in strategy.scorers.items()
         ]
@@ -71,12 +49,7 @@ class ModelRouter:
         self.explainers: dict[int, ExplainsScores] = {
             id(s): s for s, _ in self.scorers if isinstance(s, ExplainsScores)
         }
-        picker = strategy.picker
-        self.picker: Picker = (
-            PICKERS[picker.type](temperature=picker.temperature)
-            if picker.type == "softmax"
-            else PICKERS[picker.type]()
-        )
+        self.picker: Picker = make_picker(strategy.picker.type, strategy.picker.params)
         self.ring = HashRing(
             [],
             num_virtual_nodes=spec.session.num_virtual_nodes,
@@ -198,10 +171,7 @@ class Scheduler:
             kept = flt.filter(ctx, candidates)
             drops.append((flt.name, len(candidates) - len(kept)))
             if not kept:
-                error = _EMPTIED_BY.get(flt.name, NoHealthyEndpoint)
-                raise error(
-                    _EMPTY_MESSAGES.get(flt.name, "no endpoint left").format(model=request.model)
-                )
+                raise flt.when_empty(flt.empty_message.format(model=request.model))
             candidates = kept
 
         columns: list[ScorerColumn] = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.config import PickerSpec, ScorerSpec, StrategySpec
+from llmgw.scheduling.specs import PickerSpec, ScorerSpec, StrategySpec
 
 
 def _s(weight: float, **params: float | int | str | bool) -> ScorerSpec:

@@ -16,9 +16,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from asgi.middleware import DECISION_KEY, DISPATCH_KEY, SchedulerMiddleware
-from asgi.testing import MODEL, make_config
-from asgi.types import Message, Scope
+from llmgw.asgi.middleware import DECISION_KEY, DISPATCH_KEY, SchedulerMiddleware
+from llmgw.asgi.testing import MODEL, make_config
+from llmgw.asgi.types import Message, Scope
 from llmgw.breaker import BreakerState
 from llmgw.config import Config
 from llmgw.errors import BadRequest, ModelNotFound

@@ -14,9 +14,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi import Request as FastAPIRequest
 
-from asgi.app import ProxyApp
-from asgi.middleware import SchedulerMiddleware
-from asgi.testing import (
+from llmgw.asgi.app import ProxyApp
+from llmgw.asgi.middleware import SchedulerMiddleware
+from llmgw.asgi.testing import (
     DEADLINE,
     MODEL,
     SSE_HEAD,

@@ -121,7 +121,19 @@ INVALID: list[tuple[str, Any, str, str]] = [
         "unknown-picker",
         one_model(endpoints=EP, strategy={"picker": "best"}),
         "models.chat.strategy.picker.type",
-        "'max-score'",
+        "unknown picker 'best'",
+    ),
+    (
+        "picker-bad-param",
+        one_model(endpoints=EP, strategy={"picker": {"type": "softmax", "params": {"t": 1}}}),
+        "models.chat.strategy.picker.params",
+        "unexpected keyword argument 't'",
+    ),
+    (
+        "picker-negative-temperature",
+        one_model(endpoints=EP, strategy={"picker": {"type": "softmax", "temperature": -1}}),
+        "models.chat.strategy.picker.params",
+        "temperature must be >= 0",
     ),
     (
         "unknown-strategy-field",
@@ -448,3 +460,14 @@ def test_normalize_fills_an_omitted_max_and_is_idempotent() -> None:
     once = normalize(raw)
     assert once.models["chat"].scaling is not None and once.models["chat"].scaling.max == 1
     assert normalize(once) == once
+
+
+def test_picker_params_like_scorers_and_the_flat_shorthand() -> None:
+    explicit = {"picker": {"type": "softmax", "params": {"temperature": 0.2}}}
+    flat = {"picker": {"type": "softmax", "temperature": 0.2}}
+    for strategy in (explicit, flat):
+        picker = (
+            load_dict(one_model(endpoints=EP, strategy=strategy)).models["chat"].strategy.picker
+        )
+        assert picker.type == "softmax"
+        assert picker.params == {"temperature": 0.2}

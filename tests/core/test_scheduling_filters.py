@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from llmgw.breaker import BreakerSettings
+from llmgw.errors import LlmgwError, NoCapacity, NoHealthyEndpoint
 from llmgw.registry import EndpointState
 from llmgw.scheduling.filters import (
     FreshMetricsFilter,
@@ -15,6 +16,7 @@ from llmgw.scheduling.filters import (
     NotSaturatedFilter,
 )
 from llmgw.scheduling.interfaces import Filter
+from llmgw.scheduling.plugins import FILTERS
 
 from .helpers import context, model_spec, state
 
@@ -120,3 +122,29 @@ def test_filter(case: Case) -> None:
     ctx = context(case.candidates, spec=model_spec(**case.spec_fields), now=NOW, staleness=2.0)
     got = case.filter.filter(ctx, list(case.candidates))
     assert got == [case.candidates[i] for i in case.want]
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "phrase"),
+    [
+        ("healthy", NoHealthyEndpoint, "every endpoint of model 'm' is failing"),
+        ("model-serves", NoHealthyEndpoint, "no endpoint currently serves model 'm'"),
+        ("not-saturated", NoCapacity, "every endpoint of model 'm' is saturated"),
+        ("staleness", NoHealthyEndpoint, "no endpoint of model 'm' has fresh metrics"),
+    ],
+)
+def test_filter_carries_the_error_its_emptying_the_set_means(
+    name: str, error: type[LlmgwError], phrase: str
+) -> None:
+    flt = FILTERS[name]()
+    assert flt.name == name
+    assert flt.when_empty is error
+    assert phrase in flt.empty_message.format(model="m")
+
+
+def test_every_registered_filter_names_an_error_with_a_status() -> None:
+    for name, factory in FILTERS.items():
+        flt = factory()
+        assert issubclass(flt.when_empty, LlmgwError), name
+        assert flt.when_empty.status >= 400, name
+        assert "{model!r}" in flt.empty_message, name

@@ -19,7 +19,7 @@ from llmgw.scheduling.pickers import (
     RoundRobinPicker,
     SoftmaxPicker,
 )
-from llmgw.scheduling.plugins import PICKERS
+from llmgw.scheduling.plugins import PICKERS, PluginError, make_picker
 
 from .helpers import context, state
 
@@ -57,6 +57,25 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_picker(case: Case) -> None:
     assert case.picker.order(ctx_for(len(case.totals)), case.totals, case.limit) == case.want
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "phrase"),
+    [
+        ("softmax", {"temperature": -0.1}, "temperature must be >= 0"),
+        ("softmax", {"temp": 1.0}, "unexpected keyword argument 'temp'"),
+        ("max-score", {"temperature": 1.0}, "takes no arguments"),
+    ],
+)
+def test_picker_rejects_bad_params(name: str, params: dict[str, float], phrase: str) -> None:
+    with pytest.raises(PluginError, match=phrase):
+        make_picker(name, params)
+
+
+def test_picker_params_reach_the_picker() -> None:
+    picker = make_picker("softmax", {"temperature": 0.7})
+    assert isinstance(picker, SoftmaxPicker)
+    assert picker.temperature == 0.7
 
 
 def test_max_score_breaks_ties_at_random() -> None:

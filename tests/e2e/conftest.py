@@ -1,7 +1,7 @@
 """Reusable end-to-end fixtures (real Envoy, the sim fleet, the ext_proc server).
 
 Helpers (`free_port`, `wait_for`, `EnvoyProcess`, `ExtProcThread`, `fleet_config`, `Stack`)
-live in `extproc.testing`, importable from any test.
+live in `llmgw.testing.extproc`, importable from any test.
 Fixtures:
 
 - `sim_fleet` (module): 4 simulated vLLM replicas serving `m1`, fast and deterministic.
@@ -17,8 +17,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from extproc.envoyconfig import build
-from extproc.testing import (
+from llmgw.config import Config
+from llmgw.extproc.envoyconfig import build
+from llmgw.sim import ThreadedFleet
+from llmgw.testing.extproc import (
     EnvoyProcess,
     ExtProcThread,
     Stack,
@@ -28,8 +30,6 @@ from extproc.testing import (
     free_port,
     quick_fleet,
 )
-from llmgw.config import Config
-from llmgw.sim import ThreadedFleet
 
 
 @pytest.fixture(scope="module")

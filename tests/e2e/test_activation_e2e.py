@@ -18,11 +18,11 @@ import httpx
 import orjson
 import pytest
 
-from asgi.app import ProxyApp
-from asgi.testing import serve
-from extproc.envoyconfig import build
-from extproc.testing import EnvoyProcess, ExtProcThread, free_port
+from llmgw.asgi.app import ProxyApp
+from llmgw.asgi.testing import serve
 from llmgw.config import Config, load_dict
+from llmgw.extproc.envoyconfig import build
+from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port
 
 pytestmark = pytest.mark.e2e
 

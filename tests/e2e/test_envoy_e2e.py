@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.testing import StackFactory, fleet_config, wait_for
 from llmgw.breaker import BreakerState
 from llmgw.sim import ThreadedFleet
+from llmgw.testing.extproc import StackFactory, fleet_config, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.envoyconfig import build, render
-from extproc.testing import envoy_binary
 from llmgw.config import load_file, load_text
+from llmgw.extproc.envoyconfig import build, render
+from llmgw.testing.extproc import envoy_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

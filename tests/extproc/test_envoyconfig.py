@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from extproc.envoyconfig import SHAPES, build, main, render
 from llmgw.config import load_dict, load_file
+from llmgw.extproc.envoyconfig import SHAPES, build, main, render
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "envoy" / "llmgw.yaml"

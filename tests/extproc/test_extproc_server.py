@@ -20,8 +20,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from extproc.server import ExtProcServer, build_parser
-from extproc.testing import (
+from llmgw.extproc.server import ExtProcServer, build_parser
+from llmgw.testing.extproc import (
     chat_headers,
     free_port,
     make_config,

@@ -6,7 +6,14 @@ import orjson
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 
-from extproc.testing import (
+from llmgw.breaker import BreakerState
+from llmgw.errors import LlmgwError
+from llmgw.extproc.translate import Exchange
+from llmgw.gateway import Gateway
+from llmgw.lifecycle import Hooks
+from llmgw.runtime.telemetry import Telemetry
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.testing.extproc import (
     chat_headers,
     destinations,
     make_config,
@@ -17,13 +24,6 @@ from extproc.testing import (
     response_trailers,
     set_headers,
 )
-from extproc.translate import Exchange
-from llmgw.breaker import BreakerState
-from llmgw.errors import LlmgwError
-from llmgw.gateway import Gateway
-from llmgw.lifecycle import Hooks
-from llmgw.runtime.telemetry import Telemetry
-from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Outcome
 
 CHAT = orjson.dumps(
@@ -267,7 +267,7 @@ def test_a_router_bug_is_a_500_not_a_broken_stream(monkeypatch: pytest.MonkeyPat
 
 
 def test_llmgw_error_headers_reach_the_immediate_response() -> None:
-    from extproc.translate import immediate_response  # noqa: PLC0415
+    from llmgw.extproc.translate import immediate_response  # noqa: PLC0415
 
     error = LlmgwError("x", headers={"retry-after": "5"})
     answer = parse(immediate_response(error))

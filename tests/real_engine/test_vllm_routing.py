@@ -10,12 +10,12 @@ from contextlib import asynccontextmanager, contextmanager
 import openai
 import pytest
 
-from asgi.app import ProxyApp
-from asgi.testing import serve
-from extproc.envoyconfig import build
-from extproc.testing import EnvoyProcess, ExtProcThread, free_port
+from llmgw.asgi.app import ProxyApp
+from llmgw.asgi.testing import serve
 from llmgw.config import Config, load_dict
+from llmgw.extproc.envoyconfig import build
 from llmgw.promtext import CONTRACTS, extract, parse
+from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port
 from llmgw.types import Engine
 from tests.real_engine.conftest import PAIR_ARGS, VllmInstance, start_instance, wait_healthy
 

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from extproc.testing import free_port, quick_fleet, wait_for
 from llmgw.sim import ThreadedFleet
+from llmgw.testing.extproc import free_port, quick_fleet, wait_for
 
 
 @dataclass

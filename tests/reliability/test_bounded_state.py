@@ -4,8 +4,8 @@ per-session label), the cached route answers of the ext_proc edge."""
 
 from __future__ import annotations
 
-from extproc import translate
 from llmgw.config import load_dict
+from llmgw.extproc import translate
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.scorers import PrefixScorer

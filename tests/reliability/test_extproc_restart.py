@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.envoyconfig import EXTPROC_CLUSTER, build
-from extproc.testing import EnvoyProcess, free_port, wait_for
 from llmgw.config import load_dict
+from llmgw.extproc.envoyconfig import EXTPROC_CLUSTER, build
 from llmgw.hashring import HashRing
 from llmgw.sim import ThreadedFleet
+from llmgw.testing.extproc import EnvoyProcess, free_port, wait_for
 
 from .conftest import Child, SpawnFn
 

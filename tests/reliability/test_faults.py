@@ -26,8 +26,8 @@ from bench.fault_matrix import (
     run_case,
     start_fleet,
 )
-from extproc.testing import envoy_binary
 from llmgw.sim import ThreadedFleet
+from llmgw.testing.extproc import envoy_binary
 
 pytestmark = pytest.mark.e2e
 

@@ -23,11 +23,11 @@ from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from extproc.server import ExtProcServer
-from extproc.testing import chat_headers, make_config, request_headers, response_headers
-from extproc.translate import Exchange, response_status
+from llmgw.extproc.server import ExtProcServer
+from llmgw.extproc.translate import Exchange, response_status
 from llmgw.gateway import Gateway
 from llmgw.scheduling.scheduler import Scheduler
+from llmgw.testing.extproc import chat_headers, make_config, request_headers, response_headers
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"

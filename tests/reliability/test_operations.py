@@ -20,10 +20,10 @@ from typing import Any
 import httpx
 import pytest
 
-from extproc.envoyconfig import build
-from extproc.testing import EnvoyProcess, free_port, wait_for
 from llmgw.config import load_dict
+from llmgw.extproc.envoyconfig import build
 from llmgw.sim import ThreadedFleet
+from llmgw.testing.extproc import EnvoyProcess, free_port, wait_for
 
 from .conftest import Child, SpawnFn, http_status
 

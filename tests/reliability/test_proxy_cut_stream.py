@@ -9,8 +9,8 @@ import httpx
 import orjson
 import pytest
 
-from asgi.app import ProxyApp
-from asgi.testing import (
+from llmgw.asgi.app import ProxyApp
+from llmgw.asgi.testing import (
     MODEL,
     SSE_HEAD,
     ScriptedUpstream,

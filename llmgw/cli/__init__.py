@@ -12,10 +12,10 @@ from llmgw.errors import ConfigError
 # Subcommands whose implementation owns its own argument parsing: name -> "module:function".
 _DELEGATED: dict[str, str] = {
     "sim": "llmgw.sim.cli:main",
-    "extproc": "extproc.server:main",
-    "proxy": "asgi.proxy:main",
-    "envoy-config": "extproc.envoyconfig:main",
-    "demo": "llmgw.demo:main",
+    "extproc": "llmgw.extproc.server:main",
+    "proxy": "llmgw.asgi.proxy:main",
+    "envoy-config": "llmgw.extproc.envoyconfig:main",
+    "demo": "llmgw.cli.demo:main",
 }
 
 
@@ -69,7 +69,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmgw {command}: not available in this build yet", file=sys.stderr)
         return 2
     return entry(rest)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -83,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import openai  # noqa: PLC0415
 
-        from extproc.envoyconfig import build  # noqa: PLC0415
-        from extproc.testing import (  # noqa: PLC0415
+        from llmgw.extproc.envoyconfig import build  # noqa: PLC0415
+        from llmgw.sim import SimFleet  # noqa: PLC0415
+        from llmgw.testing.extproc import (  # noqa: PLC0415
             EnvoyProcess,
             ExtProcThread,
             fleet_config,
             free_port,
         )
-        from llmgw.sim import SimFleet  # noqa: PLC0415
     except ImportError as exc:
         print(f"llmgw demo needs the extproc, sim and dev extras: {exc}", file=sys.stderr)
         return 2

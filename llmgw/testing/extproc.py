@@ -41,9 +41,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
-from extproc.envoyconfig import render
-from extproc.server import ExtProcServer
 from llmgw.config import Config, load_dict
+from llmgw.extproc.envoyconfig import render
+from llmgw.extproc.server import ExtProcServer
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim import SimFleet, ThreadedFleet
 

@@ -1,0 +1,5 @@
+"""`python -m llmgw.cli ...` is `llmgw ...`."""
+
+from llmgw.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Shipped helpers for tests and demos that drive the whole stack (edges, simulator, Envoy)."""
