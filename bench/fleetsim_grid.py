@@ -55,7 +55,7 @@ from bench.fleetsim import (  # noqa: E402
 )
 from bench.workloads import WORKLOADS, Workload, build, percentile  # noqa: E402
 from bench.workloads.regimes import REGIMES  # noqa: E402
-from llmgw.config import StrategySpec  # noqa: E402
+from llmgw.scheduling.specs import StrategySpec  # noqa: E402
 from llmgw.sim.model import EngineConfig  # noqa: E402
 
 RESULTS = HERE / "results"

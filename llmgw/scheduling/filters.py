@@ -88,6 +88,8 @@ class BoundedLoadFilter:
     """
 
     name = "bounded-load"
+    when_empty = NoCapacity  # never raised: the filter keeps all rather than none
+    empty_message = "every endpoint of model {model!r} is at its bounded-load capacity"
     default_factor = 1.5
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
