@@ -99,18 +99,20 @@ class Calibration:
 
 
 def pooled(cals: Iterable[Calibration]) -> tuple[float | None, float | None, float | None]:
-    """(seconds per prefill token, seconds per step, tokens per prefill) over many endpoints:
-    ratios of the summed decayed sums, so busier endpoints (more data) weigh more."""
-    sums = [0.0] * 6
+    """(seconds per prefill token, seconds per step, tokens per prefill) over a model's
+    endpoints. Both costs are upper bounds on each engine (a request's prefill time covers
+    the whole step it shared with other prefills and with decodes; the time between tokens
+    includes steps stalled by prefills), so the lowest endpoint's is the tightest. Tokens
+    per prefill is a plain pooled ratio (busier endpoints, more data, weigh more)."""
+    per_token: float | None = None
+    step: float | None = None
+    tokens_num = tokens_den = 0.0
     for c in cals:
-        sums[0] += c._prefill_num
-        sums[1] += c._prefill_den
-        sums[2] += c._step_num
-        sums[3] += c._step_den
-        sums[4] += c._tokens_num
-        sums[5] += c._tokens_den
-    return (
-        sums[0] / sums[1] if sums[1] > 0 else None,
-        sums[2] / sums[3] if sums[3] > 0 else None,
-        sums[4] / sums[5] if sums[5] > 0 else None,
-    )
+        p, s = c.prefill_s_per_token, c.step_s
+        if p is not None and (per_token is None or p < per_token):
+            per_token = p
+        if s is not None and (step is None or s < step):
+            step = s
+        tokens_num += c._tokens_num
+        tokens_den += c._tokens_den
+    return per_token, step, tokens_num / tokens_den if tokens_den > 0 else None

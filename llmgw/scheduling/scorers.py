@@ -234,10 +234,13 @@ class LatencyScorer:
         calibrate: bool = True,
         smoothing_ms: float = 1.0,
         shared_sessions: int = 3,
+        queue_weighting: bool = True,
     ) -> None:
         if shared_sessions < 1:
             raise ValueError(f"shared_sessions must be >= 1, got {shared_sessions!r}")
         self.shared_sessions = shared_sessions
+        self.queue_weighting = queue_weighting
+        self._mean_queue = 0.0  # mean queue over the last pick's candidates (seconds)
         for name, value in (
             ("prefill_us_per_token", prefill_us_per_token),
             ("step_ms", step_ms),
@@ -314,7 +317,12 @@ class LatencyScorer:
         # The engine's waiting requests: each a typical prefill (this one, if none known).
         per_waiting = per_token * (typical or tokens)
         factor = step0 * self.batch_factor
+        # A prefill's work delays every request that queues behind it: when the model's
+        # replicas hold queues (n typical requests deep), each second of work costs about
+        # n more seconds for others; so duplicating a cached prefix elsewhere costs more.
         work_weight = self.work_weight
+        if self.queue_weighting and per_waiting > 0:
+            work_weight += self._mean_queue / per_waiting
         # (ttft, queue, prefill, step) seconds per candidate; this loop runs per endpoint per
         # pick, so it avoids calls (no max(), no properties) and appends once.
         terms: list[tuple[float, float, float, float]] = []
@@ -345,6 +353,7 @@ class LatencyScorer:
             append_cost(ttft + work_weight * prefill)
         self._candidates = candidates
         self._terms = terms  # a new list each pick: the Decision keeps the old one
+        self._mean_queue = sum([t[1] for t in terms]) / len(terms) if terms else 0.0
         smoothing = self.smoothing
         low = min(costs) + smoothing if costs else 0.0
         return [low / (c + smoothing) for c in costs]
