@@ -4,7 +4,7 @@ one, and prompt tokens computed per request.
 
 Pure: counters arrive through `on_scrape`. Each estimate is a ratio of decayed sums (sum of
 seconds / sum of tokens over recent scrapes), so a scrape window that saw one short request
-does not swing it. The scorer pools the sums over a model's endpoints (`pooled`): replicas
+does not swing it. The scorer uses one set of costs per model (`pooled`): replicas
 of one model share hardware and per-token costs, while one replica's own numbers also carry
 its load (a busy engine's prefills share steps with others and look slower per token), and
 routing on those would feed back into them.
@@ -13,6 +13,7 @@ routing on those would feed back into them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from llmgw.types import EngineMetrics
 
@@ -35,11 +36,14 @@ class Calibration:
         "_prefill_den",
         "_prefill_num",
         "_prev",
+        "_service_den",
+        "_service_num",
         "_step_den",
         "_step_num",
         "_tokens_den",
         "_tokens_num",
         "prefill_s_per_token",
+        "service_s",
         "step_s",
         "tokens_per_prefill",
     )
@@ -60,6 +64,9 @@ class Calibration:
         self.prefill_s_per_token: float | None = None
         self.step_s: float | None = None  # one engine step for a batch of one
         self.tokens_per_prefill: float | None = None  # prompt tokens computed per request
+        self._service_num = 0.0  # decayed seconds requests spent in the batch ...
+        self._service_den = 0.0  # ... per decayed requests
+        self.service_s: float | None = None  # mean time a request holds its batch slot
 
     def on_scrape(self, m: EngineMetrics, batch_factor: float = 0.02) -> None:
         prev, self._prev = self._prev, m
@@ -96,23 +103,45 @@ class Calibration:
             self._step_num = self._step_num * _DECAY + step_time / (1 + batch_factor * (batch - 1))
             self._step_den = self._step_den * _DECAY + steps
             self.step_s = self._step_num / self._step_den
+        served = _delta(m.service_count, prev.service_count)
+        service = _delta(m.service_seconds_sum, prev.service_seconds_sum)
+        if served and service is not None:
+            self._service_num = self._service_num * _DECAY + service
+            self._service_den = self._service_den * _DECAY + served
+            self.service_s = self._service_num / self._service_den
 
 
-def pooled(cals: Iterable[Calibration]) -> tuple[float | None, float | None, float | None]:
-    """(seconds per prefill token, seconds per step, tokens per prefill) over a model's
-    endpoints. Both costs are upper bounds on each engine (a request's prefill time covers
-    the whole step it shared with other prefills and with decodes; the time between tokens
-    includes steps stalled by prefills), so the lowest endpoint's is the tightest. Tokens
-    per prefill is a plain pooled ratio (busier endpoints, more data, weigh more)."""
+class Costs(NamedTuple):
+    """A model's latency costs, from its endpoints' calibrations (None: not published)."""
+
+    per_token: float | None  # seconds per computed prefill token
+    step: float | None  # seconds per engine step, batch of one
+    tokens_per_prefill: float | None  # prompt tokens computed per request
+    service: float | None  # seconds a request holds its batch slot
+
+
+def pooled(cals: Iterable[Calibration]) -> Costs:
+    """A model's costs over its endpoints. Per-token and per-step costs are upper bounds on
+    each engine (a request's prefill time covers the whole step it shared with other
+    prefills and decodes; the time between tokens includes steps stalled by prefills), so
+    the lowest endpoint's is the tightest. The means are pooled ratios (busier endpoints,
+    more data, weigh more)."""
     per_token: float | None = None
     step: float | None = None
-    tokens_num = tokens_den = 0.0
+    sums = [0.0, 0.0, 0.0, 0.0]
     for c in cals:
         p, s = c.prefill_s_per_token, c.step_s
         if p is not None and (per_token is None or p < per_token):
             per_token = p
         if s is not None and (step is None or s < step):
             step = s
-        tokens_num += c._tokens_num
-        tokens_den += c._tokens_den
-    return per_token, step, tokens_num / tokens_den if tokens_den > 0 else None
+        sums[0] += c._tokens_num
+        sums[1] += c._tokens_den
+        sums[2] += c._service_num
+        sums[3] += c._service_den
+    return Costs(
+        per_token,
+        step,
+        sums[0] / sums[1] if sums[1] > 0 else None,
+        sums[2] / sums[3] if sums[3] > 0 else None,
+    )

@@ -115,8 +115,15 @@ def parse(text: str) -> list[Sample]:
 
 # Optional roles: counters and histogram bases (`_sum`/`_count` are read) the latency model
 # calibrates from. A page without them still routes, on configured defaults.
-OPTIONAL_ROLES = ("prefill_time", "computed_tokens", "prompt_tokens", "cached_tokens", "step_time")
-_HISTOGRAM_ROLES = ("prefill_time", "computed_tokens", "step_time")
+OPTIONAL_ROLES = (
+    "prefill_time",
+    "computed_tokens",
+    "prompt_tokens",
+    "cached_tokens",
+    "step_time",
+    "service_time",
+)
+_HISTOGRAM_ROLES = ("prefill_time", "computed_tokens", "step_time", "service_time")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +145,7 @@ class MetricContract:
     prompt_tokens: tuple[str, ...] = ()
     cached_tokens: tuple[str, ...] = ()
     step_time: tuple[str, ...] = ()
+    service_time: tuple[str, ...] = ()  # a request's time in the batch (scheduled to done)
 
     def names(self) -> frozenset[str]:
         hist = [
@@ -184,6 +192,7 @@ CONTRACTS: dict[Engine, MetricContract] = {
         prompt_tokens=("vllm:prompt_tokens_total",),
         cached_tokens=("vllm:prefix_cache_hits_total",),
         step_time=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+        service_time=("vllm:request_inference_time_seconds",),
     ),
     Engine.SGLANG: MetricContract(
         waiting=("sglang:num_queue_reqs",),
@@ -261,4 +270,6 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
         cached_tokens_total=total(contract.cached_tokens),
         step_seconds_sum=total(contract.step_time, "_sum"),
         step_count=total(contract.step_time, "_count"),
+        service_seconds_sum=total(contract.service_time, "_sum"),
+        service_count=total(contract.service_time, "_count"),
     )

@@ -48,6 +48,8 @@ class EngineMetrics:
     cached_tokens_total: float | None = None  # prefix-cache hits, in tokens
     step_seconds_sum: float | None = None  # inter-token latency histogram _sum
     step_count: float | None = None  # ... and its _count
+    service_seconds_sum: float | None = None  # time in the batch (inference) histogram _sum
+    service_count: float | None = None  # ... and its _count
 
 
 class Outcome(enum.StrEnum):

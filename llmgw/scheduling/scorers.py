@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from llmgw.calibration import pooled
+from llmgw.calibration import Costs, pooled
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.prefix import PrefixIndex
@@ -235,11 +235,15 @@ class LatencyScorer:
         smoothing_ms: float = 1.0,
         shared_sessions: int = 3,
         queue_weighting: bool = True,
+        kv_full: float = 0.9,
     ) -> None:
         if shared_sessions < 1:
             raise ValueError(f"shared_sessions must be >= 1, got {shared_sessions!r}")
         self.shared_sessions = shared_sessions
         self.queue_weighting = queue_weighting
+        if not 0 < kv_full <= 1:
+            raise ValueError(f"kv_full must be in (0, 1], got {kv_full!r}")
+        self.kv_full = kv_full
         self._mean_queue = 0.0  # mean queue over the last pick's candidates (seconds)
         for name, value in (
             ("prefill_us_per_token", prefill_us_per_token),
@@ -267,30 +271,28 @@ class LatencyScorer:
         )
         self._request: RequestInfo | None = None
         self._hashes: list[int] = []
-        # (computed at, s per prefill token, s per step, tokens per prefill or None)
-        self._costs: tuple[float, float, float, float | None] = (
-            float("-inf"),
-            self.prefill_s,
-            self.step_s,
-            None,
-        )
+        self._costs_at = float("-inf")
+        self._costs = Costs(self.prefill_s, self.step_s, None, None)
         self._candidates: list[EndpointState] = []
         self._terms: list[tuple[float, float, float, float]] = []
 
-    def costs(self, ctx: PickContext) -> tuple[float, float, float | None]:
-        """(s per prefill token, s per step for a batch of one, tokens per prefill): pooled
-        calibration of the model's endpoints, refreshed at most every 0.1 s, else params."""
-        at, per_token, step, tokens = self._costs
-        if ctx.now - at < 0.1:
-            return per_token, step, tokens
-        per_token, step, tokens = self.prefill_s, self.step_s, None
-        if self.calibrate:
-            measured = pooled([s.calibration for s in ctx.all_states])
-            per_token = measured[0] or per_token
-            step = measured[1] or step
-            tokens = measured[2]
-        self._costs = (ctx.now, per_token, step, tokens)
-        return per_token, step, tokens
+    def costs(self, ctx: PickContext) -> Costs:
+        """The model's costs: its endpoints' calibration (`pooled`, refreshed at most every
+        0.1 s) where they publish it, else the params."""
+        if ctx.now - self._costs_at < 0.1:
+            return self._costs
+        measured = pooled([s.calibration for s in ctx.all_states]) if self.calibrate else None
+        if measured is None:
+            costs = Costs(self.prefill_s, self.step_s, None, None)
+        else:
+            costs = Costs(
+                measured.per_token or self.prefill_s,
+                measured.step or self.step_s,
+                measured.tokens_per_prefill,
+                measured.service,
+            )
+        self._costs_at, self._costs = ctx.now, costs
+        return costs
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         request = ctx.request
@@ -313,9 +315,14 @@ class LatencyScorer:
         )
         now = ctx.now
         fresh = ctx.fresh
-        per_token, step0, typical = self.costs(ctx)
-        # The engine's waiting requests: each a typical prefill (this one, if none known).
+        costs_now = self.costs(ctx)
+        per_token = costs_now.per_token or self.prefill_s
+        step0 = costs_now.step or self.step_s
+        typical, service = costs_now.tokens_per_prefill, costs_now.service
+        # The engine's waiting requests: each a typical prefill (this one, if none known);
+        # when its KV cache is full they wait for running requests to end instead.
         per_waiting = per_token * (typical or tokens)
+        kv_full = self.kv_full
         factor = step0 * self.batch_factor
         # A prefill's work delays every request that queues behind it: when the model's
         # replicas hold queues (n typical requests deep), each second of work costs about
@@ -341,6 +348,12 @@ class LatencyScorer:
                     load = engine_load
                 if m.waiting >= 1:  # others' work too (other routers, direct clients)
                     engine_queue = m.waiting * per_waiting
+                    if m.kv_usage >= kv_full and service is not None:
+                        # Admission waits for memory: one running request ends every
+                        # service / running seconds, on average, and admits the next.
+                        freed = service / (m.running if m.running >= 1 else 1)
+                        if freed > per_waiting:
+                            engine_queue = m.waiting * freed
                     if engine_queue > queue:  # noqa: PLR1730
                         queue = engine_queue
             hit = get_matched(s.id, 0) * block

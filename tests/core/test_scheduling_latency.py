@@ -127,8 +127,24 @@ def test_choosing_an_endpoint_queues_its_prefill_there() -> None:
     # Waiting 0.4 s for a cached prompt ~ prefilling it elsewhere in 0.4 s, but that second
     # copy is 0.4 s of work imposed on the fleet (work_weight): stay.
     assert scores[0] > scores[1]
-    scorer.work_weight = 0.0  # TTFT alone: the uncached peer is a hair faster
+    # TTFT alone (no work weight, none for queues either): the uncached peer is a hair faster.
+    scorer.work_weight, scorer.queue_weighting = 0.0, False
     assert scorer.score(second, states)[1] == 1.0
+
+
+def test_queues_make_duplicated_work_dearer() -> None:
+    """Once the model's replicas hold queues, duplicating a cached prompt's prefill costs the
+    requests queued behind it too: the same choice flips from move to stay."""
+    scorer = LatencyScorer(work_weight=0.0)
+    states = [state("a:1"), state("b:1")]
+    req = request()
+    scorer.index.insert("a:1", scorer.index.hashes(req.prompt))
+    states[0].busy_until = NOW + 0.45  # a:1 (cached) queued 0.45 s, b:1 idle
+    first = scorer.score(context(states, request=req, now=NOW), states)
+    assert first[1] > first[0]  # no queues seen yet: 0.45 s wait vs 0.4 s prefill, move
+    # The first pick saw a mean queue of 0.225 s, about half a typical prefill deep.
+    again = scorer.score(context(states, request=req, now=NOW), states)
+    assert again[0] > again[1]
 
 
 def test_queued_prefill_drains_with_time() -> None:
@@ -191,10 +207,11 @@ def test_pooled_costs_are_the_tightest_upper_bound_and_tokens_a_pooled_mean() ->
     for cal, (seconds, tokens) in ((a, (1.0, 1000.0)), (b, (0.9, 9000.0))):
         cal.on_scrape(metrics())
         cal.on_scrape(metrics(prefill_s=seconds, tokens=tokens, prefills=4))
-    per_token, step, typical = pooled([a, b])
+    per_token, step, typical, service = pooled([a, b])
     assert per_token == pytest.approx(1e-4) and step is None
     assert typical == pytest.approx(10000 / 8)
-    assert pooled([]) == (None, None, None)
+    assert service is None
+    assert pooled([]) == (None, None, None, None)
 
 
 def metrics(
