@@ -42,6 +42,7 @@ class Calibration:
         "_step_num",
         "_tokens_den",
         "_tokens_num",
+        "kv_tokens",
         "prefill_s_per_token",
         "service_s",
         "step_s",
@@ -67,9 +68,12 @@ class Calibration:
         self._service_num = 0.0  # decayed seconds requests spent in the batch ...
         self._service_den = 0.0  # ... per decayed requests
         self.service_s: float | None = None  # mean time a request holds its batch slot
+        self.kv_tokens: float | None = None  # the engine's KV cache size, if it says
 
     def on_scrape(self, m: EngineMetrics, batch_factor: float = 0.02) -> None:
         prev, self._prev = self._prev, m
+        if m.kv_tokens is not None:
+            self.kv_tokens = m.kv_tokens
         if prev is None:
             return
         tokens = _delta(m.computed_tokens_sum, prev.computed_tokens_sum)

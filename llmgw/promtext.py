@@ -122,6 +122,7 @@ OPTIONAL_ROLES = (
     "cached_tokens",
     "step_time",
     "service_time",
+    "cache_info",
 )
 _HISTOGRAM_ROLES = ("prefill_time", "computed_tokens", "step_time", "service_time")
 
@@ -146,6 +147,8 @@ class MetricContract:
     cached_tokens: tuple[str, ...] = ()
     step_time: tuple[str, ...] = ()
     service_time: tuple[str, ...] = ()  # a request's time in the batch (scheduled to done)
+    # An info metric whose labels give the KV cache size: num_gpu_blocks x block_size.
+    cache_info: tuple[str, ...] = ()
 
     def names(self) -> frozenset[str]:
         hist = [
@@ -161,6 +164,7 @@ class MetricContract:
             *self.finished,
             *self.prompt_tokens,
             *self.cached_tokens,
+            *self.cache_info,
         )
         return frozenset((*plain, *hist))
 
@@ -193,6 +197,7 @@ CONTRACTS: dict[Engine, MetricContract] = {
         cached_tokens=("vllm:prefix_cache_hits_total",),
         step_time=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
         service_time=("vllm:request_inference_time_seconds",),
+        cache_info=("vllm:cache_config_info",),
     ),
     Engine.SGLANG: MetricContract(
         waiting=("sglang:num_queue_reqs",),
@@ -221,12 +226,16 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
     three required metrics raises MetricsError naming it.
     """
     found: dict[str, list[float]] = {}
+    kv_tokens: float | None = None
     for sample in iter_samples(text, contract.names()):
         if model is not None:
             label = sample.labels.get(contract.model_label)
             if label is not None and label != model:
                 continue
         if not math.isfinite(sample.value):  # NaN or ±Inf: no usable reading
+            continue
+        if sample.name in contract.cache_info:
+            kv_tokens = _kv_tokens(sample.labels, kv_tokens)
             continue
         found.setdefault(sample.name, []).append(sample.value)
 
@@ -272,4 +281,16 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
         step_count=total(contract.step_time, "_count"),
         service_seconds_sum=total(contract.service_time, "_sum"),
         service_count=total(contract.service_time, "_count"),
+        kv_tokens=kv_tokens,
     )
+
+
+def _kv_tokens(labels: Mapping[str, str], before: float | None) -> float | None:
+    """KV cache size in tokens from an info metric's labels (summed over engines)."""
+    try:
+        tokens = float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+    except (KeyError, ValueError):  # "None" before the engine sized its cache
+        return before
+    if not math.isfinite(tokens) or tokens <= 0:
+        return before
+    return tokens + (before or 0.0)

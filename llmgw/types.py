@@ -50,6 +50,7 @@ class EngineMetrics:
     step_count: float | None = None  # ... and its _count
     service_seconds_sum: float | None = None  # time in the batch (inference) histogram _sum
     service_count: float | None = None  # ... and its _count
+    kv_tokens: float | None = None  # KV cache size in tokens (cache config info)
 
 
 class Outcome(enum.StrEnum):

@@ -25,6 +25,7 @@ class PrefixIndex:
         self._lru: dict[str, OrderedDict[int, None]] = {}
         # Per block: how many times the key using it changed (a count of distinct sessions
         # when they interleave), and the last key. Kept while any endpoint holds the block.
+        self._capacity: dict[str, int] = {}  # per endpoint, where it differs from `capacity`
         self._sharers: dict[int, int] = {}
         self._last_key: dict[int, str] = {}
 
@@ -82,13 +83,27 @@ class PrefixIndex:
                 continue
             lru[h] = None
             self._owners.setdefault(h, set()).add(endpoint_id)
-            if len(lru) > self.capacity:
-                old, _ = lru.popitem(last=False)
-                owners = self._owners.get(old)
-                if owners is not None:
-                    owners.discard(endpoint_id)
-                    if not owners:
-                        self._drop(old)
+        self._trim(endpoint_id, lru)
+
+    def set_capacity(self, endpoint_id: str, blocks: int) -> None:
+        """Hold at most `blocks` for this endpoint (its engine's KV cache, in index blocks):
+        what the engine must have evicted stops counting as cached there."""
+        blocks = max(1, min(blocks, self.capacity))
+        if self._capacity.get(endpoint_id) != blocks:
+            self._capacity[endpoint_id] = blocks
+            lru = self._lru.get(endpoint_id)
+            if lru is not None:
+                self._trim(endpoint_id, lru)
+
+    def _trim(self, endpoint_id: str, lru: OrderedDict[int, None]) -> None:
+        limit = self._capacity.get(endpoint_id, self.capacity)
+        while len(lru) > limit:
+            old, _ = lru.popitem(last=False)
+            owners = self._owners.get(old)
+            if owners is not None:
+                owners.discard(endpoint_id)
+                if not owners:
+                    self._drop(old)
 
     def _drop(self, h: int) -> None:
         del self._owners[h]
@@ -96,6 +111,7 @@ class PrefixIndex:
         self._last_key.pop(h, None)
 
     def forget(self, endpoint_id: str) -> None:
+        self._capacity.pop(endpoint_id, None)
         for h in self._lru.pop(endpoint_id, OrderedDict()):
             owners = self._owners.get(h)
             if owners is not None:

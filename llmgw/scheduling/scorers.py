@@ -281,6 +281,12 @@ class LatencyScorer:
         0.1 s) where they publish it, else the params."""
         if ctx.now - self._costs_at < 0.1:
             return self._costs
+        if self.calibrate:
+            block = self.block_tokens
+            for s in ctx.all_states:
+                kv = s.calibration.kv_tokens
+                if kv is not None:
+                    self.index.set_capacity(s.id, int(kv // block))
         measured = pooled([s.calibration for s in ctx.all_states]) if self.calibrate else None
         if measured is None:
             costs = Costs(self.prefill_s, self.step_s, None, None)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
 from llmgw.calibration import Calibration, pooled
+from llmgw.promtext import CONTRACTS, extract
 from llmgw.registry import EndpointState, Registry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.scorers import LatencyScorer
-from llmgw.types import EngineMetrics, Outcome, RequestInfo
+from llmgw.types import Engine, EngineMetrics, Outcome, RequestInfo
 
 from .helpers import FakeClock, config, context, state
 
@@ -263,3 +265,23 @@ def test_calibration_pairs_seconds_and_tokens_seen_in_different_windows() -> Non
     assert cal.prefill_s_per_token is None
     cal.on_scrape(metrics(tokens=1000, prefill_s=0.2, prefills=1))  # finished a window later
     assert cal.prefill_s_per_token == pytest.approx(2e-4)
+
+
+def test_an_engine_smaller_than_the_index_forgets_what_it_must_have_evicted() -> None:
+    """The engine says its KV cache holds 128 tokens (2 index blocks): older prompts routed
+    there no longer count as cached."""
+    scorer = LatencyScorer()
+    states = [state("a:1")]
+    states[0].calibration.kv_tokens = 128.0
+    old, new = request("old " * 200), request("new " * 200)  # 800 chars: 3 blocks each
+    scorer.index.insert("a:1", scorer.index.hashes(old.prompt))
+    scorer.score(context(states, request=new, now=NOW), states)  # syncs the capacity
+    assert scorer.index.size("a:1") == 2
+    assert scorer.index.match(scorer.index.hashes(old.prompt)) == {}
+
+
+def test_the_kv_cache_size_comes_from_the_cache_config_info_labels() -> None:
+    page = (Path(__file__).parents[1] / "fixtures" / "metrics-vllm-0.32.0-busy.txt").read_text()
+    cal = Calibration()
+    cal.on_scrape(extract(page, CONTRACTS[Engine.VLLM], model="tiny"))
+    assert cal.kv_tokens == 8192 * 128  # num_gpu_blocks x block_size on that page
