@@ -29,7 +29,9 @@ class EndpointState:
         "id",
         "inflight",
         "metrics",
+        "pending_prefill",
         "released_since_scrape",
+        "reports_first_token",
         "scrape_error",
         "scraped_at",
         "serves_model",
@@ -53,6 +55,10 @@ class EndpointState:
         # When the prefill work this router sent here would be done (fluid model, seconds
         # on the registry clock): the latency scorer's queue estimate for its own traffic.
         self.busy_until = float("-inf")
+        # Prompt tokens sent here whose first token has not come back yet: the exact queue
+        # of prefill work, where the edge reports first tokens (`reports_first_token`).
+        self.pending_prefill = 0.0
+        self.reports_first_token = False
 
     def fresh_metrics(self, now: float, staleness: float) -> EngineMetrics | None:
         """The last scrape if it is recent enough to trust and no scrape failed since, else None
@@ -141,10 +147,13 @@ class Registry:
         outcome: Outcome,
         *,
         probe: bool = False,
+        prefill_tokens: float = 0.0,
     ) -> None:
         state = self._by_id.get((model, endpoint_id))
         if state is None:
             return  # the endpoint left the set while the request was in flight
+        if prefill_tokens:
+            state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
         now = self.clock()
         state.inflight = max(0, state.inflight - 1)
         state.released_since_scrape += 1
@@ -154,12 +163,22 @@ class Registry:
             return
         state.breaker.record(outcome is Outcome.SUCCESS, now, probe=probe)
 
-    def first_token(self, model: str, endpoint_id: str, ready_at: float) -> None:
+    def add_prefill(self, model: str, endpoint_id: str, tokens: float) -> None:
+        """A request with `tokens` to prefill was sent there (released at its first token)."""
+        state = self._by_id.get((model, endpoint_id))
+        if state is not None:
+            state.pending_prefill += tokens
+
+    def first_token(
+        self, model: str, endpoint_id: str, ready_at: float, prefill_tokens: float = 0.0
+    ) -> None:
         """The request predicted to finish its prefill at `ready_at` produced its first token
-        now: if that is earlier, the queue of prefill work there was shorter than modelled."""
+        now: its tokens are no longer pending; if it is early, the modelled queue was long."""
         state = self._by_id.get((model, endpoint_id))
         if state is None:
             return
+        state.reports_first_token = True
+        state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
         now = self.clock()
         if ready_at > now:
             state.busy_until = max(now, state.busy_until - (ready_at - now))

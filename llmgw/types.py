@@ -187,9 +187,10 @@ class Decision:
     fallbacks: tuple[Endpoint, ...]
     rationale: Rationale
     # From a latency scorer, for the primary: when its prefill should be done (registry
-    # clock) and the predicted time to first token (seconds).
+    # clock), the predicted time to first token (seconds) and the tokens it must prefill.
     ready_at: float | None = None
     predicted_ttft: float | None = None
+    prefill_tokens: float | None = None
 
     @property
     def destinations(self) -> tuple[str, ...]:

@@ -70,8 +70,9 @@ class PickContext:
         self.all_states = all_states
         self.rng = rng
         self._fresh = fresh or None
-        # (ready_at, predicted ttft) for the chosen endpoint, set by a latency scorer.
-        self.prediction: tuple[float, float] | None = None
+        # (ready_at, predicted ttft, tokens to prefill) for the chosen endpoint, set by a
+        # latency scorer.
+        self.prediction: tuple[float, float, float] | None = None
 
     @property
     def fresh(self) -> dict[EndpointState, EngineMetrics | None]:

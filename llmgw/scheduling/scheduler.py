@@ -100,6 +100,7 @@ class Lease:
     probe: bool
     started: float | None = None
     ready_at: float | None = None
+    prefill_tokens: float | None = None  # counted as pending prefill there until done
     done: bool = False
     first_token_seen: bool = False
     on_first_token: Callable[[], None] | None = None
@@ -110,7 +111,9 @@ class Lease:
             return
         self.first_token_seen = True
         if self.ready_at is not None:
-            self.registry.first_token(self.model, self.endpoint_id, self.ready_at)
+            self.registry.first_token(
+                self.model, self.endpoint_id, self.ready_at, self.prefill_tokens or 0.0
+            )
         if self.on_first_token is not None:
             self.on_first_token()
 
@@ -118,7 +121,10 @@ class Lease:
         if self.done:
             return
         self.done = True
-        self.registry.release(self.model, self.endpoint_id, outcome, probe=self.probe)
+        pending = 0.0 if self.first_token_seen else self.prefill_tokens or 0.0
+        self.registry.release(
+            self.model, self.endpoint_id, outcome, probe=self.probe, prefill_tokens=pending
+        )
 
 
 class Scheduler:
@@ -217,7 +223,7 @@ class Scheduler:
             chosen.endpoint,
             tuple([candidates[i].endpoint for i in order[1:]]),
             rationale,
-            *(prediction or (None, None)),
+            *(prediction or (None, None, None)),
         )
 
     def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> Lease:
@@ -225,7 +231,16 @@ class Scheduler:
         target = endpoint or decision.endpoint
         probe = self.registry.acquire(decision.model, target.id)
         # The prediction holds for the primary only; a fallback's first token says nothing.
-        ready_at = decision.ready_at if target is decision.endpoint else None
+        primary = target is decision.endpoint
+        tokens = decision.prefill_tokens if primary else None
+        if tokens:
+            self.registry.add_prefill(decision.model, target.id, tokens)
         return Lease(
-            self.registry, decision.model, target.id, probe, self.registry.clock(), ready_at
+            self.registry,
+            decision.model,
+            target.id,
+            probe,
+            self.registry.clock(),
+            decision.ready_at if primary else None,
+            tokens,
         )

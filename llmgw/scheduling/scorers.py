@@ -274,6 +274,7 @@ class LatencyScorer:
         self._costs_at = float("-inf")
         self._costs = Costs(self.prefill_s, self.step_s, None, None)
         self._candidates: list[EndpointState] = []
+        self._uncached: list[int] = []
         self._terms: list[tuple[float, float, float, float]] = []
 
     def costs(self, ctx: PickContext) -> Costs:
@@ -342,11 +343,16 @@ class LatencyScorer:
         append = terms.append
         costs: list[float] = []
         append_cost = costs.append
+        uncached_tokens: list[int] = []
+        append_uncached = uncached_tokens.append
         for s in candidates:
             load: float = s.inflight
-            queue = s.busy_until - now
-            if queue < 0:
-                queue = 0.0
+            if s.reports_first_token:  # the edge sees first tokens: exact pending work
+                queue = s.pending_prefill * per_token
+            else:  # it does not (Envoy without body events): time drains the work
+                queue = s.busy_until - now
+                if queue < 0:
+                    queue = 0.0
             m = fresh[s]
             if m is not None:
                 engine_load = m.waiting + m.running - s.released_since_scrape
@@ -365,12 +371,15 @@ class LatencyScorer:
             hit = get_matched(s.id, 0) * block
             if hit < shared:  # noqa: PLR1730
                 hit = shared
-            prefill = per_token * (tokens - hit if hit < tokens else 1)
+            uncached = tokens - hit if hit < tokens else 1
+            append_uncached(uncached)
+            prefill = per_token * uncached
             step = step0 + factor * load
             ttft = queue + prefill + step
             append((ttft, queue, prefill, step))
             append_cost(ttft + work_weight * prefill)
         self._candidates = candidates
+        self._uncached = uncached_tokens
         self._terms = terms  # a new list each pick: the Decision keeps the old one
         self._mean_queue = sum([t[1] for t in terms]) / len(terms) if terms else 0.0
         smoothing = self.smoothing
@@ -396,7 +405,7 @@ class LatencyScorer:
         ttft, _, prefill, _ = self._terms[i]
         start = chosen.busy_until if chosen.busy_until > now else now
         chosen.busy_until = ready_at = start + prefill
-        ctx.prediction = (ready_at, ttft)
+        ctx.prediction = (ready_at, ttft, self._uncached[i])
 
     def forget(self, endpoint_id: str) -> None:
         self.index.forget(endpoint_id)

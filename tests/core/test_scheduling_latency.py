@@ -285,3 +285,26 @@ def test_the_kv_cache_size_comes_from_the_cache_config_info_labels() -> None:
     cal = Calibration()
     cal.on_scrape(extract(page, CONTRACTS[Engine.VLLM], model="tiny"))
     assert cal.kv_tokens == 8192 * 128  # num_gpu_blocks x block_size on that page
+
+
+def test_pending_prefill_is_the_queue_where_the_edge_reports_first_tokens() -> None:
+    """Tokens sent stay queued until their first token, however long that takes; a request
+    that ends without one (an error) releases them too."""
+    clock = FakeClock(NOW)
+    sched = Scheduler(
+        config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
+    )
+    a = sched.registry.get("m", "a:1")
+    assert a is not None
+    first = sched.acquire(sched.pick(request(rid="1")))
+    assert a.pending_prefill == 4000 and not a.reports_first_token
+    first.first_token()
+    assert a.pending_prefill == 0 and a.reports_first_token
+    slow = sched.acquire(sched.pick(request("other " * 1000, rid="2")))  # 1,500 tokens
+    clock.advance(5.0)  # far past the time-drained model's guess: still pending here
+    scorer = sched.routers["m"].scorers[0][0]
+    assert isinstance(scorer, LatencyScorer)
+    sched.pick(request(rid="3"))
+    assert scorer.terms()["queue_s"][0] == pytest.approx(1500 * PER_TOKEN)
+    slow.finish(Outcome.FAILURE)
+    assert a.pending_prefill == 0
