@@ -5,7 +5,7 @@
         engine: vllm
         endpoints: ["10.0.0.1:8000", {address: "10.0.0.2:8000", weight: 2}]
         session: {headers: [x-session-id], num_fallback_replicas: 2, bounded_load: 1.25}
-        strategy: chat
+        strategy: latency
       big:
         launch: {command: "vllm serve big --port {port}"}
         scaling: {min: 0, max: 1, idle_timeout: 600}
@@ -129,7 +129,7 @@ class ModelSpec(_Strict):
     session: SessionSpec = SessionSpec()
     # A preset name becomes its StrategySpec here: a `StrategySpec | str` union would put
     # pydantic's member names in error paths (`strategy.function-after[...].scorers.x`).
-    strategy: StrategySpec = Field(default_factory=lambda: _preset_strategy("chat"))
+    strategy: StrategySpec = Field(default_factory=lambda: _preset_strategy("latency"))
     saturation: SaturationSpec = SaturationSpec()
 
     @field_validator("endpoints", mode="before")

@@ -350,7 +350,7 @@ def test_defaults_follow_the_issue() -> None:
     assert spec.session.num_virtual_nodes == 100
     assert spec.session.bounded_load is None
     assert spec.engine is Engine.VLLM
-    assert spec.strategy.name == "chat"
+    assert spec.strategy.name == "latency"
 
 
 def test_shorthands_expand_and_headers_are_lowercased() -> None:

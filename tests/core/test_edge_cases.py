@@ -9,7 +9,7 @@ from llmgw.errors import MetricsError
 from llmgw.promtext import CONTRACTS, extract
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.scheduler import Scheduler
-from llmgw.scheduling.scorers import LoadScorer, PrefixScorer
+from llmgw.scheduling.scorers import LatencyScorer, LoadScorer
 from llmgw.types import (
     Endpoint,
     Engine,
@@ -36,7 +36,7 @@ def test_prefix_index_forgets_an_endpoint_that_leaves_the_pool() -> None:
     scheduler = Scheduler(config, seed=1)
     prompt = "system prompt " * 200
     chosen = scheduler.pick(RequestInfo(model="m", request_id="a", prompt=prompt)).endpoint
-    prefix = next(s for s, _ in scheduler.routers["m"].scorers if isinstance(s, PrefixScorer))
+    prefix = next(s for s, _ in scheduler.routers["m"].scorers if isinstance(s, LatencyScorer))
     assert prefix.index.size(chosen.id) > 0
     keep = "127.0.0.1:2" if chosen.id == "127.0.0.1:1" else "127.0.0.1:1"
     scheduler.registry.set_endpoints("m", [Endpoint(address=keep, model="m", pool="m")])

@@ -105,7 +105,7 @@ def test_on_demand_model_without_replicas_is_not_ready_for_the_activator() -> No
 
 
 def test_rationale_has_raw_and_weighted_scores_per_endpoint_and_filter_drops() -> None:
-    sched, reg, _ = scheduler()
+    sched, reg, _ = scheduler({"chat": static_model(5, strategy="chat")})
     trip(reg, "chat", ADDRS[0])
     scrape(reg, "chat", ADDRS[1], waiting=100)  # saturated
     for a in ADDRS[2:]:
@@ -157,7 +157,7 @@ def test_same_seed_same_decisions() -> None:
 
 
 def test_prefix_scorer_sends_a_repeated_prefix_to_the_same_endpoint() -> None:
-    sched, reg, _ = scheduler()
+    sched, reg, _ = scheduler({"chat": static_model(5, strategy="chat")})
     for a in ADDRS:
         scrape(reg, "chat", a)
     system = "You are a helpful assistant. " * 80  # ~2.3 KB shared prefix
@@ -166,6 +166,22 @@ def test_prefix_scorer_sends_a_repeated_prefix_to_the_same_endpoint() -> None:
         d = sched.pick(req(rid=f"again-{i}", prompt=system + f"question {i}"))
         assert d.endpoint == first.endpoint
         assert d.rationale.scores_for(first.endpoint.id)["prefix"][0] == 1.0
+
+
+def test_default_strategy_sends_a_repeated_long_prefix_where_it_is_cached() -> None:
+    """`latency` (the default): re-prefilling 2.3 KB elsewhere costs more than the queue."""
+    sched, reg, _ = scheduler()
+    assert sched.routers["chat"].strategy_name == "latency"
+    for a in ADDRS:
+        scrape(reg, "chat", a)
+    system = "You are a helpful assistant. " * 80
+    first = sched.pick(req(rid="first", prompt=system + "question one", prompt_tokens=580))
+    sched.acquire(first).first_token()  # prefilled: nothing pending there any more
+    for i in range(30):
+        prompt = system + f"question {i}"
+        d = sched.pick(req(rid=f"again-{i}", prompt=prompt, prompt_tokens=len(prompt) // 4))
+        assert d.endpoint == first.endpoint
+        sched.acquire(d).first_token()
 
 
 def test_ring_strategy_keeps_a_session_on_its_ring_primary() -> None:
