@@ -35,12 +35,13 @@ from pydantic import (
 
 from llmgw.breaker import BreakerSettings
 from llmgw.errors import ConfigError
+from llmgw.promtext import OPTIONAL_ROLES
 from llmgw.scheduling.specs import StrategySpec
 from llmgw.scheduling.strategies import PRESETS
 from llmgw.types import Endpoint, Engine
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-_METRIC_ROLES = ("waiting", "running", "kv_usage", "finished", "model_label")
+_METRIC_ROLES = ("waiting", "running", "kv_usage", "finished", "model_label", *OPTIONAL_ROLES)
 
 
 class _Strict(BaseModel):

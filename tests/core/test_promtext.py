@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmgw.config import load_dict
 from llmgw.errors import MetricsError
 from llmgw.promtext import CONTRACTS, MetricContract, extract, iter_samples, parse
 from llmgw.types import Engine
@@ -304,3 +305,16 @@ def test_a_page_without_the_optional_roles_still_extracts() -> None:
 def test_kv_usage_is_clamped_to_zero_one() -> None:
     page = VLLM_TEMPLATE.format(kv="vllm:kv_cache_usage_perc 1.7")
     assert extract(page, CONTRACTS[Engine.VLLM]).kv_usage == 1.0
+
+
+def test_calibration_metric_names_are_overridable_from_the_config() -> None:
+
+    cfg = load_dict(
+        {"models": {"m": {"endpoints": ["a:1"], "metrics": {"prefill_time": "my_prefill"}}}}
+    )
+    contract = CONTRACTS[Engine.VLLM].with_overrides(cfg.models["m"].metrics)
+    page = VLLM_TEMPLATE.format(kv="vllm:kv_cache_usage_perc 0.5") + (
+        "my_prefill_sum 2.5\nmy_prefill_count 5\n"
+    )
+    m = extract(page, contract)
+    assert (m.prefill_seconds_sum, m.prefill_count) == (2.5, 5.0)
