@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint demo bench bench-quick soak clean
+.PHONY: test test-fast lint demo bench bench-quick bench-grid soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,10 +28,14 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/pick_latency.py
+	$(PY) bench/fleetsim_grid.py --jobs 2
 	$(PY) bench/routing.py
 	$(PY) bench/asgi_proxy.py
 	$(PY) bench/envoy_overhead.py
 	$(PY) bench/fault_matrix.py
+
+bench-grid: $(STAMP)  # routing strategies over 12 regimes in virtual time, ~4 min
+	$(PY) bench/fleetsim_grid.py --jobs 2
 
 bench-quick: $(STAMP)  # routing grid: 3 cells, 8 contenders, < 5 min
 	$(PY) bench/routing.py --quick
