@@ -29,12 +29,16 @@ PRESETS: dict[str, StrategySpec] = {
     # Predicted time to first token, in seconds: queueing vs the prefill of uncached tokens,
     # calibrated online from each engine's histograms. The session ring only orders near-
     # ties (a 5 % margin keeps a session home) and fallbacks; without a session it abstains.
+    # No `not-saturated` filter: the model prices a full engine's queue in seconds, and
+    # engines queue rather than fail (add the filter to shed with 429 instead). Measured
+    # with bench/fleetsim_grid.py (12 regimes x 2 engine shapes) and bench/routing.py.
     "latency": StrategySpec(
         name="latency",
         scorers={
             "latency": _s(1.0),
             "session": _s(0.05, abstain_without_session=True),
         },
+        filters=("healthy", "model-serves"),
     ),
     # Throughput jobs: no affinity, spread by queue, local inflight and KV room.
     "batch": StrategySpec(

@@ -69,10 +69,18 @@ def test_all_endpoints_unhealthy_is_503_no_healthy_endpoint() -> None:
 
 
 def test_all_endpoints_saturated_is_429_all_saturated() -> None:
-    sched, reg, _ = scheduler()
+    """With the `not-saturated` filter (the `chat` preset has it; `latency` queues instead)."""
+    sched, reg, _ = scheduler({"chat": static_model(5, strategy="chat")})
     for i, a in enumerate(ADDRS):
         scrape(reg, "chat", a, waiting=64 if i % 2 else 0, kv=0.99 if i % 2 == 0 else 0.1)
     expect(NoCapacity, 429, "all_saturated", sched, req())
+
+
+def test_default_strategy_queues_on_saturated_engines_rather_than_shedding() -> None:
+    sched, reg, _ = scheduler()
+    for a in ADDRS:
+        scrape(reg, "chat", a, waiting=64, kv=0.99)
+    assert sched.pick(req()).endpoint.address in ADDRS
 
 
 def test_unknown_model_is_404_not_loading() -> None:
