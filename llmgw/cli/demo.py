@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     extproc: ExtProcThread | None = None
     envoy: EnvoyProcess | None = None
     try:
-        config = fleet_config(fleet)
+        config = fleet_config(fleet, strategy="latency")  # the default strategy
         extproc = ExtProcThread(config)
         envoy = EnvoyProcess(
             build(
@@ -175,7 +175,7 @@ def _report(
         f"{_pct([t.total_ms for t in turns], 90):6.1f} ms",
         "decision reasons       "
         + ", ".join(f"{reason}: {n}" for reason, n in reasons.most_common()),
-        "  (the scorer that put the chosen replica ahead: session = affinity,"
-        " prefix = cached prompt, load/queue/kv = busy replicas avoided, max-score = a tie)",
+        "  (the scorer that put the chosen replica ahead: latency = predicted fastest first"
+        " token, session = the ring broke a near-tie, max-score = an exact tie)",
     ]
     return "\n".join(lines)

@@ -229,12 +229,12 @@ def quick_fleet(seed: int = 7) -> ThreadedFleet:
     )
 
 
-def fleet_config(fleet: ThreadedFleet, **top_level: Any) -> Config:
+def fleet_config(fleet: ThreadedFleet, *, strategy: str = "chat", **top_level: Any) -> Config:
     data: dict[str, Any] = {
         "models": {
             "m1": {
                 "endpoints": [f"127.0.0.1:{p}" for p in fleet.ports],
-                "strategy": "chat",
+                "strategy": strategy,
                 "session": {"num_fallback_replicas": 2},
             }
         },
