@@ -28,26 +28,34 @@ def _delta(new: float | None, old: float | None) -> float | None:
     return new - old
 
 
-class Calibration:
-    """Per-endpoint latency estimates; None until the endpoint has published or served enough."""
+class DecayedRatio:
+    """sum(num) / sum(den) over recent updates, older ones weighing _DECAY less each."""
 
-    __slots__ = (
-        "_pending",
-        "_prefill_den",
-        "_prefill_num",
-        "_prev",
-        "_service_den",
-        "_service_num",
-        "_step_den",
-        "_step_num",
-        "_tokens_den",
-        "_tokens_num",
-        "kv_tokens",
-        "prefill_s_per_token",
-        "service_s",
-        "step_s",
-        "tokens_per_prefill",
-    )
+    __slots__ = ("den", "num", "value")
+
+    def __init__(self) -> None:
+        self.num = 0.0
+        self.den = 0.0
+        self.value: float | None = None  # None until the first update
+
+    def add(self, num: float, den: float) -> None:
+        self.num = self.num * _DECAY + num
+        self.den = self.den * _DECAY + den
+        self.value = self.num / self.den if self.den > 0 else None
+
+
+def _pooled(ratios: Iterable[DecayedRatio]) -> float | None:
+    num = den = 0.0
+    for r in ratios:
+        num += r.num
+        den += r.den
+    return num / den if den > 0 else None
+
+
+class Calibration:
+    """Per-endpoint latency estimates; None until the endpoint has published enough."""
+
+    __slots__ = ("_pending", "_prev", "kv_tokens", "prefill", "service", "step", "tokens")
 
     def __init__(self) -> None:
         self._prev: EngineMetrics | None = None
@@ -55,19 +63,10 @@ class Calibration:
         # but observe its prefill time when it finishes, so one scrape window can hold one
         # without the other; folding only windows with both would drop seconds (a bias).
         self._pending = [0.0, 0.0, 0.0]  # prefill seconds, computed tokens, prefills
-        self._prefill_num = 0.0  # decayed prefill seconds
-        self._prefill_den = 0.0  # decayed computed tokens
-        self._step_num = 0.0  # decayed step seconds, normalised to a batch of one
-        self._step_den = 0.0  # decayed steps
-        self._tokens_num = 0.0  # decayed computed tokens ...
-        self._tokens_den = 0.0  # ... per decayed prefills
-        # Plain attributes, not properties: read per endpoint on every pick.
-        self.prefill_s_per_token: float | None = None
-        self.step_s: float | None = None  # one engine step for a batch of one
-        self.tokens_per_prefill: float | None = None  # prompt tokens computed per request
-        self._service_num = 0.0  # decayed seconds requests spent in the batch ...
-        self._service_den = 0.0  # ... per decayed requests
-        self.service_s: float | None = None  # mean time a request holds its batch slot
+        self.prefill = DecayedRatio()  # seconds per computed prompt token
+        self.tokens = DecayedRatio()  # computed prompt tokens per request
+        self.step = DecayedRatio()  # seconds per engine step, normalised to a batch of one
+        self.service = DecayedRatio()  # seconds a request holds its batch slot
         self.kv_tokens: float | None = None  # the engine's KV cache size, if it says
 
     def on_scrape(self, m: EngineMetrics, batch_factor: float = 0.02) -> None:
@@ -94,25 +93,17 @@ class Calibration:
         seconds, tokens_in, count = pending
         if tokens_in >= _MIN_TOKENS and seconds > 0 and count >= 1:
             pending[:] = [0.0, 0.0, 0.0]
-            self._prefill_num = self._prefill_num * _DECAY + seconds
-            self._prefill_den = self._prefill_den * _DECAY + tokens_in
-            self.prefill_s_per_token = self._prefill_num / self._prefill_den
-            self._tokens_num = self._tokens_num * _DECAY + tokens_in
-            self._tokens_den = self._tokens_den * _DECAY + count
-            self.tokens_per_prefill = self._tokens_num / self._tokens_den
+            self.prefill.add(seconds, tokens_in)
+            self.tokens.add(tokens_in, count)
         steps = _delta(m.step_count, prev.step_count)
         step_time = _delta(m.step_seconds_sum, prev.step_seconds_sum)
         if steps and step_time is not None:
             batch = max(1.0, (m.running + prev.running) / 2)
-            self._step_num = self._step_num * _DECAY + step_time / (1 + batch_factor * (batch - 1))
-            self._step_den = self._step_den * _DECAY + steps
-            self.step_s = self._step_num / self._step_den
+            self.step.add(step_time / (1 + batch_factor * (batch - 1)), steps)
         served = _delta(m.service_count, prev.service_count)
         service = _delta(m.service_seconds_sum, prev.service_seconds_sum)
         if served and service is not None:
-            self._service_num = self._service_num * _DECAY + service
-            self._service_den = self._service_den * _DECAY + served
-            self.service_s = self._service_num / self._service_den
+            self.service.add(service, served)
 
 
 class Costs(NamedTuple):
@@ -130,22 +121,12 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     prefills and decodes; the time between tokens includes steps stalled by prefills), so
     the lowest endpoint's is the tightest. The means are pooled ratios (busier endpoints,
     more data, weigh more)."""
-    per_token: float | None = None
-    step: float | None = None
-    sums = [0.0, 0.0, 0.0, 0.0]
-    for c in cals:
-        p, s = c.prefill_s_per_token, c.step_s
-        if p is not None and (per_token is None or p < per_token):
-            per_token = p
-        if s is not None and (step is None or s < step):
-            step = s
-        sums[0] += c._tokens_num
-        sums[1] += c._tokens_den
-        sums[2] += c._service_num
-        sums[3] += c._service_den
+    cals = list(cals)
+    per_token = min((v for c in cals if (v := c.prefill.value) is not None), default=None)
+    step = min((v for c in cals if (v := c.step.value) is not None), default=None)
     return Costs(
         per_token,
         step,
-        sums[0] / sums[1] if sums[1] > 0 else None,
-        sums[2] / sums[3] if sums[3] > 0 else None,
+        _pooled(c.tokens for c in cals),
+        _pooled(c.service for c in cals),
     )

@@ -241,20 +241,20 @@ def metrics(
 def test_calibration_ratios_of_counter_deltas() -> None:
     cal = Calibration()
     cal.on_scrape(metrics())
-    assert cal.prefill_s_per_token is None and cal.step_s is None
+    assert cal.prefill.value is None and cal.step.value is None
     cal.on_scrape(metrics(prefill_s=0.5, tokens=5000, prefills=10, steps=100, step_s=2.0))
-    assert cal.prefill_s_per_token == pytest.approx(1e-4)
-    assert cal.tokens_per_prefill == pytest.approx(500)
-    assert cal.step_s == pytest.approx(0.02)  # batch of one (running 0)
+    assert cal.prefill.value == pytest.approx(1e-4)
+    assert cal.tokens.value == pytest.approx(500)
+    assert cal.step.value == pytest.approx(0.02)  # batch of one (running 0)
 
 
 def test_calibration_ignores_counter_resets_and_tiny_windows() -> None:
     cal = Calibration()
     cal.on_scrape(metrics(prefill_s=5.0, tokens=50_000))
     cal.on_scrape(metrics(prefill_s=0.1, tokens=100))  # engine restarted: counters fell
-    assert cal.prefill_s_per_token is None
+    assert cal.prefill.value is None
     cal.on_scrape(metrics(prefill_s=0.2, tokens=104, prefills=1))  # 4 tokens: too few yet
-    assert cal.prefill_s_per_token is None
+    assert cal.prefill.value is None
 
 
 def test_calibration_pairs_seconds_and_tokens_seen_in_different_windows() -> None:
@@ -262,9 +262,9 @@ def test_calibration_pairs_seconds_and_tokens_seen_in_different_windows() -> Non
     cal = Calibration()
     cal.on_scrape(metrics())
     cal.on_scrape(metrics(tokens=1000))  # admitted, not finished yet
-    assert cal.prefill_s_per_token is None
+    assert cal.prefill.value is None
     cal.on_scrape(metrics(tokens=1000, prefill_s=0.2, prefills=1))  # finished a window later
-    assert cal.prefill_s_per_token == pytest.approx(2e-4)
+    assert cal.prefill.value == pytest.approx(2e-4)
 
 
 def test_an_engine_smaller_than_the_index_forgets_what_it_must_have_evicted() -> None:
