@@ -252,6 +252,10 @@ def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, 
     return routes, clusters
 
 
+# Envoy's default max_requests per cluster: as many retries may run as requests.
+_MAX_CONCURRENT_RETRIES = 1024
+
+
 def _override_host_shape(
     addresses: list[str], timing: _Timing, retries: int
 ) -> tuple[Routes, Clusters]:
@@ -266,6 +270,13 @@ def _override_host_shape(
         }
     pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=timing.connect)
     pool["load_balancing_policy"] = _override_host_policy()
+    if retries > 0:
+        # Envoy allows 3 concurrent retries per cluster by default: with a replica failing
+        # under load the excess passes its 5xx straight to the client instead of trying a
+        # fallback. Each request's retries are bounded by `num_retries`; let every one retry.
+        pool["circuit_breakers"] = {
+            "thresholds": [{"priority": "DEFAULT", "max_retries": _MAX_CONCURRENT_RETRIES}]
+        }
     return [{"match": {"prefix": "/"}, "route": route}], [pool]
 
 

@@ -61,6 +61,10 @@ def test_override_host_reads_metadata_list_first_and_retries_429() -> None:
     assert sources[1] == {"header": "x-gateway-destination-endpoint"}
     assert "retriable_status_codes" in text and "429" in text
     assert len(pool["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 4
+    # Not Envoy's default of 3 concurrent retries a cluster: past it, a failing replica's
+    # 5xx reaches the client instead of a fallback.
+    (threshold,) = pool["circuit_breakers"]["thresholds"]
+    assert threshold["max_retries"] >= 1024
 
 
 def test_original_dst_uses_the_header_and_has_a_fail_open_default() -> None:
