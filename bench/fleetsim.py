@@ -177,11 +177,18 @@ class LlmgwContender:
     uses_registry = True
 
     def __init__(
-        self, name: str, strategy: str | dict[str, Any], scrape_interval: float = 0.05
+        self,
+        name: str,
+        strategy: str | dict[str, Any],
+        scrape_interval: float = 0.05,
+        first_tokens: bool = True,
     ) -> None:
         self.name = name
         self.strategy = strategy
         self.scrape_interval = scrape_interval
+        # False stands for Envoy with `response_body_mode: NONE`: the edge never hears first
+        # tokens, so the router drains its own queue estimate with time.
+        self.first_tokens = first_tokens
         self.scheduler: Scheduler | None = None
         self._index: dict[str, int] = {}
 
@@ -358,7 +365,14 @@ def make_contender(
     scrape_interval: float = 0.05,
     custom: dict[str, dict[str, Any]] | None = None,
 ) -> Contender:
-    """`llmgw:<preset>`, a reference name, or a name from `custom` (strategy dicts)."""
+    """`llmgw:<preset>`, a reference name, or a name from `custom` (strategy dicts); an
+    llmgw name ending in `@envoy` runs without the first-token signal."""
+    base, _, edge = name.partition("@")
+    if edge == "envoy":
+        contender = make_contender(base, scrape_interval, custom)
+        if isinstance(contender, LlmgwContender):
+            return LlmgwContender(name, contender.strategy, scrape_interval, first_tokens=False)
+        raise ValueError(f"{name!r}: only llmgw contenders have an envoy variant")
     if custom and name in custom:
         return LlmgwContender(name, custom[name], scrape_interval)
     if name.startswith("llmgw:") and name[6:] in PRESETS:
@@ -436,6 +450,7 @@ def simulate(
     if contender.uses_registry:
         registry = Registry(clock=lambda: now)
     contender.bind(n, registry, seed)
+    contender_first_tokens = getattr(contender, "first_tokens", True)
     if registry is not None:
         config = getattr(contender, "config", None) or router_config(n, seed=seed)
         registry.staleness = config.scrape.staleness
@@ -530,9 +545,8 @@ def simulate(
                 if flight is not None and not flight.first_seen:
                     flight.first_seen = True
                     ttft.append(now - flight.sent)
-                    first_token = getattr(flight.lease, "first_token", None)
-                    if first_token is not None:
-                        first_token()
+                    if flight.lease is not None and contender_first_tokens:
+                        flight.lease.first_token()
             for seq in result.finished:
                 flight = flights.pop((a, seq.seq_id))
                 observations[a].observe(seq)

@@ -20,15 +20,14 @@ class EndpointState:
     """Mutable live state of one endpoint (owned by the Registry)."""
 
     __slots__ = (
-        "_prev_finished",
         "breaker",
         "busy_until",
         "calibration",
-        "counter_drain_rate",
         "endpoint",
         "id",
         "inflight",
         "metrics",
+        "peak_running",
         "pending_prefill",
         "released_since_scrape",
         "reports_first_token",
@@ -49,8 +48,10 @@ class EndpointState:
         self.scrape_error: str | None = None
         self.serves_model: bool | None = None  # None: not known yet
         self.breaker = Breaker(breaker)
-        self._prev_finished: tuple[float, float] | None = None
-        self.counter_drain_rate: float | None = None
+        # The most requests the engine was seen running at once: its batch size as far as
+        # anyone can tell from outside (vLLM does not export max_num_seqs). Beyond it,
+        # requests wait for a slot: one frees every `service / slots` seconds.
+        self.peak_running = 0.0
         self.calibration = Calibration()
         # When the prefill work this router sent here would be done (fluid model, seconds
         # on the registry clock): the latency scorer's queue estimate for its own traffic.
@@ -189,12 +190,7 @@ class Registry:
         if state is None:
             return
         now = self.clock()
-        if metrics.finished_total is not None and state._prev_finished is not None:
-            prev_t, prev_v = state._prev_finished
-            if now > prev_t and metrics.finished_total >= prev_v:
-                state.counter_drain_rate = (metrics.finished_total - prev_v) / (now - prev_t)
-        if metrics.finished_total is not None:
-            state._prev_finished = (now, metrics.finished_total)
+        state.peak_running = max(state.peak_running, metrics.running)
         state.calibration.on_scrape(metrics)
         state.metrics = metrics
         state.scraped_at = now

@@ -360,9 +360,12 @@ class LatencyScorer:
                     load = engine_load
                 if m.waiting >= 1:  # others' work too (other routers, direct clients)
                     engine_queue = m.waiting * per_waiting
-                    if m.kv_usage >= kv_full and service is not None:
-                        # Admission waits for memory: one running request ends every
-                        # service / running seconds, on average, and admits the next.
+                    if service is not None and (
+                        m.kv_usage >= kv_full or m.running >= s.peak_running
+                    ):
+                        # Admission waits for memory or a batch slot (as many running as
+                        # ever seen): one running request ends every service / running
+                        # seconds, on average, and admits the next.
                         freed = service / (m.running if m.running >= 1 else 1)
                         if freed > per_waiting:
                             engine_queue = m.waiting * freed

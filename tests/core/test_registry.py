@@ -103,28 +103,13 @@ def test_scrape_showing_the_model_absent_marks_it_not_served() -> None:
     assert s.serves_model is True
 
 
-def test_drain_rate_from_the_finished_counter() -> None:
-    clock = FakeClock()
-    reg = registry(A, clock=clock)
-    reg.record_scrape("m", A, metrics(finished=100))
-    clock.advance(2.0)
-    reg.record_scrape("m", A, metrics(finished=130))
+def test_peak_running_is_the_most_requests_seen_running_at_once() -> None:
+    reg = registry(A)
     s = reg.get("m", A)
-    assert s is not None
-    assert s.counter_drain_rate == pytest.approx(15.0)
-
-
-def test_counter_reset_does_not_give_a_negative_drain_rate() -> None:
-    clock = FakeClock()
-    reg = registry(A, clock=clock)
-    reg.record_scrape("m", A, metrics(finished=500))
-    clock.advance(1.0)
-    reg.record_scrape("m", A, metrics(finished=3))  # engine restarted
-    clock.advance(1.0)
-    reg.record_scrape("m", A, metrics(finished=13))
-    s = reg.get("m", A)
-    assert s is not None
-    assert s.counter_drain_rate == pytest.approx(10.0)
+    assert s is not None and s.peak_running == 0
+    for running in (3, 8, 5):
+        reg.record_scrape("m", A, EngineMetrics(waiting=0, running=running, kv_usage=0.1))
+    assert s.peak_running == 8
 
 
 def test_release_feeds_the_breaker_but_cancellation_does_not() -> None:

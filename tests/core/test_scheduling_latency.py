@@ -308,3 +308,25 @@ def test_pending_prefill_is_the_queue_where_the_edge_reports_first_tokens() -> N
     assert scorer.terms()["queue_s"][0] == pytest.approx(1500 * PER_TOKEN)
     slow.finish(Outcome.FAILURE)
     assert a.pending_prefill == 0
+
+
+def test_a_full_batch_queues_for_slots_not_for_prefill_work() -> None:
+    """Decode-bound: every batch slot is taken (running at its peak) and 3 wait. Each waits
+    for a running request to end, one every service / running seconds (2 s / 8), not for
+    3 short prefills; with the batch below its peak the waiting count means prefill work."""
+    scorer = LatencyScorer()
+    full, short, idle = (
+        state("a:1", waiting=3, running=8, scraped_at=NOW),
+        state("b:1", waiting=3, running=4, scraped_at=NOW),
+        state("c:1", waiting=0, running=0, scraped_at=NOW),
+    )
+    for s in (full, short):
+        s.peak_running = 8
+        s.calibration.service.add(2.0, 1.0)  # a request holds its slot 2 s
+    states = [full, short, idle]
+    req = request("hi " * 400)  # 300 tokens
+    scores = scorer.score(context(states, request=req, now=NOW), states)
+    queue = scorer.terms()["queue_s"]
+    assert queue[0] == pytest.approx(3 * 2.0 / 8)
+    assert queue[1] == pytest.approx(3 * 300 * PER_TOKEN)  # typical prefill: this one's
+    assert scores.index(max(scores)) == 2
