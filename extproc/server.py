@@ -111,7 +111,11 @@ class ExtProcServer:
                 answer = exchange.handle(message)
                 if isinstance(answer, AwaitActivation):
                     answer = exchange.answer(await activate(exchange.lifecycle, answer))
-                await write(answer)
+                if type(answer) is bytes:
+                    await write(answer)
+                else:  # FULL_DUPLEX_STREAMED: several answers in order, or none yet
+                    for part in answer:
+                        await write(part)
         finally:
             # Response end, client abort or stream cancel: release exactly once.
             exchange.close()

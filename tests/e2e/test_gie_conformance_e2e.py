@@ -1,0 +1,138 @@
+"""Real Envoy with the gateways' own ext_proc processing modes (GIE reference, Envoy
+Gateway, buffered): llmgw is a drop-in endpoint picker for each."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from llmgw.sim import ThreadedFleet
+from llmgw.testing.extproc import StackFactory, fleet_config, wait_for
+
+pytestmark = pytest.mark.e2e
+
+MODES = ("gie", "envoy-gateway", "buffered")
+
+
+def _body(stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m1",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "stream": stream,
+        **extra,
+    }
+
+
+def _outcomes(s: Any) -> str:
+    text: str = s.extproc.server.telemetry.render()[0].decode()
+    return text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_and_completions_route_in_the_gateways_processing_mode(
+    stack: StackFactory, mode: str
+) -> None:
+    s = stack("original-dst", body_mode=mode)
+    with httpx.Client(timeout=10) as client:
+        chat = client.post(s.url + "/v1/chat/completions", json=_body())
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["object"] == "chat.completion"
+        # The body reached the engine unchanged (it answered the model it was sent).
+        assert chat.json()["model"] == "m1"
+        completion = client.post(
+            s.url + "/v1/completions", json={"model": "m1", "prompt": "once upon", "max_tokens": 3}
+        )
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["object"] == "text_completion"
+        with client.stream("POST", s.url + "/v1/chat/completions", json=_body(True)) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert all(json.loads(x[6:])["object"] == "chat.completion.chunk" for x in lines[:-1])
+    wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "leases released")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_large_body_streams_through_unchanged(stack: StackFactory, mode: str) -> None:
+    # ~280 KB: Envoy splits it into many chunks; llmgw must hand every one back in order.
+    # It is over the engine's context, so the engine's 400 states the token count it read.
+    s = stack("original-dst", body_mode=mode)
+    content = "".join(f"{i:06d} " for i in range(40_000))
+    body = {"model": "m1", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    with httpx.Client(timeout=20) as client:
+        r = client.post(s.url + "/v1/chat/completions", json=body)
+        direct = client.post(s.fleet.urls[0] + "/v1/chat/completions", json=body)
+    assert r.status_code == direct.status_code == 400, r.text
+    assert "70006 in the messages" in r.json()["error"]["message"]
+    assert r.json() == direct.json()
+
+
+def test_body_over_the_limit_is_413_in_full_duplex(
+    stack: StackFactory, sim_fleet: ThreadedFleet
+) -> None:
+    config = fleet_config(sim_fleet, limits={"max_body_bytes": 64 * 1024})
+    s = stack("original-dst", body_mode="gie", config=config)
+    body = _body(messages=[{"role": "user", "content": "x" * 200_000}])
+    r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "body_too_large"
+
+
+def test_errors_are_local_replies_in_full_duplex(stack: StackFactory) -> None:
+    s = stack("original-dst", body_mode="gie")
+    with httpx.Client(timeout=10) as client:
+        bad = client.post(
+            s.url + "/v1/chat/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        )
+        unknown = client.post(s.url + "/v1/chat/completions", json={**_body(), "model": "nope"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
+    assert unknown.status_code == 404
+
+
+def test_client_abort_mid_stream_is_counted_cancelled(
+    stack: StackFactory, sim_fleet: ThreadedFleet
+) -> None:
+    # Response bodies on (GIE mode): a stream that ends before the body's end was cut.
+    s = stack("original-dst", body_mode="gie")
+    sim_fleet.call(lambda: [r.set_faults(slowdown=100.0) for r in sim_fleet.fleet.replicas])
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", s.url + "/v1/chat/completions", json=_body(True)) as r,
+    ):
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+        # Leave after the first token: the 200 status must not make it a success.
+    wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 10, "lease released on abort")
+    wait_for(lambda: 'outcome="cancelled"} 1.0' in _outcomes(s), 5, "cancelled counted")
+    assert 'outcome="success"} 1.0' not in _outcomes(s)
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in the metrics")
+
+
+def test_first_token_is_the_first_body_chunk_not_the_end(
+    stack: StackFactory, sim_fleet: ThreadedFleet
+) -> None:
+    s = stack("original-dst", body_mode="gie")
+    sim_fleet.call(lambda: [r.set_faults(slowdown=100.0) for r in sim_fleet.fleet.replicas])
+    with (
+        httpx.Client(timeout=10) as client,
+        client.stream("POST", s.url + "/v1/chat/completions", json=_body(True, max_tokens=4)) as r,
+    ):
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "lease released")
+    text = _outcomes(s)
+    assert _metric(text, "llmgw_ttft_observed_seconds_count") == 1.0
+    ttft = _metric(text, "llmgw_ttft_observed_seconds_sum")
+    # Tokens come every ~200 ms: the first chunk arrives well before the last of four.
+    assert ttft < 0.5, ttft
