@@ -42,7 +42,12 @@ import yaml
 
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
-from llmgw.lifecycle import DESTINATION_HEADER, METADATA_NAMESPACE, UPSTREAM_HEADER
+from llmgw.lifecycle import (
+    DESTINATION_HEADER,
+    METADATA_NAMESPACE,
+    SUBSET_NAMESPACE,
+    UPSTREAM_HEADER,
+)
 
 SHAPES = ("original-dst", "override-host")
 EXTPROC_CLUSTER = "llmgw-extproc"
@@ -323,7 +328,12 @@ def _ext_proc_filter(
             "allow_mode_override": allow_override,
             "message_timeout": f"{message_timeout:g}s",
             "processing_mode": processing_mode,
-            "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
+            # Sent to llmgw: the subset hint, and `envoy.lb` (where a gateway reports the
+            # endpoint that served); received from llmgw: the picked endpoints.
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, METADATA_NAMESPACE]},
+                "receiving_namespaces": {"untyped": [METADATA_NAMESPACE]},
+            },
         },
     }
 

@@ -31,6 +31,7 @@ The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
@@ -205,6 +206,25 @@ def debug_response_headers(decision: Decision | None, endpoint: Endpoint | None 
     )
 
 
+def local_response(status: int, body: bytes) -> bytes:
+    """A JSON reply from Envoy itself, for paths llmgw answers without an upstream."""
+    return _serialize(
+        ProcessingResponse(
+            immediate_response=ImmediateResponse(
+                status=HttpStatus(code=status),
+                headers=HeaderMutation(set_headers=[_set("content-type", "application/json")]),
+                body=body,
+                details="llmgw_local",
+            )
+        )
+    )
+
+
+# Answers GET paths no upstream serves (`/v1/models`, health probes): (status, JSON body),
+# or None to route the request as usual.
+LocalAnswers = Callable[[str], tuple[int, bytes] | None]
+
+
 def immediate_response(error: LlmgwError) -> bytes:
     """A local reply from Envoy with the error's status, JSON body and headers."""
     headers = HeaderMutation(set_headers=[_set(k, v) for k, v in error.response_headers().items()])
@@ -330,6 +350,7 @@ class Exchange:
         "_body_size",
         "_headers",
         "_held",
+        "_local",
         "_path",
         "_request_mode",
         "_response_ended",
@@ -340,8 +361,11 @@ class Exchange:
         "status",
     )
 
-    def __init__(self, gateway: Gateway, hooks: Hooks = NO_HOOKS) -> None:
+    def __init__(
+        self, gateway: Gateway, hooks: Hooks = NO_HOOKS, local: LocalAnswers | None = None
+    ) -> None:
         self.lifecycle = Lifecycle(gateway, hooks)
+        self._local = local
         self.status: int | None = None
         self._headers: dict[str, str] = {}
         self._path = "/"
@@ -387,6 +411,10 @@ class Exchange:
         self._path = self._headers.get(":path", "/")
         if headers.end_of_stream:
             self._body_ended = True
+            if self._local is not None and self._headers.get(":method") in ("GET", "HEAD"):
+                local = self._local(self._path.split("?", 1)[0])
+                if local is not None:
+                    return local_response(*local)
         if not needs_body(self.lifecycle.config, self._headers, self._path):
             return self._route(None)
         if headers.end_of_stream:

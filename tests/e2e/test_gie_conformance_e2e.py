@@ -9,8 +9,16 @@ from typing import Any
 import httpx
 import pytest
 
+from llmgw.extproc.envoyconfig import build
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import StackFactory, fleet_config, wait_for
+from llmgw.testing.extproc import (
+    EnvoyProcess,
+    ExtProcThread,
+    StackFactory,
+    fleet_config,
+    free_port,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -136,3 +144,75 @@ def test_first_token_is_the_first_body_chunk_not_the_end(
     ttft = _metric(text, "llmgw_ttft_observed_seconds_sum")
     # Tokens come every ~200 ms: the first chunk arrives well before the last of four.
     assert ttft < 0.5, ttft
+
+
+@pytest.mark.parametrize("mode", ("override", "gie"))
+def test_openai_models_list_and_health_through_envoy(stack: StackFactory, mode: str) -> None:
+    openai = pytest.importorskip("openai")
+    s = stack("original-dst", body_mode=mode)
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["m1"]
+    assert client.models.retrieve("m1").id == "m1"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    client.close()
+    # Readiness probes aimed at the gateway get an answer, not "cannot tell the model".
+    with httpx.Client(timeout=5) as http:
+        assert http.get(s.url + "/health").status_code == 200
+        ready = http.get(s.url + "/readyz")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+
+
+def _with_subset_hint(bootstrap: dict[str, Any], addresses: list[str]) -> dict[str, Any]:
+    """Put a set_metadata filter before ext_proc, as a gateway that subsets would."""
+    listener = bootstrap["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    hint = {
+        "name": "envoy.filters.http.set_metadata",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+            "metadata": [
+                {
+                    "metadata_namespace": "envoy.lb.subset_hint",
+                    "value": {"x-gateway-destination-endpoint-subset": addresses},
+                }
+            ],
+        },
+    }
+    hcm["http_filters"].insert(0, hint)
+    return bootstrap
+
+
+@pytest.mark.parametrize("mode", ("override", "gie"))
+def test_subset_hint_limits_the_pick_and_none_eligible_is_503(
+    sim_fleet: ThreadedFleet, envoy_path: str, mode: str
+) -> None:
+    config = fleet_config(sim_fleet)
+    allowed = sim_fleet.urls[2].removeprefix("http://")
+    extproc = ExtProcThread(config)
+    try:
+        for subset, expect in (([allowed], 200), (["10.9.9.9:1"], 503)):
+            bootstrap = build(
+                config,
+                listen_host="127.0.0.1",
+                listen_port=free_port(),
+                admin_port=free_port(),
+                extproc_address=extproc.address,
+                message_timeout=5.0,
+                body_mode=mode,
+            )
+            with EnvoyProcess(_with_subset_hint(bootstrap, subset)) as envoy:
+                replies = [
+                    httpx.post(envoy.url + "/v1/chat/completions", json=_body(), timeout=10)
+                    for _ in range(6)
+                ]
+            assert {r.status_code for r in replies} == {expect}, replies[0].text
+            if expect == 200:
+                assert {r.headers["x-sim-replica"] for r in replies} == {"2"}
+            else:
+                error = replies[0].json()["error"]
+                assert error["code"] == "no_healthy_endpoint"
+                assert "subset hint" in error["message"]
+    finally:
+        extproc.stop()
