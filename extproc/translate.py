@@ -73,6 +73,11 @@ from llmgw.lifecycle import (
 from llmgw.request import check_body_size, needs_body
 from llmgw.types import Decision, Endpoint, Outcome
 
+# GIE's conformance suite (behind `conformance_headers`): the EPP picks among the IPs in
+# the request header, and names the endpoint that served in the response header.
+CONFORMANCE_SELECT_HEADER = "test-epp-endpoint-selection"
+CONFORMANCE_SERVED_HEADER = "x-conformance-test-served-endpoint"
+
 # Body send modes (ProcessingMode.BodySendMode), as plain ints for cheap comparisons.
 NONE = int(ProcessingMode.NONE)
 STREAMED = int(ProcessingMode.STREAMED)
@@ -194,11 +199,16 @@ def _build_route_response(destinations: tuple[str, ...], *, after_body: bool) ->
     return _serialize(message)
 
 
-def debug_response_headers(decision: Decision | None, endpoint: Endpoint | None = None) -> bytes:
-    """Answer to response headers that shows the client why (`debug_headers: true`)."""
+def debug_response_headers(
+    decision: Decision | None, endpoint: Endpoint | None = None, *, served: str | None = None
+) -> bytes:
+    """Answer to response headers that shows the client why (`debug_headers: true`) and,
+    with `served`, the conformance-test header naming the endpoint that served."""
     mutation = HeaderMutation(remove_headers=[UPSTREAM_HEADER])
     if decision is not None:
         mutation.set_headers.append(_set(DECISION_HEADER, debug_summary(decision, endpoint)))
+    if served is not None:
+        mutation.set_headers.append(_set(CONFORMANCE_SERVED_HEADER, served))
     return _serialize(
         ProcessingResponse(
             response_headers=HeadersResponse(response=CommonResponse(header_mutation=mutation))
@@ -409,6 +419,8 @@ class Exchange:
     def _request_headers(self, headers: HttpHeaders) -> Answer | AwaitActivation:
         self._headers = header_map(headers)
         self._path = self._headers.get(":path", "/")
+        if self.lifecycle.config.conformance_headers:
+            self._conformance_selection()
         if headers.end_of_stream:
             self._body_ended = True
             if self._local is not None and self._headers.get(":method") in ("GET", "HEAD"):
@@ -452,6 +464,23 @@ class Exchange:
             self._body_ended = True
             return self._route(b"".join(self._body))
         return CONTINUE_REQUEST_TRAILERS
+
+    def _conformance_selection(self) -> None:
+        """`test-epp-endpoint-selection: ip[,ip...]` limits the pick like a subset hint."""
+        listed = self._headers.get(CONFORMANCE_SELECT_HEADER)
+        if listed is None:
+            return
+        wanted = {v.strip() for v in listed.split(",") if v.strip()}
+        config = self.lifecycle.config
+        picked = {
+            e.address
+            for spec in config.models.values()
+            for e in spec.endpoints
+            if e.address in wanted or e.address.rpartition(":")[0] in wanted
+        }
+        if self._subset is not None:
+            picked &= set(self._subset)
+        self._subset = tuple(sorted(picked))
 
     def _hold(self, chunk: bytes) -> None:
         self._body.append(chunk)
@@ -520,6 +549,12 @@ class Exchange:
         if headers.end_of_stream:
             self._response_ended = True
             self.close()
+        if lifecycle.config.conformance_headers and lifecycle.endpoint is not None:
+            return debug_response_headers(
+                lifecycle.decision if lifecycle.config.debug_headers else None,
+                lifecycle.endpoint,
+                served=lifecycle.endpoint.address,
+            )
         if lifecycle.config.debug_headers:
             return debug_response_headers(lifecycle.decision, lifecycle.endpoint)
         if upstream is not None:

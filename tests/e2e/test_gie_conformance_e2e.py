@@ -105,7 +105,9 @@ def test_errors_are_local_replies_in_full_duplex(stack: StackFactory) -> None:
 def test_client_abort_mid_stream_is_counted_cancelled(
     stack: StackFactory, sim_fleet: ThreadedFleet
 ) -> None:
-    # Response bodies on (GIE mode): a stream that ends before the body's end was cut.
+    # Needs response bodies (GIE mode): without them Envoy ends the ext_proc stream the
+    # same way whether the response finished or the client left (measured: override mode
+    # still records success).
     s = stack("original-dst", body_mode="gie")
     sim_fleet.call(lambda: [r.set_faults(slowdown=100.0) for r in sim_fleet.fleet.replicas])
     with (
@@ -216,3 +218,21 @@ def test_subset_hint_limits_the_pick_and_none_eligible_is_503(
                 assert "subset hint" in error["message"]
     finally:
         extproc.stop()
+
+
+def test_conformance_headers_select_and_report_the_served_endpoint(
+    stack: StackFactory, sim_fleet: ThreadedFleet
+) -> None:
+    config = fleet_config(sim_fleet, conformance_headers=True)
+    s = stack("original-dst", body_mode="gie", config=config)
+    with httpx.Client(timeout=10) as client:
+        for index in (1, 3):
+            address = sim_fleet.urls[index].removeprefix("http://")
+            r = client.post(
+                s.url + "/v1/chat/completions",
+                json=_body(),
+                headers={"test-epp-endpoint-selection": address},
+            )
+            assert r.status_code == 200, r.text
+            assert r.headers["x-sim-replica"] == str(index)
+            assert r.headers["x-conformance-test-served-endpoint"] == address

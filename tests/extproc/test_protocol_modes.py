@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from google.protobuf.struct_pb2 import Struct  # type: ignore[import-untyped]
 
+from llmgw.config import load_dict
 from llmgw.extproc.translate import Answer, Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import AwaitActivation, Hooks
@@ -296,3 +297,54 @@ def test_get_models_is_answered_locally_without_routing() -> None:
     assert reply.immediate_response.status.code == 200  # type: ignore[union-attr]
     assert reply.immediate_response.body == b'{"object":"list"}'
     assert ex.lifecycle.lease is None
+
+
+# -- GIE conformance-test headers ----------------------------------------------------------
+def _conformance_exchange(enabled: bool) -> Exchange:
+    config = load_dict(
+        {
+            "models": {
+                "m1": {
+                    "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"],
+                    "strategy": "ring",
+                }
+            },
+            "conformance_headers": enabled,
+            "destination_fallbacks": True,
+        }
+    )
+    return Exchange(Gateway(Scheduler(config)))
+
+
+def test_conformance_selection_header_picks_among_the_listed_ips_when_enabled() -> None:
+    seen: set[str] = set()
+    for i in range(12):
+        ex = _conformance_exchange(True)
+        headers = chat_headers(
+            **{"x-llmgw-model": "m1", "x-request-id": f"r{i}"},
+            **{"test-epp-endpoint-selection": "10.0.0.2,10.0.0.3"},
+        )
+        (answer,) = decode(ex.handle(first(headers)))
+        header, _ = destination(answer)
+        assert set(header.split(",")) <= {"10.0.0.2:8000", "10.0.0.3:8000"}
+        seen.add(header.split(",")[0])
+        (head,) = decode(ex.handle(response_headers(200)))
+        mutation = head.response_headers.response.header_mutation  # type: ignore[union-attr]
+        served = {h.header.key: h.header.raw_value for h in mutation.set_headers if h.header}  # type: ignore[union-attr]
+        assert served["x-conformance-test-served-endpoint"] == header.split(",")[0].encode()
+    assert seen == {"10.0.0.2:8000", "10.0.0.3:8000"}
+
+
+def test_conformance_headers_are_ignored_by_default() -> None:
+    primaries = set()
+    for i in range(20):
+        ex = _conformance_exchange(False)
+        headers = chat_headers(
+            **{"x-llmgw-model": "m1", "x-request-id": f"r{i}"},
+            **{"test-epp-endpoint-selection": "10.0.0.2"},
+        )
+        (answer,) = decode(ex.handle(first(headers)))
+        primaries.add(destination(answer)[0].split(",")[0])
+        (head,) = decode(ex.handle(response_headers(200)))
+        assert b"x-conformance-test-served-endpoint" not in bytes(head)
+    assert len(primaries) == 3
