@@ -362,6 +362,7 @@ class Exchange:
         "_held",
         "_local",
         "_path",
+        "_replied",
         "_request_mode",
         "_response_ended",
         "_response_mode",
@@ -390,12 +391,15 @@ class Exchange:
         self._response_ended = False
         self._subset: tuple[str, ...] | None = None
         self._trailers = False
+        self._replied = False
 
     @property
     def decision(self) -> Decision | None:
         return self.lifecycle.decision
 
     def handle(self, message: ProcessingRequest) -> Answer | AwaitActivation:
+        if self._replied:  # a local reply ended the request: Envoy expects nothing more
+            return ()
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             self._request_mode, self._response_mode = _protocol_modes(message)
@@ -426,6 +430,7 @@ class Exchange:
             if self._local is not None and self._headers.get(":method") in ("GET", "HEAD"):
                 local = self._local(self._path.split("?", 1)[0])
                 if local is not None:
+                    self._replied = True
                     return local_response(*local)
         if not needs_body(self.lifecycle.config, self._headers, self._path):
             return self._route(None)
@@ -437,7 +442,11 @@ class Exchange:
             return ()
         if mode in (BUFFERED, BUFFERED_PARTIAL):
             return CONTINUE_REQUEST_HEADERS  # the body comes whole, the answer rides on it
-        return _ASK_FOR_BODY.get(self._response_mode, ASK_FOR_BODY)
+        ask = _ASK_FOR_BODY.get(self._response_mode)
+        if ask is None:  # a mode an override cannot keep (FULL_DUPLEX_STREAMED): bodies off
+            self._response_mode = NONE
+            return ASK_FOR_BODY
+        return ask
 
     def _request_body(self, body: HttpBody) -> Answer | AwaitActivation:
         chunk, end = body.body, body.end_of_stream
@@ -489,6 +498,7 @@ class Exchange:
     def _refuse_too_large(self) -> bytes:
         limit = self.lifecycle.config.limits.max_body_bytes
         self._held = False
+        self._replied = True
         try:
             check_body_size(self._body_size, limit, complete=self._body_ended)
         except LlmgwError as exc:
@@ -512,6 +522,7 @@ class Exchange:
         """The routing answer (after headers or body), or the error as a local reply."""
         if isinstance(result, LlmgwError):
             self._held = False
+            self._replied = True
             return immediate_response(result)
         if not self._held:
             return route_response(result, after_body=self._after_body, fallbacks=self._fallbacks())

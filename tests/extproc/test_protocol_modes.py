@@ -348,3 +348,25 @@ def test_conformance_headers_are_ignored_by_default() -> None:
         (head,) = decode(ex.handle(response_headers(200)))
         assert b"x-conformance-test-served-endpoint" not in bytes(head)
     assert len(primaries) == 3
+
+
+def test_after_a_local_reply_nothing_more_is_sent() -> None:
+    ex = exchange()
+    limit = ex.lifecycle.config.limits.max_body_bytes
+    ex.handle(first(chat_headers()))
+    (reply,) = decode(ex.handle(body(b"x" * (limit + 1))))
+    assert reply.immediate_response is not None
+    # Envoy may still deliver chunks it had in flight: answering them would be spurious.
+    assert decode(ex.handle(body(b"more", end=True))) == []
+
+
+def test_an_override_drops_a_full_duplex_response_mode_it_cannot_keep() -> None:
+    events: list[Outcome] = []
+    ex = exchange(hooks=_outcomes(events))
+    (head,) = decode(ex.handle(first(chat_headers(), request_mode=0, response_mode=FULL_DUPLEX)))
+    assert head.mode_override is not None
+    assert int(head.mode_override.response_body_mode) == ProcessingMode.NONE
+    ex.handle(body(CHAT, end=True))
+    ex.handle(response_headers(200))
+    ex.close()  # no response bodies will come: the status decides, not "cut"
+    assert events == [Outcome.SUCCESS]
