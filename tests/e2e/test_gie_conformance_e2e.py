@@ -236,3 +236,24 @@ def test_conformance_headers_select_and_report_the_served_endpoint(
             assert r.status_code == 200, r.text
             assert r.headers["x-sim-replica"] == str(index)
             assert r.headers["x-conformance-test-served-endpoint"] == address
+
+
+def test_full_duplex_with_override_host_retries_on_the_listed_fallback(
+    stack: StackFactory, sim_fleet: ThreadedFleet
+) -> None:
+    s = stack("override-host", body_mode="gie")
+    with httpx.Client(timeout=10) as client:
+        first = client.post(
+            s.url + "/v1/chat/completions", json=_body(), headers={"x-session-id": "fd"}
+        )
+        assert first.status_code == 200, first.text
+        primary = int(first.headers["x-sim-replica"])
+        sim_fleet.set_faults(primary, status=429)
+        second = client.post(
+            s.url + "/v1/chat/completions", json=_body(), headers={"x-session-id": "fd"}
+        )
+    # Envoy replayed the streamed body to the fallback llmgw listed after the primary.
+    assert second.status_code == 200, second.text
+    assert int(second.headers["x-sim-replica"]) != primary
+    assert second.json()["object"] == "chat.completion"
+    wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "leases released")
