@@ -13,12 +13,11 @@ import asyncio
 import contextlib
 import signal
 
-import orjson
-
 from llmgw.asgi.forwarder import Forwarder, pool_limits
 from llmgw.asgi.middleware import SchedulerMiddleware, send_error
 from llmgw.asgi.types import Receive, Scope, Send
 from llmgw.asgi.upstream import UpstreamPool
+from llmgw.catalog import model_list
 from llmgw.config import Config
 from llmgw.errors import MethodNotAllowed
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
@@ -49,7 +48,6 @@ class ProxyApp:
         )
         self.started = False
         self.draining = False  # SIGTERM: /readyz answers 503 before the listener closes
-        self._models = (config, _model_list(config))
         # With a config file: SIGHUP or a change of the file reloads it (see ConfigWatcher).
         self.watcher: ConfigWatcher | None = (
             ConfigWatcher(config_path, self.reload, interval=reload_interval)
@@ -128,10 +126,7 @@ class ProxyApp:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def _list_models(self) -> tuple[int, str, bytes]:
-        config = self.router.config
-        if self._models[0] is not config:
-            self._models = (config, _model_list(config))
-        return 200, "application/json", self._models[1]
+        return 200, "application/json", model_list(self.router.config, self.router.models_status())
 
     def _healthz(self) -> tuple[int, str, bytes]:
         return 200, "application/json", HEALTHZ_BODY
@@ -158,18 +153,6 @@ class ProxyApp:
                 await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-
-def _model_list(config: Config) -> bytes:
-    return orjson.dumps(
-        {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
-                for name in config.models
-            ],
-        }
-    )
 
 
 def build_app(

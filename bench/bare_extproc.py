@@ -8,6 +8,9 @@ same stream handling as `extproc/server.py` (reader/writer API, identity seriali
 
 `--body` asks Envoy for the buffered body first (mode_override, like llmgw does when it
 needs the model name or prompt), then routes: the floor for body-routed requests.
+`--full-duplex` is the floor for GIE's FULL_DUPLEX_STREAMED mode: it holds the headers
+answer until the body ends, then sends it and every body chunk back unchanged, and passes
+response body chunks through.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from llmgw.extproc.translate import (
     CONTINUE_RESPONSE_BODY,
     CONTINUE_RESPONSE_HEADERS,
     CONTINUE_RESPONSE_TRAILERS,
+    streamed_request_body,
+    streamed_response_body,
 )
 from llmgw.lifecycle import DESTINATION_HEADER, METADATA_NAMESPACE
 
@@ -86,10 +91,53 @@ def make_handler(destination: str, body: bool) -> Any:
     return process
 
 
-async def serve(host: str, port: int, destination: str, body: bool) -> None:
+def make_full_duplex_handler(destination: str) -> Any:
+    on_headers = routed(destination, after_body=False)
+
+    async def process(_requests: AsyncIterator[ProcessingRequest], context: Any) -> None:
+        read, write, eof = context.read, context.write, grpc.aio.EOF
+        held: list[bytes] | None = None  # body chunks while the headers answer is held
+        while True:
+            message = await read()
+            if message is eof:
+                return
+            kind = message.WhichOneof("request")
+            if kind == "request_headers":
+                if message.request_headers.end_of_stream:
+                    await write(on_headers)
+                else:
+                    held = []
+            elif kind == "request_body":
+                part = message.request_body
+                if held is None:
+                    await write(streamed_request_body(part.body, end_of_stream=part.end_of_stream))
+                    continue
+                held.append(part.body)
+                if part.end_of_stream:
+                    await write(on_headers)
+                    for i, chunk in enumerate(held):
+                        await write(streamed_request_body(chunk, end_of_stream=i == len(held) - 1))
+                    held = None
+            elif kind == "request_trailers":
+                if held is not None:
+                    await write(on_headers)
+                    for chunk in held:
+                        await write(streamed_request_body(chunk, end_of_stream=False))
+                    held = None
+                await write(CONTINUE_REQUEST_TRAILERS)
+            elif kind == "response_body":
+                part = message.response_body
+                await write(streamed_response_body(part.body, end_of_stream=part.end_of_stream))
+            else:
+                await write(_CONTINUE[kind])
+
+    return process
+
+
+async def serve(host: str, port: int, destination: str, body: bool, full_duplex: bool) -> None:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
     handler = grpc.stream_stream_rpc_method_handler(
-        make_handler(destination, body),
+        make_full_duplex_handler(destination) if full_duplex else make_handler(destination, body),
         request_deserializer=ProcessingRequest.FromString,
         response_serializer=lambda data: data,
     )
@@ -116,9 +164,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=9102)
     parser.add_argument("--destination", required=True, help="ip:port every request goes to")
     parser.add_argument("--body", action="store_true", help="ask for the buffered body first")
+    parser.add_argument(
+        "--full-duplex", action="store_true", help="answer FULL_DUPLEX_STREAMED bodies"
+    )
     args = parser.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.host, args.port, args.destination, args.body))
+        asyncio.run(serve(args.host, args.port, args.destination, args.body, args.full_duplex))
 
 
 if __name__ == "__main__":

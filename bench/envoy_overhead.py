@@ -9,9 +9,12 @@ One run, one machine, one load tool (h2load, HTTP/1.1, `-c` clients), one fast u
   2b bare+body       the same, asking for the buffered body first (the floor for 4)
   3 llmgw headers    llmgw ext_proc, model + session from headers (`ring` strategy)
   4 llmgw body       llmgw ext_proc, model + prompt from the JSON body (`chat` strategy)
+  2f bare fdx        the bare ext_proc in GIE's FULL_DUPLEX_STREAMED mode (bodies both ways
+                     streamed through ext_proc, trailers sent): the floor for 5
+  5 llmgw body fdx   llmgw ext_proc (`chat`) in that mode (`envoy-config --body-mode gie`)
 
 Every scenario uses the same generated Envoy config (`llmgw envoy-config`, original-dst
-shape, request + response headers sent to ext_proc). For each: req/s, latency p50/p99
+shape, request + response headers sent to ext_proc; 2f and 5 with `--body-mode gie`). For each: req/s, latency p50/p99
 (from h2load's per-request log), the ext_proc process's CPU-µs per request (from
 /proc/PID/stat before/after) and ratios to (1) and (2)/(2b).
 
@@ -63,6 +66,11 @@ METRICS_PAGE = (
     'vllm:kv_cache_usage_perc{model_name="m1"} 0.1\n'
 )
 TICKS = os.sysconf("SC_CLK_TCK")
+# Children import this checkout's llmgw (not whichever one the venv has installed).
+_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+}
 
 
 def upstream_bootstrap(ports: list[int], admin_port: int) -> dict[str, Any]:
@@ -159,8 +167,9 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
 class Scenario:
     key: str
     label: str
-    extproc: str | None  # None | "bare" | "bare-body" | "llmgw"
+    extproc: str | None  # None | "bare" | "bare-body" | "bare-fdx" | "llmgw"
     strategy: str = "ring"
+    body_mode: str = "override"  # envoy-config --body-mode
 
 
 SCENARIOS = [
@@ -169,7 +178,11 @@ SCENARIOS = [
     Scenario("2b", "+ bare ext_proc (body)", "bare-body"),
     Scenario("3", "+ llmgw headers-only (ring)", "llmgw", "ring"),
     Scenario("4", "+ llmgw body (chat)", "llmgw", "chat"),
+    Scenario("2f", "+ bare ext_proc (full duplex)", "bare-fdx", body_mode="gie"),
+    Scenario("5", "+ llmgw body (chat, full duplex)", "llmgw", "chat", body_mode="gie"),
 ]
+# The floor each scenario is compared with (the bare ext_proc in the same mode).
+FLOORS = {"2b": "2b", "4": "2b", "2f": "2f", "5": "2f"}
 
 
 def h2load(url: str, duration: float, clients: int, log: Path | None = None) -> dict[str, Any]:
@@ -218,14 +231,16 @@ def run_scenario(
     config = llmgw_config(upstreams, scenario.strategy)
     grpc_port = free_port()
     process: subprocess.Popen[bytes] | None = None
-    if scenario.extproc in ("bare", "bare-body"):
+    if scenario.extproc in ("bare", "bare-body", "bare-fdx"):
         command = [
             sys.executable, str(ROOT / "bench" / "bare_extproc.py"), "--port", str(grpc_port),
             "--destination", upstreams[0],
         ]  # fmt: skip
         if scenario.extproc == "bare-body":
             command.append("--body")
-        process = subprocess.Popen(command, cwd=ROOT)
+        if scenario.extproc == "bare-fdx":
+            command.append("--full-duplex")
+        process = subprocess.Popen(command, cwd=ROOT, env=_ENV)
     elif scenario.extproc == "llmgw":
         config_file = scratch / f"llmgw-{scenario.strategy}.yaml"
         config_file.write_text(json.dumps(config.model_dump(mode="json")))
@@ -235,7 +250,7 @@ def run_scenario(
             str(free_port()), "--metrics-port", str(free_port()), "--log-level", "warning",
             "--workers", str(workers), "--loop", loop,
         ]  # fmt: skip
-        process = subprocess.Popen(command, cwd=ROOT)
+        process = subprocess.Popen(command, cwd=ROOT, env=_ENV)
     try:
         if process is not None:
             wait_port(grpc_port)
@@ -246,6 +261,7 @@ def run_scenario(
             listen_port=free_port(),
             admin_port=free_port(),
             extproc_address=f"127.0.0.1:{grpc_port}",
+            body_mode=scenario.body_mode,
         )
         if process is None:  # Envoy alone: drop the ext_proc filter
             hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
@@ -302,7 +318,7 @@ def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     direct = by_key.get("1")
     rows = []
     for r in runs:
-        floor = by_key.get("2b" if r["scenario"] in ("2b", "4") else "2")
+        floor = by_key.get(FLOORS.get(r["scenario"], "2"))
         rows.append(
             {
                 "#": r["scenario"],

@@ -229,6 +229,7 @@ def matrix_config(fleet: ThreadedFleet) -> Config:
             "max_cooldown": 0.6,
         },
         limits={"upstream_read_timeout": READ_TIMEOUT, "upstream_connect_timeout": 0.5},
+        destination_fallbacks=True,  # override-host: Envoy retries down the list
     )
 
 

@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     sim_args += ["--max-model-len", "65536", "--kv-blocks", "200000", "--seed", "3"]
     with tempfile.TemporaryDirectory(prefix="llmgw-soak-") as tmp, spawn(sim_args) as sim:
         config = {
+            "destination_fallbacks": True,  # override-host: Envoy retries down the list
             "models": {
                 "m1": {
                     "endpoints": [u.removeprefix("http://") for u in sim.urls],

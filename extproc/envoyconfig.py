@@ -18,9 +18,10 @@ the embedded proxy's) is the route's idle timeout in `original-dst`, and the per
 timeout in `override-host`, so a replica that hangs is retried on a fallback (a route idle
 timeout there would end the request before the retry).
 
-Both: the ext_proc filter asks for request and response headers only (the server asks
-for the body per request with `mode_override`, so GETs and header-routed requests never
-buffer), accepts dynamic metadata in `envoy.lb`, and Envoy adds `x-llmgw-upstream`
+Both: the ext_proc filter (`body_mode` override, the default) asks for request and response
+headers only (the server asks for the body per request with `mode_override`, so GETs and
+header-routed requests never buffer); `gie` copies GIE's reference processing mode
+(FULL_DUPLEX_STREAMED bodies, trailers sent). It accepts dynamic metadata in `envoy.lb`, and Envoy adds `x-llmgw-upstream`
 (the host that answered) to responses so outcomes are charged to the right replica.
 Clients cannot choose a host: `x-gateway-destination-endpoint` is stripped on arrival,
 before any filter runs.
@@ -41,7 +42,12 @@ import yaml
 
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
-from llmgw.lifecycle import DESTINATION_HEADER, METADATA_NAMESPACE, UPSTREAM_HEADER
+from llmgw.lifecycle import (
+    DESTINATION_HEADER,
+    METADATA_NAMESPACE,
+    SUBSET_NAMESPACE,
+    UPSTREAM_HEADER,
+)
 
 SHAPES = ("original-dst", "override-host")
 EXTPROC_CLUSTER = "llmgw-extproc"
@@ -153,10 +159,13 @@ def build(
     retries: int | None = None,
     connect_timeout: float = 1.0,
     read_timeout: float | None = None,
+    body_mode: str = "override",
 ) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if body_mode not in BODY_MODES:
+        raise ValueError(f"body mode must be one of {', '.join(BODY_MODES)}, got {body_mode!r}")
     addresses = list(dict.fromkeys(e.address for m in config.models.values() for e in m.endpoints))
     if not addresses and shape != "original-dst":
         raise ValueError(
@@ -185,7 +194,7 @@ def build(
     listener = _listener(
         _socket(listen_host, listen_port),
         routes,
-        _ext_proc_filter(fail_open=fail_open, message_timeout=message_timeout),
+        _ext_proc_filter(fail_open=fail_open, message_timeout=message_timeout, body_mode=body_mode),
         # Room for the largest body llmgw accepts (it answers 413 beyond it).
         buffer_limit=config.limits.max_body_bytes + (64 << 10),
     )
@@ -280,24 +289,51 @@ def _override_host_shape(
     return [{"match": {"prefix": "/"}, "route": route}], [pool]
 
 
-def _ext_proc_filter(*, fail_open: bool, message_timeout: float) -> dict[str, Any]:
+def _mode(request_body: str, response_body: str) -> dict[str, str]:
+    # FULL_DUPLEX_STREAMED requires the trailers of that direction to be sent.
+    return {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": request_body,
+        "response_body_mode": response_body,
+        "request_trailer_mode": "SEND" if request_body == "FULL_DUPLEX_STREAMED" else "SKIP",
+        "response_trailer_mode": "SEND" if response_body == "FULL_DUPLEX_STREAMED" else "SKIP",
+    }
+
+
+# ext_proc processing modes, by the gateway they copy (only the filter settings):
+# - override: llmgw's own: headers only, llmgw asks for the body per request (mode_override),
+#   so GETs and header-routed requests never buffer.
+# - gie: GIE's reference / kgateway / Istio: both bodies FULL_DUPLEX_STREAMED, trailers sent.
+# - envoy-gateway: GIE's Envoy Gateway patch: request body FULL_DUPLEX_STREAMED only.
+# - buffered: the request body BUFFERED, no override.
+BODY_MODES: dict[str, tuple[dict[str, str], bool]] = {
+    "override": (_mode("NONE", "NONE"), True),
+    "gie": (_mode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED"), False),
+    "envoy-gateway": (_mode("FULL_DUPLEX_STREAMED", "NONE"), False),
+    "buffered": (_mode("BUFFERED", "NONE"), False),
+}
+
+
+def _ext_proc_filter(
+    *, fail_open: bool, message_timeout: float, body_mode: str = "override"
+) -> dict[str, Any]:
+    processing_mode, allow_override = BODY_MODES[body_mode]
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
             "failure_mode_allow": fail_open,
-            "allow_mode_override": True,
+            "allow_mode_override": allow_override,
             "message_timeout": f"{message_timeout:g}s",
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
-                "request_body_mode": "NONE",
-                "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
-                "response_trailer_mode": "SKIP",
+            "processing_mode": processing_mode,
+            # Sent to llmgw: the subset hint, and `envoy.lb` (where a gateway reports the
+            # endpoint that served); received from llmgw: the picked endpoints.
+            "metadata_options": {
+                "forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE, METADATA_NAMESPACE]},
+                "receiving_namespaces": {"untyped": [METADATA_NAMESPACE]},
             },
-            "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
         },
     }
 
@@ -391,6 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--route-timeout", type=float, default=600.0, help="0 disables")
     parser.add_argument("--retries", type=int, help="override-host retries (default: fallbacks)")
+    parser.add_argument(
+        "--body-mode",
+        choices=tuple(BODY_MODES),
+        default="override",
+        help="ext_proc processing mode: override (llmgw asks per request), gie "
+        "(FULL_DUPLEX_STREAMED both ways, as GIE/kgateway/Istio), envoy-gateway, buffered",
+    )
     parser.add_argument("--out", help="write here instead of stdout")
     return parser
 
@@ -414,6 +457,7 @@ def main(argv: list[str]) -> int:
                 message_timeout=args.message_timeout,
                 route_timeout=args.route_timeout,
                 retries=args.retries,
+                body_mode=args.body_mode,
             ),
             Path(args.config).name,
         )

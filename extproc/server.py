@@ -27,13 +27,14 @@ import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
+from llmgw.catalog import MODELS_PATH, model_entry, model_list
 from llmgw.config import Config, load_file
-from llmgw.errors import ConfigError
+from llmgw.errors import ConfigError, LlmgwError
 from llmgw.extproc.translate import Exchange
 from llmgw.lifecycle import AwaitActivation
 from llmgw.logs import configure
 from llmgw.runtime.driver import activate
-from llmgw.runtime.health import readiness
+from llmgw.runtime.health import HEALTHZ_BODY, readiness
 from llmgw.runtime.router import ConfigWatcher, router_for
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.scheduling.scheduler import Scheduler
@@ -100,7 +101,7 @@ class ExtProcServer:
     # -- ext_proc ------------------------------------------------------------------------
     async def process(self, _requests: AsyncIterator[ProcessingRequest], context: Any) -> None:
         """One Envoy stream = one HTTP request. Reader/writer API: no generator overhead."""
-        exchange = Exchange(self.gateway, self.hooks)
+        exchange = Exchange(self.gateway, self.hooks, self.local_answer)
         self.open_streams += 1
         try:
             read, write, eof = context.read, context.write, grpc.aio.EOF
@@ -111,11 +112,33 @@ class ExtProcServer:
                 answer = exchange.handle(message)
                 if isinstance(answer, AwaitActivation):
                     answer = exchange.answer(await activate(exchange.lifecycle, answer))
-                await write(answer)
+                if type(answer) is bytes:
+                    await write(answer)
+                else:  # FULL_DUPLEX_STREAMED: several answers in order, or none yet
+                    for part in answer:
+                        await write(part)
         finally:
             # Response end, client abort or stream cancel: release exactly once.
             exchange.close()
             self.open_streams -= 1
+
+    def local_answer(self, path: str) -> tuple[int, bytes] | None:
+        """GET paths answered through the gateway without an upstream: the model list (the
+        OpenAI client's `models.list()`) and health probes aimed at the gateway."""
+        if path == MODELS_PATH:
+            return 200, model_list(self.config, self.router.models_status())
+        if path.startswith(MODELS_PATH + "/"):
+            try:
+                body = model_entry(self.config, path[len(MODELS_PATH) + 1 :])
+            except LlmgwError as exc:
+                return exc.status, exc.body()
+            return 200, body
+        if path in ("/health", "/healthz"):
+            return 200, HEALTHZ_BODY
+        if path == "/readyz":
+            ready, body = readiness(self.router, started=True, draining=self.draining)
+            return (200 if ready else 503), body
+        return None
 
     # -- grpc.health.v1 ------------------------------------------------------------------
     def _health_bytes(self, service: str) -> bytes:

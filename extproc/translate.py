@@ -4,54 +4,89 @@ Protobuf in (upb-backed classes from `xds-protos`), RequestInfo/Decision in the 
 serialized `ProcessingResponse` bytes out. No I/O, no gRPC: `extproc/server.py` owns the
 stream, `Exchange` here owns the per-request protocol state.
 
-The protocol (Gateway API Inference Extension endpoint picker):
+The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
 
-1. `request_headers`: if the body is needed to route (`llmgw.request.needs_body`), answer
-   with an empty HeadersResponse and `mode_override` asking for the BUFFERED body; else
-   decide now.
-2. `request_body` (end of stream): decide.
-3. The routing answer: header `x-gateway-destination-endpoint: ip:port` (primary),
-   dynamic metadata `envoy.lb` {`x-gateway-destination-endpoint`: "primary,fb1,fb2"},
-   `clear_route_cache`. Errors become an ImmediateResponse with the error's status, OpenAI-style JSON body and headers.
-4. `response_headers`: the status (and which host answered, from the `x-llmgw-upstream`
-   header Envoy adds) decide the outcome; the lease is released when the response ends
-   (`response_trailers`, a response body with end of stream, or the stream closing).
+1. `request_headers`: if the body is not needed to route (`llmgw.request.needs_body`),
+   decide now. Else, by the body mode the gateway configured (`protocol_config`, sent in
+   the first message): FULL_DUPLEX_STREAMED (GIE's reference mode) holds the headers
+   answer and collects the body chunks; BUFFERED waits for the whole body; NONE (llmgw's
+   own config) asks for a BUFFERED body with `mode_override` (`allow_mode_override`).
+2. Body complete (end_of_stream, or trailers in FULL_DUPLEX_STREAMED): decide. In
+   FULL_DUPLEX_STREAMED the held headers answer goes first, then every chunk unchanged
+   (`streamed_response`), then the trailers answer: Envoy requires that order. A body
+   over `limits.max_body_bytes` is refused with 413 as soon as it passes the limit.
+3. The routing answer: header `x-gateway-destination-endpoint` and dynamic metadata
+   `envoy.lb` {`x-gateway-destination-endpoint`} carry the same value (the protocol forbids
+   two): `primary,fb1,fb2`. A subset hint (`envoy.lb.subset_hint` filter metadata
+   `x-gateway-destination-endpoint-subset`) limits the pick; none eligible: 503. Errors
+   become an ImmediateResponse with the error's status, OpenAI-style JSON body and headers.
+4. `response_headers`: the status decides the outcome; the host that served it
+   (`envoy.lb` metadata `x-gateway-destination-endpoint-served`, else the `x-llmgw-upstream`
+   header llmgw's generated config adds) is charged. The first response body chunk is the
+   first token (not the headers: vLLM sends them before prefill ends). Response body
+   chunks pass through unchanged. With response bodies on, a stream that closes before
+   the body's end was cut by the client: `cancelled`, whatever the status said.
    With `debug_headers`, the response carries `x-llmgw-decision` (endpoint + rationale).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
     BodyResponse,
     CommonResponse,
     HeaderMutation,
     HeadersResponse,
+    HttpBody,
     HttpHeaders,
     ImmediateResponse,
     ProcessingRequest,
     ProcessingResponse,
+    StreamedBodyResponse,
     TrailersResponse,
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
+from google.protobuf.json_format import MessageToDict  # type: ignore[import-untyped]
 from google.protobuf.struct_pb2 import Struct  # type: ignore[import-untyped]
 
-from llmgw.errors import LlmgwError
+from llmgw.errors import BodyTooLarge, LlmgwError
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import (
     DECISION_HEADER,
     DESTINATION_HEADER,
     METADATA_NAMESPACE,
     NO_HOOKS,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
     UPSTREAM_HEADER,
     AwaitActivation,
     Hooks,
     Lifecycle,
     debug_summary,
 )
-from llmgw.request import needs_body
-from llmgw.types import Decision, Endpoint
+from llmgw.request import check_body_size, needs_body
+from llmgw.types import Decision, Endpoint, Outcome
+
+# GIE's conformance suite (behind `conformance_headers`): the EPP picks among the IPs in
+# the request header, and names the endpoint that served in the response header.
+CONFORMANCE_SELECT_HEADER = "test-epp-endpoint-selection"
+CONFORMANCE_SERVED_HEADER = "x-conformance-test-served-endpoint"
+
+# Body send modes (ProcessingMode.BodySendMode), as plain ints for cheap comparisons.
+NONE = int(ProcessingMode.NONE)
+STREAMED = int(ProcessingMode.STREAMED)
+BUFFERED = int(ProcessingMode.BUFFERED)
+BUFFERED_PARTIAL = int(ProcessingMode.BUFFERED_PARTIAL)
+FULL_DUPLEX_STREAMED = int(ProcessingMode.FULL_DUPLEX_STREAMED)
+
+# One answer, or several in order (FULL_DUPLEX_STREAMED), or none yet (an empty tuple).
+Answer = bytes | tuple[bytes, ...]
 
 _OVERWRITE = HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
@@ -128,13 +163,14 @@ _ROUTE_CACHE: dict[tuple[tuple[str, ...], bool], bytes] = {}
 _ROUTE_CACHE_LIMIT = 4096
 
 
-def route_response(decision: Decision, *, after_body: bool) -> bytes:
+def route_response(decision: Decision, *, after_body: bool, fallbacks: bool = True) -> bytes:
     """The routing answer to request headers (or, after a buffered body, to the body).
 
     It depends only on the destination list, and a pool has few distinct lists: the
     serialized bytes are cached (building the message costs more than the routing).
+    `fallbacks=False`: the primary only (ORIGINAL_DST gateways cannot parse a list).
     """
-    key = (decision.destinations, after_body)
+    key = (decision.destinations if fallbacks else decision.destinations[:1], after_body)
     cached = _ROUTE_CACHE.get(key)
     if cached is None:
         if len(_ROUTE_CACHE) >= _ROUTE_CACHE_LIMIT:
@@ -144,14 +180,14 @@ def route_response(decision: Decision, *, after_body: bool) -> bytes:
 
 
 def _build_route_response(destinations: tuple[str, ...], *, after_body: bool) -> bytes:
+    # The same value in the header and the metadata: the protocol forbids two.
+    value = ",".join(destinations)
     common = CommonResponse(
-        header_mutation=HeaderMutation(set_headers=[_set(DESTINATION_HEADER, destinations[0])]),
+        header_mutation=HeaderMutation(set_headers=[_set(DESTINATION_HEADER, value)]),
         clear_route_cache=True,
     )
     metadata = Struct()
-    metadata.fields[METADATA_NAMESPACE].struct_value.fields[
-        DESTINATION_HEADER
-    ].string_value = ",".join(destinations)
+    metadata.fields[METADATA_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = value
     if after_body:
         message = ProcessingResponse(
             request_body=BodyResponse(response=common), dynamic_metadata=metadata
@@ -163,16 +199,40 @@ def _build_route_response(destinations: tuple[str, ...], *, after_body: bool) ->
     return _serialize(message)
 
 
-def debug_response_headers(decision: Decision | None, endpoint: Endpoint | None = None) -> bytes:
-    """Answer to response headers that shows the client why (`debug_headers: true`)."""
+def debug_response_headers(
+    decision: Decision | None, endpoint: Endpoint | None = None, *, served: str | None = None
+) -> bytes:
+    """Answer to response headers that shows the client why (`debug_headers: true`) and,
+    with `served`, the conformance-test header naming the endpoint that served."""
     mutation = HeaderMutation(remove_headers=[UPSTREAM_HEADER])
     if decision is not None:
         mutation.set_headers.append(_set(DECISION_HEADER, debug_summary(decision, endpoint)))
+    if served is not None:
+        mutation.set_headers.append(_set(CONFORMANCE_SERVED_HEADER, served))
     return _serialize(
         ProcessingResponse(
             response_headers=HeadersResponse(response=CommonResponse(header_mutation=mutation))
         )
     )
+
+
+def local_response(status: int, body: bytes) -> bytes:
+    """A JSON reply from Envoy itself, for paths llmgw answers without an upstream."""
+    return _serialize(
+        ProcessingResponse(
+            immediate_response=ImmediateResponse(
+                status=HttpStatus(code=status),
+                headers=HeaderMutation(set_headers=[_set("content-type", "application/json")]),
+                body=body,
+                details="llmgw_local",
+            )
+        )
+    )
+
+
+# Answers GET paths no upstream serves (`/v1/models`, health probes): (status, JSON body),
+# or None to route the request as usual.
+LocalAnswers = Callable[[str], tuple[int, bytes] | None]
 
 
 def immediate_response(error: LlmgwError) -> bytes:
@@ -190,92 +250,343 @@ def immediate_response(error: LlmgwError) -> bytes:
     )
 
 
+def streamed_request_body(chunk: bytes, *, end_of_stream: bool) -> bytes:
+    """A request body chunk passed back unchanged (FULL_DUPLEX_STREAMED needs one per chunk)."""
+    return _serialize(
+        ProcessingResponse(
+            request_body=BodyResponse(
+                response=CommonResponse(
+                    body_mutation=BodyMutation(
+                        streamed_response=StreamedBodyResponse(
+                            body=chunk, end_of_stream=end_of_stream
+                        )
+                    )
+                )
+            )
+        )
+    )
+
+
+def streamed_response_body(chunk: bytes, *, end_of_stream: bool) -> bytes:
+    """A response body chunk passed back unchanged (FULL_DUPLEX_STREAMED)."""
+    return _serialize(
+        ProcessingResponse(
+            response_body=BodyResponse(
+                response=CommonResponse(
+                    body_mutation=BodyMutation(
+                        streamed_response=StreamedBodyResponse(
+                            body=chunk, end_of_stream=end_of_stream
+                        )
+                    )
+                )
+            )
+        )
+    )
+
+
+def _ask_for_body(response_body_mode: int) -> bytes:
+    """Headers answer that switches the request body to BUFFERED (needs `allow_mode_override`),
+    keeping the response body mode the gateway configured."""
+    return _serialize(
+        ProcessingResponse(
+            request_headers=HeadersResponse(),
+            mode_override=ProcessingMode(
+                request_header_mode=ProcessingMode.SEND,
+                response_header_mode=ProcessingMode.SEND,
+                request_body_mode=ProcessingMode.BUFFERED,
+                response_body_mode=response_body_mode,
+                request_trailer_mode=ProcessingMode.SKIP,
+                response_trailer_mode=ProcessingMode.SKIP,
+            ),
+        )
+    )
+
+
+_ASK_FOR_BODY = {
+    NONE: ASK_FOR_BODY,
+    STREAMED: _ask_for_body(STREAMED),
+    BUFFERED: _ask_for_body(BUFFERED),
+}
+
+
+def _protocol_modes(message: ProcessingRequest) -> tuple[int, int]:
+    """The body modes the gateway configured (sent in the first message since Envoy 1.33;
+    absent: headers only, llmgw asks for the body with `mode_override`)."""
+    if message.HasField("protocol_config"):
+        config = message.protocol_config
+        return int(config.request_body_mode), int(config.response_body_mode)
+    return NONE, NONE
+
+
+def _subset_hint(message: ProcessingRequest) -> tuple[str, ...] | None:
+    """The endpoints the gateway allows for this request (None: no hint, any endpoint)."""
+    value = metadata_value(message, SUBSET_NAMESPACE, SUBSET_KEY)
+    if value is None:
+        return None
+    if isinstance(value, str):  # tolerate "a,b" as well as the list the protocol specifies
+        value = value.split(",")
+    if not isinstance(value, list):
+        return ()
+    return tuple(v.strip() for v in value if isinstance(v, str) and v.strip())
+
+
+def metadata_value(message: ProcessingRequest, namespace: str, key: str) -> Any:
+    """`metadata_context.filter_metadata[namespace][key]` as plain Python, or None."""
+    if not message.HasField("metadata_context"):
+        return None
+    spaces = message.metadata_context.filter_metadata
+    if namespace not in spaces:
+        return None
+    fields = spaces[namespace].fields
+    if key not in fields:
+        return None
+    return MessageToDict(fields[key])  # Value -> str | list | ...
+
+
 class Exchange:
     """The protocol state of one ext_proc stream (one HTTP request). Not thread-safe.
 
-    `handle(message)` answers every message with bytes, or with `AwaitActivation` when an
-    on-demand model must start first: the server awaits `llmgw.runtime.driver.activate`
-    and sends `answer(result)`. `close()` must be called when the stream ends for any
-    reason; it releases the lease if the response did not end it.
+    `handle(message)` answers every message with bytes (one answer), a tuple of answers
+    (FULL_DUPLEX_STREAMED: the held headers answer then the body chunks; empty = nothing
+    yet), or `AwaitActivation` when an on-demand model must start first: the server awaits
+    `llmgw.runtime.driver.activate` and sends `answer(result)`. `close()` must be called
+    when the stream ends for any reason; it releases the lease if the response did not.
     """
 
-    __slots__ = ("_after_body", "_body", "_headers", "_path", "lifecycle", "status")
+    __slots__ = (
+        "_after_body",
+        "_body",
+        "_body_ended",
+        "_body_size",
+        "_headers",
+        "_held",
+        "_local",
+        "_path",
+        "_replied",
+        "_request_mode",
+        "_response_ended",
+        "_response_mode",
+        "_subset",
+        "_trailers",
+        "lifecycle",
+        "status",
+    )
 
-    def __init__(self, gateway: Gateway, hooks: Hooks = NO_HOOKS) -> None:
+    def __init__(
+        self, gateway: Gateway, hooks: Hooks = NO_HOOKS, local: LocalAnswers | None = None
+    ) -> None:
         self.lifecycle = Lifecycle(gateway, hooks)
+        self._local = local
         self.status: int | None = None
         self._headers: dict[str, str] = {}
         self._path = "/"
         self._body: list[bytes] = []
+        self._body_size = 0
+        self._body_ended = False
         self._after_body = False
+        # FULL_DUPLEX_STREAMED: the headers answer is held until the body is read.
+        self._held = False
+        self._request_mode = NONE
+        self._response_mode = NONE
+        self._response_ended = False
+        self._subset: tuple[str, ...] | None = None
+        self._trailers = False
+        self._replied = False
 
     @property
     def decision(self) -> Decision | None:
         return self.lifecycle.decision
 
-    def handle(self, message: ProcessingRequest) -> bytes | AwaitActivation:
+    def handle(self, message: ProcessingRequest) -> Answer | AwaitActivation:
+        if self._replied:  # a local reply ended the request: Envoy expects nothing more
+            return ()
         kind = message.WhichOneof("request")
         if kind == "request_headers":
+            self._request_mode, self._response_mode = _protocol_modes(message)
+            self._subset = _subset_hint(message)
             return self._request_headers(message.request_headers)
         if kind == "request_body":
-            body = message.request_body
-            self._body.append(body.body)
-            if not body.end_of_stream:
-                return CONTINUE_REQUEST_BODY
-            self._after_body = True
-            return self._route(b"".join(self._body))
+            return self._request_body(message.request_body)
         if kind == "response_headers":
-            return self._response_headers(message.response_headers)
+            return self._response_headers(message)
         if kind == "response_body":
-            self.lifecycle.first_byte()
-            if message.response_body.end_of_stream:
-                self.close()
-            return CONTINUE_RESPONSE_BODY
+            return self._response_body(message.response_body)
         if kind == "response_trailers":
+            self._response_ended = True
             self.close()
             return CONTINUE_RESPONSE_TRAILERS
         if kind == "request_trailers":
-            return CONTINUE_REQUEST_TRAILERS
+            return self._request_trailers()
         return CONTINUE_REQUEST_HEADERS  # unknown: never reached with a v3 Envoy
 
-    def _request_headers(self, headers: HttpHeaders) -> bytes | AwaitActivation:
+    # -- request -------------------------------------------------------------------------
+    def _request_headers(self, headers: HttpHeaders) -> Answer | AwaitActivation:
         self._headers = header_map(headers)
         self._path = self._headers.get(":path", "/")
-        if needs_body(self.lifecycle.config, self._headers, self._path):
-            if not headers.end_of_stream:
-                return ASK_FOR_BODY
+        if self.lifecycle.config.conformance_headers:
+            self._conformance_selection()
+        if headers.end_of_stream:
+            self._body_ended = True
+            if self._local is not None and self._headers.get(":method") in ("GET", "HEAD"):
+                local = self._local(self._path.split("?", 1)[0])
+                if local is not None:
+                    self._replied = True
+                    return local_response(*local)
+        if not needs_body(self.lifecycle.config, self._headers, self._path):
+            return self._route(None)
+        if headers.end_of_stream:
             return self._route(b"")
-        return self._route(None)
+        mode = self._request_mode
+        if mode == FULL_DUPLEX_STREAMED:
+            self._held = True  # Envoy streams the body without waiting for this answer
+            return ()
+        if mode in (BUFFERED, BUFFERED_PARTIAL):
+            return CONTINUE_REQUEST_HEADERS  # the body comes whole, the answer rides on it
+        ask = _ASK_FOR_BODY.get(self._response_mode)
+        if ask is None:  # a mode an override cannot keep (FULL_DUPLEX_STREAMED): bodies off
+            self._response_mode = NONE
+            return ASK_FOR_BODY
+        return ask
 
-    def _route(self, body: bytes | None) -> bytes | AwaitActivation:
-        result = self.lifecycle.route(self._headers, self._path, body)
+    def _request_body(self, body: HttpBody) -> Answer | AwaitActivation:
+        chunk, end = body.body, body.end_of_stream
+        if end:
+            self._body_ended = True
+        if self._request_mode == FULL_DUPLEX_STREAMED:
+            if not self._held:  # routed already: pass the chunk through
+                return streamed_request_body(chunk, end_of_stream=end)
+            self._hold(chunk)
+            if self._body_size > self.lifecycle.config.limits.max_body_bytes:
+                return self._refuse_too_large()
+            return self._route(b"".join(self._body)) if end else ()
+        self._hold(chunk)
+        if self._request_mode == BUFFERED_PARTIAL and not end:
+            return self._refuse_too_large()  # the gateway's buffer filled: the body is cut
+        if self.lifecycle.decision is not None or not (end or self._request_mode == BUFFERED):
+            return CONTINUE_REQUEST_BODY
+        self._after_body = True
+        return self._route(b"".join(self._body))
+
+    def _request_trailers(self) -> Answer | AwaitActivation:
+        self._trailers = True
+        if self._held:  # trailers mark the end of a streamed body that had no end_of_stream
+            self._body_ended = True
+            return self._route(b"".join(self._body))
+        return CONTINUE_REQUEST_TRAILERS
+
+    def _conformance_selection(self) -> None:
+        """`test-epp-endpoint-selection: ip[,ip...]` limits the pick like a subset hint."""
+        listed = self._headers.get(CONFORMANCE_SELECT_HEADER)
+        if listed is None:
+            return
+        wanted = {v.strip() for v in listed.split(",") if v.strip()}
+        config = self.lifecycle.config
+        picked = {
+            e.address
+            for spec in config.models.values()
+            for e in spec.endpoints
+            if e.address in wanted or e.address.rpartition(":")[0] in wanted
+        }
+        if self._subset is not None:
+            picked &= set(self._subset)
+        self._subset = tuple(sorted(picked))
+
+    def _hold(self, chunk: bytes) -> None:
+        self._body.append(chunk)
+        self._body_size += len(chunk)
+
+    def _refuse_too_large(self) -> bytes:
+        limit = self.lifecycle.config.limits.max_body_bytes
+        self._held = False
+        self._replied = True
+        try:
+            check_body_size(self._body_size, limit, complete=self._body_ended)
+        except LlmgwError as exc:
+            return immediate_response(self.lifecycle.refuse(exc))
+        return immediate_response(  # BUFFERED_PARTIAL cut below the limit: still too large
+            self.lifecycle.refuse(
+                BodyTooLarge(
+                    f"request body is larger than the gateway's buffer ({self._body_size} bytes "
+                    "arrived); raise the listener's per_connection_buffer_limit_bytes"
+                )
+            )
+        )
+
+    def _route(self, body: bytes | None) -> Answer | AwaitActivation:
+        result = self.lifecycle.route(self._headers, self._path, body, subset=self._subset)
         if isinstance(result, AwaitActivation):
             return result
         return self.answer(result)
 
-    def answer(self, result: Decision | LlmgwError) -> bytes:
+    def answer(self, result: Decision | LlmgwError) -> Answer:
         """The routing answer (after headers or body), or the error as a local reply."""
         if isinstance(result, LlmgwError):
+            self._held = False
+            self._replied = True
             return immediate_response(result)
-        return route_response(result, after_body=self._after_body)
+        if not self._held:
+            return route_response(result, after_body=self._after_body, fallbacks=self._fallbacks())
+        # FULL_DUPLEX_STREAMED: headers first, then every held chunk unchanged, in order.
+        self._held = False
+        chunks, self._body = self._body, []
+        last = len(chunks) - 1
+        # With trailers the body's end is theirs: answer them last (headers-body-trailers).
+        end = self._body_ended and not self._trailers
+        answers = [route_response(result, after_body=False, fallbacks=self._fallbacks())]
+        answers += (
+            streamed_request_body(c, end_of_stream=end and i == last) for i, c in enumerate(chunks)
+        )
+        if self._trailers:
+            answers.append(CONTINUE_REQUEST_TRAILERS)
+        return tuple(answers)
 
-    def _response_headers(self, headers: HttpHeaders) -> bytes:
+    def _fallbacks(self) -> bool:
+        return self.lifecycle.config.destination_fallbacks
+
+    # -- response ------------------------------------------------------------------------
+    def _response_headers(self, message: ProcessingRequest) -> bytes:
+        headers = message.response_headers
         lifecycle = self.lifecycle
         status, upstream = response_status(headers)
         self.status = status
         lifecycle.response(status)
-        if upstream:
+        served = metadata_value(message, METADATA_NAMESPACE, SERVED_KEY)
+        if isinstance(served, str) and served:
+            lifecycle.answered_by(served.split(",", 1)[0].strip())
+        elif upstream:
             lifecycle.answered_by(upstream)
         # Not the first token: engines (vLLM) send the head before prefill ends. Only a
         # response body message (when Envoy is set to send bodies) marks the first byte.
         if headers.end_of_stream:
+            self._response_ended = True
             self.close()
+        if lifecycle.config.conformance_headers and lifecycle.endpoint is not None:
+            return debug_response_headers(
+                lifecycle.decision if lifecycle.config.debug_headers else None,
+                lifecycle.endpoint,
+                served=lifecycle.endpoint.address,
+            )
         if lifecycle.config.debug_headers:
             return debug_response_headers(lifecycle.decision, lifecycle.endpoint)
         if upstream is not None:
             return STRIP_UPSTREAM_HEADER
         return CONTINUE_RESPONSE_HEADERS
 
+    def _response_body(self, body: HttpBody) -> bytes:
+        self.lifecycle.first_byte()  # the first body chunk: the first token reached Envoy
+        end = body.end_of_stream
+        if end:
+            self._response_ended = True
+            self.close()
+        if self._response_mode == FULL_DUPLEX_STREAMED:
+            return streamed_response_body(body.body, end_of_stream=end)
+        return CONTINUE_RESPONSE_BODY
+
     def close(self) -> None:
-        """Release the lease: the response's outcome if seen, else the client went away."""
-        self.lifecycle.finish()
+        """Release the lease: the response's outcome if seen, else the client went away.
+
+        When Envoy sends response bodies, a stream that closes before the body's end (or
+        trailers) was cut: the client went away mid-stream, whatever the status said.
+        """
+        cut = self._response_mode != NONE and not self._response_ended
+        self.lifecycle.finish(Outcome.CANCELLED if cut else None)

@@ -212,6 +212,13 @@ class Config(_Strict):
     activation_poll_interval: float = Field(default=0.25, gt=0)
     model_header: str = "x-llmgw-model"
     debug_headers: bool = False
+    # ext_proc: list the fallbacks after the primary in `x-gateway-destination-endpoint` and
+    # `envoy.lb` (for gateways that retry down the list, e.g. llmgw's override-host config).
+    # Off: the primary only, which ORIGINAL_DST clusters (GIE's reference config) need.
+    destination_fallbacks: bool = False
+    # ext_proc: honour GIE's conformance-test headers (`test-epp-endpoint-selection` picks
+    # among the listed IPs; `x-conformance-test-served-endpoint` echoes the served host).
+    conformance_headers: bool = False
     seed: int | None = None
 
     @field_validator("models")

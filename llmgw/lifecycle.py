@@ -17,8 +17,8 @@ the stage timings. The edges only translate their protocol to and from it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, replace
 
 from llmgw.config import Config
 from llmgw.errors import InternalError, LlmgwError, ModelNotReady
@@ -31,6 +31,9 @@ from llmgw.types import Decision, Endpoint, Outcome, RequestInfo, outcome_for_st
 # Wire names both edges use.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"  # the chosen endpoint, ip:port
 METADATA_NAMESPACE = "envoy.lb"  # Envoy dynamic metadata: primary + fallbacks
+SERVED_KEY = "x-gateway-destination-endpoint-served"  # in METADATA_NAMESPACE, from the gateway
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # filter metadata: the endpoints allowed
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 DECISION_HEADER = "x-llmgw-decision"  # to the inner app, and (debug_headers) to the client
 # Envoy adds this response header (route `response_headers_to_add: %UPSTREAM_HOST%`) so
 # the outcome is charged to the host that really answered after retries.
@@ -110,12 +113,21 @@ class Lifecycle:
 
     # -- routing -------------------------------------------------------------------------
     def route(
-        self, headers: Mapping[str, str], path: str, body: bytes | None
+        self,
+        headers: Mapping[str, str],
+        path: str,
+        body: bytes | None,
+        *,
+        subset: Collection[str] | None = None,
     ) -> Decision | LlmgwError | AwaitActivation:
-        """Parse and pick. Headers are lower-cased names; `body` None = not read."""
+        """Parse and pick. Headers are lower-cased names; `body` None = not read; `subset`:
+        the gateway allows only these endpoint addresses (empty: none)."""
         t0 = time.perf_counter()
         try:
-            request = self.request = build_request(self.snapshot.config, headers, path, body)
+            request = build_request(self.snapshot.config, headers, path, body)
+            if subset is not None:
+                request = replace(request, subset=frozenset(subset))
+            self.request = request
             t1 = time.perf_counter()
             decision = self.snapshot.scheduler.pick(request)
         except ModelNotReady as exc:

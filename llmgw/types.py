@@ -86,6 +86,8 @@ class RequestInfo:
     # The whole prompt's length in tokens (estimated from characters unless a tokenizer is
     # configured); `prompt` may be only its leading part.
     prompt_tokens: int = 0
+    # The gateway's subset hint: pick only among these addresses (None: any endpoint).
+    subset: frozenset[str] | None = None
 
     @property
     def routing_key(self) -> str:

@@ -15,7 +15,7 @@ import pytest
 from llmgw.asgi.middleware import DECISION_KEY, DISPATCH_KEY, SchedulerMiddleware
 from llmgw.asgi.types import Message, Scope
 from llmgw.config import Config, load_dict
-from llmgw.extproc.translate import ASK_FOR_BODY, Exchange
+from llmgw.extproc.translate import ASK_FOR_BODY, Answer, Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import AwaitActivation
 from llmgw.registry import Registry
@@ -245,7 +245,7 @@ def answering(status: int, seen: list[Decision], fall_back: bool = False) -> Inn
     return inner
 
 
-def envoy_answer(exchange: Exchange, headers: dict[str, str]) -> bytes | AwaitActivation:
+def envoy_answer(exchange: Exchange, headers: dict[str, str]) -> Answer | AwaitActivation:
     answer = exchange.handle(request_headers({":method": "POST", ":path": PATH, **headers}))
     if answer == ASK_FOR_BODY:
         body = orjson.dumps({"model": headers["x-llmgw-model"], "messages": []})
@@ -277,7 +277,7 @@ async def test_on_demand_model_is_started_once_and_routed_alike_on_both_edges() 
     pending = envoy_answer(exchange, headers)
     assert pending == AwaitActivation("lazy")  # a typed event, not an in-band answer
     answer = exchange.answer(await activate(exchange.lifecycle, pending))
-    via_envoy = set_headers(parse(answer))["x-gateway-destination-endpoint"]
+    via_envoy = set_headers(parse(answer))["x-gateway-destination-endpoint"].split(",")[0]
 
     seen: list[Decision] = []
     middleware = SchedulerMiddleware(_replaced_per_call, asgi_router.config, router=asgi_router)

@@ -158,6 +158,13 @@ class Scheduler:
                 "scaling stanza); enable it in the config"
             )
         states = self.registry.states(request.model)
+        if request.subset is not None:
+            states = [s for s in states if s.endpoint.address in request.subset]
+            if not states:
+                raise NoHealthyEndpoint(
+                    f"none of the gateway's subset hint ({', '.join(sorted(request.subset))}) "
+                    f"is an endpoint of model {request.model!r}"
+                )
         if not states:
             if router.mode in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
                 raise ModelNotReady(f"model {request.model!r} has no ready replica yet")

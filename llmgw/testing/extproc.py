@@ -200,7 +200,12 @@ class ExtProcThread:
 
 class StackFactory(Protocol):
     def __call__(
-        self, shape: str = "original-dst", *, fail_open: bool = False, config: Config | None = None
+        self,
+        shape: str = "original-dst",
+        *,
+        fail_open: bool = False,
+        config: Config | None = None,
+        body_mode: str = "override",
     ) -> Stack: ...
 
 
@@ -253,8 +258,14 @@ def fleet_config(fleet: ThreadedFleet, *, strategy: str = "chat", **top_level: A
 
 # -- fake Envoy messages ------------------------------------------------------------------
 def make_config(
-    endpoints: int = 3, *, strategy: str = "ring", debug: bool = True, **model: object
+    endpoints: int = 3,
+    *,
+    strategy: str = "ring",
+    debug: bool = True,
+    destination_fallbacks: bool = True,
+    **model: object,
 ) -> Config:
+    """One model `m1` on `endpoints` loopback addresses (the fallbacks listed by default)."""
     return load_dict(
         {
             "models": {
@@ -265,6 +276,7 @@ def make_config(
                 }
             },
             "debug_headers": debug,
+            "destination_fallbacks": destination_fallbacks,
         }
     )
 

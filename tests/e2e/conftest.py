@@ -7,7 +7,7 @@ Fixtures:
 - `sim_fleet` (module): 4 simulated vLLM replicas serving `m1`, fast and deterministic.
 - `llmgw_config(fleet, **top_level)`: an llmgw Config for a fleet (debug headers on,
   quick breaker), top-level fields overridable.
-- `stack(shape="original-dst", fail_open=False, config=None)`: ext_proc + Envoy in
+- `stack(shape="original-dst", fail_open=False, config=None, body_mode="override")`: ext_proc + Envoy in
   front of `sim_fleet`; everything started by it is stopped at the end of the test.
 """
 
@@ -61,9 +61,16 @@ def stack(sim_fleet: ThreadedFleet, envoy_path: str) -> Iterator[StackFactory]:
     started: list[Stack] = []
 
     def start(
-        shape: str = "original-dst", *, fail_open: bool = False, config: Config | None = None
+        shape: str = "original-dst",
+        *,
+        fail_open: bool = False,
+        config: Config | None = None,
+        body_mode: str = "override",
     ) -> Stack:
         cfg = config or fleet_config(sim_fleet)
+        if "destination_fallbacks" not in cfg.model_fields_set:
+            # override-host walks the list on retries; ORIGINAL_DST takes one address.
+            cfg = cfg.model_copy(update={"destination_fallbacks": shape == "override-host"})
         extproc = ExtProcThread(cfg)
         try:
             envoy = EnvoyProcess(
@@ -77,6 +84,7 @@ def stack(sim_fleet: ThreadedFleet, envoy_path: str) -> Iterator[StackFactory]:
                     fail_open=fail_open,
                     message_timeout=5.0,
                     connect_timeout=0.5,
+                    body_mode=body_mode,
                 )
             )
         except BaseException:

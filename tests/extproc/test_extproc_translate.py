@@ -47,7 +47,8 @@ def test_headers_only_decision_sets_header_metadata_and_clears_route_cache() -> 
     assert common.clear_route_cache
     headers = set_headers(answer)
     chain = destinations(answer).split(",")
-    assert headers["x-gateway-destination-endpoint"] == chain[0]
+    # The protocol forbids two different values in the header and the metadata.
+    assert headers["x-gateway-destination-endpoint"] == ",".join(chain)
     assert len(chain) == 3 and len(set(chain)) == 3
     assert not answer.HasField("mode_override")
 
@@ -69,7 +70,7 @@ def test_same_session_gets_same_primary_and_no_session_spreads() -> None:
                 request_headers(chat_headers(**{"x-llmgw-model": "m1"}, **extra))
             )
         )
-        return set_headers(answer)["x-gateway-destination-endpoint"]
+        return set_headers(answer)["x-gateway-destination-endpoint"].split(",")[0]
 
     assert len({primary(**{"x-session-id": "abc"}) for _ in range(20)}) == 1
     spread = {primary(**{"x-request-id": f"r{i}"}) for i in range(60)}
@@ -167,7 +168,7 @@ def test_lease_is_held_until_the_response_ends() -> None:
     scheduler = Scheduler(make_config())
     exchange = Exchange(Gateway(scheduler))
     answer = parse(exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"}))))
-    primary = set_headers(answer)["x-gateway-destination-endpoint"]
+    primary = set_headers(answer)["x-gateway-destination-endpoint"].split(",")[0]
     assert inflight(scheduler)[primary] == 1
     exchange.handle(response_headers(200, primary))
     assert inflight(scheduler)[primary] == 1  # streaming: still in flight
@@ -197,7 +198,7 @@ def test_5xx_responses_open_the_breaker() -> None:
                 request_headers(chat_headers(**{"x-llmgw-model": "m1", "x-session-id": "s"}))
             )
         )
-        target = set_headers(answer)["x-gateway-destination-endpoint"]
+        target = set_headers(answer)["x-gateway-destination-endpoint"].split(",")[0]
         exchange.handle(response_headers(500, target, end_of_stream=True))
     assert target is not None
     assert scheduler.registry.breaker_states()[("m1", target)] is BreakerState.OPEN
@@ -282,7 +283,7 @@ def test_debug_headers_explain_the_decision_on_the_response() -> None:
     scheduler = Scheduler(make_config(debug=True))
     exchange = Exchange(Gateway(scheduler))
     answer = parse(exchange.handle(request_headers(chat_headers(**{"x-llmgw-model": "m1"}))))
-    primary = set_headers(answer)["x-gateway-destination-endpoint"]
+    primary = set_headers(answer)["x-gateway-destination-endpoint"].split(",")[0]
     reply = parse(exchange.handle(response_headers(200, primary)))
     summary = set_headers(reply)["x-llmgw-decision"]
     assert summary.startswith(f"endpoint={primary} strategy=ring")

@@ -1,0 +1,372 @@
+"""The ext_proc protocol in each body mode a gateway configures, answers decoded with an
+independent decoder (envoy-data-plane, betterproto) rather than the protobuf classes
+llmgw encodes with."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import betterproto2
+import orjson
+import pytest
+from envoy.config.core.v3.base_pb2 import Metadata
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpTrailers,
+    ProcessingRequest,
+    ProtocolConfiguration,
+)
+from google.protobuf.struct_pb2 import Struct  # type: ignore[import-untyped]
+
+from llmgw.config import load_dict
+from llmgw.extproc.translate import Answer, Exchange
+from llmgw.gateway import Gateway
+from llmgw.lifecycle import AwaitActivation, Hooks
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.testing.extproc import chat_headers, make_config, request_headers, response_headers
+from llmgw.types import Outcome
+
+with warnings.catch_warnings():  # the decoder's generated pydantic validators warn on import
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from envoy_data_plane.envoy.service.ext_proc.v3 import ProcessingResponse as Decoded
+
+FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
+CHAT = orjson.dumps({"model": "m1", "messages": [{"role": "user", "content": "hello"}]})
+
+
+def first(
+    headers: dict[str, str],
+    *,
+    request_mode: int = FULL_DUPLEX,
+    response_mode: int = FULL_DUPLEX,
+    metadata: dict[str, dict[str, Any]] | None = None,
+    end_of_stream: bool = False,
+) -> ProcessingRequest:
+    """The first message as Envoy sends it: headers, the configured modes, metadata."""
+    message = request_headers(headers, end_of_stream=end_of_stream)
+    message.protocol_config.CopyFrom(
+        ProtocolConfiguration(request_body_mode=request_mode, response_body_mode=response_mode)
+    )
+    for namespace, fields in (metadata or {}).items():
+        struct = Struct()
+        struct.update(fields)
+        message.metadata_context.filter_metadata[namespace].CopyFrom(struct)
+    return message
+
+
+def body(chunk: bytes, end: bool = False, *, response: bool = False) -> ProcessingRequest:
+    part = HttpBody(body=chunk, end_of_stream=end)
+    return (
+        ProcessingRequest(response_body=part) if response else ProcessingRequest(request_body=part)
+    )
+
+
+def decode(answer: Answer | AwaitActivation) -> list[Decoded]:
+    assert not isinstance(answer, AwaitActivation)
+    parts = (answer,) if isinstance(answer, bytes) else answer
+    return [Decoded.parse(p) for p in parts]
+
+
+def kind(message: Decoded) -> str:
+    name, _ = betterproto2.which_one_of(message, "response")
+    return name
+
+
+def destination(message: Decoded) -> tuple[str, str]:
+    """(header value, envoy.lb metadata value) of a routing answer."""
+    common = message.request_headers.response  # type: ignore[union-attr]
+    assert common is not None and common.clear_route_cache
+    headers = {
+        h.header.key: h.header.raw_value.decode()
+        for h in common.header_mutation.set_headers  # type: ignore[union-attr]
+        if h.header is not None
+    }
+    metadata = message.dynamic_metadata
+    assert metadata is not None
+    value = metadata.to_dict()["envoy.lb"]["x-gateway-destination-endpoint"]
+    return headers["x-gateway-destination-endpoint"], value
+
+
+def streamed(message: Decoded, side: str = "request_body") -> tuple[bytes, bool]:
+    response = getattr(message, side).response
+    chunk = response.body_mutation.streamed_response
+    return chunk.body, chunk.end_of_stream
+
+
+def exchange(fallbacks: bool = True, hooks: Hooks | None = None) -> Exchange:
+    scheduler = Scheduler(make_config(destination_fallbacks=fallbacks))
+    return Exchange(Gateway(scheduler), hooks or Hooks())
+
+
+# -- FULL_DUPLEX_STREAMED (GIE's reference mode) -------------------------------------------
+def test_full_duplex_holds_the_headers_answer_then_streams_every_chunk_back_in_order() -> None:
+    ex = exchange()
+    assert decode(ex.handle(first(chat_headers()))) == []
+    assert decode(ex.handle(body(CHAT[:10]))) == []
+    answers = decode(ex.handle(body(CHAT[10:], end=True)))
+    assert [kind(a) for a in answers] == ["request_headers", "request_body", "request_body"]
+    header, metadata = destination(answers[0])
+    assert header == metadata and len(header.split(",")) == 3
+    assert [streamed(a) for a in answers[1:]] == [(CHAT[:10], False), (CHAT[10:], True)]
+    assert not answers[0].mode_override  # Envoy ignores overrides in this mode anyway
+
+
+def test_full_duplex_with_trailers_answers_them_last_and_leaves_the_body_open() -> None:
+    ex = exchange()
+    ex.handle(first(chat_headers()))
+    ex.handle(body(CHAT))  # no end_of_stream: the trailers end the body
+    answers = decode(ex.handle(ProcessingRequest(request_trailers=HttpTrailers())))
+    assert [kind(a) for a in answers] == ["request_headers", "request_body", "request_trailers"]
+    assert streamed(answers[1]) == (CHAT, False)
+
+
+def test_full_duplex_header_routed_request_answers_at_once_then_echoes_chunks() -> None:
+    ex = exchange()  # ring strategy + model header: the body is not needed to route
+    answers = decode(ex.handle(first(chat_headers(**{"x-llmgw-model": "m1"}))))
+    assert [kind(a) for a in answers] == ["request_headers"]
+    echoed = decode(ex.handle(body(CHAT, end=True)))
+    assert [streamed(a) for a in echoed] == [(CHAT, True)]
+
+
+def test_full_duplex_body_past_the_limit_is_413_before_it_ends() -> None:
+    ex = exchange()
+    limit = ex.lifecycle.config.limits.max_body_bytes
+    ex.handle(first(chat_headers()))
+    answers = decode(ex.handle(body(b"x" * (limit + 1))))
+    assert [kind(a) for a in answers] == ["immediate_response"]
+    reply = answers[0].immediate_response
+    assert reply is not None and reply.status is not None and reply.status.code == 413
+    assert orjson.loads(reply.body)["error"]["code"] == "body_too_large"
+
+
+def test_full_duplex_bad_json_is_a_400_local_reply() -> None:
+    ex = exchange()
+    ex.handle(first(chat_headers()))
+    (reply,) = decode(ex.handle(body(b"{nope", end=True)))
+    assert reply.immediate_response is not None
+    assert reply.immediate_response.status.code == 400  # type: ignore[union-attr]
+
+
+def test_response_chunks_pass_through_and_the_first_marks_the_first_token() -> None:
+    ex = exchange()
+    ex.handle(first(chat_headers()))
+    ex.handle(body(CHAT, end=True))
+    lease = ex.lifecycle.lease
+    assert lease is not None
+    (head,) = decode(ex.handle(response_headers(200)))
+    assert kind(head) == "response_headers"
+    assert not lease.first_token_seen  # vLLM sends its headers before the first token
+    (chunk,) = decode(ex.handle(body(b"data: 1\n\n", response=True)))
+    assert streamed(chunk, "response_body") == (b"data: 1\n\n", False)
+    assert lease.first_token_seen
+    (last,) = decode(ex.handle(body(b"data: [DONE]\n\n", True, response=True)))
+    assert streamed(last, "response_body") == (b"data: [DONE]\n\n", True)
+    assert lease.done
+
+
+# -- outcomes ------------------------------------------------------------------------------
+def _outcomes(events: list[Outcome]) -> Hooks:
+    return Hooks(outcome=lambda _m, _e, o: events.append(o))
+
+
+def test_a_stream_cut_after_a_200_head_is_cancelled_not_success() -> None:
+    events: list[Outcome] = []
+    ex = exchange(hooks=_outcomes(events))
+    ex.handle(first(chat_headers()))
+    ex.handle(body(CHAT, end=True))
+    ex.handle(response_headers(200))
+    ex.handle(body(b"data: 1\n\n", response=True))
+    ex.close()  # the client went away: Envoy ends the ext_proc stream mid-body
+    assert events == [Outcome.CANCELLED]
+
+
+def test_a_response_that_ends_is_success() -> None:
+    events: list[Outcome] = []
+    ex = exchange(hooks=_outcomes(events))
+    ex.handle(first(chat_headers()))
+    ex.handle(body(CHAT, end=True))
+    ex.handle(response_headers(200))
+    ex.handle(body(b"{}", True, response=True))
+    ex.close()
+    assert events == [Outcome.SUCCESS]
+
+
+def test_without_response_bodies_the_status_decides() -> None:
+    events: list[Outcome] = []
+    ex = exchange(hooks=_outcomes(events))
+    ex.handle(first(chat_headers(), request_mode=FULL_DUPLEX, response_mode=ProcessingMode.NONE))
+    ex.handle(body(CHAT, end=True))
+    ex.handle(response_headers(200))
+    ex.close()  # Envoy closes right after the headers: nothing more is sent
+    assert events == [Outcome.SUCCESS]
+
+
+# -- BUFFERED and NONE ---------------------------------------------------------------------
+def test_buffered_mode_continues_the_headers_then_routes_on_the_whole_body() -> None:
+    ex = exchange()
+    mode = ProcessingMode.BUFFERED
+    (head,) = decode(ex.handle(first(chat_headers(), request_mode=mode, response_mode=0)))
+    assert kind(head) == "request_headers" and not head.mode_override
+    (routed,) = decode(ex.handle(body(CHAT, end=True)))
+    assert kind(routed) == "request_body"
+    common = routed.request_body.response  # type: ignore[union-attr]
+    assert common is not None and common.clear_route_cache
+    assert routed.dynamic_metadata is not None
+
+
+def test_buffered_partial_cut_body_is_413() -> None:
+    ex = exchange()
+    mode = ProcessingMode.BUFFERED_PARTIAL
+    ex.handle(first(chat_headers(), request_mode=mode, response_mode=0))
+    (reply,) = decode(ex.handle(body(CHAT[:20], end=False)))
+    assert reply.immediate_response is not None
+    assert reply.immediate_response.status.code == 413  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("response_mode", [ProcessingMode.NONE, ProcessingMode.BUFFERED])
+def test_none_mode_asks_for_a_buffered_body_keeping_the_response_mode(
+    response_mode: int,
+) -> None:
+    ex = exchange()
+    (head,) = decode(ex.handle(first(chat_headers(), request_mode=0, response_mode=response_mode)))
+    override = head.mode_override
+    assert override is not None
+    assert int(override.request_body_mode) == ProcessingMode.BUFFERED
+    assert int(override.response_body_mode) == response_mode
+
+
+# -- destination, subset hint, served endpoint ---------------------------------------------
+@pytest.mark.parametrize("fallbacks", [True, False])
+def test_header_and_metadata_carry_the_same_destination(fallbacks: bool) -> None:
+    ex = exchange(fallbacks)
+    (answer,) = decode(ex.handle(first(chat_headers(**{"x-llmgw-model": "m1"}))))
+    header, metadata = destination(answer)
+    assert header == metadata
+    assert len(header.split(",")) == (3 if fallbacks else 1)
+
+
+SUBSET = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+
+
+@pytest.mark.parametrize("hint", [["127.0.0.1:9102"], "127.0.0.1:9102"])
+def test_subset_hint_limits_the_pick(hint: object) -> None:
+    for i in range(10):
+        ex = exchange()
+        headers = chat_headers(**{"x-llmgw-model": "m1", "x-request-id": f"r{i}"})
+        (answer,) = decode(ex.handle(first(headers, metadata={SUBSET: {SUBSET_KEY: hint}})))
+        assert destination(answer) == ("127.0.0.1:9102", "127.0.0.1:9102")
+
+
+@pytest.mark.parametrize("hint", [[], ["10.0.0.1:80"]])
+def test_subset_hint_with_no_eligible_endpoint_is_503(hint: list[str]) -> None:
+    ex = exchange()
+    headers = chat_headers(**{"x-llmgw-model": "m1"})
+    (reply,) = decode(ex.handle(first(headers, metadata={SUBSET: {SUBSET_KEY: hint}})))
+    assert reply.immediate_response is not None
+    assert reply.immediate_response.status.code == 503  # type: ignore[union-attr]
+    assert "subset hint" in orjson.loads(reply.immediate_response.body)["error"]["message"]
+
+
+def test_served_endpoint_metadata_charges_the_host_that_served() -> None:
+    events: list[tuple[str, Outcome]] = []
+    ex = exchange(hooks=Hooks(outcome=lambda _m, e, o: events.append((e, o))))
+    (answer,) = decode(ex.handle(first(chat_headers(**{"x-llmgw-model": "m1"}))))
+    primary, fallback, _ = destination(answer)[0].split(",")
+    head = response_headers(200)
+    served = Struct()
+    served.update({"x-gateway-destination-endpoint-served": fallback})
+    head.metadata_context.CopyFrom(Metadata(filter_metadata={"envoy.lb": served}))
+    ex.handle(head)
+    ex.handle(body(b"{}", True, response=True))
+    assert events == [(primary, Outcome.FAILURE), (fallback, Outcome.SUCCESS)]
+
+
+# -- local answers -------------------------------------------------------------------------
+def test_get_models_is_answered_locally_without_routing() -> None:
+    scheduler = Scheduler(make_config())
+    ex = Exchange(
+        Gateway(scheduler),
+        local=lambda path: (200, b'{"object":"list"}') if path == "/v1/models" else None,
+    )
+    headers = {":method": "GET", ":path": "/v1/models?x=1"}
+    (reply,) = decode(ex.handle(first(headers, end_of_stream=True)))
+    assert reply.immediate_response is not None
+    assert reply.immediate_response.status.code == 200  # type: ignore[union-attr]
+    assert reply.immediate_response.body == b'{"object":"list"}'
+    assert ex.lifecycle.lease is None
+
+
+# -- GIE conformance-test headers ----------------------------------------------------------
+def _conformance_exchange(enabled: bool) -> Exchange:
+    config = load_dict(
+        {
+            "models": {
+                "m1": {
+                    "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"],
+                    "strategy": "ring",
+                }
+            },
+            "conformance_headers": enabled,
+            "destination_fallbacks": True,
+        }
+    )
+    return Exchange(Gateway(Scheduler(config)))
+
+
+def test_conformance_selection_header_picks_among_the_listed_ips_when_enabled() -> None:
+    seen: set[str] = set()
+    for i in range(12):
+        ex = _conformance_exchange(True)
+        headers = chat_headers(
+            **{"x-llmgw-model": "m1", "x-request-id": f"r{i}"},
+            **{"test-epp-endpoint-selection": "10.0.0.2,10.0.0.3"},
+        )
+        (answer,) = decode(ex.handle(first(headers)))
+        header, _ = destination(answer)
+        assert set(header.split(",")) <= {"10.0.0.2:8000", "10.0.0.3:8000"}
+        seen.add(header.split(",")[0])
+        (head,) = decode(ex.handle(response_headers(200)))
+        mutation = head.response_headers.response.header_mutation  # type: ignore[union-attr]
+        served = {h.header.key: h.header.raw_value for h in mutation.set_headers if h.header}  # type: ignore[union-attr]
+        assert served["x-conformance-test-served-endpoint"] == header.split(",")[0].encode()
+    assert seen == {"10.0.0.2:8000", "10.0.0.3:8000"}
+
+
+def test_conformance_headers_are_ignored_by_default() -> None:
+    primaries = set()
+    for i in range(20):
+        ex = _conformance_exchange(False)
+        headers = chat_headers(
+            **{"x-llmgw-model": "m1", "x-request-id": f"r{i}"},
+            **{"test-epp-endpoint-selection": "10.0.0.2"},
+        )
+        (answer,) = decode(ex.handle(first(headers)))
+        primaries.add(destination(answer)[0].split(",")[0])
+        (head,) = decode(ex.handle(response_headers(200)))
+        assert b"x-conformance-test-served-endpoint" not in bytes(head)
+    assert len(primaries) == 3
+
+
+def test_after_a_local_reply_nothing_more_is_sent() -> None:
+    ex = exchange()
+    limit = ex.lifecycle.config.limits.max_body_bytes
+    ex.handle(first(chat_headers()))
+    (reply,) = decode(ex.handle(body(b"x" * (limit + 1))))
+    assert reply.immediate_response is not None
+    # Envoy may still deliver chunks it had in flight: answering them would be spurious.
+    assert decode(ex.handle(body(b"more", end=True))) == []
+
+
+def test_an_override_drops_a_full_duplex_response_mode_it_cannot_keep() -> None:
+    events: list[Outcome] = []
+    ex = exchange(hooks=_outcomes(events))
+    (head,) = decode(ex.handle(first(chat_headers(), request_mode=0, response_mode=FULL_DUPLEX)))
+    assert head.mode_override is not None
+    assert int(head.mode_override.response_body_mode) == ProcessingMode.NONE
+    ex.handle(body(CHAT, end=True))
+    ex.handle(response_headers(200))
+    ex.close()  # no response bodies will come: the status decides, not "cut"
+    assert events == [Outcome.SUCCESS]
