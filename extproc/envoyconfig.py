@@ -41,6 +41,7 @@ import yaml
 
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
+from llmgw.extproc import envoylimits
 from llmgw.lifecycle import DESTINATION_HEADER, METADATA_NAMESPACE, UPSTREAM_HEADER
 
 SHAPES = ("original-dst", "override-host")
@@ -153,6 +154,8 @@ def build(
     retries: int | None = None,
     connect_timeout: float = 1.0,
     read_timeout: float | None = None,
+    extproc_tls: bool = False,
+    extproc_ca: str | None = None,
 ) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
     if shape not in SHAPES:
@@ -179,15 +182,26 @@ def build(
         routes, clusters = _original_dst_shape(addresses, timing)
     else:
         routes, clusters = _override_host_shape(addresses, timing, retries)
+    for cluster in clusters:  # the model-server clusters, both shapes
+        cluster["circuit_breakers"] = envoylimits.circuit_breakers(len(addresses))
+        cluster["outlier_detection"] = envoylimits.outlier_detection()
     extproc_cluster = _static_cluster(
         EXTPROC_CLUSTER, [extproc_address], http2=True, connect_timeout=timing.connect
     )
+    if extproc_tls or extproc_ca:
+        extproc_cluster["transport_socket"] = envoylimits.upstream_tls(ca_file=extproc_ca)
+    max_body = config.limits.max_body_bytes
     listener = _listener(
         _socket(listen_host, listen_port),
         routes,
-        _ext_proc_filter(fail_open=fail_open, message_timeout=message_timeout),
+        _ext_proc_filter(
+            fail_open=fail_open,
+            message_timeout=message_timeout,
+            max_message=max_body + envoylimits.GRPC_MESSAGE_MARGIN,
+        ),
         # Room for the largest body llmgw accepts (it answers 413 beyond it).
-        buffer_limit=config.limits.max_body_bytes + (64 << 10),
+        buffer_limit=max_body + (64 << 10),
+        max_body=max_body,
     )
     return {
         "admin": {"address": _socket(admin_host, admin_port)},
@@ -252,10 +266,6 @@ def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, 
     return routes, clusters
 
 
-# Envoy's default max_requests per cluster: as many retries may run as requests.
-_MAX_CONCURRENT_RETRIES = 1024
-
-
 def _override_host_shape(
     addresses: list[str], timing: _Timing, retries: int
 ) -> tuple[Routes, Clusters]:
@@ -270,22 +280,22 @@ def _override_host_shape(
         }
     pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=timing.connect)
     pool["load_balancing_policy"] = _override_host_policy()
-    if retries > 0:
-        # Envoy allows 3 concurrent retries per cluster by default: with a replica failing
-        # under load the excess passes its 5xx straight to the client instead of trying a
-        # fallback. Each request's retries are bounded by `num_retries`; let every one retry.
-        pool["circuit_breakers"] = {
-            "thresholds": [{"priority": "DEFAULT", "max_retries": _MAX_CONCURRENT_RETRIES}]
-        }
     return [{"match": {"prefix": "/"}, "route": route}], [pool]
 
 
-def _ext_proc_filter(*, fail_open: bool, message_timeout: float) -> dict[str, Any]:
+def _ext_proc_filter(
+    *, fail_open: bool, message_timeout: float, max_message: int
+) -> dict[str, Any]:
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+            "grpc_service": {
+                "envoy_grpc": {
+                    "cluster_name": EXTPROC_CLUSTER,
+                    "max_receive_message_length": max_message,  # as llmgw's own limit
+                }
+            },
             "failure_mode_allow": fail_open,
             "allow_mode_override": True,
             "message_timeout": f"{message_timeout:g}s",
@@ -303,7 +313,12 @@ def _ext_proc_filter(*, fail_open: bool, message_timeout: float) -> dict[str, An
 
 
 def _listener(
-    address: dict[str, Any], routes: Routes, ext_proc: dict[str, Any], *, buffer_limit: int
+    address: dict[str, Any],
+    routes: Routes,
+    ext_proc: dict[str, Any],
+    *,
+    buffer_limit: int,
+    max_body: int,
 ) -> dict[str, Any]:
     """The HTTP listener: client copies of the destination header stripped first, ext_proc,
     then the router; responses say which host answered (for the outcome after retries)."""
@@ -325,6 +340,9 @@ def _listener(
         "stat_prefix": "llm",
         "codec_type": "AUTO",
         "early_header_mutation_extensions": [strip_destination],
+        "max_request_headers_kb": envoylimits.CODEC_MAX_HEADERS_KB,
+        "common_http_protocol_options": {"max_headers_count": envoylimits.CODEC_MAX_HEADERS},
+        "local_reply_config": envoylimits.local_reply_config(max_body),
         "route_config": {
             "name": "llm",
             "virtual_hosts": [
@@ -341,7 +359,13 @@ def _listener(
                 }
             ],
         },
-        "http_filters": [ext_proc, router],
+        # The header and body limits first: an oversized request never reaches ext_proc.
+        "http_filters": [
+            envoylimits.header_limit_filter(),
+            envoylimits.body_limit_filter(max_body),
+            ext_proc,
+            router,
+        ],
     }
     return {
         "name": "llm",

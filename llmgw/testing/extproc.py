@@ -210,7 +210,12 @@ class ExtProcThread:
 
 class StackFactory(Protocol):
     def __call__(
-        self, shape: str = "original-dst", *, fail_open: bool = False, config: Config | None = None
+        self,
+        shape: str = "original-dst",
+        *,
+        fail_open: bool = False,
+        config: Config | None = None,
+        tls: bool = False,
     ) -> Stack: ...
 
 

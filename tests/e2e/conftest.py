@@ -7,8 +7,8 @@ Fixtures:
 - `sim_fleet` (module): 4 simulated vLLM replicas serving `m1`, fast and deterministic.
 - `llmgw_config(fleet, **top_level)`: an llmgw Config for a fleet (debug headers on,
   quick breaker), top-level fields overridable.
-- `stack(shape="original-dst", fail_open=False, config=None)`: ext_proc + Envoy in
-  front of `sim_fleet`; everything started by it is stopped at the end of the test.
+- `stack(shape="original-dst", fail_open=False, config=None, tls=False)`: ext_proc + Envoy
+  in front of `sim_fleet` (tls: a self-signed ext_proc port and Envoy's TLS socket to it); everything started by it is stopped at the end of the test.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 
 from llmgw.config import Config
 from llmgw.extproc.envoyconfig import build
+from llmgw.extproc.tls import ServerTls
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import (
     EnvoyProcess,
@@ -61,10 +62,14 @@ def stack(sim_fleet: ThreadedFleet, envoy_path: str) -> Iterator[StackFactory]:
     started: list[Stack] = []
 
     def start(
-        shape: str = "original-dst", *, fail_open: bool = False, config: Config | None = None
+        shape: str = "original-dst",
+        *,
+        fail_open: bool = False,
+        config: Config | None = None,
+        tls: bool = False,
     ) -> Stack:
         cfg = config or fleet_config(sim_fleet)
-        extproc = ExtProcThread(cfg)
+        extproc = ExtProcThread(cfg, tls=ServerTls.self_signed_pair() if tls else None)
         try:
             envoy = EnvoyProcess(
                 build(
@@ -77,6 +82,7 @@ def stack(sim_fleet: ThreadedFleet, envoy_path: str) -> Iterator[StackFactory]:
                     fail_open=fail_open,
                     message_timeout=5.0,
                     connect_timeout=0.5,
+                    extproc_tls=tls,
                 )
             )
         except BaseException:
