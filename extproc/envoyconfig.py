@@ -23,7 +23,8 @@ for the body per request with `mode_override`, so GETs and header-routed request
 buffer), accepts dynamic metadata in `envoy.lb`, and Envoy adds `x-llmgw-upstream`
 (the host that answered) to responses so outcomes are charged to the right replica.
 Clients cannot choose a host: `x-gateway-destination-endpoint` is stripped on arrival,
-before any filter runs.
+before any filter runs. Limits, breakers and the TLS socket to ext_proc (the command's
+default, like `llmgw extproc`'s; `build()` defaults to plaintext): extproc/envoylimits.py.
 
 The output is plain YAML built from dicts; the tests run `envoy --mode validate` on it.
 """
@@ -415,6 +416,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--route-timeout", type=float, default=600.0, help="0 disables")
     parser.add_argument("--retries", type=int, help="override-host retries (default: fallbacks)")
+    tls = parser.add_mutually_exclusive_group()
+    tls.add_argument(
+        "--extproc-plaintext",
+        action="store_true",
+        help="talk to ext_proc without TLS (pair with `llmgw extproc --plaintext`); "
+        "default: TLS without verification, as llmgw's self-signed default",
+    )
+    tls.add_argument("--extproc-ca", help="PEM CA file to verify the ext_proc certificate with")
     parser.add_argument("--out", help="write here instead of stdout")
     return parser
 
@@ -438,6 +447,8 @@ def main(argv: list[str]) -> int:
                 message_timeout=args.message_timeout,
                 route_timeout=args.route_timeout,
                 retries=args.retries,
+                extproc_tls=not args.extproc_plaintext,
+                extproc_ca=args.extproc_ca,
             ),
             Path(args.config).name,
         )

@@ -1,7 +1,7 @@
 """The hardening pieces of the generated Envoy config (both shapes): Envoy's defaults that bite.
 
 - Circuit breakers sized to the fleet: Envoy allows 1,024 requests and 3 concurrent retries
-  per cluster by default; LLM streams are long, so a fleet of 16 replicas × 256 sequences
+  per cluster by default; LLM streams are long, so a fleet of 16 replicas x 256 sequences
   would see 503 overflows, and 3 retries let a failing replica's 5xx through under load.
   A retry budget of 100 % of active requests never overflows (each request retries one try
   at a time), with a floor of one per endpoint.
