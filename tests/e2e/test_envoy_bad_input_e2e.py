@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -49,10 +50,9 @@ def _raw_status(stack: Stack, head: bytes, body: bytes) -> tuple[int, bytes, flo
         sock.sendall(head)
 
         def send_body() -> None:
-            try:
+            # Envoy may answer and close before the whole body is sent (413): expected.
+            with contextlib.suppress(OSError):
                 sock.sendall(body)
-            except OSError:
-                pass  # Envoy answered and closed before the whole body: expected for 413
 
         writer = threading.Thread(target=send_body, daemon=True)
         writer.start()
