@@ -129,7 +129,16 @@ def test_bad_input_gets_a_clear_status_and_json_error_at_once(
     assert httpx.post(s.url + CHAT, content=chat_body(100), timeout=10).status_code == 200
 
 
-def test_client_abort_mid_body_leaves_nothing_in_flight(stack: StackFactory) -> None:
+def _decisions(stack: Stack) -> float:
+    text = stack.extproc.server.telemetry.render()[0].decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llmgw_decisions_total{")
+    )
+
+
+def test_client_abort_mid_body_never_reaches_ext_proc(stack: StackFactory) -> None:
     s = stack("override-host")
     port = int(s.url.rsplit(":", 1)[1])
     body = chat_body(200_000)
@@ -138,4 +147,6 @@ def test_client_abort_mid_body_leaves_nothing_in_flight(stack: StackFactory) -> 
         sock.sendall(body[: len(body) // 2])  # then hang up with half the body sent
     r = httpx.post(s.url + CHAT, content=chat_body(100), timeout=10)
     assert r.status_code == 200
+    # The buffer filter held the aborted request: only the good one was decided.
+    assert _decisions(s) == 1
     wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "inflight 0 after abort")
