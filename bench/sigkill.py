@@ -33,10 +33,13 @@ from typing import Any
 
 import httpx
 
-from llmgw.config import load_dict
-from llmgw.extproc.envoyconfig import build
-from llmgw.sim.fleet import SimProcess, spawn
-from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port, wait_for
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's llmgw, whatever is installed
+
+from llmgw.config import load_dict  # noqa: E402
+from llmgw.extproc.envoyconfig import build  # noqa: E402
+from llmgw.sim.fleet import SimProcess, spawn  # noqa: E402
+from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port, wait_for  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "sigkill.json"
 VICTIM = 1
