@@ -49,6 +49,15 @@ class LiveHealth(health_aio.HealthServicer):  # type: ignore[misc]  # untyped li
             )
         return health_pb2.HealthCheckResponse(status=_status(serving))
 
+    async def List(self, request: health_pb2.HealthListRequest, context: Any) -> Any:
+        """Every known service's current status (the library leaves List unimplemented)."""
+        return health_pb2.HealthListResponse(
+            statuses={
+                service: health_pb2.HealthCheckResponse(status=_status(self._probe(service)))
+                for service in self.services
+            }
+        )
+
     async def refresh(self) -> None:
         """Push the current status of every known service to Watch streams."""
         for service in self.services:

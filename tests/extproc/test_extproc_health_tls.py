@@ -59,6 +59,21 @@ async def test_health_port_answers_gie_service_names(server: ExtProcServer) -> N
     assert "liveness" in (info.value.details() or "")  # says which names exist
 
 
+async def test_list_reports_every_name(server: ExtProcServer) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['grpc_health']}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        server.begin_drain()
+        answer = await stub.List(health_pb2.HealthListRequest(), timeout=5)
+    statuses = {name: status.status for name, status in answer.statuses.items()}
+    assert statuses == {
+        "liveness": SERVING,
+        "readiness": NOT_SERVING,
+        "inference-extension": NOT_SERVING,
+        "": NOT_SERVING,
+        EXT_PROC: NOT_SERVING,
+    }
+
+
 async def test_draining_fails_readiness_names_but_not_liveness(server: ExtProcServer) -> None:
     port = server.ports["grpc_health"]
     server.begin_drain()
