@@ -6,15 +6,29 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmgw.extproc.envoyconfig import main as envoyconfig_main
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import Stack, StackFactory, fleet_config, wait_for
+from llmgw.testing.extproc import (
+    EnvoyProcess,
+    Stack,
+    StackFactory,
+    fleet_config,
+    free_port,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -39,6 +53,40 @@ def test_chat_through_envoy_with_and_without_tls_to_ext_proc(
     picked = r.headers["x-llmgw-decision"].split()[0].removeprefix("endpoint=")  # llmgw chose
     assert s.replica_index[picked] == int(r.headers["x-sim-replica"])
     assert (s.extproc.server.tls is not None) is tls
+
+
+def test_the_commands_defaults_talk_tls_and_answer_gie_health_names(
+    sim_fleet: ThreadedFleet, envoy_path: str, tmp_path: Path
+) -> None:
+    """`llmgw extproc` (self-signed TLS by default) behind `llmgw envoy-config` (TLS by
+    default), as the README runs them; GIE's probe names on the gRPC health port."""
+    config = tmp_path / "llmgw.yaml"
+    endpoints = [f"127.0.0.1:{p}" for p in sim_fleet.ports]
+    config.write_text(yaml.safe_dump({"models": {"m1": {"endpoints": endpoints}}}))
+    ready, grpc_port = tmp_path / "ready.json", free_port()
+    command = [sys.executable, "-m", "llmgw.cli", "extproc", "--config", str(config)]
+    command += ["--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-health-port", "0"]
+    command += ["--health-port", "0", "--metrics-port", "0", "--ready-file", str(ready)]
+    command += ["--log-level", "warning"]
+    process = subprocess.Popen(command)
+    try:
+        wait_for(ready.exists, 20, "llmgw extproc ready")
+        ports = json.loads(ready.read_text())
+        envoy_yaml, listen, admin = tmp_path / "envoy.yaml", free_port(), free_port()
+        argv = ["--config", str(config), "--shape", "override-host", "--out", str(envoy_yaml)]
+        argv += ["--listen", f"127.0.0.1:{listen}", "--admin", f"127.0.0.1:{admin}"]
+        assert envoyconfig_main([*argv, "--extproc", f"127.0.0.1:{grpc_port}"]) == 0
+        with EnvoyProcess(yaml.safe_load(envoy_yaml.read_text())) as envoy:
+            r = httpx.post(envoy.url + CHAT, content=chat_body(100), timeout=10)
+            assert r.status_code == 200, r.text
+        with grpc.insecure_channel(f"127.0.0.1:{ports['grpc_health']}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("liveness", "readiness", "inference-extension"):
+                answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+    finally:
+        process.terminate()
+        process.wait(15)
 
 
 def _raw_status(stack: Stack, head: bytes, body: bytes) -> tuple[int, bytes, float]:
