@@ -32,6 +32,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
+from llmgw.extproc.envoylimits import GRPC_MESSAGE_MARGIN
 from llmgw.extproc.grpchealth import (
     PROCESS_SERVICE,
     LiveHealth,
@@ -179,7 +180,8 @@ class ExtProcServer:
         return dict(self._ports)
 
     async def start(self) -> None:
-        max_message = self.config.limits.max_body_bytes + (1 << 20)
+        # The same bound Envoy's side gets in the generated config (envoylimits).
+        max_message = self.config.limits.max_body_bytes + GRPC_MESSAGE_MARGIN
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", max_message),
