@@ -19,10 +19,13 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from llmgw.extproc.envoyconfig import build
 from llmgw.extproc.envoyconfig import main as envoyconfig_main
+from llmgw.extproc.tls import ServerTls
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import (
     EnvoyProcess,
+    ExtProcThread,
     Stack,
     StackFactory,
     fleet_config,
@@ -53,6 +56,33 @@ def test_chat_through_envoy_with_and_without_tls_to_ext_proc(
     picked = r.headers["x-llmgw-decision"].split()[0].removeprefix("endpoint=")  # llmgw chose
     assert s.replica_index[picked] == int(r.headers["x-sim-replica"])
     assert (s.extproc.server.tls is not None) is tls
+
+
+def test_envoy_verifies_the_ext_proc_certificate_with_extproc_ca(
+    sim_fleet: ThreadedFleet, envoy_path: str, tmp_path: Path
+) -> None:
+    """`--extproc-ca`: the right CA routes; another CA fails closed (5xx), never plaintext."""
+    pair, stranger = ServerTls.self_signed_pair(), ServerTls.self_signed_pair()
+    (tmp_path / "ca.pem").write_bytes(pair.cert_pem)
+    (tmp_path / "other.pem").write_bytes(stranger.cert_pem)
+    config = fleet_config(sim_fleet)
+    extproc = ExtProcThread(config, tls=pair)
+    try:
+        for ca, expected in (("ca.pem", 200), ("other.pem", 500)):
+            bootstrap = build(
+                config,
+                shape="original-dst",
+                listen_host="127.0.0.1",
+                listen_port=free_port(),
+                admin_port=free_port(),
+                extproc_address=extproc.address,
+                extproc_ca=str(tmp_path / ca),
+            )
+            with EnvoyProcess(bootstrap) as envoy:
+                r = httpx.post(envoy.url + CHAT, content=chat_body(100), timeout=10)
+                assert r.status_code == expected, (ca, r.status_code, r.text)
+    finally:
+        extproc.stop()
 
 
 def test_the_commands_defaults_talk_tls_and_answer_gie_health_names(
