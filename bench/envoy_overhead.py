@@ -246,8 +246,9 @@ def run_scenario(
         config_file.write_text(json.dumps(config.model_dump(mode="json")))
         command = [
             sys.executable, "-m", "llmgw.cli", "extproc", "--config", str(config_file),
-            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port",
-            str(free_port()), "--metrics-port", str(free_port()), "--log-level", "warning",
+            "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--plaintext",
+            "--grpc-health-port", "0", "--health-port", str(free_port()),
+            "--metrics-port", str(free_port()), "--log-level", "warning",
             "--workers", str(workers), "--loop", loop,
         ]  # fmt: skip
         process = subprocess.Popen(command, cwd=ROOT, env=_ENV)

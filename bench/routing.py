@@ -228,7 +228,8 @@ def start_contender(
             return
         grpc, health, metrics, admin = free_port(), free_port(), free_port(), free_port()
         extproc = [python, "-m", "llmgw.cli", "extproc", "--config", str(config)]
-        extproc += ["--host", "127.0.0.1", "--grpc-port", str(grpc), "--health-port"]
+        extproc += ["--host", "127.0.0.1", "--grpc-port", str(grpc), "--grpc-health-port", "0"]
+        extproc += ["--health-port"]
         extproc += [str(health), "--metrics-port", str(metrics), "--log-level", "warning"]
         envoy_yaml = scratch / "envoy.yaml"
         subprocess.run(

@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port = free_port()
         extproc = subprocess.Popen(
             [sys.executable, "-m", "llmgw.cli", "extproc", "--config", str(config_path),
-             "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--health-port", "0",
+             "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--plaintext",
+             "--grpc-health-port", "0", "--health-port", "0",
              "--metrics-port", "0", "--ready-file", str(ready), "--log-level", "warning"],
             stderr=(Path(tmp) / "extproc.log").open("wb"),
         )  # fmt: skip

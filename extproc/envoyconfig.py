@@ -24,7 +24,8 @@ header-routed requests never buffer); `gie` copies GIE's reference processing mo
 (FULL_DUPLEX_STREAMED bodies, trailers sent). It accepts dynamic metadata in `envoy.lb`, and Envoy adds `x-llmgw-upstream`
 (the host that answered) to responses so outcomes are charged to the right replica.
 Clients cannot choose a host: `x-gateway-destination-endpoint` is stripped on arrival,
-before any filter runs.
+before any filter runs. Limits, breakers and the TLS socket to ext_proc (the command's
+default, like `llmgw extproc`'s; `build()` defaults to plaintext): extproc/envoylimits.py.
 
 The output is plain YAML built from dicts; the tests run `envoy --mode validate` on it.
 """
@@ -42,6 +43,7 @@ import yaml
 
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
+from llmgw.extproc import envoylimits
 from llmgw.lifecycle import (
     DESTINATION_HEADER,
     METADATA_NAMESPACE,
@@ -160,6 +162,8 @@ def build(
     connect_timeout: float = 1.0,
     read_timeout: float | None = None,
     body_mode: str = "override",
+    extproc_tls: bool = False,
+    extproc_ca: str | None = None,
 ) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
     if shape not in SHAPES:
@@ -188,15 +192,27 @@ def build(
         routes, clusters = _original_dst_shape(addresses, timing)
     else:
         routes, clusters = _override_host_shape(addresses, timing, retries)
+    for cluster in clusters:  # the model-server clusters, both shapes
+        cluster["circuit_breakers"] = envoylimits.circuit_breakers(len(addresses))
+        cluster["outlier_detection"] = envoylimits.outlier_detection()
     extproc_cluster = _static_cluster(
         EXTPROC_CLUSTER, [extproc_address], http2=True, connect_timeout=timing.connect
     )
+    if extproc_tls or extproc_ca:
+        extproc_cluster["transport_socket"] = envoylimits.upstream_tls(ca_file=extproc_ca)
+    max_body = config.limits.max_body_bytes
     listener = _listener(
         _socket(listen_host, listen_port),
         routes,
-        _ext_proc_filter(fail_open=fail_open, message_timeout=message_timeout, body_mode=body_mode),
+        _ext_proc_filter(
+            fail_open=fail_open,
+            message_timeout=message_timeout,
+            max_message=max_body + envoylimits.GRPC_MESSAGE_MARGIN,
+            body_mode=body_mode,
+        ),
         # Room for the largest body llmgw accepts (it answers 413 beyond it).
-        buffer_limit=config.limits.max_body_bytes + (64 << 10),
+        buffer_limit=max_body + (64 << 10),
+        max_body=max_body,
     )
     return {
         "admin": {"address": _socket(admin_host, admin_port)},
@@ -261,10 +277,6 @@ def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, 
     return routes, clusters
 
 
-# Envoy's default max_requests per cluster: as many retries may run as requests.
-_MAX_CONCURRENT_RETRIES = 1024
-
-
 def _override_host_shape(
     addresses: list[str], timing: _Timing, retries: int
 ) -> tuple[Routes, Clusters]:
@@ -279,13 +291,6 @@ def _override_host_shape(
         }
     pool = _static_cluster(POOL_CLUSTER, addresses, connect_timeout=timing.connect)
     pool["load_balancing_policy"] = _override_host_policy()
-    if retries > 0:
-        # Envoy allows 3 concurrent retries per cluster by default: with a replica failing
-        # under load the excess passes its 5xx straight to the client instead of trying a
-        # fallback. Each request's retries are bounded by `num_retries`; let every one retry.
-        pool["circuit_breakers"] = {
-            "thresholds": [{"priority": "DEFAULT", "max_retries": _MAX_CONCURRENT_RETRIES}]
-        }
     return [{"match": {"prefix": "/"}, "route": route}], [pool]
 
 
@@ -316,14 +321,19 @@ BODY_MODES: dict[str, tuple[dict[str, str], bool]] = {
 
 
 def _ext_proc_filter(
-    *, fail_open: bool, message_timeout: float, body_mode: str = "override"
+    *, fail_open: bool, message_timeout: float, max_message: int, body_mode: str = "override"
 ) -> dict[str, Any]:
     processing_mode, allow_override = BODY_MODES[body_mode]
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": _T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}},
+            "grpc_service": {
+                "envoy_grpc": {
+                    "cluster_name": EXTPROC_CLUSTER,
+                    "max_receive_message_length": max_message,  # as llmgw's own limit
+                }
+            },
             "failure_mode_allow": fail_open,
             "allow_mode_override": allow_override,
             "message_timeout": f"{message_timeout:g}s",
@@ -339,7 +349,12 @@ def _ext_proc_filter(
 
 
 def _listener(
-    address: dict[str, Any], routes: Routes, ext_proc: dict[str, Any], *, buffer_limit: int
+    address: dict[str, Any],
+    routes: Routes,
+    ext_proc: dict[str, Any],
+    *,
+    buffer_limit: int,
+    max_body: int,
 ) -> dict[str, Any]:
     """The HTTP listener: client copies of the destination header stripped first, ext_proc,
     then the router; responses say which host answered (for the outcome after retries)."""
@@ -361,6 +376,9 @@ def _listener(
         "stat_prefix": "llm",
         "codec_type": "AUTO",
         "early_header_mutation_extensions": [strip_destination],
+        "max_request_headers_kb": envoylimits.CODEC_MAX_HEADERS_KB,
+        "common_http_protocol_options": {"max_headers_count": envoylimits.CODEC_MAX_HEADERS},
+        "local_reply_config": envoylimits.local_reply_config(max_body),
         "route_config": {
             "name": "llm",
             "virtual_hosts": [
@@ -377,7 +395,13 @@ def _listener(
                 }
             ],
         },
-        "http_filters": [ext_proc, router],
+        # The header and body limits first: an oversized request never reaches ext_proc.
+        "http_filters": [
+            envoylimits.header_limit_filter(),
+            envoylimits.body_limit_filter(max_body),
+            ext_proc,
+            router,
+        ],
     }
     return {
         "name": "llm",
@@ -434,6 +458,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="ext_proc processing mode: override (llmgw asks per request), gie "
         "(FULL_DUPLEX_STREAMED both ways, as GIE/kgateway/Istio), envoy-gateway, buffered",
     )
+    tls = parser.add_mutually_exclusive_group()
+    tls.add_argument(
+        "--extproc-plaintext",
+        action="store_true",
+        help="talk to ext_proc without TLS (pair with `llmgw extproc --plaintext`); "
+        "default: TLS without verification, as llmgw's self-signed default",
+    )
+    tls.add_argument("--extproc-ca", help="PEM CA file to verify the ext_proc certificate with")
     parser.add_argument("--out", help="write here instead of stdout")
     return parser
 
@@ -458,6 +490,8 @@ def main(argv: list[str]) -> int:
                 route_timeout=args.route_timeout,
                 retries=args.retries,
                 body_mode=args.body_mode,
+                extproc_tls=not args.extproc_plaintext,
+                extproc_ca=args.extproc_ca,
             ),
             Path(args.config).name,
         )

@@ -3,9 +3,12 @@
 Thin on purpose: each gRPC stream gets an `Exchange` (extproc/translate.py) that turns
 messages into answers; this module only reads, writes, and releases on stream end.
 
-Ports (defaults): gRPC 9002 (ext_proc + grpc.health.v1), HTTP 9003 (`/healthz`,
-`/readyz`), HTTP 9090 (`/metrics`). SIGTERM: readiness goes false, new streams are
-refused after `--drain-delay`, open ones get `--drain-timeout` seconds to finish.
+Ports (defaults, as GIE's endpoint picker): gRPC 9002 (ext_proc + grpc.health.v1, TLS with
+a self-signed certificate unless `--tls-cert/--tls-key` or `--plaintext`), gRPC 9003
+(grpc.health.v1 with GIE's service names, see extproc/grpchealth.py), HTTP 9004
+(`/healthz`, `/readyz`, `/models/status`), HTTP 9090 (`/metrics`). SIGTERM: readiness goes
+false, new streams are refused after `--drain-delay`, open ones get `--drain-timeout`
+seconds to finish.
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from llmgw.catalog import MODELS_PATH, model_entry, model_list
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError, LlmgwError
+from llmgw.extproc.envoylimits import GRPC_MESSAGE_MARGIN
+from llmgw.extproc.grpchealth import (
+    PROCESS_SERVICE,
+    LiveHealth,
+    add_to_server,
+    extproc_port_health,
+    probe_port_health,
+)
+from llmgw.extproc.tls import ServerTls
 from llmgw.extproc.translate import Exchange
 from llmgw.lifecycle import AwaitActivation
 from llmgw.logs import configure
@@ -41,22 +53,12 @@ from llmgw.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("llmgw.extproc")
 
-PROCESS_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-HEALTH_SERVICE = "grpc.health.v1.Health"
-# grpc.health.v1.HealthCheckResponse{status}: field 1, varint. Two bytes, no codegen needed.
-_SERVING = b"\x08\x01"
-_NOT_SERVING = b"\x08\x02"
+# Seconds between pushes of the health status to grpc.health.v1 Watch streams.
+HEALTH_REFRESH_INTERVAL = 1.0
 
 
 def _identity(data: bytes) -> bytes:
     return data
-
-
-def _health_service(request: bytes) -> str:
-    """grpc.health.v1.HealthCheckRequest{service = 1 (string)}; empty = the whole server."""
-    if len(request) >= 2 and request[0] == 0x0A and request[1] < 0x80:
-        return request[2 : 2 + request[1]].decode("utf-8", "replace")
-    return ""
 
 
 class ExtProcServer:
@@ -68,8 +70,10 @@ class ExtProcServer:
         *,
         host: str = "0.0.0.0",
         grpc_port: int = 9002,
-        health_port: int | None = 9003,
+        health_port: int | None = 9004,
         metrics_port: int | None = 9090,
+        grpc_health_port: int | None = None,
+        tls: ServerTls | None = None,
         scrape: bool = True,
         scheduler: Scheduler | None = None,
         telemetry: Telemetry | None = None,
@@ -84,11 +88,21 @@ class ExtProcServer:
         self.hooks = self.telemetry.hooks("extproc")
         self.draining = False
         self.open_streams = 0
-        self._ports = {"grpc": grpc_port, "health": health_port, "metrics": metrics_port}
+        self._ports = {
+            "grpc": grpc_port,
+            "grpc_health": grpc_health_port,
+            "health": health_port,
+            "metrics": metrics_port,
+        }
+        self.tls = tls
         self._reuse_port = reuse_port
         self._grpc: grpc.aio.Server | None = None
+        self._grpc_health: grpc.aio.Server | None = None
         self._runners: list[web.AppRunner] = []
         self._health_changed = asyncio.Event()
+        self._health_refresh: asyncio.Task[None] | None = None
+        self.extproc_health = extproc_port_health(draining=lambda: self.draining)
+        self.probe_health = probe_port_health(alive=lambda: True, ready=self._ready)
 
     @property
     def config(self) -> Config:
@@ -141,26 +155,18 @@ class ExtProcServer:
         return None
 
     # -- grpc.health.v1 ------------------------------------------------------------------
-    def _health_bytes(self, service: str) -> bytes:
-        known = service in ("", PROCESS_SERVICE)
-        return _SERVING if known and not self.draining else _NOT_SERVING
+    def _ready(self) -> bool:
+        return readiness(self.router, started=self._grpc is not None, draining=self.draining)[0]
 
-    async def _health_check(self, request: bytes, context: Any) -> bytes:
-        service = _health_service(request)
-        if service not in ("", PROCESS_SERVICE):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {service!r}")
-        return self._health_bytes(service)
-
-    async def _health_watch(self, request: bytes, context: Any) -> None:
-        service = _health_service(request)
-        last = b""
+    async def _refresh_health(self) -> None:
+        """Keep Watch streams current: on drain at once, else once a second."""
+        servicers: tuple[LiveHealth, ...] = (self.extproc_health, self.probe_health)
         while True:
-            current = self._health_bytes(service)
-            if current != last:
-                await context.write(current)
-                last = current
+            for servicer in servicers:
+                await servicer.refresh()
             self._health_changed.clear()
-            await self._health_changed.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._health_changed.wait(), HEALTH_REFRESH_INTERVAL)
 
     # -- HTTP ----------------------------------------------------------------------------
     async def _healthz(self, _request: web.Request) -> web.Response:
@@ -197,7 +203,8 @@ class ExtProcServer:
         return dict(self._ports)
 
     async def start(self) -> None:
-        max_message = self.config.limits.max_body_bytes + (1 << 20)
+        # The same bound Envoy's side gets in the generated config (envoylimits).
+        max_message = self.config.limits.max_body_bytes + GRPC_MESSAGE_MARGIN
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", max_message),
@@ -212,27 +219,22 @@ class ExtProcServer:
                 response_serializer=_identity,
             )
         }
-        health = {
-            "Check": grpc.unary_unary_rpc_method_handler(
-                self._health_check, request_deserializer=_identity, response_serializer=_identity
-            ),
-            "Watch": grpc.unary_stream_rpc_method_handler(
-                self._health_watch, request_deserializer=_identity, response_serializer=_identity
-            ),
-        }
         server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(PROCESS_SERVICE, handlers),
-                grpc.method_handlers_generic_handler(HEALTH_SERVICE, health),
-            )
+            (grpc.method_handlers_generic_handler(PROCESS_SERVICE, handlers),)
         )
-        bound = server.add_insecure_port(f"{self.host}:{self._ports['grpc']}")
-        if not bound:
-            raise OSError(f"cannot bind gRPC port {self.host}:{self._ports['grpc']}")
-        self._ports["grpc"] = bound
+        add_to_server(self.extproc_health, server)
+        self._ports["grpc"] = self._bind(server, self._ports["grpc"], tls=self.tls)
+        if self._ports["grpc_health"] is not None:
+            # A separate server like GIE's: probes keep answering while ext_proc is busy.
+            probes = grpc.aio.server()
+            add_to_server(self.probe_health, probes)
+            self._ports["grpc_health"] = self._bind(probes, self._ports["grpc_health"], tls=None)
+            await probes.start()
+            self._grpc_health = probes
         await self.router.start()
         await server.start()
         self._grpc = server
+        self._health_refresh = asyncio.create_task(self._refresh_health())
         if self._ports["health"] is not None:
             self._ports["health"] = await self._serve_http(
                 [
@@ -247,6 +249,16 @@ class ExtProcServer:
                 [web.get("/metrics", self._metrics)], self._ports["metrics"]
             )
         log.info("ext_proc listening", extra={"ports": self.ports})
+
+    def _bind(self, server: grpc.aio.Server, port: int | None, *, tls: ServerTls | None) -> int:
+        address = f"{self.host}:{port}"
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, tls.credentials())
+        if not bound:
+            raise OSError(f"cannot bind gRPC port {address}")
+        return int(bound)
 
     def reload(self, config: Config) -> None:
         """Route new streams with `config` (see `Router.reload`); raises ConfigError."""
@@ -263,6 +275,14 @@ class ExtProcServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
+        if self._health_refresh is not None:
+            self._health_refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_refresh
+            self._health_refresh = None
+        if self._grpc_health is not None:
+            await self._grpc_health.stop(0)
+            self._grpc_health = None
         await self.router.stop()
         for runner in self._runners:
             await runner.cleanup()
@@ -275,9 +295,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", required=True, help="llmgw config file (YAML)")
     parser.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
-    parser.add_argument("--grpc-port", type=int, default=9002)
-    parser.add_argument("--health-port", type=int, default=9003)
+    parser.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
+    parser.add_argument(
+        "--grpc-health-port",
+        type=int,
+        default=9003,
+        help="grpc.health.v1 port with GIE's service names (liveness, readiness, "
+        "inference-extension); default 9003 as GIE",
+    )
+    parser.add_argument(
+        "--health-port", type=int, default=9004, help="HTTP /healthz /readyz /models/status"
+    )
     parser.add_argument("--metrics-port", type=int, default=9090)
+    tls = parser.add_argument_group("TLS on the ext_proc port (default: self-signed, like GIE)")
+    tls.add_argument("--tls-cert", help="PEM certificate (chain) file; needs --tls-key")
+    tls.add_argument("--tls-key", help="PEM private key file; needs --tls-cert")
+    tls.add_argument("--plaintext", action="store_true", help="serve ext_proc without TLS (h2c)")
     parser.add_argument("--no-scrape", action="store_true", help="do not poll /metrics")
     parser.add_argument(
         "--debug-headers", action="store_true", help="add x-llmgw-decision (overrides config)"
@@ -312,14 +345,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def serve(args: argparse.Namespace, config: Config, worker: int = 0) -> None:
+def server_tls(args: argparse.Namespace) -> ServerTls | None:
+    """The TLS pair the flags ask for (None: plaintext); ConfigError on a bad file or flag mix."""
+    if args.plaintext:
+        if args.tls_cert or args.tls_key:
+            raise ConfigError(["--plaintext cannot be combined with --tls-cert/--tls-key"], "flags")
+        return None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError(["--tls-cert and --tls-key go together"], "flags")
+    if args.tls_cert:
+        return ServerTls.from_files(args.tls_cert, args.tls_key)
+    return ServerTls.self_signed_pair()
+
+
+async def serve(
+    args: argparse.Namespace, config: Config, worker: int = 0, tls: ServerTls | None = None
+) -> None:
     # Workers > 0 share the gRPC port only; health and metrics stay with worker 0.
     server = ExtProcServer(
         config,
         host=args.host,
         grpc_port=args.grpc_port,
+        grpc_health_port=args.grpc_health_port if worker == 0 else None,
         health_port=args.health_port if worker == 0 else None,
         metrics_port=args.metrics_port if worker == 0 else None,
+        tls=tls,
         scrape=not args.no_scrape,
         reuse_port=args.workers > 1,
     )
@@ -360,7 +410,9 @@ def _with_flags(config: Config, args: argparse.Namespace) -> Config:
     return config
 
 
-def _run_worker(args: argparse.Namespace, config: Config, worker: int) -> None:
+def _run_worker(
+    args: argparse.Namespace, config: Config, worker: int, tls: ServerTls | None
+) -> None:
     loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     if args.loop == "uvloop":
         import uvloop  # noqa: PLC0415 (optional dependency)
@@ -370,7 +422,7 @@ def _run_worker(args: argparse.Namespace, config: Config, worker: int) -> None:
         contextlib.suppress(KeyboardInterrupt),
         asyncio.Runner(loop_factory=loop_factory) as runner,
     ):
-        runner.run(serve(args, config, worker))
+        runner.run(serve(args, config, worker, tls))
 
 
 def main(argv: list[str]) -> int:
@@ -378,6 +430,7 @@ def main(argv: list[str]) -> int:
     configure(args.log_level, args.log_format)
     try:
         config = load_file(args.config)
+        tls = server_tls(args)  # one pair for every worker (they share the port)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -391,13 +444,13 @@ def main(argv: list[str]) -> int:
         if pid == 0:  # child: serve, then exit without running the parent's cleanup
             code = 0
             try:
-                _run_worker(args, config, worker)
+                _run_worker(args, config, worker, tls)
             except BaseException:
                 code = 1
             os._exit(code)
         children.append(pid)
     try:
-        _run_worker(args, config, 0)
+        _run_worker(args, config, 0, tls)
     finally:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):

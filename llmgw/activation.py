@@ -58,6 +58,13 @@ TRANSITIONS: dict[tuple[ActivationState, ActivationEvent], tuple[ActivationState
 }
 
 
+# Retry-After bounds (s) while a model loads; past the expected start, a quarter of the
+# time spent so far (a start 2 min in is told 30 s, not 1 s).
+RETRY_AFTER_FLOOR = 5
+RETRY_AFTER_CAP = 60
+OVERDUE_BACKOFF = 0.25
+
+
 @dataclass(frozen=True, slots=True)
 class ActivationSettings:
     idle_timeout: float = 600.0
@@ -177,10 +184,14 @@ class ModelActivation:
         return self.state in (ActivationState.READY, ActivationState.IDLE)
 
     def retry_after(self, now: float) -> int:
-        """Seconds until the start is expected to be done (1..60)."""
+        """Seconds until the start is expected to be done, never below RETRY_AFTER_FLOOR
+        (each retry itself waits, so a 1 s poll only multiplies waiters); once the start is
+        overdue the estimate was wrong: back off by a quarter of the time spent so far."""
         elapsed = now - self.starting_since if self.starting_since is not None else 0.0
         remaining = self.settings.expected_start_seconds - elapsed
-        return max(1, min(60, math.ceil(remaining)))
+        if remaining <= 0:
+            remaining = elapsed * OVERDUE_BACKOFF
+        return max(RETRY_AFTER_FLOOR, min(RETRY_AFTER_CAP, math.ceil(remaining)))
 
     def not_ready_error(self, now: float) -> LlmgwError:
         if self.state is ActivationState.FAILED:

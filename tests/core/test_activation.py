@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw.activation import (
+    RETRY_AFTER_FLOOR,
     TRANSITIONS,
     Action,
     ActivationEvent,
@@ -95,9 +96,18 @@ def test_loading_error_has_retry_after_from_expected_remaining_start_time() -> N
     assert isinstance(err, ModelLoading)
     assert err.status == 503 and err.headers["retry-after"] == "20"
     assert machine(expected_start_seconds=600).retry_after(0) == 60  # capped at 60
-    late = machine(expected_start_seconds=5)
-    late.request(0)
-    assert late.retry_after(50) == 1  # overdue: retry soon, never 0 or negative
+
+
+def test_retry_after_never_drops_below_the_floor_while_loading() -> None:
+    """Was 1 s once the expected start time had passed: clients re-polled every second."""
+    m = machine(expected_start_seconds=30)
+    m.request(0)
+    assert m.retry_after(28) == RETRY_AFTER_FLOOR  # 2 s left: still the floor
+    assert m.retry_after(31) == 8  # just overdue: a quarter of 31 s
+    assert m.retry_after(120) == 30  # 2 min in: a quarter of the time spent so far
+    assert m.retry_after(10_000) == 60  # capped
+    err = m.not_ready_error(31)
+    assert isinstance(err, ModelLoading) and int(err.headers["retry-after"]) >= RETRY_AFTER_FLOOR
 
 
 def test_waiters_are_capped() -> None:

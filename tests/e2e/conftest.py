@@ -7,8 +7,9 @@ Fixtures:
 - `sim_fleet` (module): 4 simulated vLLM replicas serving `m1`, fast and deterministic.
 - `llmgw_config(fleet, **top_level)`: an llmgw Config for a fleet (debug headers on,
   quick breaker), top-level fields overridable.
-- `stack(shape="original-dst", fail_open=False, config=None, body_mode="override")`: ext_proc + Envoy in
-  front of `sim_fleet`; everything started by it is stopped at the end of the test.
+- `stack(shape="original-dst", fail_open=False, config=None, body_mode="override",
+  tls=False)`: ext_proc + Envoy in front of `sim_fleet` (tls: a self-signed ext_proc port and
+  Envoy's TLS socket to it); everything started by it is stopped at the end of the test.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from llmgw.config import Config
 from llmgw.extproc.envoyconfig import build
+from llmgw.extproc.tls import ServerTls
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import (
     EnvoyProcess,
@@ -66,12 +68,13 @@ def stack(sim_fleet: ThreadedFleet, envoy_path: str) -> Iterator[StackFactory]:
         fail_open: bool = False,
         config: Config | None = None,
         body_mode: str = "override",
+        tls: bool = False,
     ) -> Stack:
         cfg = config or fleet_config(sim_fleet)
         if "destination_fallbacks" not in cfg.model_fields_set:
             # override-host walks the list on retries; ORIGINAL_DST takes one address.
             cfg = cfg.model_copy(update={"destination_fallbacks": shape == "override-host"})
-        extproc = ExtProcThread(cfg)
+        extproc = ExtProcThread(cfg, tls=ServerTls.self_signed_pair() if tls else None)
         try:
             envoy = EnvoyProcess(
                 build(
@@ -85,6 +88,7 @@ def stack(sim_fleet: ThreadedFleet, envoy_path: str) -> Iterator[StackFactory]:
                     message_timeout=5.0,
                     connect_timeout=0.5,
                     body_mode=body_mode,
+                    extproc_tls=tls,
                 )
             )
         except BaseException:

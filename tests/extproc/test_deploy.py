@@ -103,6 +103,7 @@ def test_k8s_configmaps_match_their_sources_and_envoy_validates(tmp_path: Path) 
         admin_port=9901,
         extproc_address="127.0.0.1:9002",
         fail_open=True,
+        extproc_tls=True,  # the command's default, as `llmgw extproc`'s
     )
     assert envoy_text == render(expected, "llmgw-config.yaml")
     _validate(envoy_text, tmp_path)
@@ -114,9 +115,10 @@ def test_k8s_probes_and_metrics_annotations() -> None:
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9090"
     extproc = next(c for c in pod["spec"]["containers"] if c["name"] == "extproc")
     ports = {p["name"]: p["containerPort"] for p in extproc["ports"]}
-    assert ports == {"grpc": 9002, "health": 9003, "metrics": 9090}
-    assert extproc["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
-    assert extproc["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert ports == {"grpc": 9002, "grpc-health": 9003, "health": 9004, "metrics": 9090}
+    # GIE's probes: gRPC health on 9003 with its service names.
+    assert extproc["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert extproc["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
 
 
 def test_compose_stack_is_consistent_and_envoy_validates(tmp_path: Path) -> None:
@@ -137,6 +139,7 @@ def test_compose_stack_is_consistent_and_envoy_validates(tmp_path: Path) -> None
         admin_port=9901,
         extproc_address=f"{networks['extproc']}:9002",
         fail_open=True,
+        extproc_tls=True,  # the command's default, as `llmgw extproc`'s
     )
     assert envoy_text == render(expected, "llmgw.yaml")
     _validate(envoy_text, tmp_path)

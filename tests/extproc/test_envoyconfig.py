@@ -42,7 +42,7 @@ def test_generated_config_passes_envoy_validate(shape: str, tmp_path: Path) -> N
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_committed_envoy_files_are_up_to_date(shape: str) -> None:
-    expected = render(build(load_file(EXAMPLE), shape=shape), EXAMPLE.name)
+    expected = render(build(load_file(EXAMPLE), shape=shape, extproc_tls=True), EXAMPLE.name)
     assert (ROOT / "envoy" / f"{shape}.yaml").read_text() == expected, (
         f"regenerate: llmgw envoy-config --config envoy/llmgw.yaml --shape {shape} "
         f"--out envoy/{shape}.yaml"
@@ -62,9 +62,69 @@ def test_override_host_reads_metadata_list_first_and_retries_429() -> None:
     assert "retriable_status_codes" in text and "429" in text
     assert len(pool["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 4
     # Not Envoy's default of 3 concurrent retries a cluster: past it, a failing replica's
-    # 5xx reaches the client instead of a fallback.
+    # 5xx reaches the client instead of a fallback. A 100 % budget never overflows.
     (threshold,) = pool["circuit_breakers"]["thresholds"]
-    assert threshold["max_retries"] >= 1024
+    assert threshold["retry_budget"]["budget_percent"] == {"value": 100.0}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_both_shapes_size_breakers_to_the_fleet_and_eject_outliers(shape: str) -> None:
+    bootstrap = build(load_file(EXAMPLE), shape=shape)
+    upstreams = [
+        c for c in bootstrap["static_resources"]["clusters"] if c["name"] != "llmgw-extproc"
+    ]
+    assert upstreams
+    for cluster in upstreams:
+        (threshold,) = cluster["circuit_breakers"]["thresholds"]
+        # Envoy's default 1,024 requests a cluster is below 4 replicas x 256 long streams.
+        assert threshold["max_requests"] == threshold["max_pending_requests"] == 4 * 1024
+        assert threshold["retry_budget"]["min_retry_concurrency"] >= 4
+        assert cluster["outlier_detection"]["consecutive_5xx"] >= 1
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_limits_are_checked_before_ext_proc_and_grpc_fits_the_body(shape: str) -> None:
+    config = load_file(EXAMPLE)
+    bootstrap = build(config, shape=shape)
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    filters = hcm["typed_config"]["http_filters"]
+    names = [f["name"] for f in filters]
+    assert names == [
+        "envoy.filters.http.lua",
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    limit = config.limits.max_body_bytes
+    assert filters[1]["typed_config"]["max_request_bytes"] == limit
+    grpc = filters[2]["typed_config"]["grpc_service"]["envoy_grpc"]
+    assert grpc["max_receive_message_length"] > limit
+    mapped = {
+        m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
+        for m in hcm["typed_config"]["local_reply_config"]["mappers"]
+    }
+    assert mapped == {413, 431}  # never llmgw's own statuses (their JSON is kept)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_extproc_tls_adds_a_tls_socket_and_the_command_defaults_to_it(
+    shape: str, tmp_path: Path
+) -> None:
+    plain = build(load_file(EXAMPLE), shape=shape)
+    clusters = {c["name"]: c for c in plain["static_resources"]["clusters"]}
+    assert "transport_socket" not in clusters["llmgw-extproc"]
+    out = tmp_path / "envoy.yaml"
+    assert main(["--config", str(EXAMPLE), "--shape", shape, "--out", str(out)]) == 0
+    generated = yaml.safe_load(out.read_text())
+    clusters = {c["name"]: c for c in generated["static_resources"]["clusters"]}
+    socket = clusters["llmgw-extproc"]["transport_socket"]
+    assert socket["name"] == "envoy.transport_sockets.tls"
+    assert socket["typed_config"]["common_tls_context"]["alpn_protocols"] == ["h2"]
+    argv = ["--config", str(EXAMPLE), "--shape", shape, "--extproc-plaintext", "--out", str(out)]
+    assert main(argv) == 0
+    generated = yaml.safe_load(out.read_text())
+    clusters = {c["name"]: c for c in generated["static_resources"]["clusters"]}
+    assert "transport_socket" not in clusters["llmgw-extproc"]
 
 
 def test_original_dst_uses_the_header_and_has_a_fail_open_default() -> None:
@@ -75,7 +135,11 @@ def test_original_dst_uses_the_header_and_has_a_fail_open_default() -> None:
         "http_header_name": "x-gateway-destination-endpoint",
     }
     hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
-    ext_proc = hcm["typed_config"]["http_filters"][0]["typed_config"]
+    (ext_proc,) = (
+        f["typed_config"]
+        for f in hcm["typed_config"]["http_filters"]
+        if f["name"] == "envoy.filters.http.ext_proc"
+    )
     assert ext_proc["failure_mode_allow"] is True
     assert ext_proc["allow_mode_override"] is True
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]

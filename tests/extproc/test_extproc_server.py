@@ -158,7 +158,9 @@ async def test_stop_lets_open_streams_finish_within_grace() -> None:
 
 def test_parser_defaults_are_the_documented_ports() -> None:
     args = build_parser().parse_args(["--config", "x.yaml"])
-    assert (args.grpc_port, args.health_port, args.metrics_port) == (9002, 9003, 9090)
+    ports = (args.grpc_port, args.grpc_health_port, args.health_port, args.metrics_port)
+    assert ports == (9002, 9003, 9004, 9090)
+    assert not args.plaintext and args.tls_cert is None  # TLS (self-signed) by default
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -178,6 +180,8 @@ def test_cli_serves_then_drains_on_sigterm(tmp_path: Path, workers: int) -> None
             "127.0.0.1",
             "--grpc-port",
             "0" if workers == 1 else str(free_port()),
+            "--grpc-health-port",
+            "0",
             "--health-port",
             "0",
             "--metrics-port",

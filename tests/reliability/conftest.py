@@ -116,6 +116,9 @@ def spawn_extproc(tmp_path: Path, children: list[Child]) -> SpawnFn:
             "127.0.0.1",
             "--grpc-port",
             str(grpc_port or free_port()),
+            "--plaintext",  # the Envoy configs here are built with build(): plaintext
+            "--grpc-health-port",
+            "0",
             "--health-port",
             "0",
             "--metrics-port",

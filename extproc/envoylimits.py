@@ -1,0 +1,162 @@
+"""The hardening pieces of the generated Envoy config (both shapes): Envoy's defaults that bite.
+
+- Circuit breakers sized to the fleet: Envoy allows 1,024 requests and 3 concurrent retries
+  per cluster by default; LLM streams are long, so a fleet of 16 replicas x 256 sequences
+  would see 503 overflows, and 3 retries let a failing replica's 5xx through under load.
+  A retry budget of 100 % of active requests never overflows (each request retries one try
+  at a time), with a floor of one per endpoint.
+- Outlier detection: a replica that answers 5xx or resets streams (counted as 5xx) is
+  ejected for a while, even before llmgw's breaker hears of it.
+- Header limits answered with 431 by a few lines of Lua before ext_proc (see
+  CLIENT_MAX_HEADERS), not a 500 or a dropped connection.
+- The body limit before ext_proc: the buffer filter answers 413 as soon as the body passes
+  `limits.max_body_bytes` (with Content-Length: at once), instead of a 500 from a gRPC
+  message over the size limit or a stall until the request timeout.
+- Envoy's own 413 and 431 in OpenAI's error shape (a JSON body, not Envoy's text).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_T = "type.googleapis.com/"
+
+# Requests (and pending requests) one endpoint may have in Envoy at once: above any
+# engine's batch (vLLM's max_num_seqs defaults to 256).
+PER_ENDPOINT_REQUESTS = 1024
+# Header limits a client gets a 431 past (checked by a Lua filter: Envoy's HTTP/1 codec
+# closes the connection without a response past its own limits, and ext_proc answers 500
+# when its mutation pushes the map over them), and the codec's own, far above: room for the
+# headers Envoy (x-request-id, x-forwarded-proto...) and ext_proc add.
+CLIENT_MAX_HEADERS = 90
+CLIENT_MAX_HEADERS_KB = 60
+CODEC_MAX_HEADERS = 2000
+CODEC_MAX_HEADERS_KB = 256
+# gRPC messages between Envoy and ext_proc carry at most the body plus headers.
+GRPC_MESSAGE_MARGIN = 1 << 20
+
+
+def circuit_breakers(endpoints: int) -> dict[str, Any]:
+    requests = PER_ENDPOINT_REQUESTS * max(1, endpoints)
+    return {
+        "thresholds": [
+            {
+                "priority": "DEFAULT",
+                "max_connections": requests,
+                "max_pending_requests": requests,
+                "max_requests": requests,
+                "retry_budget": {
+                    "budget_percent": {"value": 100.0},
+                    "min_retry_concurrency": max(3, endpoints),
+                },
+            }
+        ]
+    }
+
+
+def outlier_detection() -> dict[str, Any]:
+    return {
+        "consecutive_5xx": 3,  # resets and connect failures count as 5xx here
+        "interval": "1s",
+        "base_ejection_time": "5s",
+        "max_ejection_time": "60s",
+        "max_ejection_percent": 50,  # never eject more than half the fleet
+        "consecutive_gateway_failure": 3,
+        "enforcing_consecutive_gateway_failure": 100,
+    }
+
+
+def upstream_tls(*, ca_file: str | None = None, sni: str | None = None) -> dict[str, Any]:
+    """The ext_proc cluster's TLS: like GIE's gateways, no verification unless a CA is given
+    (llmgw's default certificate is self-signed)."""
+    common: dict[str, Any] = {"alpn_protocols": ["h2"]}
+    if ca_file:
+        common["validation_context"] = {"trusted_ca": {"filename": ca_file}}
+    context: dict[str, Any] = {
+        "@type": _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": common,
+    }
+    if sni:
+        context["sni"] = sni
+    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+
+
+_HEADER_LIMIT_LUA = """
+function envoy_on_request(handle)
+  local count, size = 0, 0
+  for key, value in pairs(handle:headers()) do
+    count = count + 1
+    size = size + #key + #value
+  end
+  if count > %(count)d or size > %(bytes)d then
+    handle:respond({[":status"] = "431", ["content-type"] = "application/json"}, "")
+  end
+end
+"""
+
+
+def header_limit_filter() -> dict[str, Any]:
+    """431 past CLIENT_MAX_HEADERS headers or CLIENT_MAX_HEADERS_KB (the body comes from the
+    local reply mapper)."""
+    code = _HEADER_LIMIT_LUA % {
+        "count": CLIENT_MAX_HEADERS,
+        "bytes": CLIENT_MAX_HEADERS_KB * 1024,
+    }
+    return {
+        "name": "envoy.filters.http.lua",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.lua.v3.Lua",
+            "default_source_code": {"inline_string": code.strip() + "\n"},
+        },
+    }
+
+
+def body_limit_filter(max_body_bytes: int) -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.buffer",
+        "typed_config": {
+            "@type": _T + "envoy.extensions.filters.http.buffer.v3.Buffer",
+            "max_request_bytes": max_body_bytes,
+        },
+    }
+
+
+def _openai_error(status: int, message: str, code: str, kind: str) -> dict[str, Any]:
+    return {
+        "filter": {
+            "status_code_filter": {
+                "comparison": {
+                    "op": "EQ",
+                    "value": {"default_value": status, "runtime_key": f"llmgw.reply_{status}"},
+                }
+            }
+        },
+        "body_format_override": {
+            "json_format": {
+                "error": {"message": message, "type": kind, "code": code},
+            }
+        },
+    }
+
+
+def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
+    """Envoy's own 413 and 431 as OpenAI-shaped JSON errors. Only these two: ext_proc's
+    immediate responses are local replies too, and llmgw's other statuses carry their own
+    JSON bodies (a mapper would rewrite them); llmgw's own 413 says the same thing."""
+    return {
+        "mappers": [
+            _openai_error(
+                413,
+                f"request body is larger than the limit of {max_body_bytes} bytes",
+                "body_too_large",
+                "invalid_request_error",
+            ),
+            _openai_error(
+                431,
+                f"too many or too large request headers (at most {CLIENT_MAX_HEADERS} headers, "
+                f"{CLIENT_MAX_HEADERS_KB} KB)",
+                "headers_too_large",
+                "invalid_request_error",
+            ),
+        ]
+    }
