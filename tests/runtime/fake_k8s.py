@@ -522,6 +522,7 @@ class FakeKubernetes:
         self, request: web.Request, ns: str, selector: dict[str, str], resource: str
     ) -> web.StreamResponse:
         self.watches_served += 1
+        generation = self._watch_generation  # before any await: end_watches() ends this one
         since = int(request.query.get("resourceVersion") or self._version)
         timeout = float(request.query.get("timeoutSeconds") or 1800)
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -530,7 +531,6 @@ class FakeKubernetes:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         sent = since
-        generation = self._watch_generation
         if self.expire_watches > 0:
             self.expire_watches -= 1
             expired = {
