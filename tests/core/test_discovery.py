@@ -210,7 +210,7 @@ def test_pool_selection_reads_match_labels_and_target_ports_or_names_the_missing
         "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}]}
     }
     assert pool_selection(pool) == ({"app": "vllm"}, [8000])
-    with pytest.raises(ValueError, match="spec.targetPorts"):
+    with pytest.raises(ValueError, match=r"spec\.targetPorts"):
         pool_selection({"spec": {"selector": {"matchLabels": {"app": "vllm"}}}})
-    with pytest.raises(ValueError, match="spec.selector.matchLabels"):
+    with pytest.raises(ValueError, match=r"spec\.selector\.matchLabels"):
         pool_selection({"spec": {"targetPorts": [{"number": 1}]}})

@@ -182,6 +182,22 @@ class FakeKubernetes:
         """Someone else (an HPA, a person with kubectl) sets the replicas."""
         self._scale(self.deployments[(namespace, name)], replicas)
 
+    def mark(
+        self,
+        name: str,
+        port: int,
+        *,
+        ready: bool,
+        terminating: bool = False,
+        namespace: str = "default",
+    ) -> None:
+        """The pod of the deployment at loopback `port` fails (or passes) its readiness
+        probe, or starts terminating."""
+        deployment = self.deployments[(namespace, name)]
+        pod = next(p for p in deployment.pods if p.port == port)
+        pod.ready, pod.terminating = ready, terminating
+        self._emit(deployment, "MODIFIED", pod)
+
     def rollout(self, name: str, pod_ports: list[int], *, namespace: str = "default") -> None:
         """A rolling update: a new pod per old one (new address), each old pod terminated
         once its replacement has had time to turn ready (maxSurge 100 %)."""

@@ -227,5 +227,7 @@ async def test_forbidden_pods_for_an_inference_pool_names_pods_and_the_role(
     kube: FakeKubernetes, followed: Followed, caplog: pytest.LogCaptureFixture
 ) -> None:
     kube.forbidden.add("list-pools")
-    with pytest.raises(StartError, match="may not list inferencepools.inference.networking.k8s.io"):
+    with pytest.raises(
+        StartError, match=r"may not list inferencepools\.inference\.networking\.k8s\.io"
+    ):
         await followed(config_for(inference_pool={"namespace": NS, "name": "chat-pool"}))
