@@ -54,6 +54,7 @@ class FakeDeployment:
     ready_after: float = 0.05
     replicas: int = 0
     never_ready: bool = False
+    grace: float = 0.02  # a terminating pod is deleted this long after (its grace period)
     pods: list[FakePod] = field(default_factory=list)
 
 
@@ -358,7 +359,7 @@ class FakeKubernetes:
         for pod in live[replicas:]:
             pod.ready, pod.terminating = False, True
             self._emit(deployment, "MODIFIED", pod)
-            self._later(0.02, self._delete, deployment, pod)
+            self._later(deployment.grace, self._delete, deployment, pod)
 
     def _become_ready(self, deployment: FakeDeployment, pod: FakePod) -> None:
         if pod in deployment.pods and not pod.terminating:

@@ -84,8 +84,23 @@ class Reflector:
         request_timeout: float = 10.0,
         watch_timeout: int = 60,
         backoff: tuple[float, float] = (0.2, 30.0),
+        watch: bool = True,
+        poll_interval: float = 1.0,
+        watch_retry: float = 60.0,
+        on_forbidden: Callable[[str, ApiException], StartError] | None = None,
+        on_error: Callable[[], None] | None = None,
     ) -> None:
         self.query = query
+        # Without watch (or while the server refuses it) the list is polled instead.
+        self.use_watch = watch
+        self.poll_interval = poll_interval
+        self.watch_retry = watch_retry
+        self._watch_retry_at = 0.0
+        self.mode = "idle"  # idle | list | watch
+        self._on_error = on_error  # told of every failure (a start waiting may give up)
+        self._on_forbidden = on_forbidden or (
+            lambda verb, exc: forbidden(verb, query.resource, query.namespace, exc)
+        )
         self.on_change = on_change
         self.what = what  # "model chat (service models/vllm-chat)": for log lines
         self.request_timeout = request_timeout
@@ -134,6 +149,7 @@ class Reflector:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        self.mode = "idle"
 
     def stale_seconds(self) -> float:
         """Seconds since contact with the API was lost (0: in contact)."""
@@ -144,17 +160,17 @@ class Reflector:
         while not self._stopping.is_set():
             try:
                 await self._list()
-            except ApiException as exc:
-                self._failed(exc)
-                self.listed.set()
-                await self._back_off()
-                continue
-            except Exception as exc:  # connection refused, timeouts: the API is away
+            except Exception as exc:  # API errors; connection refused, timeouts: API away
                 self._failed(exc)
                 self.listed.set()
                 await self._back_off()
                 continue
             self.listed.set()
+            if not self.use_watch or time.monotonic() < self._watch_retry_at:
+                self.mode = "list"
+                await self._pause(self.poll_interval)
+                continue
+            self.mode = "watch"
             while not self._stopping.is_set():
                 try:
                     await self._watch_once()
@@ -162,9 +178,11 @@ class Reflector:
                     if exc.status == 410:  # our version expired: list again, at once
                         self.expired += 1
                         log.info("watch of %s expired (410): listing again", self.what)
-                        break
-                    self._failed(exc, verb="watch")
-                    await self._back_off()
+                    elif exc.status in (401, 403):
+                        self._failed(exc, verb="watch")
+                        await self._back_off()
+                    else:  # refused (405, a proxy): poll the list for a while instead
+                        self._watch_refused(exc)
                     break
                 except Exception as exc:
                     if self._stopping.is_set():
@@ -265,8 +283,8 @@ class Reflector:
         self._failures += 1
         if isinstance(exc, ApiException):
             if exc.status in (401, 403):
-                error = forbidden(verb, self.query.resource, self.query.namespace, exc)
-                self.forbidden = error if verb == "list" else self.forbidden
+                error = self._on_forbidden(verb, exc)
+                self.forbidden = error
                 message = str(error)
             else:
                 message = f"API error {exc.status} on {verb} {self.query.describe()}: " + (
@@ -275,11 +293,14 @@ class Reflector:
         else:
             message = unreachable(exc, self._api_client)
         self.last_error = message
+        if self._on_error is not None:
+            self._on_error()
         if self._stale_mono is None:
             self._stale_mono = time.monotonic()
             self.stale_since = time.time()
             since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.stale_since))
-            log.warning(
+            log.log(
+                logging.ERROR if self.forbidden is not None else logging.WARNING,
                 "Kubernetes API lost for %s since %s: keeping the last %d known objects "
                 "and retrying: %s",
                 self.what,
@@ -291,10 +312,26 @@ class Reflector:
         else:
             log.debug("%s: still failing: %s", self.what, message)
 
+    def _watch_refused(self, exc: ApiException) -> None:
+        log.warning(
+            "watching %s refused (%s %s): listing every %gs for %gs",
+            self.what,
+            exc.status,
+            status_message(exc),
+            self.poll_interval,
+            self.watch_retry,
+        )
+        self.mode = "list"
+        self._watch_retry_at = time.monotonic() + self.watch_retry
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, or less if the reflector is stopped meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
+
     async def _back_off(self) -> None:
         first, cap = self.backoff
         delay = min(cap, first * 2 ** min(self._failures - 1, 16))
         delay *= random.uniform(0.8, 1.2)  # retries of many routers do not line up
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(delay):
-                await self._stopping.wait()
+        await self._pause(delay)
