@@ -16,8 +16,8 @@ from llmgw.registry import Registry
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.kube.discovery import Discovery
 from llmgw.runtime.telemetry import Telemetry
+from llmgw.testing.fake_k8s import FakeKubernetes
 from llmgw.types import Endpoint
-from tests.runtime.fake_k8s import FakeKubernetes
 
 NS = "models"
 

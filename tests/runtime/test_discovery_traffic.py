@@ -28,7 +28,7 @@ from llmgw.config import Config, load_dict
 from llmgw.runtime.kube.discovery import Discovery
 from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
-from tests.runtime.fake_k8s import FakeKubernetes
+from llmgw.testing.fake_k8s import FakeKubernetes
 
 NS = "models"
 CHAT = "/v1/chat/completions"

@@ -26,8 +26,8 @@ from llmgw.runtime.controlplanes.k8s import KubernetesControlPlane, ready_addres
 from llmgw.runtime.controlplanes.local import LocalProcessControlPlane
 from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
+from llmgw.testing.fake_k8s import FakeKubernetes
 from llmgw.types import RequestInfo
-from tests.runtime.fake_k8s import FakeKubernetes
 
 SCALE_PATH = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
 SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"

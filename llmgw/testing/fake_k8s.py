@@ -1,4 +1,5 @@
-"""A fake Kubernetes API server (aiohttp) for the Kubernetes control plane's tests.
+"""A fake Kubernetes API server (aiohttp) for the tests and benchmarks of Kubernetes discovery
+and the Kubernetes control plane.
 
 It speaks the real paths and JSON of the two APIs llmgw uses, so the official client
 talks to it unchanged (`Configuration(host="http://127.0.0.1:PORT")`):
