@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 
 from llmgw.config import Config, load_dict
@@ -231,3 +235,53 @@ async def test_forbidden_pods_for_an_inference_pool_names_pods_and_the_role(
         StartError, match=r"may not list inferencepools\.inference\.networking\.k8s\.io"
     ):
         await followed(config_for(inference_pool={"namespace": NS, "name": "chat-pool"}))
+
+
+async def test_llmgw_extproc_refuses_to_start_without_rbac_naming_what_to_apply(
+    kube: FakeKubernetes, tmp_path: Path
+) -> None:
+    """The CLI, as deployed: credentials from KUBECONFIG, exit code 3, the message on stderr."""
+    kube.forbidden.add("list-slices")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": kube.host}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "fake", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    config = tmp_path / "llmgw.yaml"
+    config.write_text("models: {chat: {discovery: {service: {namespace: models, name: vllm}}}}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env["KUBECONFIG"] = str(kubeconfig)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "llmgw.cli",
+        "extproc",
+        f"--config={config}",
+        "--host=127.0.0.1",
+        "--grpc-port=0",
+        "--health-port=0",
+        "--metrics-port=0",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(60):
+            _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 3, stderr.decode()[-2000:]
+    message = stderr.decode()
+    assert "cannot start: RBAC" in message
+    assert "may not list endpointslices.discovery.k8s.io in namespace 'models'" in message
+    assert "llmgw-discovery" in message
