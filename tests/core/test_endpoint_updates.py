@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from llmgw.breaker import BreakerSettings, BreakerState
 from llmgw.config import load_dict
+from llmgw.gateway import Gateway
 from llmgw.registry import Registry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Endpoint, EngineMetrics, Outcome, RequestInfo
@@ -124,3 +125,14 @@ def test_an_endpoint_that_comes_back_while_draining_gets_its_state_back() -> Non
     reg.set_endpoints(M, eps(PODS[0], PODS[1]))  # Ready again
     assert reg.get(M, PODS[1]) is before and before is not None and before.inflight == 1
     assert reg.draining(M) == []
+
+
+def test_a_reload_keeps_the_endpoints_discovery_found() -> None:
+    data = {
+        "models": {M: {"discovery": {"service": {"name": "vllm"}}, "strategy": "ring"}},
+    }
+    gateway = Gateway(Scheduler(load_dict(data)))
+    registry = gateway.scheduler.registry
+    registry.set_endpoints(M, eps(PODS[0], PODS[1]))  # what discovery found
+    gateway.reload(load_dict({**data, "breaker": {"failure_threshold": 5}}))
+    assert sorted(s.id for s in registry.states(M)) == PODS[:2]
