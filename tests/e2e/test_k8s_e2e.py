@@ -14,6 +14,7 @@ import orjson
 import pytest
 import yaml
 
+from llmgw.asgi.testing import SSE_HEAD, ScriptedUpstream, UpstreamRequest, chunk, json_response
 from llmgw.config import Config, load_dict
 from llmgw.extproc.envoyconfig import build
 from llmgw.sim import ThreadedFleet
@@ -238,3 +239,71 @@ async def test_rolling_update_and_an_api_outage_through_envoy_fail_nothing(
             traffic.stop()
             await asyncio.gather(*workers)
     assert traffic.failures == [], traffic.failures[:5]
+
+
+async def test_a_pod_turning_not_ready_finishes_its_stream_through_envoy_and_gets_no_new_request(
+    kube: FakeKubernetes, fleet: ThreadedFleet, envoy_path: str
+) -> None:
+    release = asyncio.Event()
+
+    async def slow_stream(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if request.target != CHAT:  # the scraper's /metrics: not an engine it knows
+            writer.write(json_response(404, b"{}"))
+            return
+        writer.write(SSE_HEAD + chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'))
+        await writer.drain()
+        await release.wait()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    upstream = await ScriptedUpstream(slow_stream).start()
+    try:
+        port_a = int(upstream.address.rsplit(":", 1)[1])
+        a, b = upstream.address, f"127.0.0.1:{fleet.ports[0]}"
+        kube.add_deployment("vllm", namespace=NS, pod_ports=[port_a, fleet.ports[0]], replicas=2)
+        async with (
+            envoy_stack(discovered_config(), envoy_path) as (extproc, url),
+            httpx.AsyncClient(base_url=url, timeout=10.0) as http,
+        ):
+            await wait_routed(extproc, {a, b})
+            scheduler = extproc.scheduler
+
+            def ring_owner(session: str) -> str:
+                states = scheduler.registry.states(MODEL)
+                return scheduler.routers[MODEL].ring_for(states).candidates(session)[0]
+
+            owners = await asyncio.to_thread(
+                extproc.call, lambda: {f"s{i}": ring_owner(f"s{i}") for i in range(200)}
+            )
+            session = next(s for s, owner in owners.items() if owner == a)
+            stream_body = orjson.dumps(
+                {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+            )
+            async with http.stream(
+                "POST", CHAT, content=stream_body, headers={"x-session-id": session}
+            ) as reply:
+                chunks = reply.aiter_raw()
+                assert b"content" in await anext(chunks)
+                kube.mark("vllm", port_a, ready=False, namespace=NS)
+                async with asyncio.timeout(10.0):
+                    while await routed(extproc) != {b}:
+                        await asyncio.sleep(0.01)
+                kube.mark("vllm", port_a, ready=False, terminating=True, namespace=NS)
+                for _ in range(5):  # the same session, while its old pod drains
+                    again = await http.post(CHAT, content=BODY, headers={"x-session-id": session})
+                    assert again.status_code == 200 and served_by(again) == b
+                assert [r.target for r in upstream.requests].count(CHAT) == 1
+                draining = await asyncio.to_thread(
+                    extproc.call,
+                    lambda: [(s.id, s.inflight) for s in scheduler.registry.draining(MODEL)],
+                )
+                assert draining == [(a, 1)]
+                release.set()
+                rest = b"".join([part async for part in chunks])
+            assert reply.status_code == 200 and b"[DONE]" in rest
+            await wait_routed(extproc, {b})  # and the draining pod's request has ended
+    finally:
+        await upstream.stop()
