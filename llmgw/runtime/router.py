@@ -155,7 +155,13 @@ class Router:
         return RouterLease(self.scheduler.acquire(decision, endpoint), activator)
 
     def models_status(self) -> dict[str, dict[str, object]]:
-        return self.activator.status() if self.activator is not None else {}
+        """On-demand models' activation, and where discovered models' endpoints come from
+        (`/models/status` on the health port)."""
+        status = self.activator.status() if self.activator is not None else {}
+        if self.discovery is not None:
+            for model in self.discovery.followers:
+                status[model] = {"discovery": self.discovery.status(model)}
+        return status
 
     def reload(self, config: Config) -> None:
         """Swap in `config` between two requests (see `Gateway.reload`; raises ConfigError);

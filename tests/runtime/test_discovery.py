@@ -169,6 +169,12 @@ async def test_losing_the_api_server_keeps_the_last_endpoints_and_reports_since_
     await kube.come_back()
     await eventually(lambda: followed.addresses() == ports(7001, 7002))
     assert discovery.staleness()["chat"] == 0.0
+    assert discovery.status("chat") == {
+        "source": "service models/vllm",
+        "endpoints": ports(7001, 7002),
+        "stale_seconds": 0.0,
+        "error": None,
+    }
     assert (
         telemetry.registry.get_sample_value("llmgw_discovery_stale_seconds", {"model": "chat"}) == 0
     )

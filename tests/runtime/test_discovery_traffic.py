@@ -156,6 +156,8 @@ async def test_scale_2_to_4_to_1_under_session_traffic_fails_nothing_and_moves_o
                     await replica.stop()
                 one = await traffic.round()
                 assert set(one.values()) == {pods[0]}
+                status = router.models_status()[MODEL]["discovery"]
+                assert isinstance(status, dict) and status["endpoints"] == [pods[0]]
             finally:
                 traffic.stop()
                 await asyncio.gather(*workers)
