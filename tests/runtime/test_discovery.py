@@ -233,8 +233,8 @@ async def test_an_inference_pool_routes_its_selected_pods_at_every_target_port(
     )
 
 
-async def test_forbidden_pods_for_an_inference_pool_names_pods_and_the_role(
-    kube: FakeKubernetes, followed: Followed, caplog: pytest.LogCaptureFixture
+async def test_forbidden_inference_pools_is_a_startup_error_naming_the_resource(
+    kube: FakeKubernetes, followed: Followed
 ) -> None:
     kube.forbidden.add("list-pools")
     with pytest.raises(

@@ -336,9 +336,15 @@ class KubernetesControlPlane:
         try:
             async with asyncio.timeout(self.stop_timeout):
                 await reflector.listed.wait()
-                while state.pods_listed:
+                while state.pods_listed and reflector.stale_since is None:
                     state.changed.clear()
                     await state.changed.wait()
+            if reflector.stale_since is not None:  # cannot see the pods go: do not wait blind
+                log.warning(
+                    "scaled %s to 0 but cannot follow its pods: %s",
+                    state.target.deployment,
+                    reflector.last_error,
+                )
         except TimeoutError:
             target = state.target
             log.warning(
