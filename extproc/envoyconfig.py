@@ -174,7 +174,7 @@ def build(
     if not addresses and shape != "original-dst":
         raise ValueError(
             f"shape {shape!r} needs static endpoints to list in the Envoy cluster; the config has "
-            "none (on-demand models only): use shape original-dst"
+            "none (on-demand or Kubernetes-discovered models only): use shape original-dst"
         )
     if message_timeout is None:
         # A request for an on-demand model holds its ext_proc answer while the model starts:

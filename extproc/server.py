@@ -45,6 +45,7 @@ from llmgw.extproc.tls import ServerTls
 from llmgw.extproc.translate import Exchange
 from llmgw.lifecycle import AwaitActivation
 from llmgw.logs import configure
+from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.driver import activate
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
 from llmgw.runtime.router import ConfigWatcher, router_for
@@ -84,7 +85,7 @@ class ExtProcServer:
         self.gateway = self.router.gateway
         self.telemetry = telemetry or Telemetry()
         self.scraper = self.router.scraper
-        self.telemetry.bind(self.router.registry, self.scraper)
+        self.telemetry.bind(self.router.registry, self.scraper, self.router.discovery)
         self.hooks = self.telemetry.hooks("extproc")
         self.draining = False
         self.open_streams = 0
@@ -451,6 +452,9 @@ def main(argv: list[str]) -> int:
         children.append(pid)
     try:
         _run_worker(args, config, 0, tls)
+    except StartError as exc:  # Kubernetes discovery refused (RBAC), no credentials
+        print(f"llmgw extproc: cannot start: {exc}", file=sys.stderr)
+        return 3
     finally:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):

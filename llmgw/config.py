@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from llmgw.breaker import BreakerSettings
+from llmgw.discovery import DiscoverySpec
 from llmgw.errors import ConfigError
 from llmgw.promtext import OPTIONAL_ROLES
 from llmgw.scheduling.specs import StrategySpec
@@ -123,6 +124,7 @@ class SaturationSpec(_Strict):
 class ModelSpec(_Strict):
     engine: Engine = Engine.VLLM
     endpoints: tuple[EndpointSpec, ...] = ()
+    discovery: DiscoverySpec | None = None  # endpoints followed on Kubernetes
     metrics: dict[str, str] = Field(default_factory=dict)
     served_name: str | None = None  # the model_name label on /metrics, if it differs
     scaling: ScalingSpec | None = None
@@ -161,8 +163,20 @@ class ModelSpec(_Strict):
         dupes = sorted({a for a in addresses if addresses.count(a) > 1})
         if dupes:
             raise ValueError(f"endpoints: duplicate address {', '.join(dupes)}")
-        if self.launch is None and not self.endpoints and self.scaling is None:
-            raise ValueError("endpoints: a model needs endpoints, or a launch spec and scaling")
+        if self.discovery is not None and (self.endpoints or self.launch is not None):
+            raise ValueError(
+                "discovery: give either discovery or endpoints/launch, not both (an on-demand "
+                "Kubernetes model is followed through launch.service)"
+            )
+        if (
+            self.launch is None
+            and not self.endpoints
+            and self.discovery is None
+            and self.scaling is None
+        ):
+            raise ValueError(
+                "endpoints: a model needs endpoints, discovery, or a launch spec and scaling"
+            )
         # An omitted max is filled by normalize() with max(min, 1): it counts as above 0.
         if self.launch is None and self.scaling is not None and self.scaling.max != 0:
             raise ValueError("launch: scaling above 0 replicas needs a launch spec to start them")
@@ -191,6 +205,9 @@ class ScrapeSpec(_Strict):
     timeout: float = Field(default=0.5, gt=0)
     staleness: float = Field(default=2.0, gt=0)
     jitter: float = Field(default=0.1, ge=0, le=1)
+    # A replica added to a running model takes at most this many requests at once until
+    # its first scrape says how busy it is (it may still be warming up).
+    warmup_inflight: int = Field(default=2, ge=1)
 
 
 class LimitsSpec(_Strict):

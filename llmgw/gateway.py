@@ -104,8 +104,8 @@ class Gateway:
             if name in scheduler.routers and router.spec == config.models[name]:
                 scheduler.routers[name] = router  # keeps its ring and prefix index
         for name in set(old.config.models) | set(config.models):
-            if self.manages(name):
-                continue  # its endpoints are the control plane's
+            if self.manages(name) or discovered(old.config, name):
+                continue  # its endpoints are the control plane's or discovery's
             spec = config.models.get(name)
             if spec is not None and scheduler.routers[name].mode is not ModelMode.OFF:
                 registry.set_endpoints(name, endpoints_of(name, spec))
@@ -120,9 +120,28 @@ def _launch_settings(spec: ModelSpec | None) -> object:
     return (model_mode(spec), spec.launch, spec.scaling)
 
 
+def discovered(config: Config, model: str) -> bool:
+    """Are the model's endpoints followed on Kubernetes (`discovery:`)?"""
+    spec = config.models.get(model)
+    return spec is not None and spec.discovery is not None
+
+
 def restart_only_changes(old: Config, new: Config) -> list[str]:
-    return [
+    names = sorted(set(old.models) | set(new.models))
+    launch = [
         f"models.{name}: launch and scaling of an on-demand model change only on restart"
-        for name in sorted(set(old.models) | set(new.models))
+        for name in names
         if _launch_settings(old.models.get(name)) != _launch_settings(new.models.get(name))
     ]
+    found = [
+        f"models.{name}.discovery: where a model's endpoints are discovered changes only on restart"
+        for name in names
+        if (discovered(old, name) or discovered(new, name))
+        and _discovery(old, name) != _discovery(new, name)
+    ]
+    return launch + found
+
+
+def _discovery(config: Config, model: str) -> object:
+    spec = config.models.get(model)
+    return spec.discovery if spec is not None else None

@@ -34,6 +34,7 @@ class EndpointState:
         "scrape_error",
         "scraped_at",
         "serves_model",
+        "warming",
     )
 
     def __init__(self, endpoint: Endpoint, breaker: BreakerSettings) -> None:
@@ -60,6 +61,8 @@ class EndpointState:
         # of prefill work, where the edge reports first tokens (`reports_first_token`).
         self.pending_prefill = 0.0
         self.reports_first_token = False
+        # Added to a running model and not scraped yet: takes a bounded share until then.
+        self.warming = False
 
     def fresh_metrics(self, now: float, staleness: float) -> EngineMetrics | None:
         """The last scrape if it is recent enough to trust and no scrape failed since, else None
@@ -90,6 +93,13 @@ class Registry:
         self._breaker = breaker or BreakerSettings()
         self._by_model: dict[str, list[EndpointState]] = {}
         self._by_id: dict[tuple[str, str], EndpointState] = {}
+        # Endpoints that left with requests in flight: those requests end here (their
+        # outcome lands on this state, not on an endpoint that still routes), and an
+        # endpoint that comes back (NotReady, then Ready again) gets its state back.
+        self._draining: dict[tuple[str, str], EndpointState] = {}
+        self._warming: dict[str, int] = {}  # model -> endpoints warming
+        # In-flight cap of a warming endpoint; None (no scraper to end the warm-up): off.
+        self.warmup_inflight: int | None = None
         self.version = 0  # bumped when any model's endpoint set changes
 
     def configure(self, *, breaker: BreakerSettings, staleness: float) -> None:
@@ -100,24 +110,42 @@ class Registry:
             state.breaker.settings = breaker
 
     def set_endpoints(self, model: str, endpoints: Iterable[Endpoint]) -> None:
-        """Replace a model's endpoint set, keeping live state of endpoints that stay."""
+        """Replace a model's endpoint set, keeping live state of endpoints that stay.
+
+        The one path every source takes (static config and its reloads, on-demand starts,
+        Kubernetes discovery). An endpoint added to a model that already has some starts
+        warming; one that leaves with requests in flight drains (see `_draining`).
+        """
         new: list[EndpointState] = []
-        old = {s.id: s for s in self._by_model.get(model, [])}
+        current = self._by_model.get(model, [])
+        old = {s.id: s for s in current}
         for ep in endpoints:
-            state = old.pop(ep.address, None)
+            state = old.pop(ep.address, None) or self._draining.pop((model, ep.address), None)
             if state is None:
                 state = EndpointState(ep, self._breaker)
+                state.warming = bool(current)
             else:  # same server (say, a new weight): keep its breaker, metrics and inflight
                 state.endpoint = ep
             new.append(state)
         for gone in old.values():
             self._by_id.pop((model, gone.id), None)
-        before = [s.id for s in self._by_model.get(model, [])]
+            if gone.inflight > 0:
+                self._draining[(model, gone.id)] = gone
+        before = [s.id for s in current]
         self._by_model[model] = new
         for s in new:
             self._by_id[(model, s.id)] = s
+        self._warming[model] = sum(1 for s in new if s.warming)
         if before != [s.id for s in new]:
             self.version += 1
+
+    def warming(self, model: str) -> int:
+        """How many of the model's endpoints wait for their first scrape."""
+        return self._warming.get(model, 0)
+
+    def draining(self, model: str) -> list[EndpointState]:
+        """Endpoints that left the model's set with requests still in flight."""
+        return [s for (m, _), s in self._draining.items() if m == model]
 
     def models(self) -> list[str]:
         return list(self._by_model)
@@ -150,9 +178,14 @@ class Registry:
         probe: bool = False,
         prefill_tokens: float = 0.0,
     ) -> None:
-        state = self._by_id.get((model, endpoint_id))
+        key = (model, endpoint_id)
+        state = self._by_id.get(key)
         if state is None:
-            return  # the endpoint left the set while the request was in flight
+            state = self._draining.get(key)
+            if state is None:
+                return  # gone, and nothing else was in flight there
+            if state.inflight <= 1:
+                del self._draining[key]
         if prefill_tokens:
             state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
         now = self.clock()
@@ -192,6 +225,9 @@ class Registry:
         now = self.clock()
         state.peak_running = max(state.peak_running, metrics.running)
         state.calibration.on_scrape(metrics)
+        if state.warming:
+            state.warming = False
+            self._warming[model] = max(0, self._warming.get(model, 0) - 1)
         state.metrics = metrics
         state.scraped_at = now
         state.released_since_scrape = 0

@@ -33,7 +33,12 @@ def _check_config(argv: list[str]) -> int:
         print(exc, file=sys.stderr)
         return 2
     for name, spec in config.models.items():
-        print(f"{name}: {model_mode(spec).value}, {len(spec.endpoints)} endpoint(s)")
+        source = (
+            f"endpoints from {spec.discovery.describe()}"
+            if spec.discovery is not None
+            else f"{len(spec.endpoints)} endpoint(s)"
+        )
+        print(f"{name}: {model_mode(spec).value}, {source}")
     return 0
 
 

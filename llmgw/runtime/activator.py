@@ -12,7 +12,8 @@ from llmgw.activation import Action, ActivationSettings, ModelActivation
 from llmgw.config import Config, ModelMode, model_mode
 from llmgw.gateway import ConfigSource, config_source
 from llmgw.registry import Registry
-from llmgw.runtime.controlplanes import ControlPlane, StartError
+from llmgw.runtime.controlplanes import ControlPlane, FollowsEndpoints, StartError
+from llmgw.types import Endpoint
 
 log = logging.getLogger("llmgw.activator")
 
@@ -51,6 +52,8 @@ class Activator:
         self._ticker: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
         control_plane.on_crash(self._on_crash)
+        if isinstance(control_plane, FollowsEndpoints):
+            control_plane.on_endpoints(self._on_endpoints)
 
     @property
     def config(self) -> Config:
@@ -142,6 +145,13 @@ class Activator:
         machine = self.machines.get(model)
         if machine is not None:
             machine.use_end(self.clock())
+
+    def _on_endpoints(self, model: str, endpoints: list[Endpoint]) -> None:
+        """A running model's replicas changed after its start (an autoscaler, a rollout):
+        the registry follows through the one update path; state of those that stay is kept."""
+        machine = self.machines.get(model)
+        if machine is not None and machine.running and model not in self._starts:
+            self.registry.set_endpoints(model, endpoints)
 
     def _on_crash(self, model: str, reason: str) -> None:
         machine = self.machines.get(model)

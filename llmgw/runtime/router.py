@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError, ModelNotReady
@@ -30,6 +31,9 @@ from llmgw.runtime.controlplanes.composite import control_plane_for
 from llmgw.runtime.scraper import Scraper
 from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
+
+if TYPE_CHECKING:
+    from llmgw.runtime.kube.discovery import Discovery
 
 log = logging.getLogger("llmgw.reload")
 
@@ -74,10 +78,15 @@ class Router:
         scrape: bool = True,
         seed: int | None = None,
         scheduler: Scheduler | None = None,
+        discovery: Discovery | None = None,
     ) -> None:
         self.gateway = Gateway(scheduler or Scheduler(config, seed=seed))
         self.registry: Registry = self.gateway.scheduler.registry
         self.scraper = Scraper(self.gateway, self.registry) if scrape else None
+        self._warmup()
+        if discovery is None and scheduler is None:
+            discovery = discovery_for(config)
+        self.discovery = discovery
         if control_plane is None and scheduler is None:
             control_plane = control_plane_for(config)  # local processes and/or Kubernetes
         self.activator = (
@@ -101,13 +110,31 @@ class Router:
     def scheduler(self) -> Scheduler:
         return self.gateway.scheduler
 
+    def _warmup(self) -> None:
+        # Only a scrape ends a new endpoint's warm-up: without a scraper there is none.
+        self.registry.warmup_inflight = (
+            self.config.scrape.warmup_inflight if self.scraper is not None else None
+        )
+
+    def set_endpoints(self, model: str, endpoints: list[Endpoint]) -> None:
+        """A model's endpoints changed (discovery): registry state of those that stay is
+        kept; new ones are scraped at once."""
+        self.registry.set_endpoints(model, endpoints)
+        if self.scraper is not None:
+            self.scraper.resync()
+
     async def start(self) -> None:
+        """Raises StartError when Kubernetes discovery is refused (RBAC)."""
         if self.scraper is not None:
             await self.scraper.start()
+        if self.discovery is not None:
+            await self.discovery.start(self.set_endpoints)
         if self.activator is not None:
             await self.activator.start()
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         if self.activator is not None:
@@ -128,14 +155,36 @@ class Router:
         return RouterLease(self.scheduler.acquire(decision, endpoint), activator)
 
     def models_status(self) -> dict[str, dict[str, object]]:
-        return self.activator.status() if self.activator is not None else {}
+        """On-demand models' activation, and where discovered models' endpoints come from
+        (`/models/status` on the health port)."""
+        status = self.activator.status() if self.activator is not None else {}
+        if self.discovery is not None:
+            for model in self.discovery.followers:
+                status[model] = {"discovery": self.discovery.status(model)}
+        return status
 
     def reload(self, config: Config) -> None:
         """Swap in `config` between two requests (see `Gateway.reload`; raises ConfigError);
         the scraper follows the new targets."""
         self.gateway.reload(config)
+        self._warmup()
         if self.scraper is not None:
             self.scraper.resync()
+
+
+def discovery_for(config: Config) -> Discovery | None:
+    """Kubernetes discovery for the models that ask for it (None: no such model)."""
+    discovered = [m for m, s in config.models.items() if s.discovery is not None]
+    if not discovered:
+        return None
+    try:
+        from llmgw.runtime.kube.discovery import Discovery  # noqa: PLC0415
+    except ImportError as exc:
+        raise ImportError(
+            f"models {', '.join(discovered)} use Kubernetes discovery: install the "
+            f"`kubernetes` client (pip install 'llmgw[k8s]'): {exc}"
+        ) from exc
+    return Discovery(config)
 
 
 def router_for(

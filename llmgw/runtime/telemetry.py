@@ -20,6 +20,8 @@ Series (prefix `llmgw_`):
   state), `metrics_age_seconds{model,endpoint}`, `scrape_errors_total{endpoint}`: read
   from the Registry (and the Scraper, if bound) when /metrics is scraped, so the hot
   path pays nothing for them.
+- `discovery_stale_seconds{model}`: seconds a Kubernetes-discovered model has been routed
+  on its last known endpoints without reaching the API (0: current), when bound.
 
 Every instance has its own `CollectorRegistry`, so tests and several servers in one
 process do not collide. Labelled children are cached: the hot path is a dict lookup
@@ -70,6 +72,12 @@ _ERROR_BUCKETS = tuple(
 )
 
 
+class DiscoveryStaleness(Protocol):
+    """What telemetry reads from Kubernetes discovery: seconds without the API per model."""
+
+    def staleness(self) -> Mapping[str, float]: ...
+
+
 class ScrapeCounts(Protocol):
     """What telemetry reads from a scraper: failed scrapes per address."""
 
@@ -101,10 +109,17 @@ def decision_reason(decision: Decision) -> str:
 class _RegistryCollector(Collector):
     """Gauges read from the live Registry (and scrape errors from the Scraper) at collect."""
 
-    def __init__(self, registry: Registry, scraper: ScrapeCounts | None, prefix: str) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        scraper: ScrapeCounts | None,
+        prefix: str,
+        discovery: DiscoveryStaleness | None = None,
+    ) -> None:
         self.registry = registry
         self.scraper = scraper
         self.prefix = prefix
+        self.discovery = discovery
 
     def collect(self) -> Iterable[Metric]:
         p = self.prefix
@@ -143,6 +158,16 @@ class _RegistryCollector(Collector):
             for address, count in sorted(self.scraper.errors.items()):
                 errors.add_metric([address], count)
         yield errors
+        if self.discovery is not None:
+            stale = GaugeMetricFamily(
+                f"{p}_discovery_stale_seconds",
+                "Seconds a discovered model's endpoints have gone without the Kubernetes API "
+                "(0: current)",
+                labels=["model"],
+            )
+            for model, seconds in sorted(self.discovery.staleness().items()):
+                stale.add_metric([model], seconds)
+            yield stale
 
 
 class Telemetry:
@@ -195,11 +220,17 @@ class Telemetry:
         self._outcome_children: dict[tuple[str, str, str], Counter] = {}
         self._collector: _RegistryCollector | None = None
 
-    def bind(self, registry: Registry, scraper: ScrapeCounts | None = None) -> None:
-        """Export inflight, breaker states, metrics age and scrape errors of `registry`."""
+    def bind(
+        self,
+        registry: Registry,
+        scraper: ScrapeCounts | None = None,
+        discovery: DiscoveryStaleness | None = None,
+    ) -> None:
+        """Export inflight, breaker states, metrics age and scrape errors of `registry`
+        (and the staleness of Kubernetes discovery, if given)."""
         if self._collector is not None:
             self.registry.unregister(self._collector)
-        self._collector = _RegistryCollector(registry, scraper, self.prefix)
+        self._collector = _RegistryCollector(registry, scraper, self.prefix, discovery)
         self.registry.register(self._collector)
 
     def decision(self, decision: Decision) -> str:

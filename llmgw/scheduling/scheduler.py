@@ -180,6 +180,14 @@ class Scheduler:
         )
         candidates = states
         drops: list[tuple[str, int]] = []
+        cap = self.registry.warmup_inflight
+        if cap is not None and self.registry.warming(request.model):
+            # New replicas not scraped yet take a bounded share (their ring arcs overflow
+            # to the next replica), unless nothing else is left.
+            kept = [s for s in states if not (s.warming and s.inflight >= cap)]
+            if kept and len(kept) < len(states):
+                drops.append(("warmup", len(states) - len(kept)))
+                candidates = kept
         for flt in router.filters:
             kept = flt.filter(ctx, candidates)
             drops.append((flt.name, len(candidates) - len(kept)))

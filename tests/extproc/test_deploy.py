@@ -1,8 +1,10 @@
-"""deploy/: every Kubernetes manifest validates against the API models; embedded and
-compose configs are in sync with their generators and pass `envoy --mode validate`."""
+"""deploy/: every Kubernetes manifest validates against the API models (InferencePools
+against GIE's CRD schema, vendored in tests/fixtures); embedded and compose configs are in
+sync with their generators and pass `envoy --mode validate`; no pod address anywhere."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import subprocess
 from pathlib import Path
@@ -18,7 +20,10 @@ from llmgw.testing.extproc import envoy_binary
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 COMPOSE = ROOT / "deploy" / "compose"
+POOL_CRD = ROOT / "tests" / "fixtures" / "inference.networking.k8s.io_inferencepools.yaml"
 client = pytest.importorskip("kubernetes.client")
+# Custom resources: checked against their CRD's openAPIV3Schema instead of a client model.
+CRD_KINDS = {("inference.networking.k8s.io/v1", "InferencePool"): POOL_CRD}
 
 _PRIMITIVES: dict[str, type | tuple[type, ...]] = {
     "str": str,
@@ -74,8 +79,44 @@ def manifests() -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def crd_schema(path: Path, api_version: str) -> dict[str, Any]:
+    crd = yaml.safe_load(path.read_text())
+    version = api_version.rsplit("/", 1)[-1]
+    [served] = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    schema: dict[str, Any] = served["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def crd_problems(doc: dict[str, Any], schema: dict[str, Any]) -> list[str]:
+    """Where `doc` breaks the CRD schema; unknown fields are errors, as the API server
+    prunes them (the schema has no `additionalProperties` where it does not allow any)."""
+    jsonschema = pytest.importorskip("jsonschema")
+
+    def closed(node: Any) -> Any:
+        if isinstance(node, dict):
+            node = {k: closed(v) for k, v in node.items()}
+            if node.get("type") == "object" and "properties" in node:
+                node.setdefault("additionalProperties", False)
+        elif isinstance(node, list):
+            node = [closed(v) for v in node]
+        return node
+
+    strict = closed(schema)
+    strict["properties"]["metadata"] = {"type": "object"}
+    validator = jsonschema.Draft7Validator(strict)
+    return [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+        for e in validator.iter_errors(doc)
+    ]
+
+
 @pytest.mark.parametrize(("name", "doc"), manifests(), ids=[n for n, _ in manifests()])
 def test_manifest_matches_the_kubernetes_api_schema(name: str, doc: dict[str, Any]) -> None:
+    crd = CRD_KINDS.get((doc["apiVersion"], doc["kind"]))
+    if crd is not None:
+        problems = crd_problems(doc, crd_schema(crd, doc["apiVersion"]))
+        assert not problems, "\n".join(problems)
+        return
     version = doc["apiVersion"].rsplit("/", 1)[-1]
     type_name = version[0].upper() + version[1:] + doc["kind"]
     assert hasattr(client, type_name), f"{name}: no Kubernetes model {type_name}"
@@ -98,11 +139,11 @@ def test_k8s_configmaps_match_their_sources_and_envoy_validates(tmp_path: Path) 
     envoy_text = docs["ConfigMap/llmgw-envoy"]["data"]["envoy.yaml"]
     expected = build(
         config,
-        shape="override-host",
+        shape="original-dst",
         listen_port=8080,
         admin_port=9901,
         extproc_address="127.0.0.1:9002",
-        fail_open=True,
+        fail_open=False,
         extproc_tls=True,  # the command's default, as `llmgw extproc`'s
     )
     assert envoy_text == render(expected, "llmgw-config.yaml")
@@ -160,6 +201,63 @@ def _validate(text: str, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_k8s_example_lists_no_pod_address_and_routes_a_service_and_a_pool() -> None:
+    for path in K8S.glob("*.yaml"):
+        for word in re.findall(r"\b\d+\.\d+\.\d+\.\d+\b", path.read_text()):
+            address = ipaddress.ip_address(word)  # listeners (0.0.0.0) and localhost only
+            assert address.is_loopback or address.is_unspecified, f"{path.name}: {word}"
+    config = load_file(K8S / "llmgw-config.yaml")
+    sources = {name: spec.discovery for name, spec in config.models.items()}
+    assert all(s is not None for s in sources.values()) and not any(
+        spec.endpoints for spec in config.models.values()
+    )
+    docs = {
+        (d["kind"], d["metadata"]["name"]): d
+        for d in yaml.safe_load_all((K8S / "models-sample.yaml").read_text())
+    }
+    service = sources["llama-3-8b"]
+    assert service is not None and service.service is not None
+    svc = docs[("Service", service.service.name)]
+    assert service.service.port in [p["name"] for p in svc["spec"]["ports"]]
+    pool_source = sources["qwen-coder"]
+    assert pool_source is not None and pool_source.inference_pool is not None
+    pool = docs[("InferencePool", pool_source.inference_pool.name)]
+    selected = docs[("Deployment", "qwen-coder")]["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= selected.items()
+
+
+def test_the_discovery_role_grants_reads_of_slices_pods_and_pools_and_nothing_else() -> None:
+    docs = {d["kind"]: d for d in yaml.safe_load_all((K8S / "llmgw-rbac.yaml").read_text())}
+    grants = {
+        (group, resource, verb)
+        for rule in docs["Role"]["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    reads = ("get", "list", "watch")
+    assert grants == {
+        *(("discovery.k8s.io", "endpointslices", v) for v in reads),
+        *(("", "pods", v) for v in reads),
+        *(("inference.networking.k8s.io", "inferencepools", v) for v in reads),
+    }
+    assert docs["Role"]["metadata"]["name"] == "llmgw-discovery"  # named in the RBAC error
+    assert docs["RoleBinding"]["roleRef"]["name"] == "llmgw-discovery"
+
+
+def test_the_crd_check_catches_a_wrong_pool() -> None:
+    schema = crd_schema(POOL_CRD, "inference.networking.k8s.io/v1")
+    pool = {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "p"},
+        "spec": {"selector": {"matchLabels": {"a": "b"}}, "targetPortNumber": 8000},
+    }
+    problems = crd_problems(pool, schema)
+    assert any("'targetPorts' is a required property" in p for p in problems), problems
+    assert any("targetPortNumber" in p for p in problems), problems
 
 
 def test_the_schema_check_catches_typos_and_wrong_types() -> None:

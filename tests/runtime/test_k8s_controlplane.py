@@ -18,14 +18,16 @@ import yaml
 from kubernetes import client
 
 from llmgw.config import Config, ModelMode, load_dict, load_text, model_mode
+from llmgw.registry import Registry
+from llmgw.runtime.activator import Activator
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.controlplanes.composite import CompositeControlPlane, control_plane_for
 from llmgw.runtime.controlplanes.k8s import KubernetesControlPlane, ready_addresses
 from llmgw.runtime.controlplanes.local import LocalProcessControlPlane
 from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
+from llmgw.testing.fake_k8s import FakeKubernetes
 from llmgw.types import RequestInfo
-from tests.runtime.fake_k8s import FakeKubernetes
 
 SCALE_PATH = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
 SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
@@ -332,6 +334,37 @@ async def test_stop_scales_to_zero_without_reporting_a_crash(
     await eventually(lambda: not deployment.pods)
     status = plane.status("big")
     assert status["replicas_wanted"] == 0 and status["running"] is False
+    assert planes.crashes == []
+
+
+async def test_stop_returns_once_the_pods_are_gone_not_when_the_api_accepted_it(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18013])
+    deployment.grace = 0.3  # the pods drain for a while after scale-to-0
+    plane = planes(k8s_config())
+    await plane.want("big")
+    await plane.stop("big")
+    assert deployment.pods == []
+    assert plane.status("big")["discovery"] == "idle"  # the follower ended with the stop
+
+
+async def test_replicas_an_autoscaler_changes_after_the_start_reach_the_registry(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    kube.add_deployment("vllm-big", namespace="models", pod_ports=[18014, 18015, 18016])
+    config = k8s_config(max_=3)
+    plane = planes(config)
+    registry = Registry()
+    activator = Activator(config, registry, plane)
+    await activator.ensure_ready("big")
+    assert [s.id for s in registry.states("big")] == ["127.0.0.1:18014"]
+    first = registry.get("big", "127.0.0.1:18014")
+    kube.scale("vllm-big", 3, namespace="models")  # an HPA scales out
+    await eventually(lambda: len(registry.states("big")) == 3)
+    assert registry.get("big", "127.0.0.1:18014") is first  # the staying one keeps its state
+    kube.scale("vllm-big", 2, namespace="models")  # ... and in again
+    await eventually(lambda: len(registry.states("big")) == 2)
     assert planes.crashes == []
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from llmgw.types import Endpoint
 
@@ -13,6 +13,7 @@ class StartError(Exception):
 
 
 CrashCallback = Callable[[str, str], None]  # (model, reason)
+EndpointsCallback = Callable[[str, list[Endpoint]], None]  # (model, its ready endpoints)
 
 
 class ControlPlane(Protocol):
@@ -31,3 +32,11 @@ class ControlPlane(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class FollowsEndpoints(Protocol):
+    """A control plane whose running models' endpoints change without a start (replicas an
+    autoscaler adds, moves or removes): it reports them, the activator feeds the registry."""
+
+    def on_endpoints(self, callback: EndpointsCallback) -> None: ...

@@ -10,7 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from llmgw.config import Config
-from llmgw.runtime.controlplanes import ControlPlane, CrashCallback, StartError
+from llmgw.runtime.controlplanes import (
+    ControlPlane,
+    CrashCallback,
+    EndpointsCallback,
+    FollowsEndpoints,
+    StartError,
+)
 from llmgw.types import Endpoint
 
 
@@ -43,6 +49,11 @@ class CompositeControlPlane:
     def on_crash(self, callback: CrashCallback) -> None:
         for plane in self._distinct:
             plane.on_crash(callback)
+
+    def on_endpoints(self, callback: EndpointsCallback) -> None:
+        for plane in self._distinct:
+            if isinstance(plane, FollowsEndpoints):
+                plane.on_endpoints(callback)
 
     async def close(self) -> None:
         for plane in self._distinct:

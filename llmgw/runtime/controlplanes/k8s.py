@@ -8,12 +8,14 @@
 `want()` reads the Deployment's scale subresource and raises it to `max(1, scaling.min)`
 replicas (never above `scaling.max`, never lowering a higher count someone else set),
 then waits until the EndpointSlices of the Service (`kubernetes.io/service-name=<service>`,
-the service defaulting to the deployment name) list a ready endpoint. `stop()` scales to 0.
+the service defaulting to the deployment name) list a ready endpoint. `stop()` scales to 0
+and returns once the pods are gone from the slices (at most `stop_timeout`).
 
-A follower per running model keeps its slices current: list, then watch from the list's
-resourceVersion; when the watch ends or fails it lists again (so a refused watch degrades
-to polling the list every `poll_interval`). A model that was ready and has no ready
-endpoint left is reported to the `on_crash` callbacks.
+The follower of a running model is the one Kubernetes discovery uses (`runtime.kube.
+reflector`: list + watch, bookmarks, 410 re-list, backoff; a refused watch degrades to
+polling the list every `poll_interval`). Replicas an autoscaler adds, moves or removes
+after the start reach the `on_endpoints` callbacks (the activator: the registry); a model
+that was ready and has no ready endpoint left is reported to the `on_crash` callbacks.
 
 The official client is synchronous: its calls run on a small thread pool of our own, so
 long-lived watches never hold the loop's default executor (which DNS lookups need).
@@ -26,30 +28,25 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
-from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
-from kubernetes.config.config_exception import ConfigException
 
 from llmgw.config import Config, LaunchSpec
-from llmgw.runtime.controlplanes import CrashCallback, StartError
+from llmgw.discovery import slice_addresses
+from llmgw.runtime.controlplanes import CrashCallback, EndpointsCallback, StartError
+from llmgw.runtime.kube import load_client, status_message
+from llmgw.runtime.kube.reflector import Query, Reflector
 from llmgw.types import Endpoint
 
 log = logging.getLogger("llmgw.k8s")
 
 T = TypeVar("T")
-# Parts of the client without type hints, used through Any (mypy --strict).
-_watch_module: Any = k8s_watch
-_config_module: Any = k8s_config
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 RBAC_HINT = (
@@ -90,28 +87,16 @@ def target_of(model: str, launch: LaunchSpec, scaling_min: int, scaling_max: int
 
 
 def ready_addresses(slices: Iterable[Mapping[str, Any]], default_port: int) -> list[str]:
-    """`ip:port` of every ready endpoint in EndpointSlice objects (API JSON, camelCase).
-
-    A nil `conditions.ready` counts as ready (the API says so); the port is the slice's
-    port named `http`, else its first port, else `default_port`.
-    """
-    out: set[str] = set()
-    for slice_ in slices:
-        ports = [p for p in slice_.get("ports") or [] if p.get("port")]
-        named = [p for p in ports if p.get("name") == "http"]
-        port = int((named or ports)[0]["port"]) if ports else default_port
-        for endpoint in slice_.get("endpoints") or []:
-            if (endpoint.get("conditions") or {}).get("ready") is False:
-                continue
-            for ip in endpoint.get("addresses") or []:
-                out.add(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-    return sorted(out)
+    """`ip:port` of every ready endpoint in EndpointSlice objects (API JSON, camelCase):
+    the discovery rule (`llmgw.discovery.slice_addresses`) with the port named `http`,
+    else the slice's first port, else `default_port`."""
+    return slice_addresses(slices, None, default_port)
 
 
 def api_error(exc: ApiException, verb: str, target: Target) -> StartError:
     """An API error as a StartError that says what to fix."""
     where = f"in namespace {target.namespace!r}"
-    detail = _status_message(exc)
+    detail = status_message(exc)
     if exc.status == 403:
         return StartError(
             f"RBAC: the service account cannot {verb} {where}; {RBAC_HINT} ({detail})"
@@ -129,18 +114,6 @@ def api_error(exc: ApiException, verb: str, target: Target) -> StartError:
     return StartError(f"Kubernetes API error {exc.status} on {verb} {where}: {detail}")
 
 
-def _status_message(exc: ApiException) -> str:
-    import json  # noqa: PLC0415 (error path only)
-
-    try:
-        body = json.loads(exc.body or "")
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and body.get("message"):
-        return str(body["message"])
-    return f"{exc.status} {exc.reason}".strip()
-
-
 @dataclass
 class _Model:
     """What the control plane knows about one model."""
@@ -150,20 +123,24 @@ class _Model:
     ready: list[str] = field(default_factory=list)
     serving: bool = False  # want() returned: losing every ready endpoint is a crash
     wanted: int = 0  # replicas we last asked for
-    follower: asyncio.Task[None] | None = None
-    stopped: threading.Event = field(default_factory=threading.Event)  # ends the follower
-    watch: Any = None  # a kubernetes.watch.Watch while one runs
-    watch_thread: Future[None] | None = None
-    watch_retry_at: float = 0.0  # after a refused watch, list until then
+    reflector: Reflector | None = None  # follows the Service's slices while running
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    follow_error: StartError | None = None  # the follower's last API error, if any
     last_error: str | None = None
-    mode: str = "idle"  # idle | list | watch
 
     def set_slices(self, slices: dict[str, dict[str, Any]]) -> None:
         self.slices = slices
         self.ready = ready_addresses(slices.values(), self.target.port)
         self.changed.set()
+
+    @property
+    def follow_error(self) -> StartError | None:
+        """RBAC refused the follower's list or watch: a start cannot succeed."""
+        return self.reflector.forbidden if self.reflector is not None else None
+
+    @property
+    def pods_listed(self) -> bool:
+        """Does any slice still list an endpoint (a pod, ready or terminating)?"""
+        return any(s.get("endpoints") for s in self.slices.values())
 
 
 class KubernetesControlPlane:
@@ -177,8 +154,10 @@ class KubernetesControlPlane:
         watch_timeout: int = 60,
         watch_retry: float = 60.0,
         request_timeout: float = 10.0,
+        stop_timeout: float = 120.0,
     ) -> None:
         self.config = config
+        self.stop_timeout = stop_timeout
         self.poll_interval = poll_interval
         self.use_watch = watch
         self.watch_timeout = watch_timeout
@@ -191,6 +170,7 @@ class KubernetesControlPlane:
         self._models: dict[str, _Model] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._callbacks: list[CrashCallback] = []
+        self._endpoint_callbacks: list[EndpointsCallback] = []
         workers = 2 + 2 * sum(1 for s in config.models.values() if s.launch and s.launch.deployment)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="llmgw-k8s")
         # The client imports its (large) API modules on first use: pay that now, not
@@ -206,10 +186,21 @@ class KubernetesControlPlane:
     def on_crash(self, callback: CrashCallback) -> None:
         self._callbacks.append(callback)
 
+    def on_endpoints(self, callback: EndpointsCallback) -> None:
+        """Called with a running model's ready endpoints whenever they change."""
+        self._endpoint_callbacks.append(callback)
+
+    def _endpoints(self, model: str) -> list[Endpoint]:
+        spec = self.config.models[model]
+        state = self._models[model]
+        return [
+            Endpoint(address=a, model=model, pool=model, engine=spec.engine) for a in state.ready
+        ]
+
     def _apis(self) -> tuple[k8s.AppsV1Api, k8s.DiscoveryV1Api]:
         if self._apps is None or self._discovery is None:
             if self._api_client is None:
-                self._api_client = _load_client()
+                self._api_client = load_client()
             self._apps = k8s.AppsV1Api(self._api_client)
             self._discovery = k8s.DiscoveryV1Api(self._api_client)
         return self._apps, self._discovery
@@ -250,7 +241,6 @@ class KubernetesControlPlane:
         timeout = spec.scaling.start_timeout if spec.scaling else 300.0
         deadline = time.monotonic() + timeout
         scaled = await self._scale_up(target, state)
-        state.follow_error = None
         self._follow(model, state)
         try:
             await self._wait_ready(state, deadline, timeout)
@@ -258,9 +248,7 @@ class KubernetesControlPlane:
             await self._give_up(state, scaled)
             raise
         state.serving = True
-        return [
-            Endpoint(address=a, model=model, pool=model, engine=spec.engine) for a in state.ready
-        ]
+        return self._endpoints(model)
 
     async def _wait_ready(self, state: _Model, deadline: float, timeout: float) -> None:
         target = state.target
@@ -326,17 +314,45 @@ class KubernetesControlPlane:
                 await self._scale_to_zero(state)
 
     async def stop(self, model: str) -> None:
-        """Scale to 0; returns once the API accepted it (Kubernetes terminates the pods)."""
+        """Scale to 0; returns once the pods are gone from the Service's EndpointSlices
+        (they may take their grace period to drain), at most `stop_timeout`."""
         lock = self._locks.setdefault(model, asyncio.Lock())
         async with lock:
             state = self._model(model)
             state.serving = False
-            await self._unfollow(state)
             try:
                 await self._scale_to_zero(state)
+                self._follow(model, state)
+                await self._wait_gone(state)
             except StartError as exc:
                 state.last_error = str(exc)
                 log.error("stop of model %s failed: %s", model, exc)
+            finally:
+                await self._unfollow(state)
+
+    async def _wait_gone(self, state: _Model) -> None:
+        reflector = state.reflector
+        assert reflector is not None
+        try:
+            async with asyncio.timeout(self.stop_timeout):
+                await reflector.listed.wait()
+                while state.pods_listed and reflector.stale_since is None:
+                    state.changed.clear()
+                    await state.changed.wait()
+            if reflector.stale_since is not None:  # cannot see the pods go: do not wait blind
+                log.warning(
+                    "scaled %s to 0 but cannot follow its pods: %s",
+                    state.target.deployment,
+                    reflector.last_error,
+                )
+        except TimeoutError:
+            target = state.target
+            log.warning(
+                "pods of deployment %s/%s still listed %gs after scaling to 0",
+                target.namespace,
+                target.deployment,
+                self.stop_timeout,
+            )
 
     async def _scale_to_zero(self, state: _Model) -> None:
         apps, _ = self._apis()
@@ -354,7 +370,6 @@ class KubernetesControlPlane:
         except Exception as exc:
             raise _unreachable(exc, self._api_client) from None
         state.wanted = 0
-        state.set_slices({})
         log.info("scaled deployment %s/%s to 0", target.namespace, target.deployment)
 
     def status(self, model: str) -> dict[str, object]:
@@ -368,7 +383,7 @@ class KubernetesControlPlane:
             "service": target.service,
             "replicas_wanted": state.wanted,
             "ready_endpoints": list(state.ready),
-            "discovery": state.mode,
+            "discovery": state.reflector.mode if state.reflector is not None else "idle",
             "last_error": state.last_error,
         }
 
@@ -381,143 +396,50 @@ class KubernetesControlPlane:
 
     # -- following the EndpointSlices ----------------------------------------------------
     def _follow(self, model: str, state: _Model) -> None:
-        if state.follower is None or state.follower.done():
-            state.stopped = threading.Event()
-            state.follower = asyncio.create_task(self._follow_loop(state), name=f"k8s {model}")
-
-    async def _unfollow(self, state: _Model) -> None:
-        task, state.follower = state.follower, None
-        if task is None:
+        if state.reflector is not None:
             return
-        state.stopped.set()
-        # Watch.stop() shuts the stream's socket down, but only once the request is made:
-        # repeat it until the watch thread has returned (bounded), so no thread lingers.
-        deadline = time.monotonic() + self.request_timeout
-        while state.watch_thread is not None and not state.watch_thread.done():
-            if state.watch is not None:
-                state.watch.stop()
-            if time.monotonic() > deadline:
-                log.warning(
-                    "watch of %s did not stop within %gs", state.target.model, self.request_timeout
-                )
-                break
-            await asyncio.sleep(0.02)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        state.mode = "idle"
-
-    async def _follow_loop(self, state: _Model) -> None:
-        stopped = state.stopped
-        verb = "list/watch discovery.k8s.io endpointslices"
-        while not stopped.is_set():
-            try:
-                version = await self._list(state)
-            except ApiException as exc:
-                self._follow_failed(state, api_error(exc, verb, state.target), exc.status)
-                await asyncio.sleep(self.poll_interval)
-                continue
-            except Exception as exc:
-                self._follow_failed(state, _unreachable(exc, self._api_client), None)
-                await asyncio.sleep(self.poll_interval)
-                continue
-            if not self.use_watch or time.monotonic() < state.watch_retry_at:
-                state.mode = "list"
-                await asyncio.sleep(self.poll_interval)
-                continue
-            state.mode = "watch"
-            try:
-                await self._watch(state, version, stopped)  # until the server ends it
-            except ApiException as exc:
-                if exc.status == 410:  # our resourceVersion expired: list again
-                    continue
-                self._watch_refused(state, api_error(exc, verb, state.target), exc.status)
-            except Exception as exc:
-                if not stopped.is_set():
-                    self._watch_refused(state, _unreachable(exc, self._api_client), None)
-
-    def _follow_failed(self, state: _Model, error: StartError, status: int | None) -> None:
-        """A failed list: retried every poll_interval; credentials problems fail a start."""
-        log.warning("listing the endpoints of %s: %s", state.target.model, error)
-        state.last_error = str(error)
-        if status in (401, 403):
-            state.follow_error = error
-            state.changed.set()
-
-    def _watch_refused(self, state: _Model, error: StartError, status: int | None) -> None:
-        """A refused or broken watch: poll the list instead for a while, then watch again."""
-        log.warning(
-            "watching the endpoints of %s failed, listing every %gs for %gs: %s",
-            state.target.model,
-            self.poll_interval,
-            self.watch_retry,
-            error,
-        )
-        state.mode = "list"
-        state.watch_retry_at = time.monotonic() + self.watch_retry
-        if status in (401, 403):
-            state.follow_error = error
-            state.changed.set()
-
-    async def _list(self, state: _Model) -> str | None:
         _, discovery = self._apis()
         target = state.target
-        result = await self._call(
+        query = Query(
             discovery.list_namespaced_endpoint_slice,
+            (target.namespace,),
+            "endpointslices.discovery.k8s.io",
             target.namespace,
             label_selector=target.selector,
-            _request_timeout=self.request_timeout,
         )
-        assert self._api_client is not None
-        items = self._api_client.sanitize_for_serialization(result.items or [])
-        state.follow_error = None
-        if not state.stopped.is_set():
-            self._apply(state, {s["metadata"]["name"]: s for s in items})
-        return result.metadata.resource_version if result.metadata is not None else None
+        state.reflector = Reflector(
+            query,
+            lambda items: self._apply(state, dict(items)),
+            pool=self._pool,
+            api_client=self._api_client,
+            what=f"model {model} (service {target.namespace}/{target.service})",
+            request_timeout=self.request_timeout,
+            watch_timeout=self.watch_timeout,
+            backoff=(self.poll_interval, max(self.poll_interval, 10.0)),
+            watch=self.use_watch,
+            poll_interval=self.poll_interval,
+            watch_retry=self.watch_retry,
+            on_forbidden=lambda verb, exc: api_error(
+                exc, "list/watch discovery.k8s.io endpointslices", target
+            ),
+            on_error=state.changed.set,
+        )
+        state.reflector.start()
 
-    async def _watch(self, state: _Model, version: str | None, stopped: threading.Event) -> None:
-        _, discovery = self._apis()
-        target = state.target
-        loop = asyncio.get_running_loop()
-        watch = state.watch = _watch_module.Watch()
-
-        def on_event(kind: str, obj: dict[str, Any]) -> None:
-            name = (obj.get("metadata") or {}).get("name")
-            if stopped.is_set() or not name or kind not in ("ADDED", "MODIFIED", "DELETED"):
-                return  # BOOKMARK: nothing changed
-            slices = dict(state.slices)
-            if kind == "DELETED":
-                slices.pop(name, None)
-            else:
-                slices[name] = obj
-            self._apply(state, slices)
-
-        def run() -> None:
-            stream = watch.stream(
-                discovery.list_namespaced_endpoint_slice,
-                target.namespace,
-                label_selector=target.selector,
-                resource_version=version,
-                timeout_seconds=self.watch_timeout,
-                allow_watch_bookmarks=True,
-                _request_timeout=self.watch_timeout + self.request_timeout,
-            )
-            for event in stream:
-                if stopped.is_set():
-                    watch.stop()
-                    break
-                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
-                    loop.call_soon_threadsafe(on_event, event["type"], event["raw_object"])
-
-        state.watch_thread = self._pool.submit(run)
-        try:
-            await asyncio.wrap_future(state.watch_thread)
-        finally:
-            state.watch = None
+    async def _unfollow(self, state: _Model) -> None:
+        reflector, state.reflector = state.reflector, None
+        if reflector is not None:
+            await reflector.stop()
 
     def _apply(self, state: _Model, slices: dict[str, dict[str, Any]]) -> None:
-        had_ready = bool(state.ready)
+        before = state.ready
+        had_ready = bool(before)
         state.set_slices(slices)
+        if state.serving and state.ready and state.ready != before:
+            # An autoscaler (or a person) scaled, a pod moved or turned (not) ready.
+            endpoints = self._endpoints(state.target.model)
+            for on_endpoints in self._endpoint_callbacks:
+                on_endpoints(state.target.model, endpoints)
         if state.serving and had_ready and not state.ready:
             state.serving = False
             target = state.target
@@ -529,22 +451,6 @@ class KubernetesControlPlane:
             state.last_error = reason
             for callback in self._callbacks:
                 callback(target.model, reason)
-
-
-def _load_client() -> k8s.ApiClient:
-    """In-cluster credentials, else the local kubeconfig."""
-    try:
-        _config_module.load_incluster_config()
-    except ConfigException:
-        try:
-            # KUBECONFIG read now, not when the client was imported (its default).
-            _config_module.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        except (ConfigException, OSError) as exc:
-            raise StartError(
-                f"no Kubernetes credentials: not running in a cluster and no usable "
-                f"kubeconfig ({exc})"
-            ) from None
-    return k8s.ApiClient()
 
 
 def _unreachable(exc: Exception, api_client: k8s.ApiClient | None) -> StartError:

@@ -1,4 +1,5 @@
-"""A fake Kubernetes API server (aiohttp) for the Kubernetes control plane's tests.
+"""A fake Kubernetes API server (aiohttp) for the tests and benchmarks of Kubernetes discovery
+and the Kubernetes control plane.
 
 It speaks the real paths and JSON of the two APIs llmgw uses, so the official client
 talks to it unchanged (`Configuration(host="http://127.0.0.1:PORT")`):
@@ -9,7 +10,12 @@ talks to it unchanged (`Configuration(host="http://127.0.0.1:PORT")`):
   `EndpointSliceList`; with `watch=true`, newline-delimited watch events
   (`{"type": "ADDED|MODIFIED|DELETED|BOOKMARK|ERROR", "object": ...}`) after
   `resourceVersion`, until `timeoutSeconds`.
+- `GET /api/v1/namespaces/{ns}/pods` and
+  `GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools` (label and
+  `metadata.name` field selectors), list and watch, over objects put by the test.
+- Watches that allow bookmarks get a BOOKMARK before the server ends them.
 - Errors are `v1` `Status` objects (403 Forbidden, 404 NotFound, 410 Expired).
+- `go_down()` / `come_back()`: the API server unreachable, then back on the same port.
 
 Each Deployment simulates its pods: scaling up adds a not-ready endpoint per pod (one
 EndpointSlice per pod, so each pod can point at its own loopback port), which turns
@@ -49,6 +55,7 @@ class FakeDeployment:
     ready_after: float = 0.05
     replicas: int = 0
     never_ready: bool = False
+    grace: float = 0.02  # a terminating pod is deleted this long after (its grace period)
     pods: list[FakePod] = field(default_factory=list)
 
 
@@ -71,9 +78,13 @@ class FakeKubernetes:
         self.watch_supported = True
         self.watches_served = 0
         self.expire_watches = 0  # answer this many watches with a 410 Expired ERROR event
+        self.bookmarks_sent = 0
         self._watch_generation = 0  # end_watches() bumps it: open streams end
         self._version = 100
-        self._events: list[tuple[int, str, str, dict[str, Any]]] = []  # (rv, ns, type, slice)
+        # (rv, resource, ns, type, object); resource: endpointslices | pods | inferencepools
+        self._events: list[tuple[int, str, str, str, dict[str, Any]]] = []
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (resource, ns, name)
+        self.down = False  # go_down(): nothing listens on the port
         self._changed = asyncio.Event()  # replaced by a fresh one on every change
         self._closing = asyncio.Event()
         self._timers: set[asyncio.TimerHandle] = set()
@@ -86,6 +97,9 @@ class FakeKubernetes:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
+        await self._listen(0)
+
+    async def _listen(self, port: int) -> None:
         app = web.Application()
         app.router.add_route(
             "GET", "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale", self._get_scale
@@ -96,11 +110,30 @@ class FakeKubernetes:
         app.router.add_route(
             "GET", "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self._slices
         )
+        app.router.add_route("GET", "/api/v1/namespaces/{ns}/pods", self._pods)
+        app.router.add_route(
+            "GET",
+            "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+            self._pools,
+        )
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", port, reuse_address=True)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
+
+    async def go_down(self) -> None:
+        """The API server goes away: open watches end, the port refuses connections."""
+        self.down = True
+        self.end_watches()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def come_back(self) -> None:
+        """The API server returns on the same port, with whatever changed meanwhile."""
+        self.down = False
+        await self._listen(self.port)
 
     async def stop(self) -> None:
         self._closing.set()
@@ -151,11 +184,159 @@ class FakeKubernetes:
         """Someone else (an HPA, a person with kubectl) sets the replicas."""
         self._scale(self.deployments[(namespace, name)], replicas)
 
+    def mark(
+        self,
+        name: str,
+        port: int,
+        *,
+        ready: bool,
+        terminating: bool = False,
+        namespace: str = "default",
+    ) -> None:
+        """The pod of the deployment at loopback `port` fails (or passes) its readiness
+        probe, or starts terminating."""
+        deployment = self.deployments[(namespace, name)]
+        pod = next(p for p in deployment.pods if p.port == port)
+        pod.ready, pod.terminating = ready, terminating
+        self._emit(deployment, "MODIFIED", pod)
+
+    def rollout(self, name: str, pod_ports: list[int], *, namespace: str = "default") -> None:
+        """A rolling update: a new pod per old one (new address), each old pod terminated
+        once its replacement has had time to turn ready (maxSurge 100 %)."""
+        deployment = self.deployments[(namespace, name)]
+        old = [p for p in deployment.pods if not p.terminating]
+        deployment.pod_ports = pod_ports
+        deployment.pods = [p for p in deployment.pods if p not in old]
+        self._scale(deployment, deployment.replicas)
+        deployment.pods[:0] = old
+        for pod in old:
+            self._later(deployment.ready_after * 2, self._terminate, deployment, pod)
+
+    def _terminate(self, deployment: FakeDeployment, pod: FakePod) -> None:
+        if pod in deployment.pods and not pod.terminating:
+            pod.ready, pod.terminating = False, True
+            self._emit(deployment, "MODIFIED", pod)
+            self._later(0.02, self._delete, deployment, pod)
+
     def end_watches(self) -> None:
         """End every open watch stream, as an API server does at timeoutSeconds or restart."""
         self._watch_generation += 1
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+
+    # -- pods and InferencePools (objects stored as the API returns them) ----------------
+    def put_pod(
+        self,
+        name: str,
+        *,
+        port_ip: str = "127.0.0.1",
+        labels: dict[str, str],
+        ready: bool = True,
+        namespace: str = "default",
+    ) -> None:
+        """Create or replace a pod (Running; Ready as given) with IP `port_ip`."""
+        key = ("pods", namespace, name)
+        kind = "MODIFIED" if key in self.objects else "ADDED"
+        pod = {
+            "metadata": {"name": name, "namespace": namespace, "labels": labels},
+            "spec": {"containers": [{"name": "engine", "image": "vllm"}]},
+            "status": {
+                "phase": "Running",
+                "podIP": port_ip,
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            },
+        }
+        self._put("pods", namespace, name, pod, kind)
+
+    def set_pod_ready(self, name: str, ready: bool, *, namespace: str = "default") -> None:
+        pod = self.objects[("pods", namespace, name)]
+        pod["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
+        self._put("pods", namespace, name, pod, "MODIFIED")
+
+    def terminate_pod(self, name: str, *, namespace: str = "default") -> None:
+        """The pod is being deleted: deletionTimestamp set, still listed until gone."""
+        pod = self.objects[("pods", namespace, name)]
+        pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        self._put("pods", namespace, name, pod, "MODIFIED")
+
+    def delete_object(self, resource: str, name: str, *, namespace: str = "default") -> None:
+        obj = self.objects.pop((resource, namespace, name))
+        self._put(resource, namespace, name, obj, "DELETED", store=False)
+
+    def put_pool(
+        self,
+        name: str,
+        *,
+        selector: dict[str, str],
+        ports: list[int],
+        namespace: str = "default",
+    ) -> None:
+        """Create or replace an InferencePool (inference.networking.k8s.io/v1)."""
+        key = ("inferencepools", namespace, name)
+        kind = "MODIFIED" if key in self.objects else "ADDED"
+        pool = {
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "selector": {"matchLabels": selector},
+                "targetPorts": [{"number": p} for p in ports],
+                "endpointPickerRef": {"name": "llmgw", "port": {"number": 9002}},
+            },
+        }
+        self._put("inferencepools", namespace, name, pool, kind)
+
+    def _put(
+        self,
+        resource: str,
+        namespace: str,
+        name: str,
+        obj: dict[str, Any],
+        kind: str,
+        *,
+        store: bool = True,
+    ) -> None:
+        version = self._next_version()
+        obj = {"kind": _KINDS[resource], "apiVersion": _API_VERSIONS[resource], **obj}
+        obj["metadata"] = {**obj["metadata"], "resourceVersion": str(version)}
+        if store:
+            self.objects[(resource, namespace, name)] = obj
+        self._events.append((version, resource, namespace, kind, json.loads(json.dumps(obj))))
+        self._wake()
+
+    async def _pods(self, request: web.Request) -> web.StreamResponse:
+        return await self._objects(request, "pods", "", "list-pods")
+
+    async def _pools(self, request: web.Request) -> web.StreamResponse:
+        return await self._objects(
+            request, "inferencepools", "inference.networking.k8s.io", "list-pools"
+        )
+
+    async def _objects(
+        self, request: web.Request, resource: str, group: str, forbid_key: str
+    ) -> web.StreamResponse:
+        await self._record(request)
+        watching = request.query.get("watch") in ("true", "1")
+        if forbid_key in self.forbidden:
+            return forbidden(request, "watch" if watching else "list", resource, group)
+        ns = request.match_info["ns"]
+        selector = parse_selector(request.query.get("labelSelector", ""))
+        fields = parse_selector(request.query.get("fieldSelector", ""))
+        if "metadata.name" in fields:
+            selector = {**selector, _NAME_FIELD: fields["metadata.name"]}
+        if watching:
+            return await self._watch(request, ns, selector, resource)
+        items = [
+            {k: v for k, v in obj.items() if k not in ("kind", "apiVersion")}
+            for (r, n, _), obj in sorted(self.objects.items())
+            if r == resource and n == ns and _matches(obj, selector)
+        ]
+        return web.json_response(
+            {
+                "kind": _KINDS[resource] + "List",
+                "apiVersion": _API_VERSIONS[resource],
+                "metadata": {"resourceVersion": str(self._version)},
+                "items": items,
+            }
+        )
 
     def patches(self) -> list[RecordedRequest]:
         return [r for r in self.requests if r.method == "PATCH"]
@@ -179,7 +360,7 @@ class FakeKubernetes:
         for pod in live[replicas:]:
             pod.ready, pod.terminating = False, True
             self._emit(deployment, "MODIFIED", pod)
-            self._later(0.02, self._delete, deployment, pod)
+            self._later(deployment.grace, self._delete, deployment, pod)
 
     def _become_ready(self, deployment: FakeDeployment, pod: FakePod) -> None:
         if pod in deployment.pods and not pod.terminating:
@@ -208,7 +389,11 @@ class FakeKubernetes:
 
     def _emit(self, deployment: FakeDeployment, kind: str, pod: FakePod) -> None:
         pod.version = self._next_version()
-        self._events.append((pod.version, deployment.namespace, kind, self._slice(deployment, pod)))
+        slice_ = self._slice(deployment, pod)
+        self._events.append((pod.version, "endpointslices", deployment.namespace, kind, slice_))
+        self._wake()
+
+    def _wake(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
@@ -349,12 +534,13 @@ class FakeKubernetes:
             )
         if not self.watch_supported:
             return status_response(405, "MethodNotAllowed", "watch is not supported here")
-        return await self._watch(request, ns, selector)
+        return await self._watch(request, ns, selector, "endpointslices")
 
     async def _watch(
-        self, request: web.Request, ns: str, selector: dict[str, str]
+        self, request: web.Request, ns: str, selector: dict[str, str], resource: str
     ) -> web.StreamResponse:
         self.watches_served += 1
+        generation = self._watch_generation  # before any await: end_watches() ends this one
         since = int(request.query.get("resourceVersion") or self._version)
         timeout = float(request.query.get("timeoutSeconds") or 1800)
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -363,7 +549,6 @@ class FakeKubernetes:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         sent = since
-        generation = self._watch_generation
         if self.expire_watches > 0:
             self.expire_watches -= 1
             expired = {
@@ -385,16 +570,26 @@ class FakeKubernetes:
                 and loop.time() < deadline
             ):
                 changed = self._changed
-                for version, event_ns, kind, obj in self._events:
+                for version, kind_of, event_ns, kind, obj in self._events:
                     if version <= sent:
                         continue
                     sent = version
-                    if event_ns == ns and _matches(obj, selector):
+                    if kind_of == resource and event_ns == ns and _matches(obj, selector):
                         line = json.dumps({"type": kind, "object": obj}) + "\n"
                         await response.write(line.encode())
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(max(0.0, deadline - loop.time())):
                         await changed.wait()
+            if request.query.get("allowWatchBookmarks") in ("true", "1") and not self.down:
+                # As the API server does before it ends a watch: where to resume from.
+                self.bookmarks_sent += 1
+                bookmark = {
+                    "kind": _KINDS[resource],
+                    "apiVersion": _API_VERSIONS[resource],
+                    "metadata": {"resourceVersion": str(max(sent, self._version))},
+                }
+                line = json.dumps({"type": "BOOKMARK", "object": bookmark}) + "\n"
+                await response.write(line.encode())
             await response.write_eof()
         return response
 
@@ -408,8 +603,17 @@ def parse_selector(text: str) -> dict[str, str]:
     return out
 
 
+_NAME_FIELD = "\0metadata.name"  # a field selector on the name, kept beside the labels
+_KINDS = {"endpointslices": "EndpointSlice", "pods": "Pod", "inferencepools": "InferencePool"}
+_API_VERSIONS = {
+    "endpointslices": "discovery.k8s.io/v1",
+    "pods": "v1",
+    "inferencepools": "inference.networking.k8s.io/v1",
+}
+
+
 def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
-    labels = obj["metadata"].get("labels") or {}
+    labels = {**(obj["metadata"].get("labels") or {}), _NAME_FIELD: obj["metadata"].get("name")}
     return all(labels.get(k) == v for k, v in selector.items())
 
 

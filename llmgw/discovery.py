@@ -1,0 +1,210 @@
+"""Where a model's endpoints come from on Kubernetes, and the pure rules that turn API
+objects (JSON, camelCase) into the addresses that get new requests.
+
+    models:
+      chat:
+        discovery: {service: {namespace: models, name: vllm-chat, port: http}}
+      code:
+        discovery: {inference_pool: {namespace: models, name: code-pool}}
+      batch:
+        discovery: {pods: {namespace: models, selector: {app: vllm-batch}, port: 8000}}
+
+Only Ready endpoints that are not terminating get new requests: a pod failing its
+readiness probe or being deleted leaves the set (its in-flight requests finish there).
+The runtime follower (`llmgw.runtime.kube`) lists and watches; this module decides.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# RFC 1123 label (namespaces) and subdomain (object names), as the API server checks them.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_KEY = re.compile(r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$")
+
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+INFERENCE_POOL_GROUP = "inference.networking.k8s.io"
+INFERENCE_POOL_VERSION = "v1"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Namespaced(_Strict):
+    namespace: str = "default"
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if not _DNS_LABEL.match(value) or len(value) > 63:
+            raise ValueError(f"must be a Kubernetes namespace name (RFC 1123 label), got {value!r}")
+        return value
+
+
+class _Named(_Namespaced):
+    name: str
+
+    @field_validator("name")
+    @classmethod
+    def _object_name(cls, value: str) -> str:
+        if not _DNS_SUBDOMAIN.match(value) or len(value) > 253:
+            raise ValueError(
+                f"must be a Kubernetes object name (RFC 1123 subdomain), got {value!r}"
+            )
+        return value
+
+
+class ServiceSource(_Named):
+    """A Service's EndpointSlices. `port`: the Service port's name, or the endpoint (pod)
+    port number; omitted: the port named `http`, else the slice's first port."""
+
+    port: str | int | None = None
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, value: str | int | None) -> str | int | None:
+        if isinstance(value, int) and not 0 < value < 65536:
+            raise ValueError(f"must be a port name or a number in 1..65535, got {value}")
+        if isinstance(value, str) and not _DNS_LABEL.match(value):
+            raise ValueError(f"must be a port name (as in the Service) or a number, got {value!r}")
+        return value
+
+
+class InferencePoolSource(_Named):
+    """A Gateway API Inference Extension InferencePool (`inference.networking.k8s.io/v1`):
+    the Ready pods its `selector.matchLabels` selects, at each of its `targetPorts`."""
+
+
+class PodSource(_Namespaced):
+    """Pods by label selector (clusters without a Service or an InferencePool)."""
+
+    selector: dict[str, str] = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+
+    @field_validator("selector")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, label in value.items():
+            if not _LABEL_KEY.match(key):
+                raise ValueError(f"{key}: not a valid label key")
+            if not _LABEL_VALUE.match(label):
+                raise ValueError(f"{key}: not a valid label value: {label!r}")
+        return value
+
+
+class DiscoverySpec(_Strict):
+    """Exactly one source per model."""
+
+    service: ServiceSource | None = None
+    inference_pool: InferencePoolSource | None = None
+    pods: PodSource | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> DiscoverySpec:
+        given = [k for k in ("service", "inference_pool", "pods") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "service: give exactly one of `service`, `inference_pool` or `pods`"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        return self
+
+    @property
+    def namespace(self) -> str:
+        source = self.service or self.inference_pool or self.pods
+        assert source is not None
+        return source.namespace
+
+    def describe(self) -> str:
+        if self.service is not None:
+            return f"service {self.service.namespace}/{self.service.name}"
+        if self.inference_pool is not None:
+            return f"inferencepool {self.inference_pool.namespace}/{self.inference_pool.name}"
+        assert self.pods is not None
+        return f"pods {self.pods.namespace}/{selector_text(self.pods.selector)}"
+
+
+def selector_text(labels: Mapping[str, str]) -> str:
+    """An equality label selector as the API's `labelSelector` query takes it."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def join(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def slice_port(slice_: Mapping[str, Any], wanted: str | int | None, default: int) -> int | None:
+    """The port of one EndpointSlice to route to (None: the slice lacks the wanted one)."""
+    ports = [p for p in slice_.get("ports") or [] if p.get("port")]
+    if isinstance(wanted, int):
+        return wanted if any(int(p["port"]) == wanted for p in ports) else None
+    if isinstance(wanted, str):
+        named = [p for p in ports if p.get("name") == wanted]
+        return int(named[0]["port"]) if named else None
+    named = [p for p in ports if p.get("name") == "http"]
+    return int((named or ports)[0]["port"]) if ports else default
+
+
+def slice_addresses(
+    slices: Iterable[Mapping[str, Any]], port: str | int | None = None, default_port: int = 8000
+) -> list[str]:
+    """`ip:port` of every endpoint that takes new requests: Ready (a nil `ready` counts as
+    ready, as the API says) and not terminating."""
+    out: set[str] = set()
+    for slice_ in slices:
+        number = slice_port(slice_, port, default_port)
+        if number is None:
+            continue
+        for endpoint in slice_.get("endpoints") or []:
+            conditions = endpoint.get("conditions") or {}
+            if conditions.get("ready") is False or conditions.get("terminating") is True:
+                continue
+            for ip in endpoint.get("addresses") or []:
+                out.add(join(ip, number))
+    return sorted(out)
+
+
+def pod_is_routable(pod: Mapping[str, Any]) -> bool:
+    """Running, condition Ready True, an IP, and not being deleted."""
+    metadata = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if metadata.get("deletionTimestamp") or not status.get("podIP"):
+        return False
+    if status.get("phase") not in (None, "Running"):
+        return False
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+
+
+def pod_addresses(pods: Iterable[Mapping[str, Any]], ports: Iterable[int]) -> list[str]:
+    """`ip:port` for every routable pod and port (an InferencePool lists up to 8 ports;
+    each pod-port pair is an endpoint, as GIE's endpoint picker counts them)."""
+    numbers = list(ports)
+    return sorted(
+        join(str(pod["status"]["podIP"]), n)
+        for pod in pods
+        if pod_is_routable(pod)
+        for n in numbers
+    )
+
+
+def pool_selection(pool: Mapping[str, Any]) -> tuple[dict[str, str], list[int]]:
+    """An InferencePool's `spec.selector.matchLabels` and `spec.targetPorts[].number`;
+    raises ValueError naming the field that is missing."""
+    spec = pool.get("spec") or {}
+    labels = (spec.get("selector") or {}).get("matchLabels") or {}
+    ports = [int(p["number"]) for p in spec.get("targetPorts") or [] if p.get("number")]
+    if not labels:
+        raise ValueError("spec.selector.matchLabels is empty")
+    if not ports:
+        raise ValueError("spec.targetPorts has no port number")
+    return {str(k): str(v) for k, v in labels.items()}, ports

@@ -1,0 +1,309 @@
+"""Kubernetes discovery end to end: real Envoy (ORIGINAL_DST) + the ext_proc server, the
+fake API server listing simulated engines as a Service's pods (their loopback addresses),
+credentials from KUBECONFIG as in a real deployment."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import yaml
+
+from llmgw.asgi.testing import SSE_HEAD, ScriptedUpstream, UpstreamRequest, chunk, json_response
+from llmgw.config import Config, load_dict
+from llmgw.extproc.envoyconfig import build
+from llmgw.sim import ThreadedFleet
+from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port
+from llmgw.testing.fake_k8s import FakeKubernetes
+
+NS = "models"
+MODEL = "m1"
+CHAT = "/v1/chat/completions"
+BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
+SESSIONS = [f"session-{i}" for i in range(32)]
+pytestmark = pytest.mark.e2e
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeKubernetes]:
+    """The fake API server on this test's loop, and a kubeconfig pointing at it."""
+    async with FakeKubernetes() as fake:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": fake.host}}],
+                    "users": [{"name": "u", "user": {"token": "t"}}],
+                    "contexts": [{"name": "c", "context": {"cluster": "fake", "user": "u"}}],
+                    "current-context": "c",
+                }
+            )
+        )
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield fake
+
+
+@pytest.fixture
+def fleet(sim_fleet: ThreadedFleet) -> Iterator[ThreadedFleet]:
+    yield sim_fleet
+    for i in range(len(sim_fleet.ports)):
+        sim_fleet.reset(i)
+
+
+def discovered_config() -> Config:
+    return load_dict(
+        {
+            "debug_headers": True,
+            "scrape": {"interval": 0.05, "staleness": 1.0},
+            "models": {
+                MODEL: {
+                    "discovery": {"service": {"namespace": NS, "name": "vllm"}},
+                    "strategy": "ring",
+                }
+            },
+        }
+    )
+
+
+@contextlib.asynccontextmanager
+async def envoy_stack(config: Config, envoy_path: str) -> AsyncIterator[tuple[ExtProcThread, str]]:
+    # Built off this loop: the ext_proc server lists from the fake API server, which this
+    # loop serves.
+    extproc = await asyncio.to_thread(ExtProcThread, config)
+    try:
+        envoy = await asyncio.to_thread(
+            EnvoyProcess,
+            build(
+                config,
+                shape="original-dst",
+                listen_host="127.0.0.1",
+                listen_port=free_port(),
+                admin_port=free_port(),
+                extproc_address=extproc.address,
+                message_timeout=5.0,
+                connect_timeout=0.5,
+            ),
+        )
+        try:
+            yield extproc, envoy.url
+        finally:
+            await asyncio.to_thread(envoy.stop)
+    finally:
+        await asyncio.to_thread(extproc.stop)
+
+
+def served_by(reply: httpx.Response) -> str:
+    fields = dict(
+        part.split("=", 1) for part in reply.headers["x-llmgw-decision"].split() if "=" in part
+    )
+    return fields.get("answered") or fields["endpoint"]
+
+
+async def routed(extproc: ExtProcThread) -> set[str]:
+    registry = extproc.scheduler.registry
+    return set(
+        await asyncio.to_thread(extproc.call, lambda: [s.id for s in registry.states(MODEL)])
+    )
+
+
+async def wait_routed(extproc: ExtProcThread, wanted: set[str]) -> None:
+    """Until exactly `wanted` is routed and nothing is in flight on pods that left."""
+    registry = extproc.scheduler.registry
+
+    def draining() -> int:
+        return len(registry.draining(MODEL))
+
+    async with asyncio.timeout(10.0):
+        while (
+            await routed(extproc) != wanted or await asyncio.to_thread(extproc.call, draining) > 0
+        ):
+            await asyncio.sleep(0.01)
+
+
+class Traffic:
+    """Two clients cycling through the sessions until stopped; failures and owners kept."""
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+        self.failures: list[str] = []
+        self.served: dict[str, str] = {}
+        self.epoch = 0
+        self.sent = 0
+        self._stop = asyncio.Event()
+
+    async def worker(self, offset: int) -> None:
+        i = offset
+        while not self._stop.is_set():
+            session = SESSIONS[i % len(SESSIONS)]
+            i += 2
+            epoch = self.epoch
+            try:
+                reply = await self.http.post(CHAT, content=BODY, headers={"x-session-id": session})
+            except httpx.HTTPError as exc:
+                self.failures.append(f"{session}: {type(exc).__name__}")
+                continue
+            self.sent += 1
+            if reply.status_code != 200:
+                self.failures.append(f"{session}: HTTP {reply.status_code} {reply.text[:120]}")
+            elif epoch == self.epoch:
+                self.served[session] = served_by(reply)
+
+    async def round(self) -> dict[str, str]:
+        self.epoch += 1
+        self.served.clear()
+        await eventually(lambda: len(self.served) == len(SESSIONS), timeout=20.0)
+        return dict(self.served)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+async def test_scale_2_to_4_to_1_through_envoy_fails_nothing_and_moves_only_moved_sessions(
+    kube: FakeKubernetes, fleet: ThreadedFleet, envoy_path: str
+) -> None:
+    pods = [f"127.0.0.1:{p}" for p in fleet.ports]
+    kube.add_deployment("vllm", namespace=NS, pod_ports=fleet.ports, replicas=2)
+    await eventually(lambda: sum(p.ready for p in kube.deployments[(NS, "vllm")].pods) == 2)
+    async with (
+        envoy_stack(discovered_config(), envoy_path) as (extproc, url),
+        httpx.AsyncClient(base_url=url, timeout=10.0) as http,
+    ):
+        await wait_routed(extproc, set(pods[:2]))
+        traffic = Traffic(http)
+        workers = [asyncio.create_task(traffic.worker(i)) for i in range(2)]
+        try:
+            two = await traffic.round()
+            kube.scale("vllm", 4, namespace=NS)
+            await wait_routed(extproc, set(pods))
+            four = await traffic.round()
+            moved = [s for s in SESSIONS if four[s] != two[s]]
+            assert moved and all(four[s] in pods[2:] for s in moved), (two, four)
+            kube.scale("vllm", 1, namespace=NS)
+            await wait_routed(extproc, {pods[0]})
+            for i in range(1, 4):  # their pods are gone: a request there would get a 500
+                await asyncio.to_thread(fleet.set_faults, i, error_rate=1.0, status=500)
+            one = await traffic.round()
+            assert set(one.values()) == {pods[0]}
+        finally:
+            traffic.stop()
+            await asyncio.gather(*workers)
+    assert traffic.failures == [], traffic.failures[:5]
+
+
+async def test_rolling_update_and_an_api_outage_through_envoy_fail_nothing(
+    kube: FakeKubernetes, fleet: ThreadedFleet, envoy_path: str
+) -> None:
+    pods = [f"127.0.0.1:{p}" for p in fleet.ports]
+    kube.add_deployment("vllm", namespace=NS, pod_ports=fleet.ports[:2], replicas=2)
+    await eventually(lambda: sum(p.ready for p in kube.deployments[(NS, "vllm")].pods) == 2)
+    async with (
+        envoy_stack(discovered_config(), envoy_path) as (extproc, url),
+        httpx.AsyncClient(base_url=url, timeout=10.0) as http,
+    ):
+        await wait_routed(extproc, set(pods[:2]))
+        traffic = Traffic(http)
+        workers = [asyncio.create_task(traffic.worker(i)) for i in range(2)]
+        try:
+            kube.rollout("vllm", fleet.ports[2:], namespace=NS)  # every address changes
+            await wait_routed(extproc, set(pods[2:]))
+            for i in range(2):
+                await asyncio.to_thread(fleet.set_faults, i, error_rate=1.0, status=500)
+            assert set((await traffic.round()).values()) == set(pods[2:])
+            await kube.go_down()  # llmgw keeps routing on what it last saw
+            discovery = extproc.server.router.discovery
+            assert discovery is not None
+            await eventually(lambda: discovery.staleness()[MODEL] > 0)
+            sent = traffic.sent
+            await eventually(lambda: traffic.sent > sent + 20)
+            assert await routed(extproc) == set(pods[2:])
+            metrics = (await http.get(f"http://127.0.0.1:{extproc.ports['metrics']}/metrics")).text
+            assert 'llmgw_discovery_stale_seconds{model="m1"}' in metrics
+            await kube.come_back()
+            await eventually(lambda: discovery.staleness()[MODEL] == 0)
+        finally:
+            traffic.stop()
+            await asyncio.gather(*workers)
+    assert traffic.failures == [], traffic.failures[:5]
+
+
+async def test_a_pod_turning_not_ready_finishes_its_stream_through_envoy_and_gets_no_new_request(
+    kube: FakeKubernetes, fleet: ThreadedFleet, envoy_path: str
+) -> None:
+    release = asyncio.Event()
+
+    async def slow_stream(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if request.target != CHAT:  # the scraper's /metrics: not an engine it knows
+            writer.write(json_response(404, b"{}"))
+            return
+        writer.write(SSE_HEAD + chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'))
+        await writer.drain()
+        await release.wait()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    upstream = await ScriptedUpstream(slow_stream).start()
+    try:
+        port_a = int(upstream.address.rsplit(":", 1)[1])
+        a, b = upstream.address, f"127.0.0.1:{fleet.ports[0]}"
+        kube.add_deployment("vllm", namespace=NS, pod_ports=[port_a, fleet.ports[0]], replicas=2)
+        async with (
+            envoy_stack(discovered_config(), envoy_path) as (extproc, url),
+            httpx.AsyncClient(base_url=url, timeout=10.0) as http,
+        ):
+            await wait_routed(extproc, {a, b})
+            scheduler = extproc.scheduler
+
+            def ring_owner(session: str) -> str:
+                states = scheduler.registry.states(MODEL)
+                return scheduler.routers[MODEL].ring_for(states).candidates(session)[0]
+
+            owners = await asyncio.to_thread(
+                extproc.call, lambda: {f"s{i}": ring_owner(f"s{i}") for i in range(200)}
+            )
+            session = next(s for s, owner in owners.items() if owner == a)
+            stream_body = orjson.dumps(
+                {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+            )
+            async with http.stream(
+                "POST", CHAT, content=stream_body, headers={"x-session-id": session}
+            ) as reply:
+                chunks = reply.aiter_raw()
+                assert b"content" in await anext(chunks)
+                kube.mark("vllm", port_a, ready=False, namespace=NS)
+                async with asyncio.timeout(10.0):
+                    while await routed(extproc) != {b}:
+                        await asyncio.sleep(0.01)
+                kube.mark("vllm", port_a, ready=False, terminating=True, namespace=NS)
+                for _ in range(5):  # the same session, while its old pod drains
+                    again = await http.post(CHAT, content=BODY, headers={"x-session-id": session})
+                    assert again.status_code == 200 and served_by(again) == b
+                assert [r.target for r in upstream.requests].count(CHAT) == 1
+                draining = await asyncio.to_thread(
+                    extproc.call,
+                    lambda: [(s.id, s.inflight) for s in scheduler.registry.draining(MODEL)],
+                )
+                assert draining == [(a, 1)]
+                release.set()
+                rest = b"".join([part async for part in chunks])
+            assert reply.status_code == 200 and b"[DONE]" in rest
+            await wait_routed(extproc, {b})  # and the draining pod's request has ended
+    finally:
+        await upstream.stop()

@@ -1,0 +1,293 @@
+"""Kubernetes discovery against the fake API server (real paths and JSON, list + watch):
+Services, InferencePools and pod selectors feed the registry through one update path."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from llmgw.config import Config, load_dict
+from llmgw.registry import Registry
+from llmgw.runtime.controlplanes import StartError
+from llmgw.runtime.kube.discovery import Discovery
+from llmgw.runtime.telemetry import Telemetry
+from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.types import Endpoint
+
+NS = "models"
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+def config_for(**source: Any) -> Config:
+    return load_dict({"models": {"chat": {"discovery": source, "strategy": "ring"}}})
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKubernetes]:
+    async with FakeKubernetes() as fake:
+        yield fake
+
+
+@pytest.fixture
+def api(kube: FakeKubernetes) -> Iterator[Any]:
+    api_client: Any = client.ApiClient(client.Configuration(host=kube.host))
+    yield api_client
+    api_client.close()
+
+
+class Followed:
+    """A Discovery on the fake API feeding a registry; stopped at the end of the test."""
+
+    def __init__(self, api_client: Any) -> None:
+        self.api_client = api_client
+        self.registry = Registry()
+        self.made: list[Discovery] = []
+        self.updates: list[tuple[str, list[str]]] = []
+
+    async def __call__(self, config: Config, **options: Any) -> Discovery:
+        options.setdefault("backoff", (0.02, 0.1))
+        options.setdefault("startup_timeout", 5.0)
+        discovery = Discovery(config, api_client=self.api_client, **options)
+        self.made.append(discovery)
+        await discovery.start(self.update)
+        return discovery
+
+    def update(self, model: str, endpoints: list[Endpoint]) -> None:
+        self.updates.append((model, [e.address for e in endpoints]))
+        self.registry.set_endpoints(model, endpoints)
+
+    def addresses(self, model: str = "chat") -> list[str]:
+        return sorted(s.id for s in self.registry.states(model))
+
+
+@pytest.fixture
+async def followed(api: Any) -> AsyncIterator[Followed]:
+    made = Followed(api)
+    yield made
+    for discovery in made.made:
+        await discovery.stop()
+
+
+def ports(*numbers: int) -> list[str]:
+    return [f"127.0.0.1:{n}" for n in numbers]
+
+
+# -- Service (EndpointSlices) ------------------------------------------------------------
+async def test_a_service_is_followed_through_its_endpointslices_as_pods_come_and_go(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001, 7002, 7003], replicas=2)
+    await eventually(lambda: sum(p.ready for p in kube.deployments[(NS, "vllm")].pods) == 2)
+    await followed(config_for(service={"namespace": NS, "name": "vllm"}))
+    assert followed.addresses() == ports(7001, 7002)  # listed before start() returned
+    kube.scale("vllm", 3, namespace=NS)
+    await eventually(lambda: followed.addresses() == ports(7001, 7002, 7003))
+    kube.scale("vllm", 1, namespace=NS)
+    await eventually(lambda: followed.addresses() == ports(7001))
+    # Terminating pods left before they were deleted: never listed as they drained.
+    assert all("127.0.0.1:7002" not in a or len(a) == 3 for _, a in followed.updates[2:])
+
+
+async def test_a_rolling_update_that_changes_every_address_ends_on_the_new_pods_only(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001, 7002], replicas=2)
+    await eventually(lambda: sum(p.ready for p in kube.deployments[(NS, "vllm")].pods) == 2)
+    await followed(config_for(service={"namespace": NS, "name": "vllm"}))
+    kube.rollout("vllm", [7101, 7102], namespace=NS)
+    await eventually(lambda: followed.addresses() == ports(7101, 7102))
+    # Never empty in between: new pods were ready before the old ones left.
+    assert all(addresses for _, addresses in followed.updates)
+
+
+async def test_an_expired_watch_410_lists_again_and_catches_up(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001, 7002], replicas=1)
+    await eventually(lambda: any(p.ready for p in kube.deployments[(NS, "vllm")].pods))
+    discovery = await followed(config_for(service={"namespace": NS, "name": "vllm"}))
+    reflector = discovery.followers["chat"].reflectors[0]
+    await eventually(lambda: kube.watches_served >= 1)
+    kube.expire_watches = 1
+    kube.end_watches()
+    kube.scale("vllm", 2, namespace=NS)  # happens while the watch is expired
+    await eventually(lambda: reflector.expired == 1 and followed.addresses() == ports(7001, 7002))
+    assert reflector.lists >= 2
+
+
+async def test_a_watch_the_server_ends_resumes_from_its_bookmark_without_a_list(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001, 7002], replicas=1)
+    discovery = await followed(config_for(service={"namespace": NS, "name": "vllm"}))
+    reflector = discovery.followers["chat"].reflectors[0]
+    await eventually(lambda: kube.watches_served == 1)
+    lists = reflector.lists
+    kube.end_watches()
+    await eventually(lambda: kube.watches_served == 2)
+    assert kube.bookmarks_sent >= 1 and reflector.lists == lists
+    watches = [r for r in kube.requests if r.query.get("watch") == "true"]
+    assert watches[-1].query["allowWatchBookmarks"] == "true"
+    assert int(watches[-1].query["resourceVersion"]) >= int(watches[0].query["resourceVersion"])
+    kube.scale("vllm", 2, namespace=NS)
+    await eventually(lambda: followed.addresses() == ports(7001, 7002))
+
+
+async def test_losing_the_api_server_keeps_the_last_endpoints_and_reports_since_when(
+    kube: FakeKubernetes, followed: Followed, caplog: pytest.LogCaptureFixture
+) -> None:
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001, 7002], replicas=1)
+    await eventually(lambda: any(p.ready for p in kube.deployments[(NS, "vllm")].pods))
+    discovery = await followed(config_for(service={"namespace": NS, "name": "vllm"}))
+    telemetry = Telemetry()
+    telemetry.bind(followed.registry, None, discovery)
+    caplog.set_level(logging.WARNING, logger="llmgw.k8s")
+    await kube.go_down()
+    await eventually(lambda: discovery.staleness()["chat"] > 0)
+    assert followed.addresses() == ports(7001)  # still routed on what was last known
+    assert any(
+        "since" in r.getMessage() and "keeping the last 1" in r.getMessage() for r in caplog.records
+    )
+    stale = telemetry.registry.get_sample_value("llmgw_discovery_stale_seconds", {"model": "chat"})
+    assert stale is not None and stale > 0
+    kube.scale("vllm", 2, namespace=NS)  # changed while llmgw could not see it
+    await kube.come_back()
+    await eventually(lambda: followed.addresses() == ports(7001, 7002))
+    assert discovery.staleness()["chat"] == 0.0
+    assert discovery.status("chat") == {
+        "source": "service models/vllm",
+        "endpoints": ports(7001, 7002),
+        "stale_seconds": 0.0,
+        "error": None,
+    }
+    assert (
+        telemetry.registry.get_sample_value("llmgw_discovery_stale_seconds", {"model": "chat"}) == 0
+    )
+
+
+async def test_rbac_forbidden_is_a_startup_error_naming_verb_resource_and_role(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    kube.forbidden.add("list-slices")
+    with pytest.raises(StartError) as info:
+        await followed(config_for(service={"namespace": NS, "name": "vllm"}))
+    message = str(info.value)
+    assert "may not list endpointslices.discovery.k8s.io in namespace 'models'" in message
+    assert "llmgw-discovery" in message and "deploy/k8s/llmgw-rbac.yaml" in message
+    assert "cannot list resource" in message  # the API server's own words
+
+
+# -- pods and InferencePools ---------------------------------------------------------------
+async def test_a_pod_selector_follows_ready_pods_and_drops_not_ready_and_terminating_ones(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    labels = {"app": "vllm"}
+    kube.put_pod("a", port_ip="10.0.0.1", labels=labels, namespace=NS)
+    kube.put_pod("b", port_ip="10.0.0.2", labels=labels, namespace=NS)
+    kube.put_pod("other", port_ip="10.0.0.9", labels={"app": "web"}, namespace=NS)
+    await followed(config_for(pods={"namespace": NS, "selector": labels, "port": 8000}))
+    assert followed.addresses() == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    kube.set_pod_ready("a", False, namespace=NS)
+    await eventually(lambda: followed.addresses() == ["10.0.0.2:8000"])
+    kube.set_pod_ready("a", True, namespace=NS)
+    kube.terminate_pod("b", namespace=NS)
+    await eventually(lambda: followed.addresses() == ["10.0.0.1:8000"])
+    kube.delete_object("pods", "b", namespace=NS)
+    kube.put_pod("c", port_ip="10.0.0.3", labels=labels, namespace=NS)
+    await eventually(lambda: followed.addresses() == ["10.0.0.1:8000", "10.0.0.3:8000"])
+
+
+async def test_an_inference_pool_routes_its_selected_pods_at_every_target_port(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    kube.put_pool("chat-pool", selector={"pool": "chat"}, ports=[8000, 8001], namespace=NS)
+    kube.put_pod("a", port_ip="10.0.0.1", labels={"pool": "chat"}, namespace=NS)
+    kube.put_pod("b", port_ip="10.0.0.2", labels={"pool": "canary"}, namespace=NS)
+    discovery = await followed(config_for(inference_pool={"namespace": NS, "name": "chat-pool"}))
+    await eventually(lambda: followed.addresses() == ["10.0.0.1:8000", "10.0.0.1:8001"])
+    # The pool's selector and ports change: the pods it selects follow.
+    kube.put_pool("chat-pool", selector={"pool": "canary"}, ports=[9000], namespace=NS)
+    await eventually(lambda: followed.addresses() == ["10.0.0.2:9000"])
+    kube.delete_object("inferencepools", "chat-pool", namespace=NS)
+    await eventually(lambda: followed.addresses() == [])
+    assert discovery.status("chat")["error"] == "inferencepool models/chat-pool not found"
+    pool_lists = [r for r in kube.requests if r.path.endswith("/inferencepools")]
+    assert pool_lists[0].query["fieldSelector"] == "metadata.name=chat-pool"
+    assert (
+        pool_lists[0].path == f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
+    )
+
+
+async def test_forbidden_inference_pools_is_a_startup_error_naming_the_resource(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    kube.forbidden.add("list-pools")
+    with pytest.raises(
+        StartError, match=r"may not list inferencepools\.inference\.networking\.k8s\.io"
+    ):
+        await followed(config_for(inference_pool={"namespace": NS, "name": "chat-pool"}))
+
+
+async def test_llmgw_extproc_refuses_to_start_without_rbac_naming_what_to_apply(
+    kube: FakeKubernetes, tmp_path: Path
+) -> None:
+    """The CLI, as deployed: credentials from KUBECONFIG, exit code 3, the message on stderr."""
+    kube.forbidden.add("list-slices")
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": kube.host}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "fake", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
+    config = tmp_path / "llmgw.yaml"
+    config.write_text("models: {chat: {discovery: {service: {namespace: models, name: vllm}}}}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env["KUBECONFIG"] = str(kubeconfig)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "llmgw.cli",
+        "extproc",
+        f"--config={config}",
+        "--host=127.0.0.1",
+        "--grpc-port=0",
+        "--health-port=0",
+        "--metrics-port=0",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(60):
+            _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 3, stderr.decode()[-2000:]
+    message = stderr.decode()
+    assert "cannot start: RBAC" in message
+    assert "may not list endpointslices.discovery.k8s.io in namespace 'models'" in message
+    assert "llmgw-discovery" in message

@@ -1,0 +1,234 @@
+"""Discovery under live traffic: the embedded proxy (real HTTP) in front of simulated
+engines that stand for pods, the fake API server listing them as a Service's slices."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from kubernetes import client
+
+from llmgw.asgi.app import ProxyApp
+from llmgw.asgi.testing import (
+    MODEL,
+    SSE_HEAD,
+    ScriptedUpstream,
+    UpstreamRequest,
+    chunk,
+    json_response,
+    serve,
+)
+from llmgw.config import Config, load_dict
+from llmgw.runtime.kube.discovery import Discovery
+from llmgw.runtime.router import Router
+from llmgw.sim import SimFleet
+from llmgw.testing.fake_k8s import FakeKubernetes
+
+NS = "models"
+CHAT = "/v1/chat/completions"
+BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+def service_config() -> Config:
+    return load_dict(
+        {
+            "debug_headers": True,
+            "scrape": {"interval": 0.05},
+            "models": {
+                MODEL: {
+                    "discovery": {"service": {"namespace": NS, "name": "vllm"}},
+                    "strategy": "ring",
+                }
+            },
+        }
+    )
+
+
+def served_by(reply: httpx.Response) -> str:
+    """The endpoint that answered, from the `x-llmgw-decision` debug header."""
+    fields = dict(
+        part.split("=", 1) for part in reply.headers["x-llmgw-decision"].split() if "=" in part
+    )
+    return fields.get("answered") or fields["endpoint"]
+
+
+@contextlib.asynccontextmanager
+async def proxy_on(kube: FakeKubernetes, config: Config) -> AsyncIterator[tuple[Router, str]]:
+    api: Any = client.ApiClient(client.Configuration(host=kube.host))
+    discovery = Discovery(config, api_client=api, backoff=(0.02, 0.1))
+    router = Router(config, discovery=discovery)
+    try:
+        async with serve(ProxyApp(config, router=router)) as base:
+            yield router, base
+    finally:
+        api.close()
+
+
+@dataclass
+class Traffic:
+    """Workers that send one request per session in turn until stopped."""
+
+    http: httpx.AsyncClient
+    sessions: list[str]
+    served: dict[str, str] = field(default_factory=dict)  # session -> last endpoint
+    sent: int = 0
+    failures: list[str] = field(default_factory=list)
+    epoch: int = 0  # a round counts only requests sent after it began
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def worker(self, offset: int, step: int) -> None:
+        i = offset
+        while not self._stop.is_set():
+            session = self.sessions[i % len(self.sessions)]
+            i += step
+            epoch = self.epoch
+            try:
+                reply = await self.http.post(CHAT, content=BODY, headers={"x-session-id": session})
+            except httpx.HTTPError as exc:
+                self.failures.append(f"{session}: {type(exc).__name__} {exc}")
+                continue
+            self.sent += 1
+            if reply.status_code != 200:
+                self.failures.append(f"{session}: HTTP {reply.status_code} {reply.text[:200]}")
+                continue
+            if epoch == self.epoch:
+                self.served[session] = served_by(reply)
+
+    async def round(self) -> dict[str, str]:
+        """Every session served at least once from now on; their endpoints."""
+        self.epoch += 1
+        self.served.clear()
+        await eventually(lambda: len(self.served) == len(self.sessions), timeout=20.0)
+        return dict(self.served)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+async def test_scale_2_to_4_to_1_under_session_traffic_fails_nothing_and_moves_only_moved_sessions(
+    tmp_path: Any,
+) -> None:
+    async with (
+        SimFleet(replicas=4, model=MODEL, time_scale=0, seed=3) as fleet,
+        FakeKubernetes() as kube,
+    ):
+        pods = [f"127.0.0.1:{p}" for p in fleet.ports]
+        kube.add_deployment("vllm", namespace=NS, pod_ports=fleet.ports, replicas=2)
+        async with (
+            proxy_on(kube, service_config()) as (router, base),
+            httpx.AsyncClient(base_url=base, timeout=10.0) as http,
+        ):
+            registry = router.registry
+
+            def routed() -> set[str]:
+                return {s.id for s in registry.states(MODEL)}
+
+            await eventually(lambda: routed() == set(pods[:2]))
+            traffic = Traffic(http, [f"session-{i}" for i in range(48)])
+            workers = [asyncio.create_task(traffic.worker(i, 4)) for i in range(4)]
+            try:
+                two = await traffic.round()
+                assert set(two.values()) == set(pods[:2])
+                scaled_at = time.monotonic()
+                kube.scale("vllm", 4, namespace=NS)
+                await eventually(lambda: routed() == set(pods))
+                to_traffic = time.monotonic() - scaled_at
+                await eventually(lambda: registry.warming(MODEL) == 0)  # first scrapes
+                four = await traffic.round()
+                moved = [s for s in four if four[s] != two[s]]
+                assert moved and all(four[s] in pods[2:] for s in moved), (two, four)
+                kube.scale("vllm", 1, namespace=NS)
+                await eventually(lambda: routed() == {pods[0]} and not registry.draining(MODEL))
+                for replica in fleet.replicas[1:]:  # their pods are gone: nothing listens
+                    await replica.stop()
+                one = await traffic.round()
+                assert set(one.values()) == {pods[0]}
+                status = router.models_status()[MODEL]["discovery"]
+                assert isinstance(status, dict) and status["endpoints"] == [pods[0]]
+            finally:
+                traffic.stop()
+                await asyncio.gather(*workers)
+            assert traffic.failures == [], traffic.failures[:5]
+            assert traffic.sent > 3 * 48
+            assert to_traffic < 5.0
+
+
+async def test_a_pod_turning_not_ready_then_terminating_finishes_its_stream_and_gets_no_new_requests() -> (
+    None
+):
+    release = asyncio.Event()
+
+    async def slow_stream(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if request.target != CHAT:  # the scraper's /metrics: not an engine we know
+            writer.write(json_response(404, b"{}"))
+            return
+        writer.write(SSE_HEAD + chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'))
+        await writer.drain()
+        await release.wait()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    upstream = await ScriptedUpstream(slow_stream).start()
+    port_a = int(upstream.address.rsplit(":", 1)[1])
+    try:
+        async with (
+            SimFleet(replicas=1, model=MODEL, time_scale=0, seed=3) as fleet,
+            FakeKubernetes() as kube,
+        ):
+            a, b = upstream.address, f"127.0.0.1:{fleet.ports[0]}"
+            kube.add_deployment(
+                "vllm", namespace=NS, pod_ports=[port_a, fleet.ports[0]], replicas=2
+            )
+            config = service_config()
+            async with (
+                proxy_on(kube, config) as (router, base),
+                httpx.AsyncClient(base_url=base, timeout=10.0) as http,
+            ):
+                registry = router.registry
+                await eventually(lambda: len(registry.states(MODEL)) == 2)
+                ring = router.scheduler.routers[MODEL].ring_for(registry.states(MODEL))
+                session = next(
+                    s for s in (f"s{i}" for i in range(1000)) if ring.candidates(s)[0] == a
+                )
+                stream_body = orjson.dumps(
+                    {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+                )
+                async with http.stream(
+                    "POST", CHAT, content=stream_body, headers={"x-session-id": session}
+                ) as reply:
+                    chunks = reply.aiter_raw()
+                    first = await anext(chunks)
+                    assert b"content" in first and served_by(reply) == a
+                    kube.mark("vllm", port_a, ready=False, namespace=NS)
+                    await eventually(lambda: registry.get(MODEL, a) is None)
+                    kube.mark("vllm", port_a, ready=False, terminating=True, namespace=NS)
+                    for _ in range(5):  # the same session: now on the other pod
+                        again = await http.post(
+                            CHAT, content=BODY, headers={"x-session-id": session}
+                        )
+                        assert again.status_code == 200 and served_by(again) == b
+                    assert [r.target for r in upstream.requests].count(CHAT) == 1
+                    [draining] = registry.draining(MODEL)
+                    assert draining.id == a and draining.inflight == 1
+                    release.set()
+                    rest = b"".join([chunk_ async for chunk_ in chunks])
+                assert reply.status_code == 200 and b"[DONE]" in rest
+                await eventually(lambda: not registry.draining(MODEL))
+    finally:
+        await upstream.stop()
