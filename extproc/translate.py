@@ -401,8 +401,11 @@ class Exchange:
         if self._replied:  # a local reply ended the request: Envoy expects nothing more
             return ()
         kind = message.WhichOneof("request")
-        if kind == "request_headers":
+        if message.HasField("protocol_config"):
+            # The first message of the stream carries it: request headers, or response
+            # headers when a filter before ext_proc answered locally (the buffer's 413).
             self._request_mode, self._response_mode = _protocol_modes(message)
+        if kind == "request_headers":
             self._subset = _subset_hint(message)
             return self._request_headers(message.request_headers)
         if kind == "request_body":

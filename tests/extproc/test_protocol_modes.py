@@ -113,6 +113,20 @@ def test_full_duplex_holds_the_headers_answer_then_streams_every_chunk_back_in_o
     assert not answers[0].mode_override  # Envoy ignores overrides in this mode anyway
 
 
+def test_a_local_reply_before_ext_proc_streams_its_body_back_in_full_duplex() -> None:
+    """A filter before ext_proc (the buffer's 413) answered: the stream starts at the
+    response headers, which carry the modes; the body must come back as streamed chunks
+    (a plain body answer is 'spurious' to Envoy, which then turns the 413 into a 500)."""
+    ex = exchange()
+    head = response_headers(413, end_of_stream=False)
+    head.protocol_config.CopyFrom(
+        ProtocolConfiguration(request_body_mode=FULL_DUPLEX, response_body_mode=FULL_DUPLEX)
+    )
+    assert [kind(a) for a in decode(ex.handle(head))] == ["response_headers"]
+    (answer,) = decode(ex.handle(body(b'{"error": {}}', end=True, response=True)))
+    assert streamed(answer, "response_body") == (b'{"error": {}}', True)
+
+
 def test_full_duplex_with_trailers_answers_them_last_and_leaves_the_body_open() -> None:
     ex = exchange()
     ex.handle(first(chat_headers()))
