@@ -4,7 +4,7 @@ Thin on purpose: each gRPC stream gets an `Exchange` (extproc/translate.py) that
 messages into answers; this module only reads, writes, and releases on stream end.
 
 Ports (defaults): gRPC 9002 (ext_proc + grpc.health.v1), HTTP 9003 (`/healthz`,
-`/readyz`), HTTP 9090 (`/metrics`). SIGTERM: readiness goes false, new streams are
+`/readyz`, `/models/status`, `POST /admin/explain` if enabled), HTTP 9090 (`/metrics`). SIGTERM: readiness goes false, new streams are
 refused after `--drain-delay`, open ones get `--drain-timeout` seconds to finish.
 """
 
@@ -32,6 +32,7 @@ from llmgw.errors import ConfigError
 from llmgw.extproc.translate import Exchange
 from llmgw.lifecycle import AwaitActivation
 from llmgw.logs import configure
+from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.driver import activate
 from llmgw.runtime.health import readiness
 from llmgw.runtime.router import ConfigWatcher, router_for
@@ -152,12 +153,16 @@ class ExtProcServer:
     async def _models_status(self, _request: web.Request) -> web.Response:
         return web.json_response(self.router.models_status())
 
+    async def _explain(self, request: web.Request) -> web.Response:
+        status, body = explain(self.gateway, await request.read())
+        return web.Response(body=body, status=status, content_type="application/json")
+
     async def _metrics(self, _request: web.Request) -> web.Response:
         body, content_type = self.telemetry.render()
         return web.Response(body=body, headers={"content-type": content_type})
 
     async def _serve_http(self, routes: list[web.RouteDef], port: int) -> int:
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_QUERY_BYTES)
         app.add_routes(routes)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -216,6 +221,7 @@ class ExtProcServer:
                     web.get("/healthz", self._healthz),
                     web.get("/readyz", self._readyz),
                     web.get("/models/status", self._models_status),
+                    web.post(EXPLAIN_PATH, self._explain),
                 ],
                 self._ports["health"],
             )
