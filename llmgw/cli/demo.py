@@ -73,6 +73,15 @@ def _reasons(telemetry: Any) -> Counter[str]:
     return counts
 
 
+def demo_fleet() -> Any:
+    """The demo's 4 simulated vLLM replicas (a `ThreadedFleet`; tests and replay use it)."""
+    from llmgw.sim import SimFleet  # noqa: PLC0415
+
+    return SimFleet.start_in_thread(
+        replicas=4, model="m1", seed=1, decode_ms=4.0, default_output_tokens=(12, 24)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmgw demo", description=__doc__)
     parser.add_argument("--sessions", type=int, default=8)
@@ -83,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import openai  # noqa: PLC0415
 
+        import llmgw.sim  # noqa: F401, PLC0415 (checked here, used by demo_fleet)
         from llmgw.extproc.envoyconfig import build  # noqa: PLC0415
-        from llmgw.sim import SimFleet  # noqa: PLC0415
         from llmgw.testing.extproc import (  # noqa: PLC0415
             EnvoyProcess,
             ExtProcThread,
@@ -97,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     began = time.monotonic()
     print("starting 4 simulated vLLM replicas, the llmgw ext_proc server and Envoy ...")
-    fleet = SimFleet.start_in_thread(
-        replicas=4, model="m1", seed=1, decode_ms=4.0, default_output_tokens=(12, 24)
-    )
+    fleet = demo_fleet()
     extproc: ExtProcThread | None = None
     envoy: EnvoyProcess | None = None
     try:
