@@ -25,6 +25,7 @@ from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
 from llmgw.runtime.router import ConfigWatcher, Router
 from llmgw.runtime.telemetry import Telemetry
+from llmgw.runtime.trace import close_trace
 
 
 class ProxyApp:
@@ -90,6 +91,7 @@ class ProxyApp:
             self._watching = None
         await self.router.stop()
         await self.pool.aclose()
+        close_trace(self.routed.hooks)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]

@@ -37,6 +37,7 @@ from llmgw.runtime.driver import activate
 from llmgw.runtime.health import readiness
 from llmgw.runtime.router import ConfigWatcher, router_for
 from llmgw.runtime.telemetry import Telemetry
+from llmgw.runtime.trace import close_trace, traced
 from llmgw.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("llmgw.extproc")
@@ -81,7 +82,7 @@ class ExtProcServer:
         self.telemetry = telemetry or Telemetry()
         self.scraper = self.router.scraper
         self.telemetry.bind(self.router.registry, self.scraper)
-        self.hooks = self.telemetry.hooks("extproc")
+        self.hooks = traced(self.telemetry.hooks("extproc"), config.trace)
         self.draining = False
         self.open_streams = 0
         self._ports = {"grpc": grpc_port, "health": health_port, "metrics": metrics_port}
@@ -247,6 +248,7 @@ class ExtProcServer:
             await self._grpc.stop(grace)
             self._grpc = None
         await self.router.stop()
+        close_trace(self.hooks)
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()

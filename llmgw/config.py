@@ -215,7 +215,7 @@ class TraceSpec(_Strict):
     path: str | None = None  # a JSONL file; None: no trace
     sample: float = Field(default=1.0, ge=0, le=1)  # share of requests written
     max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)  # rotate past this size
-    backups: int = Field(default=3, ge=0)  # rotated files kept (path.1 .. path.N)
+    backups: int = Field(default=3, ge=1)  # rotated files kept (path.1 .. path.N)
 
 
 class Config(_Strict):
