@@ -91,6 +91,7 @@ def test_a_trace_line_has_shape_decision_and_outcome_but_no_prompt_text(
     hooks = tracing(cfg, "test")
     for turn in range(3):
         run_lifecycle(gateway, hooks, turn, status=200 if turn < 2 else 503)
+    close_trace(hooks)  # flushes
     records = lines(path)
     assert len(records) == 3
     first = records[0]
@@ -119,6 +120,7 @@ def test_refused_requests_and_sample_zero_write_nothing(
     refused = Lifecycle(gateway, hooks)
     refused.route({}, "/v1/chat/completions", b"not json")
     refused.finish()
+    close_trace(hooks)
     assert not path.exists()
 
 
@@ -144,6 +146,7 @@ def test_the_trace_rotates_by_size_and_keeps_the_configured_backups(
     hooks = tracing(cfg, "test")
     for turn in range(60):  # ~1.3 KB a line: many rotations
         run_lifecycle(gateway, hooks, turn)
+    close_trace(hooks)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["trace.jsonl", "trace.jsonl.1", "trace.jsonl.2"]
     assert all((tmp_path / n).stat().st_size <= 8192 for n in names)
@@ -156,13 +159,15 @@ def test_the_extproc_edge_writes_the_trace(
     path = tmp_path / "trace.jsonl"
     cfg = config(["10.0.0.1:8000", "10.0.0.2:8000"], path=str(path))
     gateway = Gateway(Scheduler(cfg, seed=1))
-    exchange = Exchange(gateway, tracing(cfg, "extproc"))
+    hooks = tracing(cfg, "extproc")
+    exchange = Exchange(gateway, hooks)
     headers = chat_headers(**{"x-session-id": SESSION, "content-type": "application/json"})
     parse(exchange.handle(request_headers(headers)))
     parse(exchange.handle(request_body(body(0))))
     parse(exchange.handle(response_headers(200)))
     exchange.handle(response_trailers())
     exchange.close()
+    close_trace(hooks)
     (record,) = lines(path)
     assert record["edge"] == "extproc" and record["outcome"]["status"] == 200
     assert_no_prompt_text(path)
