@@ -17,6 +17,7 @@ _DELEGATED: dict[str, str] = {
     "envoy-config": "llmgw.extproc.envoyconfig:main",
     "demo": "llmgw.cli.demo:main",
     "explain": "llmgw.cli.explain:main",
+    "replay": "llmgw.cli.replay:main",
 }
 
 

@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--anonymous", type=int, default=12, help="requests without a session")
+    parser.add_argument(
+        "--trace", help="write the decision trace here (JSONL; `llmgw replay` reads it)"
+    )
     args = parser.parse_args(argv or [])
 
     try:
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     extproc: ExtProcThread | None = None
     envoy: EnvoyProcess | None = None
     try:
-        config = fleet_config(fleet, strategy="latency")  # the default strategy
+        trace = {"trace": {"path": args.trace}} if args.trace else {}
+        config = fleet_config(fleet, strategy="latency", **trace)  # the default strategy
         extproc = ExtProcThread(config)
         envoy = EnvoyProcess(
             build(
@@ -144,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  llmgw health      http://127.0.0.1:{extproc.ports['health']}/readyz")
         failed = sum(1 for t in turns if t.status != 200)
         print(f"\n{len(turns)} requests, {failed} failed, {time.monotonic() - began:.1f} s")
+        if args.trace:
+            print(f"decision trace in {args.trace}: try `llmgw replay {args.trace} --strategies")
+            print("  latency,chat,round-robin --engine-args replicas=4,decode_ms=4`")
         return 0 if failed == 0 else 1
     finally:
         if envoy is not None:

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import mmh3
 import orjson
 
 from llmgw.config import TraceSpec
+from llmgw.hashring import ring_position
 from llmgw.lifecycle import Hooks, Lifecycle
 from llmgw.runtime.telemetry import decision_reason
 from llmgw.scheduling.prefix import PrefixIndex
@@ -36,8 +36,9 @@ _blocks = PrefixIndex(block_chars=int(BLOCK_TOKENS * CHARS_PER_TOKEN), max_block
 
 
 def session_hash(key: str) -> str:
-    """A stable, non-reversible name for a session key (64-bit murmur3, hex)."""
-    return f"{mmh3.hash64(key.encode('utf-8', 'surrogatepass'), seed=0x5E55)[0] & (2**64 - 1):016x}"
+    """The session key's place on the hash ring (64-bit murmur3, 16 hex digits): names the
+    session without its key, and lets a replay put it where the ring put it."""
+    return f"{ring_position(key):016x}"
 
 
 def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str, Any] | None:
