@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--anonymous", type=int, default=12, help="requests without a session")
+    parser.add_argument("--strategy", default="latency", help="strategy preset (default latency)")
     parser.add_argument(
         "--trace", help="write the decision trace here (JSONL; `llmgw replay` reads it)"
     )
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     envoy: EnvoyProcess | None = None
     try:
         trace = {"trace": {"path": args.trace}} if args.trace else {}
-        config = fleet_config(fleet, strategy="latency", **trace)  # the default strategy
+        config = fleet_config(fleet, strategy=args.strategy, **trace)
         extproc = ExtProcThread(config)
         envoy = EnvoyProcess(
             build(

@@ -70,6 +70,7 @@ class Arrival:
     # Did the recording edge see first tokens (the proxy does; Envoy without response body
     # events does not)? The router estimates pending work differently without them.
     first_tokens: bool = True
+    request_key: str | None = None  # "@<ring position hex>" of the request id (no session)
 
 
 def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | None) -> list[Arrival]:
@@ -116,6 +117,7 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 endpoint=(row.get("decision") or {}).get("endpoint"),
                 ttft_ms=ttft,
                 first_tokens=ttft is not None,
+                request_key=f"@{row['rid']}" if row.get("rid") else None,
             )
         )
     return out
@@ -170,10 +172,13 @@ class ReplayResult:
     output_tokens: int = 0
     hit_rate: float = 0.0
     makespan_s: float = 0.0
+    same: int = 0  # requests sent where the recorded run sent them
+    recorded: int = 0  # requests whose recorded endpoint is known
 
     def row(self) -> dict[str, Any]:
         span = self.makespan_s or math.nan
         return {
+            "same_as_recorded": round(self.same / self.recorded, 3) if self.recorded else None,
             "strategy": self.strategy,
             "requests": self.requests,
             "errors": sum(self.errors.values()),
@@ -287,7 +292,7 @@ def simulate(
             text = prompt_text(arrival, a)
             info = RequestInfo(
                 model=arrival.model,
-                request_id=f"r{a}",
+                request_id=arrival.request_key or f"r{a}",
                 session_key=arrival.session,
                 prompt=text,
                 prompt_tokens=arrival.prompt_tokens,
@@ -300,6 +305,9 @@ def simulate(
             lease = scheduler.acquire(decision)
             target = index_of[decision.endpoint.id]
             result.per_replica[decision.endpoint.id] += 1
+            if arrival.endpoint is not None:
+                result.recorded += 1
+                result.same += arrival.endpoint == decision.endpoint.id
             hashes = block_hashes(text, engine.block_size) if engine.enable_prefix_caching else ()
             request = SeqRequest(arrival.prompt_tokens, arrival.output_tokens, hashes)
             try:
@@ -413,7 +421,7 @@ def strategies_of(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]], endpoints: list[str]) -> str:
     head = ["strategy", "requests", "errors", "TTFT p50", "p90", "p99", "e2e p90"]
-    head += ["req/s", "tok/s", "hit rate", "per replica"]
+    head += ["req/s", "tok/s", "hit rate", "same", "per replica"]
     lines = [head]
     for r in rows:
         counts = " ".join(str(r["per_replica"].get(e, 0)) for e in endpoints)
@@ -428,6 +436,7 @@ def table(rows: list[dict[str, Any]], endpoints: list[str]) -> str:
                 ],
                 *["-" if r.get(k) is None else f"{r[k]:g}" for k in ("req_per_s", "tok_per_s")],
                 "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}",
+                "-" if r.get("same_as_recorded") is None else f"{r['same_as_recorded']:.0%}",
                 counts,
             ]
         )

@@ -55,6 +55,8 @@ def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str,
         "edge": edge,
         "model": request.model,
         "session": session_hash(request.session_key) if request.session_key else None,
+        # Without a session the request id is the ring key: its place, not the id.
+        "rid": None if request.session_key else session_hash(request.request_id),
         "prompt_tokens": request.prompt_tokens,
         "blocks": _blocks.hashes(request.prompt) if request.prompt else [],
         "stream": request.stream,
