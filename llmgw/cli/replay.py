@@ -98,6 +98,8 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
         ttft, duration = outcome.get("ttft_ms"), outcome.get("duration_ms")
         if output_tokens is not None:
             tokens = output_tokens
+        elif row.get("output_tokens") is not None:  # a workload exported as a trace
+            tokens = int(row["output_tokens"])
         elif duration is not None:  # the time after the first token was decoding
             first = (
                 ttft if ttft is not None else (row.get("decision") or {}).get("predicted_ttft_ms")

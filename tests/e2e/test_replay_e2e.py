@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ ENGINE = "replicas=4,decode_ms=4"  # the demo fleet's engines
 
 def replayed(
     trace: Path, strategies: str, capsys: pytest.CaptureFixture[str]
-) -> dict[str, dict[str, object]]:
+) -> dict[str, dict[str, Any]]:
     capsys.readouterr()
     assert (
         replay.main([str(trace), "--strategies", strategies, "--engine-args", ENGINE, "--json"])
