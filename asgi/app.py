@@ -43,7 +43,7 @@ class ProxyApp:
     ) -> None:
         self.router = router or Router(config, scrape=scrape)
         self.telemetry = telemetry or Telemetry()
-        self.telemetry.bind(self.router.registry, self.router.scraper)
+        self.telemetry.bind(self.router.registry, self.router.scraper, self.router.models_status)
         self.pool = UpstreamPool(pool_limits(config))
         self.forwarder = Forwarder(self.pool, self.router.gateway)
         self.routed = SchedulerMiddleware(

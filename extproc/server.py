@@ -81,7 +81,7 @@ class ExtProcServer:
         self.gateway = self.router.gateway
         self.telemetry = telemetry or Telemetry()
         self.scraper = self.router.scraper
-        self.telemetry.bind(self.router.registry, self.scraper)
+        self.telemetry.bind(self.router.registry, self.scraper, self.router.models_status)
         self.hooks = traced(self.telemetry.hooks("extproc"), config.trace)
         self.draining = False
         self.open_streams = 0

@@ -20,6 +20,8 @@ Series (prefix `llmgw_`):
   state), `metrics_age_seconds{model,endpoint}`, `scrape_errors_total{endpoint}`: read
   from the Registry (and the Scraper, if bound) when /metrics is scraped, so the hot
   path pays nothing for them.
+- `model_state{model,state}` (1 for the current state), `model_starts_total{model}`,
+  `model_last_start_seconds{model}` (the last cold start): on-demand models, if bound.
 
 Every instance has its own `CollectorRegistry`, so tests and several servers in one
 process do not collide. Labelled children are cached: the hot path is a dict lookup
@@ -29,7 +31,7 @@ and an increment.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -98,13 +100,25 @@ def decision_reason(decision: Decision) -> str:
     return best
 
 
-class _RegistryCollector(Collector):
-    """Gauges read from the live Registry (and scrape errors from the Scraper) at collect."""
+ModelsStatus = Callable[[], Mapping[str, Mapping[str, object]]]
+_MODEL_STATES = ("off", "starting", "ready", "idle", "failed")
 
-    def __init__(self, registry: Registry, scraper: ScrapeCounts | None, prefix: str) -> None:
+
+class _RegistryCollector(Collector):
+    """Gauges read from the live Registry (and scrape errors from the Scraper, on-demand
+    model states from the activator) at collect."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        scraper: ScrapeCounts | None,
+        prefix: str,
+        models: ModelsStatus | None = None,
+    ) -> None:
         self.registry = registry
         self.scraper = scraper
         self.prefix = prefix
+        self.models = models
 
     def collect(self) -> Iterable[Metric]:
         p = self.prefix
@@ -143,6 +157,36 @@ class _RegistryCollector(Collector):
             for address, count in sorted(self.scraper.errors.items()):
                 errors.add_metric([address], count)
         yield errors
+        yield from self._on_demand()
+
+    def _on_demand(self) -> Iterable[Metric]:
+        p = self.prefix
+        state = GaugeMetricFamily(
+            f"{p}_model_state",
+            "On-demand model state (1 = current): off, starting, ready, idle, failed",
+            labels=["model", "state"],
+        )
+        starts = CounterMetricFamily(
+            f"{p}_model_starts", "Starts of an on-demand model", labels=["model"]
+        )
+        cold = GaugeMetricFamily(
+            f"{p}_model_last_start_seconds",
+            "How long the last start of an on-demand model took (cold start)",
+            labels=["model"],
+        )
+        for model, status in sorted((self.models() if self.models else {}).items()):
+            current = status.get("state")
+            for name in _MODEL_STATES:
+                state.add_metric([model, name], 1.0 if name == current else 0.0)
+            count = status.get("starts")
+            if isinstance(count, int | float):
+                starts.add_metric([model], float(count))
+            seconds = status.get("last_start_seconds")
+            if isinstance(seconds, int | float):
+                cold.add_metric([model], float(seconds))
+        yield state
+        yield starts
+        yield cold
 
 
 class Telemetry:
@@ -195,11 +239,17 @@ class Telemetry:
         self._outcome_children: dict[tuple[str, str, str], Counter] = {}
         self._collector: _RegistryCollector | None = None
 
-    def bind(self, registry: Registry, scraper: ScrapeCounts | None = None) -> None:
-        """Export inflight, breaker states, metrics age and scrape errors of `registry`."""
+    def bind(
+        self,
+        registry: Registry,
+        scraper: ScrapeCounts | None = None,
+        models: ModelsStatus | None = None,
+    ) -> None:
+        """Export inflight, breaker states, metrics age and scrape errors of `registry`, and
+        the on-demand models' states and cold starts from `models` (`Router.models_status`)."""
         if self._collector is not None:
             self.registry.unregister(self._collector)
-        self._collector = _RegistryCollector(registry, scraper, self.prefix)
+        self._collector = _RegistryCollector(registry, scraper, self.prefix, models)
         self.registry.register(self._collector)
 
     def decision(self, decision: Decision) -> str:
