@@ -37,7 +37,7 @@ from llmgw.runtime.driver import activate
 from llmgw.runtime.health import readiness
 from llmgw.runtime.router import ConfigWatcher, router_for
 from llmgw.runtime.telemetry import Telemetry
-from llmgw.runtime.trace import close_trace, traced
+from llmgw.runtime.trace import close_trace, shared_trace_problem, traced
 from llmgw.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("llmgw.extproc")
@@ -369,6 +369,10 @@ def main(argv: list[str]) -> int:
     config = _with_flags(config, args)
     if args.workers < 1:
         print("llmgw extproc: --workers must be >= 1", file=sys.stderr)
+        return 2
+    problem = shared_trace_problem(config.trace, args.workers)
+    if problem is not None:
+        print(f"llmgw extproc: {problem}", file=sys.stderr)
         return 2
     children: list[int] = []
     for worker in range(1, args.workers):

@@ -144,7 +144,9 @@ class TraceWriter:
         self.edge = edge
         self.written = 0
         self._random = (rng or random.Random()).random
-        self._file = RotatingFile(spec.path, spec.max_bytes, spec.backups)
+        # `{pid}` in the path: one file per process (`--workers N` must not share one).
+        path = spec.path.replace("{pid}", str(os.getpid()))
+        self._file = RotatingFile(path, spec.max_bytes, spec.backups)
 
     def __call__(self, lifecycle: Lifecycle, outcome: Outcome) -> None:
         if self.sample < 1.0 and self._random() >= self.sample:
@@ -165,6 +167,16 @@ class TraceWriter:
 def trace_writer(spec: TraceSpec, edge: str) -> TraceWriter | None:
     """A writer when the config asks for a trace, else None."""
     return TraceWriter(spec, edge) if spec.path is not None else None
+
+
+def shared_trace_problem(spec: TraceSpec, workers: int) -> str | None:
+    """Why `workers` processes cannot write this trace (they would rotate one file)."""
+    if workers > 1 and spec.path is not None and "{pid}" not in spec.path:
+        return (
+            f"trace.path: with --workers {workers}, put {{pid}} in the path "
+            "(one file per process), e.g. /var/log/llmgw/trace.{pid}.jsonl"
+        )
+    return None
 
 
 def traced(hooks: Hooks, spec: TraceSpec) -> Hooks:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -196,3 +197,18 @@ def test_bad_trace_settings_name_the_field(field: dict[str, Any]) -> None:
 
     with pytest.raises(ConfigError, match=f"trace.{next(iter(field))}"):
         config(["10.0.0.1:8000"], path="x.jsonl", **field)
+
+
+def test_workers_must_not_share_one_trace_file(tmp_path: Path) -> None:
+    from llmgw.runtime.trace import shared_trace_problem  # noqa: PLC0415
+
+    shared = TraceSpec(path=str(tmp_path / "t.jsonl"))
+    assert shared_trace_problem(shared, 1) is None
+    assert "{pid}" in (shared_trace_problem(shared, 2) or "")
+    per_process = TraceSpec(path=str(tmp_path / "t.{pid}.jsonl"))
+    assert shared_trace_problem(per_process, 4) is None
+    writer = TraceWriter(per_process, "test")
+    gateway = Gateway(Scheduler(config(["10.0.0.1:8000"]), seed=1))
+    run_lifecycle(gateway, Hooks("test", finished=writer), 0)
+    writer.close()
+    assert (tmp_path / f"t.{os.getpid()}.jsonl").exists()
