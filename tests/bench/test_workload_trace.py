@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.workload_trace import export
 from bench.workloads import build
-from llmgw.cli.replay import read_trace
+from llmgw.cli.replay_trace import read_trace
 
 
 def test_a_workload_exports_as_a_trace_replay_reads(tmp_path: Path) -> None:

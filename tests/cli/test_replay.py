@@ -8,15 +8,9 @@ from typing import Any
 
 import pytest
 
-from llmgw.cli.replay import (
-    Arrival,
-    TraceRing,
-    engine_args,
-    main,
-    prompt_text,
-    read_trace,
-    simulate,
-)
+from llmgw.cli.replay import engine_args, main
+from llmgw.cli.replay_sim import simulate
+from llmgw.cli.replay_trace import Arrival, TraceRing, prompt_text, read_trace
 from llmgw.hashring import HashRing, ring_position
 from llmgw.runtime.trace import session_hash
 from llmgw.scheduling.prefix import PrefixIndex
