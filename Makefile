@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(PY) bench/asgi_proxy.py
 	$(PY) bench/envoy_overhead.py
 	$(PY) bench/fault_matrix.py
+	$(PY) -m bench.trace_cost
 
 bench-grid: $(STAMP)  # routing strategies over 12 regimes in virtual time, ~4 min
 	$(PY) bench/fleetsim_grid.py --jobs 2

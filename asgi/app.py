@@ -19,10 +19,12 @@ from llmgw.asgi.types import Receive, Scope, Send
 from llmgw.asgi.upstream import UpstreamPool
 from llmgw.catalog import model_list
 from llmgw.config import Config
-from llmgw.errors import MethodNotAllowed
+from llmgw.errors import BadRequest, MethodNotAllowed
+from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
 from llmgw.runtime.router import ConfigWatcher, Router
 from llmgw.runtime.telemetry import Telemetry
+from llmgw.runtime.trace import close_trace
 
 
 class ProxyApp:
@@ -40,7 +42,12 @@ class ProxyApp:
     ) -> None:
         self.router = router or Router(config, scrape=scrape)
         self.telemetry = telemetry or Telemetry()
-        self.telemetry.bind(self.router.registry, self.router.scraper, self.router.discovery)
+        self.telemetry.bind(
+            self.router.registry,
+            self.router.scraper,
+            discovery=self.router.discovery,
+            models=self.router.models_status,
+        )
         self.pool = UpstreamPool(pool_limits(config))
         self.forwarder = Forwarder(self.pool, self.router.gateway)
         self.routed = SchedulerMiddleware(
@@ -87,6 +94,7 @@ class ProxyApp:
             self._watching = None
         await self.router.stop()
         await self.pool.aclose()
+        close_trace(self.routed.hooks)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -94,6 +102,9 @@ class ProxyApp:
             path: str = scope["path"]
             if path.startswith("/v1/") and path != "/v1/models":
                 await self.routed(scope, receive, send)
+                return
+            if path == EXPLAIN_PATH:
+                await self._explain(scope, receive, send)
                 return
             await self._fixed(path, scope, receive, send)
         elif kind == "lifespan":
@@ -113,6 +124,31 @@ class ProxyApp:
             await send_error(send, MethodNotAllowed(f"{path} answers GET only"))
             return
         status, content_type, body = handler()
+        await self._send(send, status, content_type, body)
+
+    async def _explain(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            await send_error(send, MethodNotAllowed(f"{EXPLAIN_PATH} answers POST only"))
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:  # the query is small; read it whole (bounded)
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size <= MAX_QUERY_BYTES:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        if size > MAX_QUERY_BYTES:
+            await send_error(send, BadRequest(f"explain query is over {MAX_QUERY_BYTES} bytes"))
+            return
+        status, body = explain(self.router.gateway, b"".join(chunks))
+        await self._send(send, status, "application/json", body)
+
+    async def _send(self, send: Send, status: int, content_type: str, body: bytes) -> None:
         await send(
             {
                 "type": "http.response.start",

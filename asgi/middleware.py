@@ -47,6 +47,7 @@ from llmgw.lifecycle import (
 from llmgw.request import BODY_PATHS, check_body_size, needs_body
 from llmgw.runtime.driver import activate
 from llmgw.runtime.router import Router, router_for
+from llmgw.runtime.trace import traced
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Outcome, outcome_for_status
 
@@ -137,7 +138,8 @@ class SchedulerMiddleware:
         owned = scheduler is None and router is None
         self._owned_router = self.router if owned else None
         self.gateway = self.router.gateway
-        self.hooks = telemetry.hooks("asgi") if telemetry is not None else Hooks("asgi")
+        hooks = telemetry.hooks("asgi") if telemetry is not None else Hooks("asgi")
+        self.hooks = traced(hooks, config.trace)  # the decision trace, if the config asks
         self.paths = paths
         self._header_of: tuple[Config, bytes] | None = None
 

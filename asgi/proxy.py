@@ -20,6 +20,7 @@ from llmgw.asgi.serving import WORKER_ARGS, draining_server, event_loop_and_pars
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
 from llmgw.logs import configure
+from llmgw.runtime.trace import shared_trace_problem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_file(args.config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    problem = shared_trace_problem(config.trace, args.workers)
+    if problem is not None:
+        print(f"llmgw proxy: {problem}", file=sys.stderr)
         return 2
     import uvicorn  # noqa: PLC0415
 

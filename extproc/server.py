@@ -6,7 +6,7 @@ messages into answers; this module only reads, writes, and releases on stream en
 Ports (defaults, as GIE's endpoint picker): gRPC 9002 (ext_proc + grpc.health.v1, TLS with
 a self-signed certificate unless `--tls-cert/--tls-key` or `--plaintext`), gRPC 9003
 (grpc.health.v1 with GIE's service names, see extproc/grpchealth.py), HTTP 9004
-(`/healthz`, `/readyz`, `/models/status`), HTTP 9090 (`/metrics`). SIGTERM: readiness goes
+(`/healthz`, `/readyz`, `/models/status`, `POST /admin/explain` if enabled), HTTP 9090 (`/metrics`). SIGTERM: readiness goes
 false, new streams are refused after `--drain-delay`, open ones get `--drain-timeout`
 seconds to finish.
 """
@@ -45,11 +45,13 @@ from llmgw.extproc.tls import ServerTls
 from llmgw.extproc.translate import Exchange
 from llmgw.lifecycle import AwaitActivation
 from llmgw.logs import configure
+from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.driver import activate
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
 from llmgw.runtime.router import ConfigWatcher, router_for
 from llmgw.runtime.telemetry import Telemetry
+from llmgw.runtime.trace import close_trace, shared_trace_problem, traced
 from llmgw.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("llmgw.extproc")
@@ -85,8 +87,13 @@ class ExtProcServer:
         self.gateway = self.router.gateway
         self.telemetry = telemetry or Telemetry()
         self.scraper = self.router.scraper
-        self.telemetry.bind(self.router.registry, self.scraper, self.router.discovery)
-        self.hooks = self.telemetry.hooks("extproc")
+        self.telemetry.bind(
+            self.router.registry,
+            self.scraper,
+            discovery=self.router.discovery,
+            models=self.router.models_status,
+        )
+        self.hooks = traced(self.telemetry.hooks("extproc"), config.trace)
         self.draining = False
         self.open_streams = 0
         self._ports = {
@@ -182,12 +189,16 @@ class ExtProcServer:
     async def _models_status(self, _request: web.Request) -> web.Response:
         return web.json_response(self.router.models_status())
 
+    async def _explain(self, request: web.Request) -> web.Response:
+        status, body = explain(self.gateway, await request.read())
+        return web.Response(body=body, status=status, content_type="application/json")
+
     async def _metrics(self, _request: web.Request) -> web.Response:
         body, content_type = self.telemetry.render()
         return web.Response(body=body, headers={"content-type": content_type})
 
     async def _serve_http(self, routes: list[web.RouteDef], port: int) -> int:
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_QUERY_BYTES)
         app.add_routes(routes)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -242,6 +253,7 @@ class ExtProcServer:
                     web.get("/healthz", self._healthz),
                     web.get("/readyz", self._readyz),
                     web.get("/models/status", self._models_status),
+                    web.post(EXPLAIN_PATH, self._explain),
                 ],
                 self._ports["health"],
             )
@@ -285,6 +297,7 @@ class ExtProcServer:
             await self._grpc_health.stop(0)
             self._grpc_health = None
         await self.router.stop()
+        close_trace(self.hooks)
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
@@ -438,6 +451,10 @@ def main(argv: list[str]) -> int:
     config = _with_flags(config, args)
     if args.workers < 1:
         print("llmgw extproc: --workers must be >= 1", file=sys.stderr)
+        return 2
+    problem = shared_trace_problem(config.trace, args.workers)
+    if problem is not None:
+        print(f"llmgw extproc: {problem}", file=sys.stderr)
         return 2
     children: list[int] = []
     for worker in range(1, args.workers):

@@ -220,11 +220,28 @@ class LimitsSpec(_Strict):
     upstream_idle_timeout: float = Field(default=30.0, gt=0)  # idle keep-alive kept this long
 
 
+class AdminSpec(_Strict):
+    # POST /admin/explain on the health port (the proxy: its own port). Read-only, but it
+    # shows endpoints and scores: off unless asked for.
+    explain: bool = False
+
+
+class TraceSpec(_Strict):
+    """The decision trace: one JSON line per sampled request (never prompt text)."""
+
+    path: str | None = None  # a JSONL file; None: no trace
+    sample: float = Field(default=1.0, ge=0, le=1)  # share of requests written
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)  # rotate past this size
+    backups: int = Field(default=3, ge=1)  # rotated files kept (path.1 .. path.N)
+
+
 class Config(_Strict):
     models: dict[str, ModelSpec]
     breaker: BreakerSpec = BreakerSpec()
     scrape: ScrapeSpec = ScrapeSpec()
     limits: LimitsSpec = LimitsSpec()
+    admin: AdminSpec = AdminSpec()
+    trace: TraceSpec = TraceSpec()
     activation_timeout: float = Field(default=45.0, gt=0)
     activation_poll_interval: float = Field(default=0.25, gt=0)
     model_header: str = "x-llmgw-model"

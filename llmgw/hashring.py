@@ -26,6 +26,10 @@ def ring_position(key: str) -> int:
 
 
 class HashRing:
+    # Where a key sits on the ring; a subclass may place keys otherwise (`llmgw replay`
+    # places a traced session by its recorded position, the trace never holds the key).
+    position = staticmethod(ring_position)
+
     def __init__(
         self,
         replica_ids: Iterable[str],
@@ -68,7 +72,7 @@ class HashRing:
         n = len(self._positions)
         if n == 0:
             return
-        start = bisect_right(self._positions, ring_position(key))
+        start = bisect_right(self._positions, self.position(key))
         seen: set[str] = set()
         total = len(self.replica_ids)
         owners = self._owners
@@ -86,7 +90,7 @@ class HashRing:
         positions, owners = self._positions, self._owners
         n = len(positions)
         limit = min(1 + self.num_fallback_replicas, len(self.replica_ids))
-        i = bisect_right(positions, ring_position(key))
+        i = bisect_right(positions, self.position(key))
         out: list[str] = []
         while len(out) < limit:
             if i == n:

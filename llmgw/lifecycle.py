@@ -53,6 +53,8 @@ class Hooks:
     stage: Callable[[str, float], None] | None = None
     # (model, observed time to first byte, predicted TTFT or None): seconds.
     ttft: Callable[[str, float, float | None], None] | None = None
+    # A dispatched request ended (once, after its lease is released): the decision trace.
+    finished: Callable[[Lifecycle, Outcome], None] | None = None
 
 
 NO_HOOKS = Hooks()
@@ -90,6 +92,7 @@ class Lifecycle:
         "lease",
         "request",
         "snapshot",
+        "ttft",
     )
 
     def __init__(
@@ -104,6 +107,7 @@ class Lifecycle:
         self.lease: Lease | None = None
         self._attempt = 0
         self._status: int | None = None
+        self.ttft: float | None = None  # seconds from dispatch to the first response byte
         self._in_use = False
         self._started = time.perf_counter() if started is None else started
 
@@ -193,8 +197,10 @@ class Lifecycle:
             return
         lease.first_token()
         hook, decision = self.hooks.ttft, self.decision
-        if hook is not None and lease.started is not None and decision is not None:
-            observed = lease.registry.clock() - lease.started
+        if lease.started is not None:
+            self.ttft = lease.registry.clock() - lease.started
+        if hook is not None and self.ttft is not None and decision is not None:
+            observed = self.ttft
             # The prediction is for the primary; a fallback's wait says nothing about it.
             primary = lease.endpoint_id == decision.endpoint.id
             hook(decision.model, observed, decision.predicted_ttft if primary else None)
@@ -254,3 +260,15 @@ class Lifecycle:
             activation = self.gateway.activation
             if activation is not None:
                 activation.use_end(lease.model)
+        if self.hooks.finished is not None:
+            self.hooks.finished(self, outcome)
+
+    @property
+    def status(self) -> int | None:
+        """The response status the edge saw, if any."""
+        return self._status
+
+    @property
+    def started(self) -> float:
+        """`time.perf_counter()` when the request's first message arrived."""
+        return self._started

@@ -16,6 +16,8 @@ _DELEGATED: dict[str, str] = {
     "proxy": "llmgw.asgi.proxy:main",
     "envoy-config": "llmgw.extproc.envoyconfig:main",
     "demo": "llmgw.cli.demo:main",
+    "explain": "llmgw.cli.explain:main",
+    "replay": "llmgw.cli.replay:main",
 }
 
 

@@ -73,18 +73,31 @@ def _reasons(telemetry: Any) -> Counter[str]:
     return counts
 
 
+def demo_fleet() -> Any:
+    """The demo's 4 simulated vLLM replicas (a `ThreadedFleet`; tests and replay use it)."""
+    from llmgw.sim import SimFleet  # noqa: PLC0415
+
+    return SimFleet.start_in_thread(
+        replicas=4, model="m1", seed=1, decode_ms=4.0, default_output_tokens=(12, 24)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmgw demo", description=__doc__)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--anonymous", type=int, default=12, help="requests without a session")
+    parser.add_argument("--strategy", default="latency", help="strategy preset (default latency)")
+    parser.add_argument(
+        "--trace", help="write the decision trace here (JSONL; `llmgw replay` reads it)"
+    )
     args = parser.parse_args(argv or [])
 
     try:
         import openai  # noqa: PLC0415
 
+        import llmgw.sim  # noqa: F401, PLC0415 (checked here, used by demo_fleet)
         from llmgw.extproc.envoyconfig import build  # noqa: PLC0415
-        from llmgw.sim import SimFleet  # noqa: PLC0415
         from llmgw.testing.extproc import (  # noqa: PLC0415
             EnvoyProcess,
             ExtProcThread,
@@ -97,13 +110,12 @@ def main(argv: list[str] | None = None) -> int:
 
     began = time.monotonic()
     print("starting 4 simulated vLLM replicas, the llmgw ext_proc server and Envoy ...")
-    fleet = SimFleet.start_in_thread(
-        replicas=4, model="m1", seed=1, decode_ms=4.0, default_output_tokens=(12, 24)
-    )
+    fleet = demo_fleet()
     extproc: ExtProcThread | None = None
     envoy: EnvoyProcess | None = None
     try:
-        config = fleet_config(fleet, strategy="latency")  # the default strategy
+        trace = {"trace": {"path": args.trace}} if args.trace else {}
+        config = fleet_config(fleet, strategy=args.strategy, **trace)
         extproc = ExtProcThread(config)
         envoy = EnvoyProcess(
             build(
@@ -137,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  llmgw health      http://127.0.0.1:{extproc.ports['health']}/readyz")
         failed = sum(1 for t in turns if t.status != 200)
         print(f"\n{len(turns)} requests, {failed} failed, {time.monotonic() - began:.1f} s")
+        if args.trace:
+            print(f"decision trace in {args.trace}: try `llmgw replay {args.trace} --strategies")
+            print("  latency,chat,round-robin --engine-args replicas=4,decode_ms=4`")
         return 0 if failed == 0 else 1
     finally:
         if envoy is not None:

@@ -22,6 +22,8 @@ Series (prefix `llmgw_`):
   path pays nothing for them.
 - `discovery_stale_seconds{model}`: seconds a Kubernetes-discovered model has been routed
   on its last known endpoints without reaching the API (0: current), when bound.
+- `model_state{model,state}` (1 for the current state), `model_starts_total{model}`,
+  `model_last_start_seconds{model}` (the last cold start): on-demand models, if bound.
 
 Every instance has its own `CollectorRegistry`, so tests and several servers in one
 process do not collide. Labelled children are cached: the hot path is a dict lookup
@@ -31,7 +33,7 @@ and an increment.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -106,8 +108,13 @@ def decision_reason(decision: Decision) -> str:
     return best
 
 
+ModelsStatus = Callable[[], Mapping[str, Mapping[str, object]]]
+_MODEL_STATES = ("off", "starting", "ready", "idle", "failed")
+
+
 class _RegistryCollector(Collector):
-    """Gauges read from the live Registry (and scrape errors from the Scraper) at collect."""
+    """Gauges read from the live Registry (and scrape errors from the Scraper, on-demand
+    model states from the activator) at collect."""
 
     def __init__(
         self,
@@ -115,11 +122,13 @@ class _RegistryCollector(Collector):
         scraper: ScrapeCounts | None,
         prefix: str,
         discovery: DiscoveryStaleness | None = None,
+        models: ModelsStatus | None = None,
     ) -> None:
         self.registry = registry
         self.scraper = scraper
         self.prefix = prefix
         self.discovery = discovery
+        self.models = models
 
     def collect(self) -> Iterable[Metric]:
         p = self.prefix
@@ -168,6 +177,36 @@ class _RegistryCollector(Collector):
             for model, seconds in sorted(self.discovery.staleness().items()):
                 stale.add_metric([model], seconds)
             yield stale
+        yield from self._on_demand()
+
+    def _on_demand(self) -> Iterable[Metric]:
+        p = self.prefix
+        state = GaugeMetricFamily(
+            f"{p}_model_state",
+            "On-demand model state (1 = current): off, starting, ready, idle, failed",
+            labels=["model", "state"],
+        )
+        starts = CounterMetricFamily(
+            f"{p}_model_starts", "Starts of an on-demand model", labels=["model"]
+        )
+        cold = GaugeMetricFamily(
+            f"{p}_model_last_start_seconds",
+            "How long the last start of an on-demand model took (cold start)",
+            labels=["model"],
+        )
+        for model, status in sorted((self.models() if self.models else {}).items()):
+            current = status.get("state")
+            for name in _MODEL_STATES:
+                state.add_metric([model, name], 1.0 if name == current else 0.0)
+            count = status.get("starts")
+            if isinstance(count, int | float):
+                starts.add_metric([model], float(count))
+            seconds = status.get("last_start_seconds")
+            if isinstance(seconds, int | float):
+                cold.add_metric([model], float(seconds))
+        yield state
+        yield starts
+        yield cold
 
 
 class Telemetry:
@@ -225,12 +264,16 @@ class Telemetry:
         registry: Registry,
         scraper: ScrapeCounts | None = None,
         discovery: DiscoveryStaleness | None = None,
+        models: ModelsStatus | None = None,
     ) -> None:
-        """Export inflight, breaker states, metrics age and scrape errors of `registry`
-        (and the staleness of Kubernetes discovery, if given)."""
+        """Export inflight, breaker states, metrics age and scrape errors of `registry`, the
+        staleness of Kubernetes discovery and the on-demand models' states and cold starts
+        from `models` (`Router.models_status`), when given."""
         if self._collector is not None:
             self.registry.unregister(self._collector)
-        self._collector = _RegistryCollector(registry, scraper, self.prefix, discovery)
+        self._collector = _RegistryCollector(
+            registry, scraper, self.prefix, discovery=discovery, models=models
+        )
         self.registry.register(self._collector)
 
     def decision(self, decision: Decision) -> str:

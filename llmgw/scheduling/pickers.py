@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from itertools import count
-
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.scorers import softmax_weights
 
@@ -76,11 +74,12 @@ class RoundRobinPicker:
     name = "round-robin"
 
     def __init__(self) -> None:
-        self._counter = count()
+        self._next = 0  # an int, not itertools.count: a copy (explain) must not share it
 
     def order(self, ctx: PickContext, totals: list[float], limit: int) -> list[int]:
         n = len(totals)
-        start = next(self._counter) % n
+        start = self._next % n
+        self._next += 1
         return [(start + k) % n for k in range(min(limit, n))]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,7 +10,13 @@ from itertools import repeat
 from operator import add, mul
 
 from llmgw.config import Config, ModelMode, ModelSpec, endpoints_of, model_mode
-from llmgw.errors import ModelDisabled, ModelNotFound, ModelNotReady, NoHealthyEndpoint
+from llmgw.errors import (
+    LlmgwError,
+    ModelDisabled,
+    ModelNotFound,
+    ModelNotReady,
+    NoHealthyEndpoint,
+)
 from llmgw.hashring import HashRing
 from llmgw.registry import EndpointState, Registry
 from llmgw.scheduling.interfaces import (
@@ -60,6 +67,17 @@ class ModelRouter:
         # drop nothing): most picks reuse them instead of walking every endpoint again.
         self._ids_states: list[EndpointState] | None = None
         self._ids: tuple[str, ...] = ()
+
+    def shadow(self) -> ModelRouter:
+        """A twin for `Scheduler.explain`: its own plugin copies (their per-pick scratch, a
+        round-robin position) and ring cache, so explaining moves nothing of this router;
+        prefix indexes are shared and only read (it never observes or forgets)."""
+        twin = copy.copy(self)
+        twin.scorers = [(copy.copy(s), w) for s, w in self.scorers]
+        twin.picker = copy.copy(self.picker)
+        twin.observers, twin.forgetters = [], []
+        twin.explainers = {id(s): s for s, _ in twin.scorers if isinstance(s, ExplainsScores)}
+        return twin
 
     def ids_of(self, candidates: list[EndpointState]) -> tuple[str, ...]:
         if candidates is self._ids_states:
@@ -127,6 +145,18 @@ class Lease:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """`Scheduler.explain`'s answer: every endpoint of the model, the ids each filter
+    dropped (in filter order), and the Decision `pick` would return, or its refusal."""
+
+    request: RequestInfo
+    endpoint_ids: tuple[str, ...]
+    dropped: tuple[tuple[str, tuple[str, ...]], ...]
+    decision: Decision | None
+    error: LlmgwError | None
+
+
 class Scheduler:
     def __init__(
         self, config: Config, registry: Registry | None = None, *, seed: int | None = None
@@ -151,7 +181,33 @@ class Scheduler:
         return router
 
     def pick(self, request: RequestInfo) -> Decision:
+        return self._pick(request, self.router(request.model), self.rng, None)
+
+    def explain(self, request: RequestInfo) -> Explanation:
+        """What `pick` would answer now, and why, without changing anything: the same code
+        on a shadow of the model's router, a copy of the random state (so the explained
+        pick is the next real one), no inflight charge and no prefix-index learning.
+        Raises ModelNotFound; every other refusal is returned in `error`."""
         router = self.router(request.model)
+        rng = random.Random()
+        rng.setstate(self.rng.getstate())
+        dropped: list[tuple[str, tuple[str, ...]]] = []
+        ids = tuple([s.id for s in self.registry.states(request.model)])
+        try:
+            decision = self._pick(request, router.shadow(), rng, dropped)
+        except LlmgwError as exc:
+            return Explanation(request, ids, tuple(dropped), None, exc)
+        return Explanation(request, ids, tuple(dropped), decision, None)
+
+    def _pick(
+        self,
+        request: RequestInfo,
+        router: ModelRouter,
+        rng: random.Random,
+        dropped: list[tuple[str, tuple[str, ...]]] | None,
+    ) -> Decision:
+        """`dropped` None: a real pick (the chosen endpoint is observed); else an
+        explanation, which collects each filter's dropped ids and learns nothing."""
         if router.mode is ModelMode.OFF:
             raise ModelDisabled(
                 f"model {request.model!r} is configured but disabled (scaling max is 0 or no "
@@ -176,7 +232,7 @@ class Scheduler:
             staleness=self.registry.staleness,
             ring=router.ring_for(states),
             all_states=states,
-            rng=self.rng,
+            rng=rng,
         )
         candidates = states
         drops: list[tuple[str, int]] = []
@@ -191,6 +247,9 @@ class Scheduler:
         for flt in router.filters:
             kept = flt.filter(ctx, candidates)
             drops.append((flt.name, len(candidates) - len(kept)))
+            if dropped is not None:
+                keep = {s.id for s in kept}
+                dropped.append((flt.name, tuple([s.id for s in candidates if s.id not in keep])))
             if not kept:
                 raise flt.when_empty(flt.empty_message.format(model=request.model))
             candidates = kept
@@ -220,8 +279,9 @@ class Scheduler:
         limit = 1 + router.spec.session.num_fallback_replicas
         order = router.picker.order(ctx, totals, limit)
         chosen = candidates[order[0]]
-        for observer in router.observers:
-            observer.observe(ctx, chosen)
+        if dropped is None:
+            for observer in router.observers:
+                observer.observe(ctx, chosen)
         # Positional arguments: a frozen dataclass is cheaper to build that way (per pick).
         rationale = Rationale(
             router.strategy_name,

@@ -1,0 +1,245 @@
+"""`llmgw replay`, part 2: arrivals through the real `Scheduler` onto simulated engines
+(`llmgw.sim.model.EngineModel`), open loop, in virtual time."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmgw.cli.replay_trace import Arrival, TraceRing, prompt_text
+from llmgw.config import Config, load_dict
+from llmgw.errors import LlmgwError
+from llmgw.registry import Registry
+from llmgw.runtime.scraper import Scraper
+from llmgw.scheduling.scheduler import Lease, Scheduler
+from llmgw.sim.metrics import ModelObservations, ServedModel, make_registry, render
+from llmgw.sim.model import (
+    EngineConfig,
+    EngineModel,
+    QueueFullError,
+    RequestTooLargeError,
+    SeqRequest,
+)
+from llmgw.sim.tokens import block_hashes
+from llmgw.types import Outcome, RequestInfo
+
+# -- the simulation -----------------------------------------------------------------------
+
+_ARRIVAL, _WAKE, _STEP_END, _SCRAPE = 0, 1, 2, 3
+
+
+@dataclass
+class ReplayResult:
+    strategy: str
+    requests: int
+    ttft_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    per_replica: dict[str, int] = field(default_factory=dict)
+    output_tokens: int = 0
+    hit_rate: float = 0.0
+    makespan_s: float = 0.0
+    same: int = 0  # requests sent where the recorded run sent them
+    recorded: int = 0  # requests whose recorded endpoint is known
+
+    def row(self) -> dict[str, Any]:
+        span = self.makespan_s or math.nan
+        return {
+            "same_as_recorded": round(self.same / self.recorded, 3) if self.recorded else None,
+            "strategy": self.strategy,
+            "requests": self.requests,
+            "errors": sum(self.errors.values()),
+            "ttft_p50_ms": _ms(_pct(self.ttft_s, 50)),
+            "ttft_p90_ms": _ms(_pct(self.ttft_s, 90)),
+            "ttft_p99_ms": _ms(_pct(self.ttft_s, 99)),
+            "e2e_p90_ms": _ms(_pct(self.e2e_s, 90)),
+            "req_per_s": round(len(self.e2e_s) / span, 2),
+            "tok_per_s": round(self.output_tokens / span, 1),
+            "hit_rate": round(self.hit_rate, 3),
+            "per_replica": dict(self.per_replica),
+        }
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def _ms(value: float) -> float | None:
+    return None if math.isnan(value) else round(value * 1e3, 1)
+
+
+def replay_config(
+    endpoints: list[str], models: Iterable[str], strategy: Any, seed: int = 1
+) -> Config:
+    return load_dict(
+        {
+            "models": {
+                model: {"endpoints": endpoints, "strategy": strategy} for model in sorted(models)
+            },
+            "scrape": {"interval": 0.05},
+            "seed": seed,
+        }
+    )
+
+
+@dataclass(slots=True)
+class _Flight:
+    index: int
+    sent: float
+    engine: int
+    lease: Lease
+    first_seen: bool = False
+
+
+def simulate(
+    arrivals: Sequence[Arrival],
+    endpoints: list[str],
+    strategy: Any,
+    engine: EngineConfig,
+    *,
+    name: str = "",
+    seed: int = 1,
+    scrape_interval: float = 0.05,
+) -> ReplayResult:
+    """Every arrival through `Scheduler` with `strategy` onto fresh engines; deterministic."""
+    n = len(endpoints)
+    models = sorted({a.model for a in arrivals})
+    now = 0.0
+    registry = Registry(clock=lambda: now)
+    config = replay_config(endpoints, models, strategy, seed)
+    registry.staleness = config.scrape.staleness
+    scheduler = Scheduler(config, registry, seed=seed)
+    for model in models:  # traced sessions sit where the recorded ring put them
+        router = scheduler.routers[model]
+        router.ring_for(registry.states(model))
+        router.ring = TraceRing(
+            endpoints,
+            num_virtual_nodes=router.spec.session.num_virtual_nodes,
+            num_fallback_replicas=router.spec.session.num_fallback_replicas,
+        )
+    scraper = Scraper(config, registry)
+    targets = scraper.targets()
+    index_of = {e: i for i, e in enumerate(endpoints)}
+    engines = [EngineModel(engine) for _ in range(n)]
+    observations = [{m: ModelObservations() for m in models} for _ in range(n)]
+    pages = [
+        make_registry("vllm", [ServedModel(m, engines[i], observations[i][m]) for m in models])
+        for i in range(n)
+    ]
+    stepping = [False] * n
+    flights: dict[tuple[int, int], _Flight] = {}
+    rng = random.Random(seed * 7919 + 17)
+    events: list[tuple[float, int, int, int]] = []
+    counter = itertools.count()
+
+    def push(t: float, kind: int, a: int) -> None:
+        heapq.heappush(events, (t, next(counter), kind, a))
+
+    for i, arrival in enumerate(arrivals):
+        push(arrival.t, _ARRIVAL, i)
+    for i in range(n):
+        push(rng.uniform(0, scrape_interval), _SCRAPE, i)
+    result = ReplayResult(name or str(strategy), len(arrivals))
+    result.per_replica = dict.fromkeys(endpoints, 0)
+    outstanding = len(arrivals)
+    model_of_flight: dict[tuple[int, int], str] = {}
+
+    def error(kind: str) -> None:
+        nonlocal outstanding
+        result.errors[kind] = result.errors.get(kind, 0) + 1
+        outstanding -= 1
+
+    while events and outstanding > 0:
+        now, _, kind, a = heapq.heappop(events)
+        if kind == _ARRIVAL:
+            arrival = arrivals[a]
+            text = prompt_text(arrival, a)
+            info = RequestInfo(
+                model=arrival.model,
+                request_id=arrival.request_key or f"r{a}",
+                session_key=arrival.session,
+                prompt=text,
+                prompt_tokens=arrival.prompt_tokens,
+            )
+            try:
+                decision = scheduler.pick(info)
+            except LlmgwError as exc:
+                error(f"{exc.status} {exc.code}")
+                continue
+            lease = scheduler.acquire(decision)
+            target = index_of[decision.endpoint.id]
+            result.per_replica[decision.endpoint.id] += 1
+            if arrival.endpoint is not None:
+                result.recorded += 1
+                result.same += arrival.endpoint == decision.endpoint.id
+            hashes = block_hashes(text, engine.block_size) if engine.enable_prefix_caching else ()
+            request = SeqRequest(arrival.prompt_tokens, arrival.output_tokens, hashes)
+            try:
+                seq = engines[target].submit(request, now)
+            except (QueueFullError, RequestTooLargeError) as exc:
+                too_large = isinstance(exc, RequestTooLargeError)
+                lease.finish(Outcome.FAILURE if too_large else Outcome.BACKPRESSURE)
+                error("400 too large" if too_large else "429 queue full")
+                continue
+            flights[(target, seq.seq_id)] = _Flight(a, now, target, lease)
+            model_of_flight[(target, seq.seq_id)] = arrival.model
+            if not stepping[target]:
+                stepping[target] = True
+                push(now, _WAKE, target)
+        elif kind == _WAKE:
+            push(now + engines[a].schedule(now), _STEP_END, a)
+        elif kind == _STEP_END:
+            step = engines[a].complete(now)
+            for seq in step.emitted:
+                flight = flights.get((a, seq.seq_id))
+                if flight is not None and not flight.first_seen:
+                    flight.first_seen = True
+                    result.ttft_s.append(now - flight.sent)
+                    if arrivals[flight.index].first_tokens:
+                        flight.lease.first_token()
+            for seq in step.finished:
+                flight = flights.pop((a, seq.seq_id))
+                observations[a][model_of_flight.pop((a, seq.seq_id))].observe(seq)
+                result.e2e_s.append(now - flight.sent)
+                result.output_tokens += arrivals[flight.index].output_tokens
+                flight.lease.finish(Outcome.SUCCESS)
+                outstanding -= 1
+            if engines[a].has_work:
+                push(now + engines[a].schedule(now), _STEP_END, a)
+            else:
+                stepping[a] = False
+        else:  # _SCRAPE
+            address = endpoints[a]
+            scraper.ingest(address, targets[address], render(pages[a]).decode())
+            spread = scrape_interval * 0.1
+            push(now + scrape_interval + rng.uniform(-spread, spread), _SCRAPE, a)
+    hits = sum(e.stats.prefix_hits_tokens for e in engines)
+    queries = sum(e.stats.prefix_queries_tokens for e in engines)
+    result.hit_rate = hits / queries if queries else 0.0
+    result.makespan_s = now
+    return result
+
+
+def recorded(arrivals: Sequence[Arrival], endpoints: list[str]) -> dict[str, Any]:
+    """The recorded run's own row: where its requests went and the TTFT it saw."""
+    per_replica = dict.fromkeys(endpoints, 0)
+    for a in arrivals:
+        if a.endpoint in per_replica:
+            per_replica[a.endpoint] += 1
+    ttft = [a.ttft_ms / 1e3 for a in arrivals if a.ttft_ms is not None]
+    return {
+        "strategy": "recorded",
+        "requests": len(arrivals),
+        "ttft_p50_ms": _ms(_pct(ttft, 50)),
+        "ttft_p90_ms": _ms(_pct(ttft, 90)),
+        "ttft_p99_ms": _ms(_pct(ttft, 99)),
+        "per_replica": per_replica,
+    }

@@ -1,0 +1,120 @@
+"""`llmgw replay`, part 1: trace lines -> arrivals, and what a replay needs of them (the
+ring position of a session, text whose blocks are shared exactly where the traced
+prompts' were)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmgw.hashring import HashRing, ring_position
+from llmgw.types import CHARS_PER_TOKEN
+
+BLOCK_CHARS = int(64 * CHARS_PER_TOKEN)  # the trace's block: 64 tokens
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request to replay."""
+
+    t: float  # seconds after the first arrival
+    model: str
+    session: str | None  # "@<ring position hex>" from a trace, or a plain session id
+    prompt_tokens: int
+    blocks: tuple[int, ...]
+    output_tokens: int
+    endpoint: str | None = None  # where the recorded run sent it
+    ttft_ms: float | None = None  # what the recorded run saw, if the edge saw it
+    # Did the recording edge see first tokens (the proxy does; Envoy without response body
+    # events does not)? The router estimates pending work differently without them.
+    first_tokens: bool = True
+    request_key: str | None = None  # "@<ring position hex>" of the request id (no session)
+
+
+def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | None) -> list[Arrival]:
+    """Trace lines (in time order across files) as arrivals; raises ValueError naming the
+    file and line that is not a trace line."""
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    float(row["t"]), str(row["model"]), int(row["prompt_tokens"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
+                rows.append(row)
+    if not rows:
+        raise ValueError("the trace has no requests")
+    rows.sort(key=lambda r: float(r["t"]))
+    t0 = float(rows[0]["t"])
+    out = []
+    for row in rows:
+        outcome = row.get("outcome") or {}
+        ttft, duration = outcome.get("ttft_ms"), outcome.get("duration_ms")
+        if output_tokens is not None:
+            tokens = output_tokens
+        elif row.get("output_tokens") is not None:  # a workload exported as a trace
+            tokens = int(row["output_tokens"])
+        elif duration is not None:  # the time after the first token was decoding
+            first = (
+                ttft if ttft is not None else (row.get("decision") or {}).get("predicted_ttft_ms")
+            )
+            tokens = round((float(duration) - float(first or 0.0)) / decode_ms)
+        else:
+            tokens = 16
+        session = row.get("session")
+        out.append(
+            Arrival(
+                t=float(row["t"]) - t0,
+                model=str(row["model"]),
+                session=f"@{session}" if session else None,
+                prompt_tokens=max(1, int(row["prompt_tokens"])),
+                blocks=tuple(int(b) for b in row.get("blocks", ())),
+                output_tokens=min(max(1, tokens), 4096),
+                endpoint=(row.get("decision") or {}).get("endpoint"),
+                ttft_ms=ttft,
+                first_tokens=ttft is not None,
+                request_key=f"@{row['rid']}" if row.get("rid") else None,
+            )
+        )
+    return out
+
+
+def endpoints_of(arrivals: Iterable[Arrival], replicas: int | None) -> list[str]:
+    """The recorded endpoints (so the ring is the recorded ring), else made-up ones."""
+    seen = sorted({a.endpoint for a in arrivals if a.endpoint})
+    if replicas is None or replicas == len(seen):
+        return seen or [f"10.0.0.{i + 1}:8000" for i in range(replicas or 4)]
+    return [f"10.0.0.{i + 1}:8000" for i in range(replicas)]
+
+
+class TraceRing(HashRing):
+    """Places a traced session (`@<hex>`) at its recorded ring position."""
+
+    @staticmethod
+    def position(key: str) -> int:
+        if key.startswith("@"):
+            try:
+                return int(key[1:], 16) & _MASK
+            except ValueError:
+                pass
+        return ring_position(key)
+
+
+def prompt_text(arrival: Arrival, index: int) -> str:
+    """Text whose 64-token blocks are equal exactly where the traced prompts' were (each
+    block is its chained hash written out), then filler of this request's own."""
+    parts = [f"{b & _MASK:016x}" * (BLOCK_CHARS // 16) for b in arrival.blocks]
+    total = int(arrival.prompt_tokens * CHARS_PER_TOKEN)
+    filler = total - len(parts) * BLOCK_CHARS
+    if filler > 0:
+        tag = f"~{index:x}~"
+        parts.append((tag * (filler // len(tag) + 1))[:filler])
+    return "".join(parts)

@@ -1,0 +1,107 @@
+"""`llmgw replay` without a network: parsing, the trace-to-request mapping, the ring."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmgw.cli.replay import engine_args, main
+from llmgw.cli.replay_sim import simulate
+from llmgw.cli.replay_trace import Arrival, TraceRing, prompt_text, read_trace
+from llmgw.hashring import HashRing, ring_position
+from llmgw.runtime.trace import session_hash
+from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.sim.model import EngineConfig
+
+ENDPOINTS = [f"10.0.0.{i + 1}:8000" for i in range(4)]
+
+
+def line(t: float, session: str | None, blocks: list[int], **extra: Any) -> str:
+    row = {
+        "t": t,
+        "model": "m1",
+        "session": session_hash(session) if session else None,
+        "rid": None if session else session_hash(f"req-{t}"),
+        "prompt_tokens": 64 * len(blocks) + 10,
+        "blocks": blocks,
+        "decision": {"endpoint": ENDPOINTS[0]},
+        "outcome": {"ttft_ms": 20.0, "duration_ms": 120.0},
+        **extra,
+    }
+    return json.dumps(row)
+
+
+def test_engine_args_set_replicas_and_engine_fields() -> None:
+    replicas, engine = engine_args("replicas=3, max_num_seqs=8,kv_blocks=512,decode_ms=2.5")
+    assert replicas == 3
+    assert (engine.max_num_seqs, engine.kv_blocks, engine.decode_ms) == (8, 512, 2.5)
+    assert engine_args("")[1] == EngineConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "fix"),
+    [("warp=9", "unknown"), ("replicas", "key=value"), ("replicas=0", ">= 1")],
+)
+def test_bad_engine_args_say_what_to_fix(text: str, fix: str) -> None:
+    with pytest.raises(ValueError, match=fix):
+        engine_args(text)
+
+
+def test_a_traced_session_sits_where_the_ring_put_its_key() -> None:
+    ring, traced = HashRing(ENDPOINTS), TraceRing(ENDPOINTS)
+    for key in ("alice", "bob", "user-17", "x"):
+        assert traced.candidates(f"@{session_hash(key)}") == ring.candidates(key)
+    assert TraceRing.position("plain") == ring_position("plain")
+
+
+def test_synthetic_prompts_share_blocks_exactly_where_the_traced_ones_did() -> None:
+    index = PrefixIndex(block_chars=256, max_blocks=256)
+    a = Arrival(0.0, "m1", None, 64 * 3 + 5, (11, 22, 33), 8)
+    b = Arrival(0.0, "m1", None, 64 * 3 + 5, (11, 22, 44), 8)
+    ha, hb = index.hashes(prompt_text(a, 0)), index.hashes(prompt_text(b, 1))
+    assert len(ha) == 3 and ha[:2] == hb[:2] and ha[2] != hb[2]
+    assert len(prompt_text(a, 0)) == (64 * 3 + 5) * 4
+
+
+def test_read_trace_orders_arrivals_and_estimates_output_length(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([line(12.5, "bob", [1]), line(10.0, "alice", [1, 2]), ""]))
+    arrivals = read_trace([path], decode_ms=4.0, output_tokens=None)
+    assert [a.t for a in arrivals] == [0.0, 2.5]
+    assert arrivals[0].session == f"@{session_hash('alice')}"
+    assert arrivals[0].output_tokens == 25  # (120 - 20) ms / 4 ms
+    assert read_trace([path], 4.0, 7)[0].output_tokens == 7
+
+
+def test_a_line_that_is_not_a_trace_line_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(1.0, "a", []) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"t.jsonl:2: not a trace line"):
+        read_trace([path], 4.0, None)
+    assert main([str(path)]) == 2
+
+
+def test_every_strategy_replays_every_request_at_the_same_times(tmp_path: Path) -> None:
+    lines = [
+        line(i * 0.01, f"s{i % 5}" if i % 3 else None, list(range(i % 5, i % 5 + 4)))
+        for i in range(120)
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines))
+    arrivals = read_trace([path], 4.0, None)
+    engine = EngineConfig(max_num_seqs=8, decode_ms=4.0)
+    results = {
+        s: simulate(arrivals, ENDPOINTS, s, engine, name=s)
+        for s in ("latency", "ring", "round-robin")
+    }
+    for result in results.values():
+        assert len(result.e2e_s) == 120 and not result.errors
+        assert sum(result.per_replica.values()) == 120
+    assert results["round-robin"].per_replica == dict.fromkeys(ENDPOINTS, 30)
+    # Same arrivals, same engines: the strategy is the only difference, and it shows.
+    assert results["latency"].hit_rate > results["round-robin"].hit_rate
+    again = simulate(arrivals, ENDPOINTS, "latency", engine)
+    assert again.per_replica == results["latency"].per_replica  # deterministic

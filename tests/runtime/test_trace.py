@@ -1,0 +1,214 @@
+"""The decision trace: what a line holds (never prompt text), sampling, rotation, both edges."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from llmgw.asgi.app import ProxyApp
+from llmgw.asgi.testing import address_of, serve
+from llmgw.config import Config, TraceSpec, load_dict
+from llmgw.extproc.translate import Exchange
+from llmgw.gateway import Gateway
+from llmgw.lifecycle import Hooks, Lifecycle
+from llmgw.runtime.trace import TraceWriter, close_trace, session_hash, traced
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.sim import SimFleet
+from llmgw.testing.extproc import (
+    chat_headers,
+    parse,
+    request_body,
+    request_headers,
+    response_headers,
+    response_trailers,
+)
+
+SECRET = "the-launch-code-is-PURPLE-ELEPHANT-4242 "
+SESSION = "alice@example.com"
+
+
+def config(addresses: list[str], **trace: Any) -> Config:
+    return load_dict(
+        {
+            "models": {"m1": {"endpoints": addresses, "strategy": "latency"}},
+            "trace": trace,
+        }
+    )
+
+
+def body(turn: int) -> bytes:
+    content = SECRET * 40 + f" turn {turn}"  # ~1,600 characters: several 64-token blocks
+    return orjson.dumps({"model": "m1", "messages": [{"role": "user", "content": content}]})
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_no_prompt_text(path: Path) -> None:
+    for file in path.parent.iterdir():
+        raw = file.read_bytes()
+        for needle in (b"PURPLE-ELEPHANT", b"launch-code", SESSION.encode(), b"turn "):
+            assert needle not in raw, (file, needle)
+
+
+@pytest.fixture
+def tracing() -> Iterator[Callable[[Config, str], Hooks]]:
+    """`traced(Hooks(edge), config.trace)`, closed at the end of the test."""
+    made: list[Hooks] = []
+
+    def make(cfg: Config, edge: str = "test") -> Hooks:
+        made.append(traced(Hooks(edge), cfg.trace))
+        return made[-1]
+
+    yield make
+    for hooks in made:
+        close_trace(hooks)
+
+
+def run_lifecycle(gateway: Gateway, hooks: Hooks, turn: int, status: int = 200) -> None:
+    lifecycle = Lifecycle(gateway, hooks)
+    headers = {"x-session-id": SESSION}
+    lifecycle.route(headers, "/v1/chat/completions", body(turn))
+    lifecycle.first_byte()
+    lifecycle.response(status)
+    lifecycle.finish()
+
+
+def test_a_trace_line_has_shape_decision_and_outcome_but_no_prompt_text(
+    tmp_path: Path, tracing: Callable[[Config, str], Hooks]
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    cfg = config(["10.0.0.1:8000", "10.0.0.2:8000"], path=str(path))
+    gateway = Gateway(Scheduler(cfg, seed=1))
+    hooks = tracing(cfg, "test")
+    for turn in range(3):
+        run_lifecycle(gateway, hooks, turn, status=200 if turn < 2 else 503)
+    close_trace(hooks)  # flushes
+    records = lines(path)
+    assert len(records) == 3
+    first = records[0]
+    assert first["model"] == "m1" and first["edge"] == "test"
+    assert first["session"] == session_hash(SESSION) != SESSION
+    assert first["prompt_tokens"] > 300
+    assert len(first["blocks"]) == first["prompt_tokens"] // 64
+    # The same leading text gives the same leading block hashes: a replay sees the sharing.
+    assert records[1]["blocks"][:5] == first["blocks"][:5]
+    assert first["decision"]["endpoint"] in first["decision"]["totals"]
+    assert first["decision"]["predicted_ttft_ms"] > 0
+    assert first["outcome"]["status"] == 200 and first["outcome"]["outcome"] == "success"
+    assert first["outcome"]["ttft_ms"] is not None and first["outcome"]["duration_ms"] > 0
+    assert records[2]["outcome"]["outcome"] == "backpressure"
+    assert_no_prompt_text(path)
+
+
+def test_refused_requests_and_sample_zero_write_nothing(
+    tmp_path: Path, tracing: Callable[[Config, str], Hooks]
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    cfg = config(["10.0.0.1:8000"], path=str(path), sample=0.0)
+    gateway = Gateway(Scheduler(cfg, seed=1))
+    hooks = tracing(cfg, "test")
+    run_lifecycle(gateway, hooks, 0)
+    refused = Lifecycle(gateway, hooks)
+    refused.route({}, "/v1/chat/completions", b"not json")
+    refused.finish()
+    close_trace(hooks)
+    assert not path.exists()
+
+
+def test_sampling_writes_about_the_configured_share(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    cfg = config(["10.0.0.1:8000"])
+    gateway = Gateway(Scheduler(cfg, seed=1))
+    writer = TraceWriter(TraceSpec(path=str(path), sample=0.25), "test", rng=random.Random(5))
+    hooks = Hooks("test", finished=writer)
+    for turn in range(400):
+        run_lifecycle(gateway, hooks, turn)
+    writer.close()
+    assert 70 <= len(lines(path)) <= 130
+    assert writer.written == len(lines(path))
+
+
+def test_the_trace_rotates_by_size_and_keeps_the_configured_backups(
+    tmp_path: Path, tracing: Callable[[Config, str], Hooks]
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    cfg = config(["10.0.0.1:8000"], path=str(path), max_bytes=8192, backups=2)
+    gateway = Gateway(Scheduler(cfg, seed=1))
+    hooks = tracing(cfg, "test")
+    for turn in range(60):  # ~1.3 KB a line: many rotations
+        run_lifecycle(gateway, hooks, turn)
+    close_trace(hooks)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["trace.jsonl", "trace.jsonl.1", "trace.jsonl.2"]
+    assert all((tmp_path / n).stat().st_size <= 8192 for n in names)
+    assert_no_prompt_text(path)
+
+
+def test_the_extproc_edge_writes_the_trace(
+    tmp_path: Path, tracing: Callable[[Config, str], Hooks]
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    cfg = config(["10.0.0.1:8000", "10.0.0.2:8000"], path=str(path))
+    gateway = Gateway(Scheduler(cfg, seed=1))
+    hooks = tracing(cfg, "extproc")
+    exchange = Exchange(gateway, hooks)
+    headers = chat_headers(**{"x-session-id": SESSION, "content-type": "application/json"})
+    parse(exchange.handle(request_headers(headers)))
+    parse(exchange.handle(request_body(body(0))))
+    parse(exchange.handle(response_headers(200)))
+    exchange.handle(response_trailers())
+    exchange.close()
+    close_trace(hooks)
+    (record,) = lines(path)
+    assert record["edge"] == "extproc" and record["outcome"]["status"] == 200
+    assert_no_prompt_text(path)
+
+
+async def test_the_proxy_writes_the_trace_with_observed_ttft(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    async with SimFleet(replicas=2, model="m1", time_scale=0, seed=3) as fleet:
+        cfg = config([address_of(u) for u in fleet.urls], path=str(path))
+        app = ProxyApp(cfg, scrape=False)
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            for turn in range(4):
+                reply = await client.post(
+                    "/v1/chat/completions", content=body(turn), headers={"x-session-id": SESSION}
+                )
+                assert reply.status_code == 200
+    records = lines(path)
+    assert len(records) == 4
+    assert all(r["edge"] == "asgi" and r["outcome"]["ttft_ms"] is not None for r in records)
+    assert_no_prompt_text(path)
+
+
+@pytest.mark.parametrize("field", [{"sample": 1.5}, {"max_bytes": 10}, {"backups": 0}])
+def test_bad_trace_settings_name_the_field(field: dict[str, Any]) -> None:
+    from llmgw.errors import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError, match=f"trace.{next(iter(field))}"):
+        config(["10.0.0.1:8000"], path="x.jsonl", **field)
+
+
+def test_workers_must_not_share_one_trace_file(tmp_path: Path) -> None:
+    from llmgw.runtime.trace import shared_trace_problem  # noqa: PLC0415
+
+    shared = TraceSpec(path=str(tmp_path / "t.jsonl"))
+    assert shared_trace_problem(shared, 1) is None
+    assert "{pid}" in (shared_trace_problem(shared, 2) or "")
+    per_process = TraceSpec(path=str(tmp_path / "t.{pid}.jsonl"))
+    assert shared_trace_problem(per_process, 4) is None
+    writer = TraceWriter(per_process, "test")
+    gateway = Gateway(Scheduler(config(["10.0.0.1:8000"]), seed=1))
+    run_lifecycle(gateway, Hooks("test", finished=writer), 0)
+    writer.close()
+    assert (tmp_path / f"t.{os.getpid()}.jsonl").exists()
