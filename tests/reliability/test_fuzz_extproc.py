@@ -80,9 +80,14 @@ messages = st.one_of(
 
 
 def assert_valid_answer(answer: object) -> None:
-    assert isinstance(answer, bytes)
-    parsed = ProcessingResponse.FromString(answer)
-    assert parsed.WhichOneof("response") is not None
+    """One answer, or several in order (a streamed body held until routing), or none (a
+    local reply ended the request, or a FULL_DUPLEX body chunk is held): each one valid."""
+    parts = (answer,) if isinstance(answer, bytes) else answer
+    assert isinstance(parts, tuple)
+    for part in parts:
+        assert isinstance(part, bytes)
+        parsed = ProcessingResponse.FromString(part)
+        assert parsed.WhichOneof("response") is not None
 
 
 def run_exchange(scheduler: Scheduler, sequence: list[ProcessingRequest]) -> None:
