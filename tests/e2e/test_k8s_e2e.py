@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +20,7 @@ from llmgw.extproc.envoyconfig import build
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.wait import eventually
 
 NS = "models"
 MODEL = "m1"
@@ -27,13 +28,6 @@ CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
 SESSIONS = [f"session-{i}" for i in range(32)]
 pytestmark = pytest.mark.e2e
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 @pytest.fixture

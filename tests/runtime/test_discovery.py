@@ -7,13 +7,12 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client
 
 from llmgw.config import Config, load_dict
 from llmgw.registry import Registry
@@ -21,33 +20,14 @@ from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.kube.discovery import Discovery
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.wait import eventually
 from llmgw.types import Endpoint
 
 NS = "models"
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
-
-
 def config_for(**source: Any) -> Config:
     return load_dict({"models": {"chat": {"discovery": source, "strategy": "ring"}}})
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[FakeKubernetes]:
-    async with FakeKubernetes() as fake:
-        yield fake
-
-
-@pytest.fixture
-def api(kube: FakeKubernetes) -> Iterator[Any]:
-    api_client: Any = client.ApiClient(client.Configuration(host=kube.host))
-    yield api_client
-    api_client.close()
 
 
 class Followed:

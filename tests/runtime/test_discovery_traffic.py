@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,17 +29,11 @@ from llmgw.runtime.kube.discovery import Discovery
 from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.wait import eventually
 
 NS = "models"
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 def service_config() -> Config:
