@@ -4,9 +4,7 @@ malformed gRPC messages to a running server fail only their own stream."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import orjson
@@ -28,6 +26,7 @@ from llmgw.extproc.translate import Exchange, response_status
 from llmgw.gateway import Gateway
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.testing.extproc import chat_headers, make_config, request_headers, response_headers
+from llmgw.testing.wait import eventually
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -80,9 +79,14 @@ messages = st.one_of(
 
 
 def assert_valid_answer(answer: object) -> None:
-    assert isinstance(answer, bytes)
-    parsed = ProcessingResponse.FromString(answer)
-    assert parsed.WhichOneof("response") is not None
+    """One answer; or, in FULL_DUPLEX_STREAMED and after a local reply, several in order
+    or none (the server writes each part)."""
+    parts = [answer] if isinstance(answer, bytes) else answer
+    assert isinstance(parts, list | tuple), answer
+    for part in parts:
+        assert isinstance(part, bytes)
+        parsed = ProcessingResponse.FromString(part)
+        assert parsed.WhichOneof("response") is not None
 
 
 def run_exchange(scheduler: Scheduler, sequence: list[ProcessingRequest]) -> None:
@@ -162,13 +166,6 @@ async def server() -> AsyncIterator[ExtProcServer]:
     await srv.start()
     yield srv
     await srv.stop(1.0)
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 def _inflight(srv: ExtProcServer) -> int:
