@@ -58,6 +58,7 @@ class ProxyApp:
             self.forwarder, config, router=self.router, telemetry=self.telemetry
         )
         self.started = False
+        self.start_error: Exception | None = None  # why the lifespan startup failed
         self.draining = False  # SIGTERM: /readyz answers 503 before the listener closes
         # With a config file: SIGHUP or a change of the file reloads it (see ConfigWatcher).
         self.watcher: ConfigWatcher | None = (
@@ -196,6 +197,7 @@ class ProxyApp:
                 try:
                     await self.startup()
                 except Exception as exc:  # reported to the server, which exits
+                    self.start_error = exc
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})

@@ -223,8 +223,22 @@ async def test_forbidden_inference_pools_is_a_startup_error_naming_the_resource(
         await followed(config_for(inference_pool={"namespace": NS, "name": "chat-pool"}))
 
 
-async def test_llmgw_extproc_refuses_to_start_without_rbac_naming_what_to_apply(
-    kube: FakeKubernetes, tmp_path: Path
+# Every port ephemeral: a fixed default (9003, 8000) may be taken on a shared machine.
+SERVER_ARGS = {
+    "extproc": [
+        "--host=127.0.0.1",
+        "--grpc-port=0",
+        "--grpc-health-port=0",
+        "--health-port=0",
+        "--metrics-port=0",
+    ],
+    "proxy": ["--host=127.0.0.1", "--port=0"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(SERVER_ARGS))
+async def test_the_servers_refuse_to_start_without_rbac_naming_what_to_apply(
+    kube: FakeKubernetes, tmp_path: Path, command: str
 ) -> None:
     """The CLI, as deployed: credentials from KUBECONFIG, exit code 3, the message on stderr."""
     kube.forbidden.add("list-slices")
@@ -249,12 +263,9 @@ async def test_llmgw_extproc_refuses_to_start_without_rbac_naming_what_to_apply(
         sys.executable,
         "-m",
         "llmgw.cli",
-        "extproc",
+        command,
         f"--config={config}",
-        "--host=127.0.0.1",
-        "--grpc-port=0",
-        "--health-port=0",
-        "--metrics-port=0",
+        *SERVER_ARGS[command],
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -268,6 +279,6 @@ async def test_llmgw_extproc_refuses_to_start_without_rbac_naming_what_to_apply(
             await process.wait()
     assert process.returncode == 3, stderr.decode()[-2000:]
     message = stderr.decode()
-    assert "cannot start: RBAC" in message
+    assert f"llmgw {command}: cannot start: RBAC" in message
     assert "may not list endpointslices.discovery.k8s.io in namespace 'models'" in message
     assert "llmgw-discovery" in message
