@@ -238,7 +238,13 @@ class ExtProcServer:
             self._ports["grpc_health"] = self._bind(probes, self._ports["grpc_health"], tls=None)
             await probes.start()
             self._grpc_health = probes
-        await self.router.start()
+        try:
+            await self.router.start()
+        except BaseException:  # discovery refused (RBAC): close what is already listening
+            if self._grpc_health is not None:
+                await self._grpc_health.stop(0)
+                self._grpc_health = None
+            raise
         await server.start()
         self._grpc = server
         self._health_refresh = asyncio.create_task(self._refresh_health())

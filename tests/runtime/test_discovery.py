@@ -18,6 +18,7 @@ from llmgw.config import Config, load_dict
 from llmgw.registry import Registry
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.kube.discovery import Discovery
+from llmgw.runtime.router import Router
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.testing.fake_k8s import FakeKubernetes
 from llmgw.testing.wait import eventually
@@ -170,6 +171,19 @@ async def test_rbac_forbidden_is_a_startup_error_naming_verb_resource_and_role(
     assert "may not list endpointslices.discovery.k8s.io in namespace 'models'" in message
     assert "llmgw-discovery" in message and "deploy/k8s/llmgw-rbac.yaml" in message
     assert "cannot list resource" in message  # the API server's own words
+
+
+async def test_a_router_whose_discovery_is_refused_stops_the_scraper_it_started(
+    kube: FakeKubernetes, api: Any
+) -> None:
+    """The server exits (code 3) or an embedding app carries on: no scrape loop left behind."""
+    kube.forbidden.add("list-slices")
+    config = config_for(service={"namespace": NS, "name": "vllm"})
+    router = Router(config, discovery=Discovery(config, api_client=api, backoff=(0.02, 0.1)))
+    assert router.scraper is not None
+    with pytest.raises(StartError):
+        await router.start()
+    assert router.scraper.running is False
 
 
 # -- pods and InferencePools ---------------------------------------------------------------
