@@ -221,7 +221,7 @@ def test_middleware_closes_its_decision_trace_when_the_app_shuts_down(
     app.add_middleware(SchedulerMiddleware, config=traced)
     with TestClient(app) as client:
         assert client.post(CHAT, content=body()).status_code == 200
-    # Buffered lines (flushed at most once a second) are written out at shutdown.
+    # Buffered lines (flushed within a second) are written out at shutdown.
     lines = path.read_bytes().splitlines()
     assert len(lines) == 1 and orjson.loads(lines[0])["model"] == MODEL
 
