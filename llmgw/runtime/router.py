@@ -128,7 +128,12 @@ class Router:
         if self.scraper is not None:
             await self.scraper.start()
         if self.discovery is not None:
-            await self.discovery.start(self.set_endpoints)
+            try:
+                await self.discovery.start(self.set_endpoints)
+            except BaseException:  # refused: leave nothing running behind the error
+                if self.scraper is not None:
+                    await self.scraper.stop()
+                raise
         if self.activator is not None:
             await self.activator.start()
 

@@ -196,6 +196,8 @@ class _RegistryCollector(Collector):
         )
         for model, status in sorted((self.models() if self.models else {}).items()):
             current = status.get("state")
+            if current is None:  # a discovered model: no on-demand state to export
+                continue
             for name in _MODEL_STATES:
                 state.add_metric([model, name], 1.0 if name == current else 0.0)
             count = status.get("starts")
