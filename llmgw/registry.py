@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 from llmgw.breaker import Breaker, BreakerSettings, BreakerState
 from llmgw.calibration import Calibration
+from llmgw.kvindex import ExactPrefixIndex
 from llmgw.types import Endpoint, EngineMetrics, Outcome
 
 Clock = Callable[[], float]
@@ -90,6 +91,8 @@ class Registry:
         self._by_model: dict[str, list[EndpointState]] = {}
         self._by_id: dict[tuple[str, str], EndpointState] = {}
         self.version = 0  # bumped when any model's endpoint set changes
+        # What each endpoint's engine reported cached (KV events; empty when none are fed).
+        self.kv_index = ExactPrefixIndex()
 
     def configure(self, *, breaker: BreakerSettings, staleness: float) -> None:
         """New breaker settings and staleness (a config reload); live state is kept."""
@@ -111,6 +114,7 @@ class Registry:
             new.append(state)
         for gone in old.values():
             self._by_id.pop((model, gone.id), None)
+            self.kv_index.forget(gone.id)
         before = [s.id for s in self._by_model.get(model, [])]
         self._by_model[model] = new
         for s in new:
