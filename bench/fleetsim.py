@@ -23,6 +23,11 @@ What is real and what is modelled:
   TTFT = first token - send time (no network, no SSE framing).
 - Reference policies (consistent hash, round robin, least requests, sglang cache_aware)
   are plain functions of router-local state; they see no scrape.
+- KV-cache events (contenders that use them, e.g. `llmgw:latency-exact`): the engines
+  record vLLM's events as they cache and evict blocks; each step's events are encoded
+  as vLLM's wire payload (msgpack `[ts, [events]]`, a sequence number per engine),
+  delivered `kv_event_lag` seconds later and decoded by `llmgw.kvevents`, the
+  subscriber's own decode path, into the registry's exact index.
 """
 
 from __future__ import annotations
@@ -32,14 +37,16 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import msgpack
 import orjson
 
 from bench.workloads import Workload, percentile
 from llmgw.config import Config, load_dict
 from llmgw.errors import LlmgwError
+from llmgw.kvevents import decode_batch
 from llmgw.hashring import HashRing
 from llmgw.registry import Registry
 from llmgw.request import build_request
@@ -54,7 +61,7 @@ from llmgw.sim.model import (
     RequestTooLargeError,
     SeqRequest,
 )
-from llmgw.sim.tokens import block_hashes, chat_prompt, count_tokens
+from llmgw.sim.tokens import block_hashes, chat_prompt, count_tokens, token_ids
 from llmgw.types import Outcome, RequestInfo
 
 MODEL = "m1"
@@ -181,6 +188,11 @@ class LlmgwContender:
     ) -> None:
         self.name = name
         self.strategy = strategy
+        # A scorer with a tokenizer matches on the engines' KV events: feed them.
+        self.uses_kv_events = isinstance(strategy, dict) and any(
+            isinstance(spec, dict) and (spec.get("params") or {}).get("tokenizer")
+            for spec in strategy.get("scorers", {}).values()
+        )
         self.scrape_interval = scrape_interval
         self.scheduler: Scheduler | None = None
         self._index: dict[str, int] = {}
@@ -348,9 +360,21 @@ REFERENCES: dict[str, Callable[[], Contender]] = {
 }
 
 
+# The latency preset matching exactly on the engines' KV events (the simulator's token ids).
+LATENCY_EXACT: dict[str, Any] = {
+    "name": "latency-exact",
+    "scorers": {
+        "latency": {"weight": 1.0, "params": {"tokenizer": "sim"}},
+        "session": {"weight": 0.05, "params": {"abstain_without_session": True}},
+    },
+    "filters": ["healthy", "model-serves"],
+}
+BUILTIN: dict[str, dict[str, Any]] = {"llmgw:latency-exact": LATENCY_EXACT}
+
+
 def contender_names() -> list[str]:
-    """Every llmgw preset (as `llmgw:<name>`), then the reference policies."""
-    return [f"llmgw:{name}" for name in PRESETS] + list(REFERENCES)
+    """Every llmgw preset (as `llmgw:<name>`), built-in variants, then the references."""
+    return [f"llmgw:{name}" for name in PRESETS] + list(BUILTIN) + list(REFERENCES)
 
 
 def make_contender(
@@ -361,6 +385,8 @@ def make_contender(
     """`llmgw:<preset>`, a reference name, or a name from `custom` (strategy dicts)."""
     if custom and name in custom:
         return LlmgwContender(name, custom[name], scrape_interval)
+    if name in BUILTIN:
+        return LlmgwContender(name, BUILTIN[name], scrape_interval)
     if name.startswith("llmgw:") and name[6:] in PRESETS:
         return LlmgwContender(name, name[6:], scrape_interval)
     if name in REFERENCES:
@@ -370,7 +396,7 @@ def make_contender(
 
 # -- the simulation -----------------------------------------------------------------------
 
-_ARRIVAL, _WAKE, _STEP_END, _SCRAPE = 0, 1, 2, 3
+_ARRIVAL, _WAKE, _STEP_END, _SCRAPE, _KV = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -426,6 +452,7 @@ def simulate(
     seed: int = 1,
     scrape_interval: float = 0.05,
     scrape_jitter: float = 0.1,
+    kv_event_lag: float = 0.002,
     max_events: int = 50_000_000,
 ) -> RunResult:
     """Replay the workload through `contender` onto fresh engines; deterministic."""
@@ -442,7 +469,23 @@ def simulate(
         scraper = Scraper(config, registry)
     targets = scraper.targets() if scraper is not None else {}
 
-    engines = [EngineModel(cfg) for cfg in prepared.engines]
+    kv_events = registry is not None and bool(getattr(contender, "uses_kv_events", False))
+    engines = [
+        EngineModel(replace(cfg, kv_events=True) if kv_events else cfg)
+        for cfg in prepared.engines
+    ]
+    kv_seq = [0] * n
+    kv_wire: dict[int, tuple[int, bytes]] = {}  # event id -> (seq, payload) in flight
+    kv_ids = itertools.count()
+
+    def publish(index: int) -> None:
+        events = engines[index].drain_kv_events()
+        if events:
+            eid = next(kv_ids)
+            kv_wire[eid] = (kv_seq[index], msgpack.packb([now, events]))
+            kv_seq[index] += 1
+            push(now + kv_event_lag, _KV, index, eid)
+
     observations = [ModelObservations() for _ in range(n)]
     pages = [
         make_registry("vllm", [ServedModel(MODEL, engines[i], observations[i])]) for i in range(n)
@@ -505,8 +548,11 @@ def simulate(
                 end_request(a, b)
                 continue
             per_replica[index] += 1
+            seq_request = p.seq
+            if kv_events:  # token ids only while needed (they are large)
+                seq_request = replace(seq_request, token_ids=token_ids(chat_prompt(p.info.raw_prompt)))
             try:
-                seq = engines[index].submit(p.seq, now)
+                seq = engines[index].submit(seq_request, now)
             except (QueueFullError, RequestTooLargeError) as exc:
                 too_large = isinstance(exc, RequestTooLargeError)
                 if lease is not None:
@@ -522,6 +568,8 @@ def simulate(
         elif kind == _WAKE:
             engine = engines[a]
             push(now + engine.schedule(now), _STEP_END, a)
+            if kv_events:
+                publish(a)
         elif kind == _STEP_END:
             engine = engines[a]
             result = engine.complete(now)
@@ -546,7 +594,14 @@ def simulate(
                 push(now + engine.schedule(now), _STEP_END, a)
             else:
                 stepping[a] = False
-        elif scraper is not None:  # _SCRAPE
+            if kv_events:
+                publish(a)
+        elif kind == _KV:
+            assert registry is not None
+            seq_no, payload = kv_wire.pop(b)
+            batch = decode_batch(seq_no, msgpack.unpackb(payload))
+            registry.kv_index.apply_batch(address(a), batch, now)
+        elif kind == _SCRAPE and scraper is not None:
             addr = address(a)
             scraper.ingest(addr, targets[addr], render(pages[a]).decode())
             scrapes += 1
