@@ -46,8 +46,8 @@ import orjson
 from bench.workloads import Workload, percentile
 from llmgw.config import Config, load_dict
 from llmgw.errors import LlmgwError
-from llmgw.kvevents import decode_batch
 from llmgw.hashring import HashRing
+from llmgw.kvevents import decode_batch
 from llmgw.registry import Registry
 from llmgw.request import build_request
 from llmgw.runtime.scraper import Scraper
@@ -471,8 +471,7 @@ def simulate(
 
     kv_events = registry is not None and bool(getattr(contender, "uses_kv_events", False))
     engines = [
-        EngineModel(replace(cfg, kv_events=True) if kv_events else cfg)
-        for cfg in prepared.engines
+        EngineModel(replace(cfg, kv_events=True) if kv_events else cfg) for cfg in prepared.engines
     ]
     kv_seq = [0] * n
     kv_wire: dict[int, tuple[int, bytes]] = {}  # event id -> (seq, payload) in flight
@@ -550,7 +549,9 @@ def simulate(
             per_replica[index] += 1
             seq_request = p.seq
             if kv_events:  # token ids only while needed (they are large)
-                seq_request = replace(seq_request, token_ids=token_ids(chat_prompt(p.info.raw_prompt)))
+                seq_request = replace(
+                    seq_request, token_ids=token_ids(chat_prompt(p.info.raw_prompt))
+                )
             try:
                 seq = engines[index].submit(seq_request, now)
             except (QueueFullError, RequestTooLargeError) as exc:

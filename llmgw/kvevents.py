@@ -82,6 +82,7 @@ def _as_map(raw: Any) -> dict[str, Any]:
         return raw
     if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
         tag, values = raw[0], list(raw[1:])
+        names: tuple[str, ...]
         if tag == "BlockStored":
             names = (*_STORED_FIELDS, *_STORED_TAIL)
         elif tag == "BlockRemoved":

@@ -161,8 +161,12 @@ class ExactPrefixIndex:
             self._clear(e, live=True)
         elif verdict is SeqVerdict.GAP:
             e.gaps += 1
-            self._unknown(e, f"missed batches {e.last_seq + 1 if e.last_seq is not None else 0}"
-                          f"..{batch.seq - 1}", now)
+            self._unknown(
+                e,
+                f"missed batches {e.last_seq + 1 if e.last_seq is not None else 0}"
+                f"..{batch.seq - 1}",
+                now,
+            )
         elif verdict is SeqVerdict.FIRST:
             if batch.seq == 0:  # the engine's whole history: exact from the start
                 self._clear(e, live=True)
@@ -189,9 +193,9 @@ class ExactPrefixIndex:
                     self._remove(e, event.block_hashes)
             else:  # AllBlocksCleared: an exact sync point
                 self._clear(e, live=True)
-        if e.state is KvState.UNKNOWN and e.last_seq is not None:
-            if now - e.unknown_since >= self.resync_s:
-                e.state, e.reason = KvState.LIVE, "resynced"
+        resynced = e.last_seq is not None and now - e.unknown_since >= self.resync_s
+        if e.state is KvState.UNKNOWN and resynced:
+            e.state, e.reason = KvState.LIVE, "resynced"
         if self._total > self.capacity:
             self._trim()
 

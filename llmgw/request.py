@@ -112,9 +112,7 @@ def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
         raise BadRequest("field 'messages' must be an array")
     prompt, chars = prompt_parts(payload, prefix_chars)
     raw = messages if messages is not None else payload.get("prompt")
-    return BodyFields(
-        model=model, prompt=prompt, stream=stream, prompt_chars=chars, raw_prompt=raw
-    )
+    return BodyFields(model=model, prompt=prompt, stream=stream, prompt_chars=chars, raw_prompt=raw)
 
 
 def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:

@@ -126,7 +126,7 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
     def render(messages: list[Any]) -> str:
         if not isinstance(source, str):
             raise ValueError(f"tokenizer {path!r}: no chat template beside it")
-        return template.render(messages=messages, add_generation_prompt=True, **specials)
+        return str(template.render(messages=messages, add_generation_prompt=True, **specials))
 
     template: Any = None
     if isinstance(source, str):

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import torch  # type: ignore[import-not-found]
-from tokenizers import (  # type: ignore[import-not-found]
+from tokenizers import (  # type: ignore[import-not-found, unused-ignore]
     Tokenizer,
     decoders,
     models,

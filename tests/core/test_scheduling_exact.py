@@ -1,0 +1,126 @@
+"""The latency scorer on exact cache contents: per endpoint, events when live, else the
+approximate index; the Decision says which; no tokenizing when nothing is live."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmgw.config import load_dict
+from llmgw.kvevents import BlockStored, EventBatch
+from llmgw.kvindex import ExactPrefixIndex
+from llmgw.registry import Registry
+from llmgw.scheduling.plugins import PluginError, make_scorer
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.scheduling.scorers import LatencyScorer
+from llmgw.tokenize import sim_chat_prompt, sim_token_ids
+from llmgw.types import RequestInfo
+
+from .helpers import context, state
+
+MESSAGES = [{"role": "system", "content": "s" * 3000}, {"role": "user", "content": "q" * 200}]
+TOKENS = sim_token_ids(sim_chat_prompt(MESSAGES))
+BS = 16
+
+
+def request(rid: str = "r") -> RequestInfo:
+    return RequestInfo(
+        "m", rid, prompt="<|system|>" + "s" * 3000, prompt_tokens=len(TOKENS), raw_prompt=MESSAGES
+    )
+
+
+def feed(index: ExactPrefixIndex, endpoint: str, tokens: tuple[int, ...], seq: int = 0) -> None:
+    blocks = len(tokens) // BS
+    event = BlockStored(tuple(range(blocks)), None, tuple(tokens[: blocks * BS]), BS, medium="GPU")
+    index.apply_batch(endpoint, EventBatch(seq, 0.0, (event,)), now=0.0)
+
+
+def test_live_endpoint_scores_on_what_its_engine_holds() -> None:
+    kv = ExactPrefixIndex()
+    feed(kv, "a:1", TOKENS[:400])  # a holds 400 tokens (25 blocks) of this prompt
+    feed(kv, "b:1", ())  # b is live and holds nothing
+    scorer = LatencyScorer(tokenizer="sim")
+    states = [state("a:1"), state("b:1")]
+    # The approximate index believes b has it all: it must not count where events are live.
+    scorer.index.insert("b:1", scorer.index.hashes(request().prompt))
+    ctx = context(states, request=request())
+    ctx.kv = kv
+    scores = scorer.score(ctx, states)
+    terms = scorer.terms()
+    assert terms["cached_tokens"] == (400.0, 0.0)
+    assert terms["exact"] == (1.0, 1.0)
+    assert scores[0] > scores[1]
+
+
+def test_unknown_endpoint_falls_back_to_the_approximate_index_and_says_so() -> None:
+    kv = ExactPrefixIndex()
+    feed(kv, "a:1", TOKENS[:400])
+    scorer = LatencyScorer(tokenizer="sim")
+    states = [state("a:1"), state("b:1")]  # b: no events at all
+    scorer.index.insert("b:1", scorer.index.hashes(request().prompt))
+    ctx = context(states, request=request())
+    ctx.kv = kv
+    scorer.score(ctx, states)
+    terms = scorer.terms()
+    assert terms["exact"] == (1.0, 0.0)
+    assert terms["cached_tokens"][1] > 0  # the approximate index's guess
+
+
+def test_no_live_endpoint_means_no_tokenizing() -> None:
+    scorer = LatencyScorer(tokenizer="sim")
+    assert scorer.tokenizer is not None
+    states = [state("a:1")]
+    ctx = context(states, request=request())
+    ctx.kv = ExactPrefixIndex()
+    scorer.score(ctx, states)
+    assert scorer.tokenizer.misses == scorer.tokenizer.hits == 0
+    assert scorer.terms()["exact"] == (0.0,)
+
+
+def test_decision_says_exact_and_cached_tokens() -> None:
+    config = load_dict(
+        {
+            "models": {
+                "m": {
+                    "endpoints": ["a:1", "b:1"],
+                    "strategy": {"scorers": {"latency": {"params": {"tokenizer": "sim"}}}},
+                }
+            }
+        }
+    )
+    registry = Registry()
+    scheduler = Scheduler(config, registry)
+    feed(registry.kv_index, "a:1", TOKENS[:400])
+    feed(registry.kv_index, "b:1", ())
+    decision = scheduler.pick(request())
+    assert decision.endpoint.address == "a:1"
+    assert "cached_tokens=400" in decision.describe()
+    assert "exact=1" in decision.describe()
+    assert decision.prefill_tokens == len(TOKENS) - 400
+
+
+def test_tokenizer_param_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(PluginError, match="cannot load"):
+        make_scorer("latency", {"tokenizer": str(tmp_path / "missing.json")})
+
+
+def test_hf_tokenizer_renders_the_chat_template(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers  # noqa: PLC0415
+
+    vocab = {"[UNK]": 0, "<s>": 1, "<|user|>": 2, "hi": 3, "<|assistant|>": 4}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "<|user|>", "<|assistant|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    scorer = LatencyScorer(tokenizer=str(tmp_path / "tokenizer.json"))
+    assert scorer.tokenizer is not None
+    assert scorer.tokenizer.tokens([{"role": "user", "content": "hi"}]) == (1, 2, 3, 4)
+    assert scorer.tokenizer.tokens("hi") == (3,)
+    assert scorer.tokenizer.tokens(None) is None
