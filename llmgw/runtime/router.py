@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError, ModelNotReady
@@ -30,6 +31,9 @@ from llmgw.runtime.controlplanes.composite import control_plane_for
 from llmgw.runtime.scraper import Scraper
 from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
+
+if TYPE_CHECKING:
+    from llmgw.runtime.kvevents import KvEventSubscribers
 
 log = logging.getLogger("llmgw.reload")
 
@@ -86,6 +90,9 @@ class Router:
             else None
         )
         self.gateway.activation = self.activator
+        self._scrape = scrape
+        self._started = False
+        self.kv_events: KvEventSubscribers | None = None
 
     @classmethod
     def bare(cls, scheduler: Scheduler) -> Router:
@@ -106,8 +113,24 @@ class Router:
             await self.scraper.start()
         if self.activator is not None:
             await self.activator.start()
+        self._started = True
+        self._follow_kv_events()
+
+    def _follow_kv_events(self) -> None:
+        if not self._scrape or not any(m.kv_events for m in self.config.models.values()):
+            return
+        if self.kv_events is None:
+            # Imported here: pyzmq and msgpack are an optional extra (the config checked them).
+            from llmgw.runtime.kvevents import KvEventSubscribers  # noqa: PLC0415
+
+            self.kv_events = KvEventSubscribers(self.config, self.registry)
+        self.kv_events.config = self.config
+        self.kv_events.start()
 
     async def stop(self) -> None:
+        self._started = False
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         if self.activator is not None:
@@ -136,6 +159,8 @@ class Router:
         self.gateway.reload(config)
         if self.scraper is not None:
             self.scraper.resync()
+        if self._started:
+            self._follow_kv_events()
 
 
 def router_for(
