@@ -151,7 +151,9 @@ class KvEventSubscriber:
             while True:
                 ready = dict(await poller.poll())
                 if monitor in ready:
-                    self._on_monitor(parse_monitor_message(await monitor.recv_multipart()))
+                    message = parse_monitor_message(await monitor.recv_multipart())
+                    if not self._on_monitor(message):
+                        return  # look the source up again: a restarted engine may move
                 if sub in ready:
                     await self._on_message(await sub.recv_multipart(), source)
         finally:
@@ -159,7 +161,8 @@ class KvEventSubscriber:
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    def _on_monitor(self, message: _MonitorMessage) -> None:
+    def _on_monitor(self, message: _MonitorMessage) -> bool:
+        """False when the publisher went away."""
         if message["event"] == zmq.EVENT_CONNECTED:
             self.connected.set()
         elif message["event"] == zmq.EVENT_DISCONNECTED:
@@ -169,6 +172,8 @@ class KvEventSubscriber:
             self.registry.kv_index.mark_unknown(
                 self.endpoint_id, "publisher disconnected", self._now()
             )
+            return False
+        return True
 
     async def _on_message(self, frames: list[bytes], source: Source) -> None:
         batch = self._decode(frames)
