@@ -50,27 +50,48 @@ def sim_chat_prompt(messages: list[Any]) -> str:
     return "".join(parts)
 
 
+# Encoder: (text, add special tokens) -> (ids, start character offset of each token).
+Encoder = Callable[[str, bool], tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _sim_encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return sim_token_ids(text), tuple(range(0, len(text), SIM_CHARS_PER_TOKEN))
+
+
 class PromptTokenizer:
-    """`raw_prompt` (a messages list or a prompt string) -> token ids, cached."""
+    """`raw_prompt` (a messages list or a prompt string) -> token ids, cached two ways: by
+    the whole rendered prompt (LRU), and per session: a conversation's next prompt extends
+    its last one, so only the new text is tokenized, from the last token before the old
+    end (less `margin`) where tokenizing restarts exactly (`restarts(id)`: a special token
+    such as a chat template's role marker, which the tokenizer never merges across)."""
 
     def __init__(
         self,
         name: str,
         render_chat: Callable[[list[Any]], str],
-        encode_chat: Callable[[str], tuple[int, ...]],
-        encode_text: Callable[[str], tuple[int, ...]],
+        encode: Encoder,
+        restarts: Callable[[int], bool] = lambda _: True,
         cache_size: int = 1024,
+        sessions: int = 4096,
+        margin: int = 8,
     ) -> None:
         self.name = name
         self._render_chat = render_chat
-        self._encode_chat = encode_chat
-        self._encode_text = encode_text
+        self._encode = encode
+        self._restarts = restarts
         self.cache_size = cache_size
+        self.margin = margin
         self._cache: OrderedDict[tuple[bool, str], tuple[int, ...]] = OrderedDict()
+        self._sessions_max = sessions
+        # session -> (chat, text, ids, start offsets) of its last prompt
+        self._sessions: OrderedDict[str, tuple[bool, str, tuple[int, ...], tuple[int, ...]]] = (
+            OrderedDict()
+        )
         self.hits = 0
         self.misses = 0
+        self.extended = 0  # misses served by extending the session's last prompt
 
-    def tokens(self, raw_prompt: Any) -> tuple[int, ...] | None:
+    def tokens(self, raw_prompt: Any, session: str | None = None) -> tuple[int, ...] | None:
         """None when the request carries no prompt this tokenizer can render."""
         if isinstance(raw_prompt, list):
             try:
@@ -89,14 +110,38 @@ class PromptTokenizer:
             self.hits += 1
             return ids
         self.misses += 1
-        ids = cache[key] = (self._encode_chat if chat else self._encode_text)(text)
+        ids, ends = self._extend(chat, text, session) or self._encode(text, not chat)
+        cache[key] = ids
         if len(cache) > self.cache_size:
             cache.popitem(last=False)
+        if session is not None:
+            self._sessions[session] = (chat, text, ids, ends)
+            self._sessions.move_to_end(session)
+            if len(self._sessions) > self._sessions_max:
+                self._sessions.popitem(last=False)
         return ids
+
+    def _extend(
+        self, chat: bool, text: str, session: str | None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        last = self._sessions.get(session) if session is not None else None
+        if last is None or last[0] != chat or not text.startswith(last[1]):
+            return None
+        _, _, old_ids, old_starts = last
+        restarts = self._restarts
+        keep = len(old_ids) - self.margin
+        while keep > 0 and not restarts(old_ids[keep]):
+            keep -= 1
+        if keep <= 0:
+            return None
+        cut = old_starts[keep]
+        new_ids, new_starts = self._encode(text[cut:], False)
+        self.extended += 1
+        return old_ids[:keep] + new_ids, old_starts[:keep] + tuple(cut + x for x in new_starts)
 
 
 def sim_tokenizer() -> PromptTokenizer:
-    return PromptTokenizer("sim", sim_chat_prompt, sim_token_ids, sim_token_ids)
+    return PromptTokenizer("sim", sim_chat_prompt, _sim_encode)
 
 
 def hf_tokenizer(path: str) -> PromptTokenizer:
@@ -133,13 +178,12 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         template = env.from_string(source)
 
-    def encode_chat(text: str) -> tuple[int, ...]:
-        return tuple(tok.encode(text, add_special_tokens=False).ids)
+    def encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        enc = tok.encode(text, add_special_tokens=special)
+        return tuple(enc.ids), tuple(start for start, _ in enc.offsets)
 
-    def encode_text(text: str) -> tuple[int, ...]:
-        return tuple(tok.encode(text, add_special_tokens=True).ids)
-
-    return PromptTokenizer(path, render, encode_chat, encode_text)
+    special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    return PromptTokenizer(path, render, encode, special_ids.__contains__)
 
 
 def _token_text(value: Any) -> str:

@@ -292,7 +292,8 @@ class LatencyScorer:
         if self.tokenizer is None or kv is None or not kv.any_live():
             self._tokens = None
             return {}
-        tokens = self.tokenizer.tokens(ctx.request.raw_prompt)
+        request = ctx.request
+        tokens = self.tokenizer.tokens(request.raw_prompt, request.session_key)
         self._tokens = tokens
         if not tokens:
             return {}

@@ -14,7 +14,7 @@ from llmgw.registry import Registry
 from llmgw.scheduling.plugins import PluginError, make_scorer
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.scorers import LatencyScorer
-from llmgw.tokenize import sim_chat_prompt, sim_token_ids
+from llmgw.tokenize import make_tokenizer, sim_chat_prompt, sim_token_ids
 from llmgw.types import RequestInfo
 
 from .helpers import context, state
@@ -124,3 +124,37 @@ def test_hf_tokenizer_renders_the_chat_template(tmp_path: Path) -> None:
     assert scorer.tokenizer.tokens([{"role": "user", "content": "hi"}]) == (1, 2, 3, 4)
     assert scorer.tokenizer.tokens("hi") == (3,)
     assert scorer.tokenizer.tokens(None) is None
+
+
+def _wordlevel(tmp_path: Path) -> str:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers  # noqa: PLC0415
+
+    words = ["[UNK]", "<s>", "<|user|>", "<|assistant|>", "hi", "there", "more", "words"]
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "<|user|>", "<|assistant|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return str(tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("spec", ["sim", "wordlevel"])
+def test_a_sessions_next_prompt_extends_its_last_tokens_equal_to_a_full_encode(
+    spec: str, tmp_path: Path
+) -> None:
+    name = _wordlevel(tmp_path) if spec == "wordlevel" else "sim"
+    incremental, fresh = make_tokenizer(name), make_tokenizer(name)
+    messages: list[dict[str, str]] = []
+    words = ["hi", "there", "more", "words", "unknown"]
+    for turn in range(12):
+        messages.append({"role": "user", "content": " ".join(words[: 1 + turn % 5] * 3)})
+        got = incremental.tokens(list(messages), "session-1")
+        fresh._cache.clear()
+        assert got == fresh.tokens(list(messages)), f"turn {turn}"
+        messages.append({"role": "assistant", "content": " ".join(words[turn % 5 :] * 2)})
+    assert incremental.extended >= 10  # most turns tokenized only their new text
