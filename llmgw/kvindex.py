@@ -50,6 +50,7 @@ class EndpointKv:
     gaps: int = 0
     restarts: int = 0
     orphans: int = 0  # stored blocks whose parent was unknown (skipped)
+    lag_s: float = 0.0  # last batch: received - engine timestamp (set by the subscriber)
 
 
 def root_key(lora_name: str | None) -> int:
@@ -127,6 +128,9 @@ class ExactPrefixIndex:
 
     def endpoint(self, endpoint_id: str) -> EndpointKv | None:
         return self._endpoints.get(endpoint_id)
+
+    def endpoints(self) -> dict[str, EndpointKv]:
+        return dict(self._endpoints)
 
     def stats(self) -> dict[str, dict[str, object]]:
         return {

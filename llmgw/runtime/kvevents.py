@@ -205,6 +205,9 @@ class KvEventSubscriber:
         stats.batches += 1
         stats.events += len(batch.events)
         stats.lag_s = max(0.0, self.wall_clock() - batch.ts)
+        kv = self.registry.kv_index.endpoint(self.endpoint_id)
+        if kv is not None:
+            kv.lag_s = stats.lag_s
         if verdict is SeqVerdict.GAP:
             stats.gaps += 1
         elif verdict is SeqVerdict.RESTART:
