@@ -179,15 +179,26 @@ class Contender(Protocol):
 
 
 class LlmgwContender:
-    """The real Scheduler with a strategy (preset name or strategy dict)."""
+    """The real Scheduler with a strategy (preset name or strategy dict).
+
+    `routers` > 1: that many router replicas (a Scheduler each, own prefix index) behind a
+    plain load balancer that picks one per request at random; they share the Registry
+    (load, scrapes: optimistic for all alike) and, with KV events, the exact index (each
+    router subscribes to the same engines)."""
 
     uses_registry = True
 
     def __init__(
-        self, name: str, strategy: str | dict[str, Any], scrape_interval: float = 0.05
+        self,
+        name: str,
+        strategy: str | dict[str, Any],
+        scrape_interval: float = 0.05,
+        routers: int = 1,
     ) -> None:
         self.name = name
         self.strategy = strategy
+        self.routers = routers
+        self.schedulers: list[Scheduler] = []
         # A scorer with a tokenizer matches on the engines' KV events: feed them.
         self.uses_kv_events = isinstance(strategy, dict) and any(
             isinstance(spec, dict) and (spec.get("params") or {}).get("tokenizer")
@@ -200,16 +211,21 @@ class LlmgwContender:
     def bind(self, n: int, registry: Registry | None, seed: int) -> None:
         config = router_config(n, self.strategy, self.scrape_interval, seed)
         self.config = config
-        self.scheduler = Scheduler(config, registry, seed=seed)
+        self.schedulers = [Scheduler(config, registry, seed=seed + k) for k in range(self.routers)]
+        self.scheduler = self.schedulers[0]
+        self._balancer = random.Random(seed * 31 + 7)
         self._index = {address(i): i for i in range(n)}
 
     def route(self, p: Prepared) -> tuple[int, Lease | None]:
         assert self.scheduler is not None
+        scheduler = self.scheduler
+        if self.routers > 1:
+            scheduler = self.schedulers[self._balancer.randrange(self.routers)]
         try:
-            decision = self.scheduler.pick(p.info)
+            decision = scheduler.pick(p.info)
         except LlmgwError as exc:
             raise RouteError(f"{exc.status} {exc.code}") from None
-        lease = self.scheduler.acquire(decision)
+        lease = scheduler.acquire(decision)
         return self._index[decision.endpoint.address], lease
 
     def done(self, index: int) -> None:
@@ -370,11 +386,17 @@ LATENCY_EXACT: dict[str, Any] = {
     "filters": ["healthy", "model-serves"],
 }
 BUILTIN: dict[str, dict[str, Any]] = {"llmgw:latency-exact": LATENCY_EXACT}
+# Two router replicas behind a random load balancer (`LlmgwContender.routers`).
+TWO_ROUTERS: dict[str, str | dict[str, Any]] = {
+    "llmgw:latency-2routers": "latency",
+    "llmgw:latency-exact-2routers": LATENCY_EXACT,
+}
 
 
 def contender_names() -> list[str]:
     """Every llmgw preset (as `llmgw:<name>`), built-in variants, then the references."""
-    return [f"llmgw:{name}" for name in PRESETS] + list(BUILTIN) + list(REFERENCES)
+    builtin = [*BUILTIN, *TWO_ROUTERS]
+    return [f"llmgw:{name}" for name in PRESETS] + builtin + list(REFERENCES)
 
 
 def make_contender(
@@ -387,6 +409,8 @@ def make_contender(
         return LlmgwContender(name, custom[name], scrape_interval)
     if name in BUILTIN:
         return LlmgwContender(name, BUILTIN[name], scrape_interval)
+    if name in TWO_ROUTERS:
+        return LlmgwContender(name, TWO_ROUTERS[name], scrape_interval, routers=2)
     if name.startswith("llmgw:") and name[6:] in PRESETS:
         return LlmgwContender(name, name[6:], scrape_interval)
     if name in REFERENCES:
