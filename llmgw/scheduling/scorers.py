@@ -340,12 +340,20 @@ class LatencyScorer:
         # A prefix many sessions share (a system prompt) ends up cached wherever sessions
         # go: its one-time prefill is amortised, so it must not pin new sessions to the
         # replicas that saw it first (they would herd there). Only what is this session's
-        # own (its history) counts as a reason to stay.
+        # own (its history) counts as a reason to stay. The same holds over exact hits.
         shared = (
             self.index.shared_depth(hashes, self.shared_sessions) * block
             if hashes and request.session_key is not None
             else 0
         )
+        if shared and exact:
+            # Engines hold the shared prefix to the token, past its last full index block:
+            # count that extent everywhere too, or those few tokens herd new sessions. Its
+            # extent: the least that the engines holding it hold (one's history goes further).
+            cap = shared + block
+            holding = [e if e < cap else cap for e in exact.values() if e >= shared]
+            if holding:
+                shared = min(holding)
         now = ctx.now
         fresh = ctx.fresh
         costs_now = self.costs(ctx)
@@ -397,12 +405,12 @@ class LatencyScorer:
             exact_hit = get_exact(s.id)
             if exact_hit is None:  # no live events there: what this router sent there
                 hit = get_matched(s.id, 0) * block
-                if hit < shared:  # noqa: PLR1730
-                    hit = shared
                 is_exact = 0.0
-            else:  # what the engine holds (a shared prefix it lacks costs its prefill)
+            else:  # what the engine holds
                 hit = exact_hit
                 is_exact = 1.0
+            if hit < shared:  # noqa: PLR1730
+                hit = shared
             uncached = tokens - hit if hit < tokens else 1
             append_uncached(uncached)
             prefill = per_token * uncached

@@ -67,6 +67,26 @@ def test_unknown_endpoint_falls_back_to_the_approximate_index_and_says_so() -> N
     assert terms["cached_tokens"][1] > 0  # the approximate index's guess
 
 
+def test_a_shared_prefix_held_to_the_token_somewhere_does_not_herd_new_sessions() -> None:
+    kv = ExactPrefixIndex()
+    feed(kv, "a:1", TOKENS[:400])  # a holds the shared system prompt, past 6 index blocks
+    feed(kv, "b:1", ())  # b does not hold it yet
+    scorer = LatencyScorer(tokenizer="sim")
+    hashes = scorer.index.hashes(request().prompt)
+    for k in range(3):  # three sessions used the first 6 blocks: a shared prefix
+        scorer.index.insert("a:1", hashes[:6], key=f"other-{k}")
+    states = [state("a:1"), state("b:1")]
+    req = RequestInfo(
+        "m", "r", "new-session", prompt=request().prompt, prompt_tokens=len(TOKENS),
+        raw_prompt=MESSAGES,
+    )  # fmt: skip
+    ctx = context(states, request=req)
+    ctx.kv = kv
+    scores = scorer.score(ctx, states)
+    assert scorer.terms()["cached_tokens"] == (400.0, 400.0)  # not 400 vs 384
+    assert scores[0] == scores[1]
+
+
 def test_no_live_endpoint_means_no_tokenizing() -> None:
     scorer = LatencyScorer(tokenizer="sim")
     assert scorer.tokenizer is not None
