@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shlex
 from collections.abc import Callable
 
 import httpx
@@ -59,9 +60,9 @@ async def test_exact_index_agrees_with_the_engines_prefix_hits(vllm_ready: None)
         "--max-model-len",
         "2048",
         "--num-gpu-blocks-override",
-        "12",  # 12 blocks of 128 tokens: the workload evicts
+        "24",  # 24 blocks of 128 tokens: 8 growing sessions evict
         "--kv-events-config",
-        json.dumps(events),
+        shlex.quote(json.dumps(events)),  # the serve command line is re-split by shlex
     )
     registry = Registry()
     tokenizer = hf_tokenizer(str(TOKENIZER))
@@ -103,6 +104,7 @@ async def test_exact_index_agrees_with_the_engines_prefix_hits(vllm_ready: None)
                 total += 1
                 # Wait for this request's blocks to be reported (they are on the wire).
                 await until(stored(registry, inst.address, tokens), timeout=2.0)
+        print(f"exact index vs vLLM prefix hits: {agree}/{total} equal, {sub.stats}")
         assert registry.kv_index.state(inst.address) is KvState.LIVE
         assert sub.stats.batches > 0 and sub.stats.bad_messages == 0
         assert agree >= 0.95 * total, f"{agree}/{total} predictions equal the engine's hits"
