@@ -63,7 +63,9 @@ class PromptTokenizer:
     the whole rendered prompt (LRU), and per session: a conversation's next prompt extends
     its last one, so only the new text is tokenized, from the last token before the old
     end (less `margin`) where tokenizing restarts exactly (`restarts(id)`: a special token
-    such as a chat template's role marker, which the tokenizer never merges across)."""
+    such as a chat template's role marker, which the tokenizer never merges across).
+    Both caches are bounded by the tokens they hold (`max_tokens` each, ~50 bytes a token
+    with its offset: 1M tokens ~ 50 MB), oldest dropped first."""
 
     def __init__(
         self,
@@ -71,18 +73,18 @@ class PromptTokenizer:
         render_chat: Callable[[list[Any]], str],
         encode: Encoder,
         restarts: Callable[[int], bool] = lambda _: True,
-        cache_size: int = 1024,
-        sessions: int = 4096,
+        max_tokens: int = 1_000_000,
         margin: int = 8,
     ) -> None:
         self.name = name
         self._render_chat = render_chat
         self._encode = encode
         self._restarts = restarts
-        self.cache_size = cache_size
+        self.max_tokens = max_tokens
         self.margin = margin
+        self._cache_tokens = 0
+        self._session_tokens = 0
         self._cache: OrderedDict[tuple[bool, str], tuple[int, ...]] = OrderedDict()
-        self._sessions_max = sessions
         # session -> (chat, text, ids, start offsets) of its last prompt
         self._sessions: OrderedDict[str, tuple[bool, str, tuple[int, ...], tuple[int, ...]]] = (
             OrderedDict()
@@ -112,13 +114,18 @@ class PromptTokenizer:
         self.misses += 1
         ids, ends = self._extend(chat, text, session) or self._encode(text, not chat)
         cache[key] = ids
-        if len(cache) > self.cache_size:
-            cache.popitem(last=False)
+        self._cache_tokens += len(ids)
+        while self._cache_tokens > self.max_tokens and len(cache) > 1:
+            self._cache_tokens -= len(cache.popitem(last=False)[1])
         if session is not None:
-            self._sessions[session] = (chat, text, ids, ends)
-            self._sessions.move_to_end(session)
-            if len(self._sessions) > self._sessions_max:
-                self._sessions.popitem(last=False)
+            sessions = self._sessions
+            old = sessions.pop(session, None)
+            if old is not None:
+                self._session_tokens -= len(old[2])
+            sessions[session] = (chat, text, ids, ends)
+            self._session_tokens += len(ids)
+            while self._session_tokens > self.max_tokens and len(sessions) > 1:
+                self._session_tokens -= len(sessions.popitem(last=False)[1][2])
         return ids
 
     def _extend(

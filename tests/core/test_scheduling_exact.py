@@ -178,3 +178,18 @@ def test_a_sessions_next_prompt_extends_its_last_tokens_equal_to_a_full_encode(
         assert got == fresh.tokens(list(messages)), f"turn {turn}"
         messages.append({"role": "assistant", "content": " ".join(words[turn % 5 :] * 2)})
     assert incremental.extended >= 10  # most turns tokenized only their new text
+
+
+def test_token_caches_hold_at_most_max_tokens() -> None:
+    from llmgw.tokenize import (  # noqa: PLC0415
+        PromptTokenizer,
+        _sim_encode,
+        sim_chat_prompt,
+    )
+
+    tok = PromptTokenizer("sim", sim_chat_prompt, _sim_encode, max_tokens=100)
+    for i in range(50):
+        assert tok.tokens(f"{i:04d}" * 10, session=f"s{i}") is not None  # 10 tokens each
+    assert tok._cache_tokens <= 100 and len(tok._cache) == 10
+    assert tok._session_tokens <= 100 and len(tok._sessions) == 10
+    assert tok.tokens("0049" * 10) is not None and tok.hits == 1  # the newest stayed
