@@ -1,5 +1,8 @@
 """Scheduler.pick latency per strategy: `latency` (the default), `chat`, and `chat` without
-its prefix scorer.
+its prefix scorer; `latency-exact` is `latency` matching exactly on KV events (every
+endpoint live, holding a few prompts' blocks): tokenizing (the simulator's scheme, or a
+tokenizer.json with `--tokenizer`; every prompt new, so the token cache never hits) and
+the exact lookup on every pick.
 
 Each configuration gets a registry of N endpoints with fresh, varied engine metrics
 (re-scraped every few hundred picks, like a 10 Hz scraper), 1000 sessions and 2 KB
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.config import load_dict
+from llmgw.kvevents import BlockStored, EventBatch
 from llmgw.registry import Registry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.strategies import PRESETS
@@ -33,17 +37,40 @@ SESSIONS = 1000
 RESCRAPE_EVERY = 200  # picks between two scrapes of every endpoint
 # p50 targets: chat without its prefix scorer (issue 2); the latency default (issue 13).
 TARGETS_US = {"chat-no-prefix": {16: 20.0, 256: 150.0}, "latency": {16: 30.0, 256: 200.0}}
-STRATEGIES = ("chat-no-prefix", "chat", "latency")
+STRATEGIES = ("chat-no-prefix", "chat", "latency", "latency-exact")
 ROOT = Path(__file__).resolve().parent
 
 
+TOKENIZER = "sim"  # --tokenizer: a tokenizer.json path for latency-exact
+
+
 def strategy(name: str) -> dict[str, Any]:
-    """A preset as it ships; `chat-no-prefix` is `chat` without its prefix scorer."""
-    spec = PRESETS[name.removesuffix("-no-prefix")].model_dump()
+    """A preset as it ships; `chat-no-prefix` is `chat` without its prefix scorer;
+    `latency-exact` is `latency` with a tokenizer (exact matching on KV events)."""
+    spec = PRESETS[name.removesuffix("-no-prefix").removesuffix("-exact")].model_dump()
     if name.endswith("-no-prefix"):
         del spec["scorers"]["prefix"]
+    if name.endswith("-exact"):
+        spec["scorers"]["latency"]["params"]["tokenizer"] = TOKENIZER
     spec["name"] = name
     return dict(spec)
+
+
+def feed_kv(sched: Scheduler, registry: Registry, reqs: list[RequestInfo]) -> None:
+    """Every endpoint live, holding the blocks of a few prompts (16-token blocks)."""
+    router = sched.router("chat")
+    scorer = next(s for s, _ in router.scorers if s.name == "latency")
+    tokenizer = getattr(scorer, "tokenizer", None)
+    if tokenizer is None:
+        return
+    for i, s in enumerate(registry.states("chat")):
+        events = []
+        for k, r in enumerate(reqs[i * 4 : i * 4 + 4]):
+            ids = tokenizer.tokens(r.raw_prompt)
+            blocks = len(ids) // 16
+            events.append(BlockStored(tuple(range(k * 10**6, k * 10**6 + blocks)), None,
+                                      tuple(ids[: blocks * 16]), 16))  # fmt: skip
+        registry.kv_index.apply_batch(s.id, EventBatch(0, 0.0, tuple(events)), 0.0)
 
 
 def build(n: int, name: str, seed: int) -> tuple[Scheduler, Registry]:
@@ -75,13 +102,15 @@ def requests(count: int, rng: random.Random) -> list[RequestInfo]:
     out = []
     for i in range(count):
         user = "".join(rng.choices("klmnopqrst ", k=PROMPT_BYTES - 1536))
+        prompt = rng.choice(systems) + user
         out.append(
             RequestInfo(
                 model="chat",
                 request_id=f"req-{i}",
                 session_key=f"session-{rng.randrange(SESSIONS)}",
-                prompt=rng.choice(systems) + user,
+                prompt=prompt,
                 prompt_tokens=PROMPT_BYTES // 4,
+                raw_prompt=prompt,
             )
         )
     return out
@@ -93,6 +122,7 @@ def measure(n: int, name: str, picks: int, seed: int) -> dict[str, float]:
     reqs = requests(picks, rng)
     warm = requests(500, rng)
     scrape_all(registry, rng)
+    feed_kv(sched, registry, warm)
     for r in warm:
         sched.pick(r)
     samples: list[float] = []
@@ -164,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "pick_latency.json")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--tokenizer", default="sim", help="for latency-exact: sim or a path")
     args = parser.parse_args(argv)
+    global TOKENIZER  # noqa: PLW0603 (one setting for the whole run)
+    TOKENIZER = args.tokenizer
     rows = run(args.picks, args.repeat, tuple(args.strategies.split(",")))
     print("Scheduler.pick latency (2 KB prompts, fresh metrics)")
     print(table(rows))

@@ -233,6 +233,7 @@ class Scheduler:
             ring=router.ring_for(states),
             all_states=states,
             rng=rng,
+            kv=self.registry.kv_index,
         )
         candidates = states
         drops: list[tuple[str, int]] = []

@@ -8,6 +8,7 @@ from llmgw.calibration import Costs, pooled
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.tokenize import PromptTokenizer, make_tokenizer
 from llmgw.types import CHARS_PER_TOKEN, RequestInfo
 
 
@@ -212,6 +213,10 @@ class LatencyScorer:
       step    = one engine step at that endpoint's batch size (waiting + running).
     Seconds per token and per step come from the model's engines' published histograms
     and counters, pooled over its endpoints (`llmgw.calibration`), else from the params.
+    Tokens cached: with a `tokenizer` (`sim` or a tokenizer.json) and an endpoint whose
+    engine publishes KV-cache events (`ctx.kv` live there), exactly what the engine holds
+    for this prompt's tokens; elsewhere the approximate index (blocks routed there). The
+    `exact` term says which (1 or 0), `cached_tokens` how many.
     Leaving a replica costs the prefill of every uncached token; moving buys less queueing:
     both are time, so the comparison holds at any load. The choice minimises
     ttft + work_weight x prefill: a prefill is also work that delays later requests there,
@@ -220,7 +225,7 @@ class LatencyScorer:
 
     name = "latency"
     needs_prompt = True
-    term_names = ("ttft_s", "queue_s", "prefill_s", "step_s")
+    term_names = ("ttft_s", "queue_s", "prefill_s", "step_s", "cached_tokens", "exact")
 
     def __init__(
         self,
@@ -236,7 +241,11 @@ class LatencyScorer:
         shared_sessions: int = 3,
         queue_weighting: bool = True,
         kv_full: float = 0.9,
+        tokenizer: str = "",
     ) -> None:
+        # Built at config load: a missing optional package or file fails there, with a message.
+        self.tokenizer: PromptTokenizer | None = make_tokenizer(tokenizer) if tokenizer else None
+        self._tokens: tuple[int, ...] | None = None
         if shared_sessions < 1:
             raise ValueError(f"shared_sessions must be >= 1, got {shared_sessions!r}")
         self.shared_sessions = shared_sessions
@@ -275,7 +284,20 @@ class LatencyScorer:
         self._costs = Costs(self.prefill_s, self.step_s, None, None)
         self._candidates: list[EndpointState] = []
         self._uncached: list[int] = []
-        self._terms: list[tuple[float, float, float, float]] = []
+        self._terms: list[tuple[float, float, float, float, float, float]] = []
+
+    def _exact_hits(self, ctx: PickContext, candidates: list[EndpointState]) -> dict[str, int]:
+        """Cached tokens per endpoint whose engine's events are live; tokenizes only then."""
+        kv = ctx.kv
+        if self.tokenizer is None or kv is None or not kv.any_live():
+            self._tokens = None
+            return {}
+        request = ctx.request
+        tokens = self.tokenizer.tokens(request.raw_prompt, request.session_key)
+        self._tokens = tokens
+        if not tokens:
+            return {}
+        return kv.match(tokens, [s.id for s in candidates])
 
     def costs(self, ctx: PickContext) -> Costs:
         """The model's costs: its endpoints' calibration (`pooled`, refreshed at most every
@@ -309,17 +331,29 @@ class LatencyScorer:
         hashes = self._hashes
         matched = self.index.match(hashes) if hashes else {}
         get_matched = matched.get
+        exact = self._exact_hits(ctx, candidates)
+        get_exact = exact.get
         tokens = request.prompt_tokens if request.prompt_tokens > 0 else 1
+        if self._tokens:
+            tokens = len(self._tokens)
         block = self.block_tokens
         # A prefix many sessions share (a system prompt) ends up cached wherever sessions
         # go: its one-time prefill is amortised, so it must not pin new sessions to the
         # replicas that saw it first (they would herd there). Only what is this session's
-        # own (its history) counts as a reason to stay.
+        # own (its history) counts as a reason to stay. The same holds over exact hits.
         shared = (
             self.index.shared_depth(hashes, self.shared_sessions) * block
             if hashes and request.session_key is not None
             else 0
         )
+        if shared and exact:
+            # Engines hold the shared prefix to the token, past its last full index block:
+            # count that extent everywhere too, or those few tokens herd new sessions. Its
+            # extent: the least that the engines holding it hold (one's history goes further).
+            cap = shared + block
+            holding = [e if e < cap else cap for e in exact.values() if e >= shared]
+            if holding:
+                shared = min(holding)
         now = ctx.now
         fresh = ctx.fresh
         costs_now = self.costs(ctx)
@@ -339,7 +373,7 @@ class LatencyScorer:
             work_weight += self._mean_queue / per_waiting
         # (ttft, queue, prefill, step) seconds per candidate; this loop runs per endpoint per
         # pick, so it avoids calls (no max(), no properties) and appends once.
-        terms: list[tuple[float, float, float, float]] = []
+        terms: list[tuple[float, float, float, float, float, float]] = []
         append = terms.append
         costs: list[float] = []
         append_cost = costs.append
@@ -371,7 +405,13 @@ class LatencyScorer:
                             engine_queue = m.waiting * freed
                     if engine_queue > queue:  # noqa: PLR1730
                         queue = engine_queue
-            hit = get_matched(s.id, 0) * block
+            exact_hit = get_exact(s.id)
+            if exact_hit is None:  # no live events there: what this router sent there
+                hit = get_matched(s.id, 0) * block
+                is_exact = 0.0
+            else:  # what the engine holds
+                hit = exact_hit
+                is_exact = 1.0
             if hit < shared:  # noqa: PLR1730
                 hit = shared
             uncached = tokens - hit if hit < tokens else 1
@@ -379,7 +419,7 @@ class LatencyScorer:
             prefill = per_token * uncached
             step = step0 + factor * load
             ttft = queue + prefill + step
-            append((ttft, queue, prefill, step))
+            append((ttft, queue, prefill, step, float(tokens - uncached), is_exact))
             append_cost(ttft + work_weight * prefill)
         self._candidates = candidates
         self._uncached = uncached_tokens
@@ -389,12 +429,12 @@ class LatencyScorer:
         low = min(costs) + smoothing if costs else 0.0
         return [low / (c + smoothing) for c in costs]
 
-    def term_rows(self) -> list[tuple[float, float, float, float]]:
+    def term_rows(self) -> list[tuple[float, float, float, float, float, float]]:
         return self._terms
 
     def terms(self) -> dict[str, tuple[float, ...]]:
         """The last score call's terms by name, one value per candidate (for tests, tools)."""
-        columns = zip(*self._terms, strict=True) if self._terms else [()] * 4
+        columns = zip(*self._terms, strict=True) if self._terms else [()] * len(self.term_names)
         return dict(zip(self.term_names, columns, strict=True))
 
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
@@ -405,7 +445,7 @@ class LatencyScorer:
         except ValueError:
             return
         now = ctx.now
-        ttft, _, prefill, _ = self._terms[i]
+        ttft, _, prefill, *_ = self._terms[i]
         start = chosen.busy_until if chosen.busy_until > now else now
         chosen.busy_until = ready_at = start + prefill
         ctx.prediction = (ready_at, ttft, self._uncached[i])

@@ -62,3 +62,22 @@ def test_model_state_lists_on_demand_models_only_not_discovered_ones() -> None:
     assert sample("llmgw_model_last_start_seconds", {"model": "big"}) == 41.5
     for state in ("off", "starting", "ready", "idle", "failed"):
         assert sample("llmgw_model_state", {"model": "llama", "state": state}) is None
+
+
+def test_kv_index_series_per_endpoint_only_when_events_are_fed() -> None:
+    from llmgw.kvevents import BlockStored, EventBatch  # noqa: PLC0415
+    from llmgw.registry import Registry  # noqa: PLC0415
+
+    registry = Registry()
+    telemetry = Telemetry()
+    telemetry.bind(registry)
+    assert b"kv_index_blocks" not in telemetry.render()[0]
+    stored = BlockStored((1, 2), None, tuple(range(8)), 4)
+    registry.kv_index.apply_batch("a:1", EventBatch(0, 0.0, (stored,)), 0.0)
+    registry.kv_index.apply_batch("b:1", EventBatch(5, 0.0, ()), 0.0)  # joined late
+    page = telemetry.render()[0].decode()
+    assert 'llmgw_kv_index_blocks{endpoint="a:1"} 2.0' in page
+    assert 'llmgw_kv_events_live{endpoint="a:1"} 1.0' in page
+    assert 'llmgw_kv_events_live{endpoint="b:1"} 0.0' in page
+    assert 'llmgw_kv_event_gaps_total{endpoint="a:1"} 0.0' in page
+    assert 'llmgw_kv_event_lag_seconds{endpoint="a:1"}' in page
