@@ -253,7 +253,9 @@ class Lifecycle:
         if outcome is None:
             status = self._status
             outcome = Outcome.CANCELLED if status is None else outcome_for_status(status)
-        lease.first_token()  # a no-op if the first byte was seen
+        # Its prefill is over by now (a no-op if the first byte was seen); inferred, not seen,
+        # so an edge without body events keeps the time-drained queue estimate.
+        lease.first_token(observed=False)
         self._release(lease, outcome)
         if self._in_use:
             self._in_use = False

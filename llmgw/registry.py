@@ -208,14 +208,23 @@ class Registry:
             state.pending_prefill += tokens
 
     def first_token(
-        self, model: str, endpoint_id: str, ready_at: float, prefill_tokens: float = 0.0
+        self,
+        model: str,
+        endpoint_id: str,
+        ready_at: float,
+        prefill_tokens: float = 0.0,
+        *,
+        observed: bool = True,
     ) -> None:
         """The request predicted to finish its prefill at `ready_at` produced its first token
-        now: its tokens are no longer pending; if it is early, the modelled queue was long."""
+        now: its tokens are no longer pending; if it is early, the modelled queue was long.
+        Only an `observed` first token (not one inferred at the request's end) says the edge
+        reports them, which switches the queue estimate to the pending prefill tokens."""
         state = self._by_id.get((model, endpoint_id))
         if state is None:
             return
-        state.reports_first_token = True
+        if observed:
+            state.reports_first_token = True
         state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
         now = self.clock()
         if ready_at > now:

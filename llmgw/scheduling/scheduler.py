@@ -123,14 +123,20 @@ class Lease:
     first_token_seen: bool = False
     on_first_token: Callable[[], None] | None = None
 
-    def first_token(self) -> None:
-        """The first response body byte arrived (the engine finished this prefill)."""
+    def first_token(self, observed: bool = True) -> None:
+        """The first response body byte arrived (the engine finished this prefill); with
+        `observed` False the request ended without the edge seeing one (Envoy without body
+        events): its prefill is over, but that says nothing about the edge."""
         if self.first_token_seen or self.done:
             return
         self.first_token_seen = True
         if self.ready_at is not None:
             self.registry.first_token(
-                self.model, self.endpoint_id, self.ready_at, self.prefill_tokens or 0.0
+                self.model,
+                self.endpoint_id,
+                self.ready_at,
+                self.prefill_tokens or 0.0,
+                observed=observed,
             )
         if self.on_first_token is not None:
             self.on_first_token()

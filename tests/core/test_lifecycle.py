@@ -227,3 +227,20 @@ def test_first_byte_reports_observed_and_predicted_ttft_once() -> None:
     model, observed, predicted = seen[0]
     assert (model, predicted) == ("chat", decision.predicted_ttft)
     assert observed == pytest.approx(0.25)
+
+
+def test_a_first_token_inferred_at_finish_does_not_claim_the_edge_reports_them() -> None:
+    """Behind Envoy without body events a request ends without a first byte: the registry
+    must keep the time-drained queue estimate, not switch to pending prefill tokens (which
+    would count every decoding request's prompt as queued until it ends)."""
+    gw, scheduler, _ = gateway()
+    silent = Lifecycle(gw)
+    decision = silent.route(HEADERS, CHAT, None)
+    assert isinstance(decision, Decision)
+    silent.finish(Outcome.SUCCESS)
+    state = scheduler.registry.get(decision.model, decision.endpoint.id)
+    assert state is not None and not state.reports_first_token
+    streamed = Lifecycle(gw)
+    assert isinstance(streamed.route(HEADERS, CHAT, None), Decision)
+    streamed.first_byte()
+    assert state.reports_first_token
