@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from llmgw.cli.replay_sim import recorded, simulate
-from llmgw.cli.replay_trace import endpoints_of, read_trace
+from llmgw.cli.replay_trace import endpoints_of, fit_engine, read_trace
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
 from llmgw.scheduling.strategies import PRESETS
@@ -38,6 +38,11 @@ from llmgw.sim.model import (
 _FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"time_scale"}
 
 # -- the command --------------------------------------------------------------------------
+
+
+def set_keys(text: str) -> set[str]:
+    """The EngineConfig fields `--engine-args` sets (a replay keeps them as given)."""
+    return {p.partition("=")[0].strip().replace("-", "_") for p in text.split(",") if p.strip()}
 
 
 def engine_args(text: str) -> tuple[int | None, EngineConfig]:
@@ -84,7 +89,7 @@ def strategies_of(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]], endpoints: list[str]) -> str:
-    head = ["strategy", "requests", "errors", "TTFT p50", "p90", "p99", "e2e p90"]
+    head = ["strategy", "requests", "errors", "TTFT p50", "p90", "p99", "e2e p90", "pred p50"]
     head += ["req/s", "tok/s", "hit rate", "same", "per replica"]
     lines = [head]
     for r in rows:
@@ -96,7 +101,13 @@ def table(rows: list[dict[str, Any]], endpoints: list[str]) -> str:
                 str(r.get("errors", "-")),
                 *[
                     "-" if r.get(k) is None else f"{r[k]:.1f}"
-                    for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p90_ms")
+                    for k in (
+                        "ttft_p50_ms",
+                        "ttft_p90_ms",
+                        "ttft_p99_ms",
+                        "e2e_p90_ms",
+                        "predicted_ttft_p50_ms",
+                    )
                 ],
                 *["-" if r.get(k) is None else f"{r[k]:g}" for k in ("req_per_s", "tok_per_s")],
                 "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}",
@@ -130,6 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--output-tokens", type=int, help="output length of every request (default: estimated)"
     )
+    parser.add_argument(
+        "--nominal",
+        action="store_true",
+        help="keep EngineConfig's defaults for prefill/decode costs instead of the speed the "
+        "trace's router measured",
+    )
+    parser.add_argument(
+        "--timing",
+        choices=("simulated", "recorded"),
+        default="simulated",
+        help="how long the router holds each request: until the simulated engine ends it "
+        "(default), or the recorded TTFT and duration (the recorded run's edge overheads)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print JSON rows")
     return parser
@@ -141,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         replicas, engine = engine_args(args.engine_args)
         strategies = strategies_of(args)
         arrivals = read_trace(args.trace, engine.decode_ms or 1.0, args.output_tokens)
+        given = engine
+        if not args.nominal:
+            fitted = fit_engine(arrivals, engine, set_keys(args.engine_args))
+            if fitted.decode_ms != engine.decode_ms:  # output lengths from the fitted step
+                arrivals = read_trace(args.trace, fitted.decode_ms or 1.0, args.output_tokens)
+            engine = fitted
     except (ValueError, OSError, ConfigError) as exc:
         print(f"llmgw replay: {exc}", file=sys.stderr)
         return 2
@@ -148,15 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     rows = [recorded(arrivals, endpoints)] if any(a.endpoint for a in arrivals) else []
     for name, strategy in strategies.items():
-        result = simulate(arrivals, endpoints, strategy, engine, name=name, seed=args.seed)
+        result = simulate(
+            arrivals, endpoints, strategy, engine, name=name, seed=args.seed, timing=args.timing
+        )
         rows.append(result.row())
     if args.json:
-        print(json.dumps({"endpoints": endpoints, "rows": rows}, indent=2))
+        shape = dataclasses.asdict(engine)
+        print(json.dumps({"endpoints": endpoints, "engine": shape, "rows": rows}, indent=2))
         return 0
     span = arrivals[-1].t
     print(
         f"{len(arrivals)} requests over {span:.1f} s onto {len(endpoints)} simulated replicas "
         f"({', '.join(endpoints)}); replayed in {time.monotonic() - began:.1f} s\n"
+    )
+    print(
+        f"engines: prefill {engine.prefill_us_per_token:.0f} us/token, decode step "
+        f"{engine.decode_ms:.1f} ms ({'as given' if engine == given else 'as the trace measured'})\n"
     )
     print(table(rows, endpoints))
     return 0

@@ -30,7 +30,7 @@ from llmgw.types import Outcome, RequestInfo
 
 # -- the simulation -----------------------------------------------------------------------
 
-_ARRIVAL, _WAKE, _STEP_END, _SCRAPE = 0, 1, 2, 3
+_ARRIVAL, _WAKE, _STEP_END, _SCRAPE, _FIRST, _RELEASE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -38,6 +38,7 @@ class ReplayResult:
     strategy: str
     requests: int
     ttft_s: list[float] = field(default_factory=list)
+    predicted_s: list[float] = field(default_factory=list)  # the latency model's, per pick
     e2e_s: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     per_replica: dict[str, int] = field(default_factory=dict)
@@ -55,6 +56,7 @@ class ReplayResult:
             "requests": self.requests,
             "errors": sum(self.errors.values()),
             "ttft_p50_ms": _ms(_pct(self.ttft_s, 50)),
+            "predicted_ttft_p50_ms": _ms(_pct(self.predicted_s, 50)),
             "ttft_p90_ms": _ms(_pct(self.ttft_s, 90)),
             "ttft_p99_ms": _ms(_pct(self.ttft_s, 99)),
             "e2e_p90_ms": _ms(_pct(self.e2e_s, 90)),
@@ -97,6 +99,7 @@ class _Flight:
     engine: int
     lease: Lease
     first_seen: bool = False
+    held: bool = False  # the lease follows the recorded timing, not the engine
 
 
 def simulate(
@@ -108,8 +111,11 @@ def simulate(
     name: str = "",
     seed: int = 1,
     scrape_interval: float = 0.05,
+    timing: str = "simulated",
 ) -> ReplayResult:
-    """Every arrival through `Scheduler` with `strategy` onto fresh engines; deterministic."""
+    """Every arrival through `Scheduler` with `strategy` onto fresh engines; deterministic.
+    `timing="recorded"`: the router holds each request for its recorded duration (first
+    token at its recorded TTFT) instead of until its simulated engine ends it."""
     n = len(endpoints)
     models = sorted({a.model for a in arrivals})
     now = 0.0
@@ -151,13 +157,14 @@ def simulate(
     result.per_replica = dict.fromkeys(endpoints, 0)
     outstanding = len(arrivals)
     model_of_flight: dict[tuple[int, int], str] = {}
+    leases: dict[int, Lease] = {}
 
     def error(kind: str) -> None:
         nonlocal outstanding
         result.errors[kind] = result.errors.get(kind, 0) + 1
         outstanding -= 1
 
-    while events and outstanding > 0:
+    while events and (outstanding > 0 or leases):
         now, _, kind, a = heapq.heappop(events)
         if kind == _ARRIVAL:
             arrival = arrivals[a]
@@ -175,6 +182,8 @@ def simulate(
                 error(f"{exc.status} {exc.code}")
                 continue
             lease = scheduler.acquire(decision)
+            if decision.predicted_ttft is not None:
+                result.predicted_s.append(decision.predicted_ttft)
             target = index_of[decision.endpoint.id]
             result.per_replica[decision.endpoint.id] += 1
             if arrival.endpoint is not None:
@@ -189,7 +198,14 @@ def simulate(
                 lease.finish(Outcome.FAILURE if too_large else Outcome.BACKPRESSURE)
                 error("400 too large" if too_large else "429 queue full")
                 continue
-            flights[(target, seq.seq_id)] = _Flight(a, now, target, lease)
+            held = _Flight(a, now, target, lease)
+            if timing == "recorded" and arrival.duration_ms is not None:
+                held.held = True
+                leases[a] = lease
+                if arrival.ttft_ms is not None and arrival.first_tokens:
+                    push(now + arrival.ttft_ms / 1e3, _FIRST, a)
+                push(now + arrival.duration_ms / 1e3, _RELEASE, a)
+            flights[(target, seq.seq_id)] = held
             model_of_flight[(target, seq.seq_id)] = arrival.model
             if not stepping[target]:
                 stepping[target] = True
@@ -203,19 +219,24 @@ def simulate(
                 if flight is not None and not flight.first_seen:
                     flight.first_seen = True
                     result.ttft_s.append(now - flight.sent)
-                    if arrivals[flight.index].first_tokens:
+                    if arrivals[flight.index].first_tokens and not flight.held:
                         flight.lease.first_token()
             for seq in step.finished:
                 flight = flights.pop((a, seq.seq_id))
                 observations[a][model_of_flight.pop((a, seq.seq_id))].observe(seq)
                 result.e2e_s.append(now - flight.sent)
                 result.output_tokens += arrivals[flight.index].output_tokens
-                flight.lease.finish(Outcome.SUCCESS)
+                if not flight.held:
+                    flight.lease.finish(Outcome.SUCCESS)
                 outstanding -= 1
             if engines[a].has_work:
                 push(now + engines[a].schedule(now), _STEP_END, a)
             else:
                 stepping[a] = False
+        elif kind == _FIRST:
+            leases[a].first_token()
+        elif kind == _RELEASE:
+            leases.pop(a).finish(Outcome.SUCCESS)
         else:  # _SCRAPE
             address = endpoints[a]
             scraper.ingest(address, targets[address], render(pages[a]).decode())
@@ -235,10 +256,12 @@ def recorded(arrivals: Sequence[Arrival], endpoints: list[str]) -> dict[str, Any
         if a.endpoint in per_replica:
             per_replica[a.endpoint] += 1
     ttft = [a.ttft_ms / 1e3 for a in arrivals if a.ttft_ms is not None]
+    predicted = [a.predicted_ms / 1e3 for a in arrivals if a.predicted_ms is not None]
     return {
         "strategy": "recorded",
         "requests": len(arrivals),
         "ttft_p50_ms": _ms(_pct(ttft, 50)),
+        "predicted_ttft_p50_ms": _ms(_pct(predicted, 50)),
         "ttft_p90_ms": _ms(_pct(ttft, 90)),
         "ttft_p99_ms": _ms(_pct(ttft, 99)),
         "per_replica": per_replica,

@@ -23,12 +23,13 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from llmgw.calibration import pooled
 from llmgw.config import TraceSpec
 from llmgw.hashring import ring_position
 from llmgw.lifecycle import Hooks, Lifecycle
 from llmgw.runtime.telemetry import decision_reason
 from llmgw.scheduling.prefix import PrefixIndex
-from llmgw.types import CHARS_PER_TOKEN, Outcome
+from llmgw.types import CHARS_PER_TOKEN, Outcome, Rationale
 
 BLOCK_TOKENS = 64  # the latency scorer's default block: the same hashes, the same sharing
 MAX_BLOCKS = 128  # 8,192 tokens of prefix: more says little more about cache reuse
@@ -39,6 +40,33 @@ def session_hash(key: str) -> str:
     """The session key's place on the hash ring (64-bit murmur3, 16 hex digits): names the
     session without its key, and lets a replay put it where the ring put it."""
     return f"{ring_position(key):016x}"
+
+
+def _terms(rationale: Rationale) -> dict[str, list[float]] | None:
+    """{endpoint: [queue, prefill, step] ms} from the latency scorer's column, if any."""
+    for column in rationale.columns:
+        if column.term_names[1:] == ("queue_s", "prefill_s", "step_s") and column.term_rows:
+            return {
+                e: [round(row[1] * 1e3, 3), round(row[2] * 1e3, 3), round(row[3] * 1e3, 3)]
+                for e, row in zip(rationale.endpoint_ids, column.term_rows, strict=True)
+            }
+    return None
+
+
+def _fleet(lifecycle: Lifecycle, model: str) -> dict[str, float | None] | None:
+    """The model's engine speed as the router calibrated it (`llmgw.calibration`): a replay
+    shapes its simulated engines to it, since an engine's nominal settings say little about
+    how fast it really ran (the demo's ran 2-4x slower than configured on a busy host)."""
+    lease = lifecycle.lease
+    if lease is None:
+        return None
+    costs = pooled(s.calibration for s in lease.registry.states(model))
+    return {
+        "prefill_us_per_token": None if costs.per_token is None else costs.per_token * 1e6,
+        "step_ms": None if costs.step is None else costs.step * 1e3,
+        "tokens_per_prefill": costs.tokens_per_prefill,
+        "service_ms": None if costs.service is None else costs.service * 1e3,
+    }
 
 
 def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str, Any] | None:
@@ -69,7 +97,11 @@ def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str,
                 None if decision.predicted_ttft is None else decision.predicted_ttft * 1e3
             ),
             "totals": dict(zip(rationale.endpoint_ids, rationale.totals, strict=True)),
+            # The latency model's inputs per endpoint (ms): what a replay must reproduce.
+            "prefill_tokens": decision.prefill_tokens,
+            "terms": _terms(rationale),
         },
+        "fleet": _fleet(lifecycle, request.model),
         "outcome": {
             "endpoint": answered,
             "status": lifecycle.status,
