@@ -10,7 +10,7 @@ import pytest
 
 from llmgw.cli.replay import engine_args, main
 from llmgw.cli.replay_sim import simulate
-from llmgw.cli.replay_trace import Arrival, TraceRing, prompt_text, read_trace
+from llmgw.cli.replay_trace import Arrival, TraceRing, fit_engine, prompt_text, read_trace
 from llmgw.hashring import HashRing, ring_position
 from llmgw.runtime.trace import session_hash
 from llmgw.scheduling.prefix import PrefixIndex
@@ -105,3 +105,45 @@ def test_every_strategy_replays_every_request_at_the_same_times(tmp_path: Path) 
     assert results["latency"].hit_rate > results["round-robin"].hit_rate
     again = simulate(arrivals, ENDPOINTS, "latency", engine)
     assert again.per_replica == results["latency"].per_replica  # deterministic
+
+
+def test_replay_shapes_its_engines_to_the_speed_the_trace_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    speeds = [(300.0, 12.0), (200.0, 9.0), (250.0, 10.0)]
+    fleet = [{"prefill_us_per_token": p, "step_ms": s} for p, s in speeds]
+    path.write_text("\n".join(line(i * 0.1, f"s{i}", [i], fleet=f) for i, f in enumerate(fleet)))
+    arrivals = read_trace([path], 4.0, None)
+    fitted = fit_engine(arrivals, EngineConfig())  # medians
+    assert (fitted.prefill_us_per_token, fitted.decode_ms) == (250.0, 10.0)
+    assert fit_engine(arrivals, EngineConfig(decode_ms=4.0), {"decode_ms"}).decode_ms == 4.0
+
+    def engine(*argv: str) -> dict[str, Any]:
+        capsys.readouterr()
+        assert main([str(path), "--json", *argv]) == 0
+        shape: dict[str, Any] = json.loads(capsys.readouterr().out)["engine"]
+        return shape
+
+    assert engine()["decode_ms"] == 10.0 and engine()["prefill_us_per_token"] == 250.0
+    assert engine("--engine-args", "decode_ms=4")["decode_ms"] == 4.0  # the user's wins
+    assert engine("--nominal")["decode_ms"] == EngineConfig().decode_ms
+
+
+def test_recorded_timing_holds_each_request_for_its_recorded_duration() -> None:
+    # Three requests held 2 s each in the recorded run, then a fourth at 0.5 s. Simulated,
+    # the first three ended long before (1 output token); held as recorded, they still
+    # occupy three replicas, and least-load must send the fourth to the idle one.
+    arrivals = [
+        Arrival(i * 0.01, "m1", None, 16, (), 1, request_key=f"r{i}", duration_ms=2000.0)
+        for i in range(3)
+    ]
+    arrivals.append(Arrival(0.5, "m1", None, 16, (), 1, request_key="r3", duration_ms=10.0))
+    engine = EngineConfig(decode_ms=1.0)
+    picks = []
+    for seed in range(6):
+        held = simulate(arrivals, ENDPOINTS, "least-load", engine, seed=seed, timing="recorded")
+        assert sorted(held.per_replica.values()) == [1, 1, 1, 1]
+        free = simulate(arrivals, ENDPOINTS, "least-load", engine, seed=seed)
+        picks.append(sorted(free.per_replica.values()))
+    assert [1, 1, 1, 1] != picks[0] or len({str(p) for p in picks}) > 1  # not forced free

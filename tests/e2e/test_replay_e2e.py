@@ -17,11 +17,11 @@ ENGINE = "replicas=4,decode_ms=4"  # the demo fleet's engines
 
 
 def replayed(
-    trace: Path, strategies: str, capsys: pytest.CaptureFixture[str]
+    trace: Path, strategies: str, capsys: pytest.CaptureFixture[str], engine: str = ENGINE
 ) -> dict[str, dict[str, Any]]:
     capsys.readouterr()
     assert (
-        replay.main([str(trace), "--strategies", strategies, "--engine-args", ENGINE, "--json"])
+        replay.main([str(trace), "--strategies", strategies, "--engine-args", engine, "--json"])
         == 0
     )
     return {row["strategy"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
@@ -58,3 +58,19 @@ def test_replaying_a_recorded_run_with_its_strategy_reproduces_per_replica_count
     assert sum(recorded.values()) == 96
     for endpoint, count in recorded.items():
         assert abs(ring[endpoint] - count) <= 0.05 * count, (recorded, ring)
+
+
+def test_a_latency_replay_predicts_the_ttft_the_recording_router_predicted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The demo's engines run several times slower than configured on a busy host; a replay
+    # with their nominal settings predicted TTFTs ~5x too short (6 vs 27-31 ms), so the
+    # latency strategy weighed queueing against prefill differently than it did live.
+    trace = tmp_path / "latency.jsonl"
+    argv = ["--sessions", "16", "--turns", "4", "--anonymous", "32", "--strategy", "latency"]
+    assert demo.main([*argv, "--trace", str(trace)]) == 0
+    rows = replayed(trace, "latency", capsys, engine="replicas=4")
+    recorded, replay_ = rows["recorded"], rows["latency"]
+    assert replay_["requests"] == 96 and replay_["errors"] == 0
+    ratio = replay_["predicted_ttft_p50_ms"] / recorded["predicted_ttft_p50_ms"]
+    assert 0.5 < ratio < 2.0, (recorded, replay_)
