@@ -146,4 +146,4 @@ def test_recorded_timing_holds_each_request_for_its_recorded_duration() -> None:
         assert sorted(held.per_replica.values()) == [1, 1, 1, 1]
         free = simulate(arrivals, ENDPOINTS, "least-load", engine, seed=seed)
         picks.append(sorted(free.per_replica.values()))
-    assert [1, 1, 1, 1] != picks[0] or len({str(p) for p in picks}) > 1  # not forced free
+    assert picks[0] != [1, 1, 1, 1] or len({str(p) for p in picks}) > 1  # not forced free
