@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmgw.cli.replay_sim import recorded, simulate
+from llmgw.cli.replay_sim import mirror_corrections, recorded, simulate
 from llmgw.cli.replay_trace import endpoints_of, fit_engine, read_trace
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long the router holds each request: until the simulated engine ends it "
         "(default), or the recorded TTFT and duration (the recorded run's edge overheads)",
     )
+    parser.add_argument(
+        "--mirror",
+        action="store_true",
+        help="add the recorded run's host noise (engine queues, speed) that the simulation "
+        "does not reproduce; implies --timing recorded",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print JSON rows")
     return parser
@@ -176,10 +182,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     endpoints = endpoints_of(arrivals, replicas)
     began = time.monotonic()
+    try:
+        fixes = mirror_corrections(arrivals, endpoints, engine, args.seed) if args.mirror else None
+    except ValueError as exc:
+        print(f"llmgw replay: {exc}", file=sys.stderr)
+        return 2
     rows = [recorded(arrivals, endpoints)] if any(a.endpoint for a in arrivals) else []
     for name, strategy in strategies.items():
         result = simulate(
-            arrivals, endpoints, strategy, engine, name=name, seed=args.seed, timing=args.timing
+            arrivals,
+            endpoints,
+            strategy,
+            engine,
+            name=name,
+            seed=args.seed,
+            timing="recorded" if args.mirror else args.timing,
+            corrections=fixes,
         )
         rows.append(result.row())
     if args.json:

@@ -11,11 +11,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmgw.cli.replay_mirror import Correction, Speed, View, apply, correction, view_of
 from llmgw.cli.replay_trace import Arrival, TraceRing, prompt_text
 from llmgw.config import Config, load_dict
 from llmgw.errors import LlmgwError
 from llmgw.registry import Registry
 from llmgw.runtime.scraper import Scraper
+from llmgw.scheduling.interfaces import PickContext, Picker
 from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.sim.metrics import ModelObservations, ServedModel, make_registry, render
 from llmgw.sim.model import (
@@ -102,6 +104,36 @@ class _Flight:
     held: bool = False  # the lease follows the recorded timing, not the engine
 
 
+class RecordedTies:
+    """A max-score picker that breaks an exact tie the way the recorded run broke it (its
+    endpoint, when among the tied best) instead of by a random draw the trace cannot
+    repeat; about a quarter of `latency` picks on the demo are exact ties."""
+
+    def __init__(self, inner: Picker) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.prefer: str | None = None
+
+    def order(self, ctx: PickContext, totals: list[float], limit: int) -> list[int]:
+        order = self.inner.order(ctx, totals, limit)
+        states = ctx.all_states
+        if self.prefer is None or len(states) != len(totals):  # a filter dropped some
+            return order
+        for i, s in enumerate(states):
+            if s.id == self.prefer and i != order[0] and totals[i] == totals[order[0]]:
+                return [i, *[j for j in order if j != i]][:limit]
+        return order
+
+
+def end(lease: Lease, outcome: Outcome) -> None:
+    """End a request as `Lifecycle.finish` does: the first-token mark first (a no-op if it
+    was seen), then the release. Without the mark, a replay of a trace whose edge saw no
+    first tokens (Envoy without body events) modelled queues the live router did not: the
+    mark at the end switches the registry to counting pending prefill tokens."""
+    lease.first_token()
+    lease.finish(outcome)
+
+
 def simulate(
     arrivals: Sequence[Arrival],
     endpoints: list[str],
@@ -112,10 +144,15 @@ def simulate(
     seed: int = 1,
     scrape_interval: float = 0.05,
     timing: str = "simulated",
+    force: bool = False,
+    corrections: Sequence[Correction | None] | None = None,
+    views: dict[int, tuple[View, Speed]] | None = None,
 ) -> ReplayResult:
     """Every arrival through `Scheduler` with `strategy` onto fresh engines; deterministic.
     `timing="recorded"`: the router holds each request for its recorded duration (first
-    token at its recorded TTFT) instead of until its simulated engine ends it."""
+    token at its recorded TTFT) instead of until its simulated engine ends it. `force`:
+    every request goes where the recorded run sent it; `views` collects what each pick saw
+    of the engines; `corrections` shift that view per pick (`replay_mirror`)."""
     n = len(endpoints)
     models = sorted({a.model for a in arrivals})
     now = 0.0
@@ -123,8 +160,12 @@ def simulate(
     config = replay_config(endpoints, models, strategy, seed)
     registry.staleness = config.scrape.staleness
     scheduler = Scheduler(config, registry, seed=seed)
+    ties: list[RecordedTies] = []
     for model in models:  # traced sessions sit where the recorded ring put them
         router = scheduler.routers[model]
+        if router.picker.name == "max-score":
+            router.picker = tie = RecordedTies(router.picker)
+            ties.append(tie)
         router.ring_for(registry.states(model))
         router.ring = TraceRing(
             endpoints,
@@ -175,13 +216,26 @@ def simulate(
                 session_key=arrival.session,
                 prompt=text,
                 prompt_tokens=arrival.prompt_tokens,
+                subset=frozenset({arrival.endpoint}) if force and arrival.endpoint else None,
             )
+            for tie in ties:
+                tie.prefer = arrival.endpoint
+            fix = corrections[a] if corrections is not None else None
+            undo = None
+            if fix is not None:
+                scorers = [sc for sc, _ in scheduler.routers[arrival.model].scorers]
+                undo = apply(fix, registry.states(arrival.model), scorers)
             try:
                 decision = scheduler.pick(info)
             except LlmgwError as exc:
                 error(f"{exc.status} {exc.code}")
                 continue
+            finally:
+                if undo is not None:
+                    undo()
             lease = scheduler.acquire(decision)
+            if views is not None:
+                views[a] = view_of(registry, arrival.model)
             if decision.predicted_ttft is not None:
                 result.predicted_s.append(decision.predicted_ttft)
             target = index_of[decision.endpoint.id]
@@ -195,7 +249,7 @@ def simulate(
                 seq = engines[target].submit(request, now)
             except (QueueFullError, RequestTooLargeError) as exc:
                 too_large = isinstance(exc, RequestTooLargeError)
-                lease.finish(Outcome.FAILURE if too_large else Outcome.BACKPRESSURE)
+                end(lease, Outcome.FAILURE if too_large else Outcome.BACKPRESSURE)
                 error("400 too large" if too_large else "429 queue full")
                 continue
             held = _Flight(a, now, target, lease)
@@ -227,7 +281,7 @@ def simulate(
                 result.e2e_s.append(now - flight.sent)
                 result.output_tokens += arrivals[flight.index].output_tokens
                 if not flight.held:
-                    flight.lease.finish(Outcome.SUCCESS)
+                    end(flight.lease, Outcome.SUCCESS)
                 outstanding -= 1
             if engines[a].has_work:
                 push(now + engines[a].schedule(now), _STEP_END, a)
@@ -236,7 +290,7 @@ def simulate(
         elif kind == _FIRST:
             leases[a].first_token()
         elif kind == _RELEASE:
-            leases.pop(a).finish(Outcome.SUCCESS)
+            end(leases.pop(a), Outcome.SUCCESS)
         else:  # _SCRAPE
             address = endpoints[a]
             scraper.ingest(address, targets[address], render(pages[a]).decode())
@@ -247,6 +301,32 @@ def simulate(
     result.hit_rate = hits / queries if queries else 0.0
     result.makespan_s = now
     return result
+
+
+def mirror_corrections(
+    arrivals: Sequence[Arrival], endpoints: list[str], engine: EngineConfig, seed: int = 1
+) -> list[Correction | None]:
+    """Per arrival, how the recorded engine view differs from the simulated one when every
+    request goes where it went, held as long as it was (`replay_mirror`); ValueError when
+    the trace lacks what that needs."""
+    if not any(a.engines for a in arrivals):
+        raise ValueError("--mirror: the trace has no `engines` views (record it with this llmgw)")
+    if set(endpoints) != {a.endpoint for a in arrivals if a.endpoint}:
+        raise ValueError(
+            "--mirror: replay the recorded endpoints (drop replicas= from --engine-args)"
+        )
+    views: dict[int, tuple[View, Speed]] = {}
+    simulate(
+        arrivals, endpoints, "ring", engine, seed=seed, timing="recorded", force=True, views=views
+    )
+    out: list[Correction | None] = []
+    for i, a in enumerate(arrivals):
+        seen = views.get(i)
+        if a.engines is None or seen is None:
+            out.append(None)
+            continue
+        out.append(correction(a.engines, a.costs, seen[0], seen[1]))
+    return out
 
 
 def recorded(arrivals: Sequence[Arrival], endpoints: list[str]) -> dict[str, Any]:

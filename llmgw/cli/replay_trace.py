@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,11 @@ class Arrival:
     prefill_us_per_token: float | None = None
     step_ms: float | None = None
     predicted_ms: float | None = None  # the recording router's predicted TTFT
+    # What its pick saw (`--mirror`): per endpoint (waiting, running, KV usage, released
+    # since scrape) or None if stale; the model's speed (s/token, s/step, tokens, s).
+    engines: Mapping[str, tuple[float, ...] | None] | None = None
+    speed: tuple[float | None, ...] | None = None
+    costs: tuple[float | None, ...] | None = None  # what its latency scorer used, if any
 
 
 def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | None) -> list[Arrival]:
@@ -60,6 +65,14 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 rows.append(row)
     if not rows:
         raise ValueError("the trace has no requests")
+    for row in rows:  # the pick's time where the trace has it: replays space picks by it
+        picked = row.get("t_pick")
+        if isinstance(picked, int | float):
+            outcome = row.get("outcome") or {}
+            if isinstance(outcome.get("duration_ms"), int | float):  # held from the pick on
+                waited = (float(picked) - float(row["t"])) * 1e3
+                row["outcome"] = {**outcome, "duration_ms": outcome["duration_ms"] - waited}
+            row["t"] = picked
     rows.sort(key=lambda r: float(r["t"]))
     t0 = float(rows[0]["t"])
     out = []
@@ -95,9 +108,30 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 prefill_us_per_token=_number(fleet.get("prefill_us_per_token")),
                 step_ms=_number(fleet.get("step_ms")),
                 predicted_ms=_number((row.get("decision") or {}).get("predicted_ttft_ms")),
+                engines=_engines(row.get("engines")),
+                speed=_speed(fleet) if fleet else None,
+                costs=_speed(row["costs"]) if isinstance(row.get("costs"), dict) else None,
             )
         )
     return out
+
+
+def _engines(raw: Any) -> dict[str, tuple[float, ...] | None] | None:
+    if not isinstance(raw, dict):
+        return None
+    return {str(e): None if v is None else tuple(float(x) for x in v) for e, v in raw.items()}
+
+
+def _speed(fleet: dict[str, Any]) -> tuple[float | None, ...]:
+    """The trace's `fleet` in the router's units (seconds, tokens)."""
+    per_token, step = _number(fleet.get("prefill_us_per_token")), _number(fleet.get("step_ms"))
+    tokens, service = _number(fleet.get("tokens_per_prefill")), _number(fleet.get("service_ms"))
+    return (
+        None if per_token is None else per_token / 1e6,
+        None if step is None else step / 1e3,
+        tokens,
+        None if service is None else service / 1e3,
+    )
 
 
 def _number(value: Any) -> float | None:

@@ -23,12 +23,14 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from llmgw.calibration import pooled
+from llmgw.calibration import Costs, pooled
 from llmgw.config import TraceSpec
 from llmgw.hashring import ring_position
 from llmgw.lifecycle import Hooks, Lifecycle
+from llmgw.registry import fresh_metrics_of
 from llmgw.runtime.telemetry import decision_reason
 from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.scheduling.scorers import LatencyScorer
 from llmgw.types import CHARS_PER_TOKEN, Outcome, Rationale
 
 BLOCK_TOKENS = 64  # the latency scorer's default block: the same hashes, the same sharing
@@ -60,7 +62,10 @@ def _fleet(lifecycle: Lifecycle, model: str) -> dict[str, float | None] | None:
     lease = lifecycle.lease
     if lease is None:
         return None
-    costs = pooled(s.calibration for s in lease.registry.states(model))
+    return _costs(pooled(s.calibration for s in lease.registry.states(model)))
+
+
+def _costs(costs: Costs) -> dict[str, float | None]:
     return {
         "prefill_us_per_token": None if costs.per_token is None else costs.per_token * 1e6,
         "step_ms": None if costs.step is None else costs.step * 1e3,
@@ -69,7 +74,43 @@ def _fleet(lifecycle: Lifecycle, model: str) -> dict[str, float | None] | None:
     }
 
 
-def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str, Any] | None:
+def engine_view(lifecycle: Lifecycle) -> dict[str, Any] | None:
+    """What the pick saw of the engines, beyond the router's own state: per endpoint
+    [waiting, running, KV usage, requests released since its last scrape] (null when its
+    metrics were stale), and the model's calibrated speed (`_fleet`). A replay corrects its
+    simulated engines by the difference (`llmgw replay --mirror`)."""
+    lease, request = lifecycle.lease, lifecycle.request
+    if lease is None or request is None:
+        return None
+    registry = lease.registry
+    states = registry.states(request.model)
+    fresh = fresh_metrics_of(states, registry.clock(), registry.staleness)
+    engines: dict[str, list[float] | None] = {}
+    for s in states:
+        m = fresh[s]
+        engines[s.id] = (
+            None
+            if m is None
+            else [m.waiting, m.running, round(m.kv_usage, 4), s.released_since_scrape]
+        )
+    # Unix seconds at the pick: the router's clock between picks drains its queue model, so
+    # a replay spaces picks by these, not by arrivals (parsing a body takes its own time).
+    used = None
+    router = lifecycle.snapshot.scheduler.routers.get(request.model)
+    for scorer, _ in router.scorers if router is not None else ():
+        if isinstance(scorer, LatencyScorer):  # the costs this pick used (cached 0.1 s)
+            used = _costs(scorer.costs_in_use)
+    return {
+        "at": time.time(),
+        "engines": engines,
+        "fleet": _fleet(lifecycle, request.model),
+        "costs": used,
+    }
+
+
+def trace_record(
+    lifecycle: Lifecycle, outcome: Outcome, edge: str, view: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """The trace line of a finished request (None if it was never dispatched)."""
     request, decision = lifecycle.request, lifecycle.decision
     if request is None or decision is None:
@@ -80,6 +121,7 @@ def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str,
     return {
         # Unix seconds at arrival: replays keep the gaps between requests.
         "t": round(time.time() - (ended - lifecycle.started), 6),
+        "t_pick": None if view is None else round(view["at"], 6),
         "edge": edge,
         "model": request.model,
         "session": session_hash(request.session_key) if request.session_key else None,
@@ -101,7 +143,10 @@ def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str,
             "prefill_tokens": decision.prefill_tokens,
             "terms": _terms(rationale),
         },
-        "fleet": _fleet(lifecycle, request.model),
+        # At the pick when the writer saw it (the `dispatched` hook), else at the end.
+        "fleet": view["fleet"] if view is not None else _fleet(lifecycle, request.model),
+        "engines": None if view is None else view["engines"],
+        "costs": None if view is None else view["costs"],
         "outcome": {
             "endpoint": answered,
             "status": lifecycle.status,
@@ -165,6 +210,9 @@ class RotatingFile:
             self._file = None
 
 
+_UNSAMPLED = object()
+
+
 class TraceWriter:
     """Writes sampled trace lines to a size-rotated file. Call it as a lifecycle
     `finished` hook (see `traced`)."""
@@ -176,14 +224,27 @@ class TraceWriter:
         self.edge = edge
         self.written = 0
         self._random = (rng or random.Random()).random
+        # Views taken at dispatch, by lifecycle, until it ends (only sampled requests).
+        self._views: dict[int, Any] = {}
+        self._hooked = False  # `dispatched` is wired: sampling happens there
         # `{pid}` in the path: one file per process (`--workers N` must not share one).
         path = spec.path.replace("{pid}", str(os.getpid()))
         self._file = RotatingFile(path, spec.max_bytes, spec.backups)
 
-    def __call__(self, lifecycle: Lifecycle, outcome: Outcome) -> None:
+    def dispatched(self, lifecycle: Lifecycle) -> None:
+        """Samples the request and keeps what its pick saw until it ends."""
+        self._hooked = True
         if self.sample < 1.0 and self._random() >= self.sample:
             return
-        record = trace_record(lifecycle, outcome, self.edge)
+        self._views[id(lifecycle)] = engine_view(lifecycle)
+
+    def __call__(self, lifecycle: Lifecycle, outcome: Outcome) -> None:
+        view = self._views.pop(id(lifecycle), _UNSAMPLED)
+        if view is _UNSAMPLED:
+            if self._hooked or (self.sample < 1.0 and self._random() >= self.sample):
+                return
+            view = None
+        record = trace_record(lifecycle, outcome, self.edge, view)
         if record is None:
             return
         self._file.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
@@ -214,7 +275,9 @@ def shared_trace_problem(spec: TraceSpec, workers: int) -> str | None:
 def traced(hooks: Hooks, spec: TraceSpec) -> Hooks:
     """`hooks` plus the decision trace the config asks for (unchanged when it asks none)."""
     writer = trace_writer(spec, hooks.edge)
-    return hooks if writer is None else dataclasses.replace(hooks, finished=writer)
+    if writer is None:
+        return hooks
+    return dataclasses.replace(hooks, finished=writer, dispatched=writer.dispatched)
 
 
 def close_trace(hooks: Hooks) -> None:
