@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmgw.cli.replay_sim import mirror_corrections, recorded, simulate
+from llmgw.cli.replay_sim import mirror_corrections, mirrorable, recorded, simulate
 from llmgw.cli.replay_trace import endpoints_of, fit_engine, read_trace
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
@@ -156,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--mirror",
-        action="store_true",
-        help="add the recorded run's host noise (engine queues, speed) that the simulation "
-        "does not reproduce; implies --timing recorded",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add the recorded run's host noise (engine queues, speed, timings) that the "
+        "simulation does not reproduce (default: when the trace records what its picks saw "
+        "and the replay uses the recorded endpoints); implies --timing recorded",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print JSON rows")
@@ -183,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     endpoints = endpoints_of(arrivals, replicas)
     began = time.monotonic()
     try:
-        fixes = mirror_corrections(arrivals, endpoints, engine, args.seed) if args.mirror else None
+        mirror = args.mirror
+        if mirror is None:
+            mirror = mirrorable(arrivals, endpoints)
+        fixes = mirror_corrections(arrivals, endpoints, engine, args.seed) if mirror else None
     except ValueError as exc:
         print(f"llmgw replay: {exc}", file=sys.stderr)
         return 2
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             engine,
             name=name,
             seed=args.seed,
-            timing="recorded" if args.mirror else args.timing,
+            timing="recorded" if mirror else args.timing,
             corrections=fixes,
         )
         rows.append(result.row())
@@ -207,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     span = arrivals[-1].t
     print(
         f"{len(arrivals)} requests over {span:.1f} s onto {len(endpoints)} simulated replicas "
-        f"({', '.join(endpoints)}); replayed in {time.monotonic() - began:.1f} s\n"
+        f"({', '.join(endpoints)}); replayed in {time.monotonic() - began:.1f} s"
+        + (", mirroring the recorded host noise\n" if mirror else "\n")
     )
     print(
         f"engines: prefill {engine.prefill_us_per_token:.0f} us/token, decode step "

@@ -190,10 +190,12 @@ def simulate(
     def push(t: float, kind: int, a: int) -> None:
         heapq.heappush(events, (t, next(counter), kind, a))
 
+    for i in range(n):  # a live router has scraped its engines before traffic comes
+        address = endpoints[i]
+        scraper.ingest(address, targets[address], render(pages[i]).decode())
+        push(rng.uniform(0, scrape_interval), _SCRAPE, i)
     for i, arrival in enumerate(arrivals):
         push(arrival.t, _ARRIVAL, i)
-    for i in range(n):
-        push(rng.uniform(0, scrape_interval), _SCRAPE, i)
     result = ReplayResult(name or str(strategy), len(arrivals))
     result.per_replica = dict.fromkeys(endpoints, 0)
     outstanding = len(arrivals)
@@ -303,6 +305,12 @@ def simulate(
     return result
 
 
+def mirrorable(arrivals: Sequence[Arrival], endpoints: list[str]) -> bool:
+    """The trace says what its picks saw, and the replay uses the recorded endpoints."""
+    recorded_endpoints = {a.endpoint for a in arrivals if a.endpoint}
+    return any(a.engines for a in arrivals) and recorded_endpoints <= set(endpoints)
+
+
 def mirror_corrections(
     arrivals: Sequence[Arrival], endpoints: list[str], engine: EngineConfig, seed: int = 1
 ) -> list[Correction | None]:
@@ -311,7 +319,7 @@ def mirror_corrections(
     the trace lacks what that needs."""
     if not any(a.engines for a in arrivals):
         raise ValueError("--mirror: the trace has no `engines` views (record it with this llmgw)")
-    if set(endpoints) != {a.endpoint for a in arrivals if a.endpoint}:
+    if not {a.endpoint for a in arrivals if a.endpoint} <= set(endpoints):
         raise ValueError(
             "--mirror: replay the recorded endpoints (drop replicas= from --engine-args)"
         )

@@ -9,12 +9,15 @@ from typing import Any
 import pytest
 
 from llmgw.cli.replay import engine_args, main
-from llmgw.cli.replay_sim import simulate
+from llmgw.cli.replay_sim import end, mirror_corrections, replay_config, simulate
 from llmgw.cli.replay_trace import Arrival, TraceRing, fit_engine, prompt_text, read_trace
 from llmgw.hashring import HashRing, ring_position
+from llmgw.registry import Registry
 from llmgw.runtime.trace import session_hash
 from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim.model import EngineConfig
+from llmgw.types import Outcome, RequestInfo
 
 ENDPOINTS = [f"10.0.0.{i + 1}:8000" for i in range(4)]
 
@@ -147,3 +150,70 @@ def test_recorded_timing_holds_each_request_for_its_recorded_duration() -> None:
         free = simulate(arrivals, ENDPOINTS, "least-load", engine, seed=seed)
         picks.append(sorted(free.per_replica.values()))
     assert picks[0] != [1, 1, 1, 1] or len({str(p) for p in picks}) > 1  # not forced free
+
+
+def test_an_exact_tie_is_broken_the_way_the_recorded_run_broke_it() -> None:
+    # One request onto four idle replicas: least-load ties them all. The recorded run's
+    # random draw chose the third; a replay repeats that choice, whatever its own seed.
+    arrival = Arrival(0.0, "m1", None, 16, (), 4, endpoint=ENDPOINTS[2], request_key="r0")
+    for seed in range(8):
+        result = simulate([arrival], ENDPOINTS, "least-load", EngineConfig(), seed=seed)
+        assert result.per_replica[ENDPOINTS[2]] == 1 and result.same == 1
+    # Round-robin ties everything by design: its order stays its own.
+    rr = simulate([arrival], ENDPOINTS, "round-robin", EngineConfig())
+    assert rr.per_replica[ENDPOINTS[0]] == 1
+
+
+def test_a_replay_ends_each_request_as_the_lifecycle_does() -> None:
+    # Lifecycle.finish marks the first token before releasing (a no-op if seen): on an
+    # edge that never sees first tokens this still releases the pending prefill and tells
+    # the registry the endpoint reports them, which changes the latency scorer's queue.
+    registry = Registry(clock=lambda: 0.0)
+    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    decision = scheduler.pick(RequestInfo(model="m1", request_id="r", prompt="x" * 400))
+    lease = scheduler.acquire(decision)
+    state = registry.get("m1", decision.endpoint.id)
+    assert state is not None and state.pending_prefill > 0 and not state.reports_first_token
+    end(lease, Outcome.SUCCESS)
+    assert state.pending_prefill == 0 and state.reports_first_token and state.inflight == 0
+
+
+def test_mirroring_gives_the_router_the_engine_queues_the_recorded_run_saw() -> None:
+    # The recorded host kept 50 requests waiting on three replicas (CPU starvation the
+    # simulated engines do not have), so the recorded router sent all twelve concurrent
+    # requests to the fourth. Mirrored, the replay sees those queues and does the same;
+    # without, the fourth's own growing queue sends some elsewhere.
+    busy = (50.0, 1.0, 0.1, 0.0)
+    view = {e: (busy if e != ENDPOINTS[3] else (0.0, 1.0, 0.1, 0.0)) for e in ENDPOINTS}
+    arrivals = [
+        Arrival(
+            0.2 + 0.002 * i,
+            "m1",
+            None,
+            100,
+            (),
+            4,
+            endpoint=ENDPOINTS[3],
+            request_key=f"r{i}",
+            duration_ms=1000.0,
+            engines=view,
+        )
+        for i in range(12)
+    ]
+    engine = EngineConfig(decode_ms=2.0)
+    fixes = mirror_corrections(arrivals, ENDPOINTS, engine)
+    mirrored = simulate(
+        arrivals, ENDPOINTS, "latency", engine, timing="recorded", corrections=fixes
+    )
+    assert mirrored.per_replica[ENDPOINTS[3]] == 12
+    plain = simulate(arrivals, ENDPOINTS, "latency", engine, timing="recorded")
+    assert plain.per_replica[ENDPOINTS[3]] < 12
+
+
+def test_mirroring_needs_the_recorded_views_and_endpoints(tmp_path: Path) -> None:
+    arrivals = [Arrival(0.0, "m1", None, 16, (), 4, endpoint=ENDPOINTS[0])]
+    with pytest.raises(ValueError, match="no `engines` views"):
+        mirror_corrections(arrivals, ENDPOINTS, EngineConfig())
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(0.0, "a", [1]))
+    assert main([str(path), "--mirror"]) == 2  # an old trace: says why, exits 2

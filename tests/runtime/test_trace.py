@@ -233,3 +233,8 @@ def test_a_trace_line_carries_the_latency_terms_and_the_fleet_speed_the_router_m
     assert chosen[1] == pytest.approx(0.2 * decision["prefill_tokens"], rel=1e-3)
     assert record["fleet"]["prefill_us_per_token"] == pytest.approx(200.0)
     assert record["fleet"]["step_ms"] == pytest.approx(8.0)
+    # What the pick saw, taken at dispatch: its time, the engines (never scraped here:
+    # stale, null), and the costs the latency scorer used for it.
+    assert record["t"] <= record["t_pick"] <= record["t"] + record["outcome"]["duration_ms"] / 1e3
+    assert record["engines"] == dict.fromkeys(decision["totals"])
+    assert record["costs"]["prefill_us_per_token"] == pytest.approx(200.0)
