@@ -48,10 +48,8 @@ def _terms(rationale: Rationale) -> dict[str, list[float]] | None:
     """{endpoint: [queue, prefill, step] ms} from the latency scorer's column, if any."""
     for column in rationale.columns:
         if column.term_names[1:] == ("queue_s", "prefill_s", "step_s") and column.term_rows:
-            return {
-                e: [round(row[1] * 1e3, 3), round(row[2] * 1e3, 3), round(row[3] * 1e3, 3)]
-                for e, row in zip(rationale.endpoint_ids, column.term_rows, strict=True)
-            }
+            ids, rows = rationale.endpoint_ids, column.term_rows
+            return {e: [r[1] * 1e3, r[2] * 1e3, r[3] * 1e3] for e, r in zip(ids, rows, strict=True)}
     return None
 
 
@@ -74,7 +72,12 @@ def _costs(costs: Costs) -> dict[str, float | None]:
     }
 
 
-def engine_view(lifecycle: Lifecycle) -> dict[str, Any] | None:
+_FLEET_EVERY = 0.1  # seconds: the speed moves slowly; pooling it per request cost ~5 us
+
+
+def engine_view(
+    lifecycle: Lifecycle, cache: dict[str, tuple[float, Any]] | None = None
+) -> dict[str, Any] | None:
     """What the pick saw of the engines, beyond the router's own state: per endpoint
     [waiting, running, KV usage, requests released since its last scrape] (null when its
     metrics were stale), and the model's calibrated speed (`_fleet`). A replay corrects its
@@ -95,6 +98,14 @@ def engine_view(lifecycle: Lifecycle) -> dict[str, Any] | None:
         )
     # Unix seconds at the pick: the router's clock between picks drains its queue model, so
     # a replay spaces picks by these, not by arrivals (parsing a body takes its own time).
+    now = registry.clock()
+    kept = cache.get(request.model) if cache is not None else None
+    if kept is not None and now - kept[0] < _FLEET_EVERY:
+        fleet = kept[1]
+    else:
+        fleet = _fleet(lifecycle, request.model)
+        if cache is not None:
+            cache[request.model] = (now, fleet)
     used = None
     router = lifecycle.snapshot.scheduler.routers.get(request.model)
     for scorer, _ in router.scorers if router is not None else ():
@@ -103,7 +114,7 @@ def engine_view(lifecycle: Lifecycle) -> dict[str, Any] | None:
     return {
         "at": time.time(),
         "engines": engines,
-        "fleet": _fleet(lifecycle, request.model),
+        "fleet": fleet,
         "costs": used,
     }
 
@@ -227,6 +238,7 @@ class TraceWriter:
         # Views taken at dispatch, by lifecycle, until it ends (only sampled requests).
         self._views: dict[int, Any] = {}
         self._hooked = False  # `dispatched` is wired: sampling happens there
+        self._fleets: dict[str, tuple[float, Any]] = {}  # model -> (when, its speed)
         # `{pid}` in the path: one file per process (`--workers N` must not share one).
         path = spec.path.replace("{pid}", str(os.getpid()))
         self._file = RotatingFile(path, spec.max_bytes, spec.backups)
@@ -236,7 +248,7 @@ class TraceWriter:
         self._hooked = True
         if self.sample < 1.0 and self._random() >= self.sample:
             return
-        self._views[id(lifecycle)] = engine_view(lifecycle)
+        self._views[id(lifecycle)] = engine_view(lifecycle, self._fleets)
 
     def __call__(self, lifecycle: Lifecycle, outcome: Outcome) -> None:
         view = self._views.pop(id(lifecycle), _UNSAMPLED)
