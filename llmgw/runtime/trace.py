@@ -76,7 +76,7 @@ _FLEET_EVERY = 0.1  # seconds: the speed moves slowly; pooling it per request co
 
 
 def engine_view(
-    lifecycle: Lifecycle, cache: dict[str, tuple[float, Any]] | None = None
+    lifecycle: Lifecycle, cache: dict[str, tuple[Any, Any]] | None = None
 ) -> dict[str, Any] | None:
     """What the pick saw of the engines, beyond the router's own state: per endpoint
     [waiting, running, KV usage, requests released since its last scrape] (null when its
@@ -110,7 +110,14 @@ def engine_view(
     router = lifecycle.snapshot.scheduler.routers.get(request.model)
     for scorer, _ in router.scorers if router is not None else ():
         if isinstance(scorer, LatencyScorer):  # the costs this pick used (cached 0.1 s)
-            used = _costs(scorer.costs_in_use)
+            costs, slot = scorer.costs_in_use, f"costs:{request.model}"
+            seen = cache.get(slot) if cache is not None else None
+            if seen is not None and seen[0] is costs:  # one dict per refresh, not per line
+                used = seen[1]
+            else:
+                used = _costs(costs)
+                if cache is not None:
+                    cache[slot] = (costs, used)
     return {
         "at": time.time(),
         "engines": engines,
@@ -238,7 +245,7 @@ class TraceWriter:
         # Views taken at dispatch, by lifecycle, until it ends (only sampled requests).
         self._views: dict[int, Any] = {}
         self._hooked = False  # `dispatched` is wired: sampling happens there
-        self._fleets: dict[str, tuple[float, Any]] = {}  # model -> (when, its speed)
+        self._fleets: dict[str, tuple[Any, Any]] = {}  # per model: (when, speed), (costs, dict)
         # `{pid}` in the path: one file per process (`--workers N` must not share one).
         path = spec.path.replace("{pid}", str(os.getpid()))
         self._file = RotatingFile(path, spec.max_bytes, spec.backups)
