@@ -9,11 +9,13 @@ on a `Registry` fed by the scraper's parse path from each engine's own `/metrics
 the engines are `llmgw.sim.model.EngineModel` (continuous batching, prefix cache, LRU
 eviction), the model behind `llmgw sim` and `bench/fleetsim.py`.
 
-What a trace line gives a replay: the arrival time, the session (its ring position, so
+What a trace line gives a replay: the pick time, the session (its ring position, so
 sessions land where the ring put them), the prompt's length and its 64-token block hashes
 (prompts that shared a prefix share it again: each block becomes text derived from its
-hash), and the outcome's duration, from which the output length is estimated as
-(duration - TTFT) / decode_ms (`--output-tokens` to fix it instead).
+hash), the recorded endpoint, TTFT and duration, the fleet's calibrated speed (the
+engines' default prefill/decode costs) and what the pick saw of the engines (`--mirror`:
+`replay_mirror` adds the recorded host noise to the simulated engines). Output lengths
+are estimated as (duration - TTFT) / decode step (`--output-tokens` to fix them).
 """
 
 from __future__ import annotations

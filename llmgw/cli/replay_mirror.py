@@ -1,13 +1,14 @@
 """`llmgw replay --mirror`: the recorded run's host noise on top of the simulated engines.
 
-The simulated engines reproduce load the routing causes, not what the host added: the
-demo's live engines, starved of CPU, showed a waiting request at ~90 % of picks where the
-simulated ones show few, and ran at uneven speeds. A first pass sends every request where
-the recorded run sent it (with its recorded timings) and notes, at each pick, how the
-simulated engines' view differs from the one the trace recorded (`engines`, `fleet`). The
-replays then see their own simulated view plus that difference: replaying the recorded
-strategy gives the router the recorded inputs again (same picks, except exact ties broken
-at random), and another strategy's extra load still shows, as the engines simulate it.
+The simulated engines reproduce the load routing causes, not what the host added: the
+demo's live engines, starved of CPU, queued and slowed unevenly in ways the engine model
+does not. A first pass sends every request where the recorded run sent it (held for its
+recorded duration) and notes, at each pick, how the simulated engines' view differs from
+the one the trace recorded (`engines`), and the fleet's simulated speed. The replays then
+see their own simulated view plus that difference, and the latency costs the recorded
+pick used, scaled by how the simulated speed moved since: replaying the recorded strategy
+gives its router the recorded inputs again (`replay_sim.RecordedTies` repeats exact-tie
+draws), and another strategy's extra load still shows, as the engines simulate it.
 """
 
 from __future__ import annotations
