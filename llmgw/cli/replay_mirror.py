@@ -33,6 +33,8 @@ class Correction:
     engines: Mapping[str, tuple[float, float, float, float]]
     costs: Speed | None
     speed: Speed
+    stale: frozenset[str] = frozenset()  # the recorded pick had no fresh metrics there
+    fresh: frozenset[str] = frozenset()  # it had; the simulated ones had gone stale
 
 
 def view_of(registry: Registry, model: str) -> tuple[View, Speed]:
@@ -55,12 +57,17 @@ def _speed(states: Sequence[EndpointState]) -> Speed:
 
 def correction(recorded: View, costs: Speed | None, simulated: View, speed: Speed) -> Correction:
     engines: dict[str, tuple[float, float, float, float]] = {}
+    stale, fresh = set(), set()
     for endpoint, seen in recorded.items():
         mine = simulated.get(endpoint)
         if seen is not None and mine is not None:
             w, r, k, x = (a - b for a, b in zip(seen, mine, strict=True))
             engines[endpoint] = (w, r, k, x)
-    return Correction(engines, costs, speed)
+        elif seen is None and mine is not None:
+            stale.add(endpoint)
+        elif seen is not None and endpoint in simulated:
+            fresh.add(endpoint)
+    return Correction(engines, costs, speed, frozenset(stale), frozenset(fresh))
 
 
 def apply(
@@ -71,6 +78,10 @@ def apply(
     returns the undo."""
     undo: list[Callable[[], None]] = []
     for s in states:
+        if s.id in fix.stale or (s.id in fix.fresh and s.metrics is not None):
+            undo.append(_restore_metrics(s))  # as stale or as fresh as the recorded pick saw
+            s.scraped_at = float("-inf") if s.id in fix.stale else float("inf")
+            continue
         d = fix.engines.get(s.id)
         m = s.metrics
         if d is not None and m is not None:
@@ -117,9 +128,9 @@ def _use_costs(scorer: LatencyScorer, costs: Costs) -> Callable[[], None]:
 
 
 def _restore_metrics(s: EndpointState) -> Callable[[], None]:
-    metrics, released = s.metrics, s.released_since_scrape
+    metrics, released, scraped_at = s.metrics, s.released_since_scrape, s.scraped_at
 
     def restore() -> None:
-        s.metrics, s.released_since_scrape = metrics, released
+        s.metrics, s.released_since_scrape, s.scraped_at = metrics, released, scraped_at
 
     return restore

@@ -9,15 +9,16 @@ from typing import Any
 import pytest
 
 from llmgw.cli.replay import engine_args, main
+from llmgw.cli.replay_mirror import apply, correction
 from llmgw.cli.replay_sim import end, mirror_corrections, replay_config, simulate
 from llmgw.cli.replay_trace import Arrival, TraceRing, fit_engine, prompt_text, read_trace
 from llmgw.hashring import HashRing, ring_position
-from llmgw.registry import Registry
+from llmgw.registry import Registry, fresh_metrics_of
 from llmgw.runtime.trace import session_hash
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim.model import EngineConfig
-from llmgw.types import Outcome, RequestInfo
+from llmgw.types import EngineMetrics, Outcome, RequestInfo
 
 ENDPOINTS = [f"10.0.0.{i + 1}:8000" for i in range(4)]
 
@@ -217,3 +218,31 @@ def test_mirroring_needs_the_recorded_views_and_endpoints(tmp_path: Path) -> Non
     path = tmp_path / "t.jsonl"
     path.write_text(line(0.0, "a", [1]))
     assert main([str(path), "--mirror"]) == 2  # an old trace: says why, exits 2
+
+
+def test_a_mirrored_pick_sees_metrics_as_stale_or_fresh_as_the_recorded_pick_did() -> None:
+    now = 10.0
+    registry = Registry(clock=lambda: now)
+    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    states = registry.states("m1")
+    for s in states:
+        registry.record_scrape("m1", s.id, EngineMetrics(waiting=0.0, running=2.0, kv_usage=0.1))
+    states[3].scraped_at = now - 60  # the simulated scrape of the last went stale
+    fix = correction(
+        {e: None if e == ENDPOINTS[0] else (4.0, 2.0, 0.5, 0.0) for e in ENDPOINTS},
+        None,
+        {e: None if e == ENDPOINTS[3] else (0.0, 2.0, 0.1, 0.0) for e in ENDPOINTS},
+        (None, None, None, None),
+    )
+    undo = apply(fix, states, [sc for sc, _ in scheduler.routers["m1"].scorers])
+    seen = fresh_metrics_of(states, now, registry.staleness)
+    assert seen[states[0]] is None  # stale as recorded
+    shifted = seen[states[1]]
+    assert shifted is not None and shifted.waiting == 4.0  # plus the recorded residual
+    assert shifted.kv_usage == pytest.approx(0.5)
+    assert seen[states[3]] is not None  # fresh as recorded
+    undo()
+    seen = fresh_metrics_of(states, now, registry.staleness)
+    restored = seen[states[1]]
+    assert seen[states[0]] is not None and restored is not None and restored.waiting == 0.0
+    assert seen[states[3]] is None
