@@ -118,8 +118,11 @@ def engine_view(
                 used = _costs(costs)
                 if cache is not None:
                     cache[slot] = (costs, used)
+    decision = lifecycle.decision
+    wall = time.time()
+    picked = decision.at if decision is not None and decision.at is not None else now
     return {
-        "at": time.time(),
+        "at": wall - (registry.clock() - picked),  # the pick's own clock, in Unix seconds
         "engines": engines,
         "fleet": fleet,
         "costs": used,
@@ -139,7 +142,7 @@ def trace_record(
     return {
         # Unix seconds at arrival: replays keep the gaps between requests.
         "t": round(time.time() - (ended - lifecycle.started), 6),
-        "t_pick": None if view is None else round(view["at"], 6),
+        "t_pick": None if view is None else view["at"],  # unrounded: picks µs apart
         "edge": edge,
         "model": request.model,
         "session": session_hash(request.session_key) if request.session_key else None,
