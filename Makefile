@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) bench/envoy_overhead.py
 	$(PY) bench/fault_matrix.py
 	$(PY) -m bench.trace_cost
+	$(PY) bench/replay_fidelity.py
 
 bench-grid: $(STAMP)  # routing strategies over 12 regimes in virtual time, ~4 min
 	$(PY) bench/fleetsim_grid.py --jobs 2

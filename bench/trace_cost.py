@@ -121,7 +121,13 @@ def server_cpu(trace_path: str | None, requests: list[list[bytes]], tmp: Path) -
     argv += ["--host", "127.0.0.1", "--grpc-port", "0", "--grpc-health-port", "0"]
     argv += ["--plaintext", "--health-port", "0"]  # drive() speaks h2c
     argv += ["--metrics-port", "0", "--no-scrape", "--log-level", "warning"]
-    argv += ["--ready-file", str(ready), "--reload-interval", "0"]
+    argv += [
+        "--ready-file",
+        str(ready),
+        "--reload-interval",
+        "0",
+        "--plaintext",
+    ]  # insecure channel
     proc = subprocess.Popen(argv)
     try:
         deadline = time.monotonic() + 30

@@ -55,6 +55,8 @@ class Hooks:
     ttft: Callable[[str, float, float | None], None] | None = None
     # A dispatched request ended (once, after its lease is released): the decision trace.
     finished: Callable[[Lifecycle, Outcome], None] | None = None
+    # A request was dispatched (its lease taken, the registry as the pick saw it): the trace.
+    dispatched: Callable[[Lifecycle], None] | None = None
 
 
 NO_HOOKS = Hooks()
@@ -176,6 +178,8 @@ class Lifecycle:
             activation.use_begin(decision.model)  # keeps the model alive until finish
             self._in_use = True
         request_id = self.request.request_id if self.request is not None else ""
+        if self.hooks.dispatched is not None:
+            self.hooks.dispatched(self)
         if self.hooks.decision is not None:
             self.hooks.decision(decision, request_id)
         log_decision(decision, request_id, self.hooks.edge)

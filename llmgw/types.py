@@ -199,6 +199,7 @@ class Decision:
     ready_at: float | None = None
     predicted_ttft: float | None = None
     prefill_tokens: float | None = None
+    at: float | None = None  # the registry clock the pick saw (the trace's pick time)
 
     @property
     def destinations(self) -> tuple[str, ...]:

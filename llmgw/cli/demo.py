@@ -91,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trace", help="write the decision trace here (JSONL; `llmgw replay` reads it)"
     )
+    parser.add_argument(
+        "--edge",
+        choices=("envoy", "proxy"),
+        default="envoy",
+        help="route through Envoy + the ext_proc server (default) or the embedded proxy",
+    )
     args = parser.parse_args(argv or [])
 
     try:
@@ -109,26 +115,35 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     began = time.monotonic()
-    print("starting 4 simulated vLLM replicas, the llmgw ext_proc server and Envoy ...")
+    front = "Envoy, the ext_proc server" if args.edge == "envoy" else "the llmgw proxy"
+    print(f"starting 4 simulated vLLM replicas and {front} ...")
     fleet = demo_fleet()
     extproc: ExtProcThread | None = None
     envoy: EnvoyProcess | None = None
+    proxy: Any = None
     try:
         trace = {"trace": {"path": args.trace}} if args.trace else {}
         # override-host: Envoy retries down the Decision's fallbacks, so list them.
         config = fleet_config(fleet, strategy=args.strategy, destination_fallbacks=True, **trace)
-        extproc = ExtProcThread(config)
-        envoy = EnvoyProcess(
-            build(
-                config,
-                shape="override-host",
-                listen_host="127.0.0.1",
-                listen_port=free_port(),
-                admin_port=free_port(),
-                extproc_address=extproc.address,
+        if args.edge == "proxy":
+            from llmgw.testing.proxy import ProxyThread  # noqa: PLC0415 (needs the asgi extra)
+
+            proxy = ProxyThread(config)
+            base_url, telemetry = proxy.url, proxy.app.telemetry
+        else:
+            extproc = ExtProcThread(config)
+            envoy = EnvoyProcess(
+                build(
+                    config,
+                    shape="override-host",
+                    listen_host="127.0.0.1",
+                    listen_port=free_port(),
+                    admin_port=free_port(),
+                    extproc_address=extproc.address,
+                )
             )
-        )
-        client = openai.OpenAI(base_url=envoy.url + "/v1", api_key="demo", max_retries=0)
+            base_url, telemetry = envoy.url, extproc.server.telemetry
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="demo", max_retries=0)
         sessions = [f"user-{i + 1}" for i in range(args.sessions)]
         with ThreadPoolExecutor(max_workers=max(1, args.sessions)) as pool:
             conversations = list(pool.map(lambda s: _conversation(client, s, args.turns), sessions))
@@ -142,12 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             )
         client.close()
         turns = [t for conv in conversations for t in conv] + anonymous
-        print(_report(conversations, anonymous, turns, _reasons(extproc.server.telemetry)))
-        print("\nwhere to look (while it runs; `llmgw extproc` + `llmgw envoy-config` for real):")
-        print(f"  Envoy listener    {envoy.url}/v1/chat/completions")
-        print(f"  Envoy admin       {envoy.admin_url}/stats/prometheus")
-        print(f"  llmgw metrics     http://127.0.0.1:{extproc.ports['metrics']}/metrics")
-        print(f"  llmgw health      http://127.0.0.1:{extproc.ports['health']}/readyz")
+        print(_report(conversations, anonymous, turns, _reasons(telemetry)))
+        if envoy is not None and extproc is not None:
+            print(
+                "\nwhere to look (while it runs; `llmgw extproc` + `llmgw envoy-config` for real):"
+            )
+            print(f"  Envoy listener    {envoy.url}/v1/chat/completions")
+            print(f"  Envoy admin       {envoy.admin_url}/stats/prometheus")
+            print(f"  llmgw metrics     http://127.0.0.1:{extproc.ports['metrics']}/metrics")
+            print(f"  llmgw health      http://127.0.0.1:{extproc.ports['health']}/readyz")
         failed = sum(1 for t in turns if t.status != 200)
         print(f"\n{len(turns)} requests, {failed} failed, {time.monotonic() - began:.1f} s")
         if args.trace:
@@ -155,12 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             print("  latency,chat,round-robin --engine-args replicas=4,decode_ms=4`")
         return 0 if failed == 0 else 1
     finally:
+        if proxy is not None:
+            proxy.stop()
         if envoy is not None:
             envoy.stop()
         if extproc is not None:
             extproc.stop()
         fleet.stop()
-        print("stopped Envoy, ext_proc and the simulated replicas")
+        print(f"stopped {front} and the simulated replicas")
 
 
 def _report(

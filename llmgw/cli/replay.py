@@ -9,11 +9,13 @@ on a `Registry` fed by the scraper's parse path from each engine's own `/metrics
 the engines are `llmgw.sim.model.EngineModel` (continuous batching, prefix cache, LRU
 eviction), the model behind `llmgw sim` and `bench/fleetsim.py`.
 
-What a trace line gives a replay: the arrival time, the session (its ring position, so
+What a trace line gives a replay: the pick time, the session (its ring position, so
 sessions land where the ring put them), the prompt's length and its 64-token block hashes
 (prompts that shared a prefix share it again: each block becomes text derived from its
-hash), and the outcome's duration, from which the output length is estimated as
-(duration - TTFT) / decode_ms (`--output-tokens` to fix it instead).
+hash), the recorded endpoint, TTFT and duration, the fleet's calibrated speed (the
+engines' default prefill/decode costs) and what the pick saw of the engines (`--mirror`:
+`replay_mirror` adds the recorded host noise to the simulated engines). Output lengths
+are estimated as (duration - TTFT) / decode step (`--output-tokens` to fix them).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmgw.cli.replay_sim import recorded, simulate
-from llmgw.cli.replay_trace import endpoints_of, read_trace
+from llmgw.cli.replay_sim import mirror_corrections, mirrorable, recorded, simulate
+from llmgw.cli.replay_trace import endpoints_of, fit_engine, read_trace
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
 from llmgw.scheduling.strategies import PRESETS
@@ -38,6 +40,11 @@ from llmgw.sim.model import (
 _FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"time_scale"}
 
 # -- the command --------------------------------------------------------------------------
+
+
+def set_keys(text: str) -> set[str]:
+    """The EngineConfig fields `--engine-args` sets (a replay keeps them as given)."""
+    return {p.partition("=")[0].strip().replace("-", "_") for p in text.split(",") if p.strip()}
 
 
 def engine_args(text: str) -> tuple[int | None, EngineConfig]:
@@ -84,7 +91,7 @@ def strategies_of(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]], endpoints: list[str]) -> str:
-    head = ["strategy", "requests", "errors", "TTFT p50", "p90", "p99", "e2e p90"]
+    head = ["strategy", "requests", "errors", "TTFT p50", "p90", "p99", "e2e p90", "pred p50"]
     head += ["req/s", "tok/s", "hit rate", "same", "per replica"]
     lines = [head]
     for r in rows:
@@ -96,7 +103,13 @@ def table(rows: list[dict[str, Any]], endpoints: list[str]) -> str:
                 str(r.get("errors", "-")),
                 *[
                     "-" if r.get(k) is None else f"{r[k]:.1f}"
-                    for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "e2e_p90_ms")
+                    for k in (
+                        "ttft_p50_ms",
+                        "ttft_p90_ms",
+                        "ttft_p99_ms",
+                        "e2e_p90_ms",
+                        "predicted_ttft_p50_ms",
+                    )
                 ],
                 *["-" if r.get(k) is None else f"{r[k]:g}" for k in ("req_per_s", "tok_per_s")],
                 "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}",
@@ -130,6 +143,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--output-tokens", type=int, help="output length of every request (default: estimated)"
     )
+    parser.add_argument(
+        "--nominal",
+        action="store_true",
+        help="keep EngineConfig's defaults for prefill/decode costs instead of the speed the "
+        "trace's router measured",
+    )
+    parser.add_argument(
+        "--timing",
+        choices=("simulated", "recorded"),
+        default="simulated",
+        help="how long the router holds each request: until the simulated engine ends it "
+        "(default), or the recorded TTFT and duration (the recorded run's edge overheads)",
+    )
+    parser.add_argument(
+        "--mirror",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add the recorded run's host noise (engine queues, speed, timings) that the "
+        "simulation does not reproduce (default: when the trace records what its picks saw "
+        "and the replay uses the recorded endpoints); implies --timing recorded",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print JSON rows")
     return parser
@@ -141,22 +175,51 @@ def main(argv: list[str] | None = None) -> int:
         replicas, engine = engine_args(args.engine_args)
         strategies = strategies_of(args)
         arrivals = read_trace(args.trace, engine.decode_ms or 1.0, args.output_tokens)
+        given = engine
+        if not args.nominal:
+            fitted = fit_engine(arrivals, engine, set_keys(args.engine_args))
+            if fitted.decode_ms != engine.decode_ms:  # output lengths from the fitted step
+                arrivals = read_trace(args.trace, fitted.decode_ms or 1.0, args.output_tokens)
+            engine = fitted
     except (ValueError, OSError, ConfigError) as exc:
         print(f"llmgw replay: {exc}", file=sys.stderr)
         return 2
     endpoints = endpoints_of(arrivals, replicas)
     began = time.monotonic()
+    try:
+        mirror = args.mirror
+        if mirror is None:
+            mirror = mirrorable(arrivals, endpoints)
+        fixes = mirror_corrections(arrivals, endpoints, engine, args.seed) if mirror else None
+    except ValueError as exc:
+        print(f"llmgw replay: {exc}", file=sys.stderr)
+        return 2
     rows = [recorded(arrivals, endpoints)] if any(a.endpoint for a in arrivals) else []
     for name, strategy in strategies.items():
-        result = simulate(arrivals, endpoints, strategy, engine, name=name, seed=args.seed)
+        result = simulate(
+            arrivals,
+            endpoints,
+            strategy,
+            engine,
+            name=name,
+            seed=args.seed,
+            timing="recorded" if mirror else args.timing,
+            corrections=fixes,
+        )
         rows.append(result.row())
     if args.json:
-        print(json.dumps({"endpoints": endpoints, "rows": rows}, indent=2))
+        shape = dataclasses.asdict(engine)
+        print(json.dumps({"endpoints": endpoints, "engine": shape, "rows": rows}, indent=2))
         return 0
     span = arrivals[-1].t
     print(
         f"{len(arrivals)} requests over {span:.1f} s onto {len(endpoints)} simulated replicas "
-        f"({', '.join(endpoints)}); replayed in {time.monotonic() - began:.1f} s\n"
+        f"({', '.join(endpoints)}); replayed in {time.monotonic() - began:.1f} s"
+        + (", mirroring the recorded host noise\n" if mirror else "\n")
+    )
+    print(
+        f"engines: prefill {engine.prefill_us_per_token:.0f} us/token, decode step "
+        f"{engine.decode_ms:.1f} ms ({'as given' if engine == given else 'as the trace measured'})\n"
     )
     print(table(rows, endpoints))
     return 0

@@ -11,11 +11,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmgw.cli.replay_mirror import Correction, Speed, View, apply, correction, view_of
 from llmgw.cli.replay_trace import Arrival, TraceRing, prompt_text
 from llmgw.config import Config, load_dict
 from llmgw.errors import LlmgwError
 from llmgw.registry import Registry
 from llmgw.runtime.scraper import Scraper
+from llmgw.scheduling.interfaces import PickContext, Picker
 from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.sim.metrics import ModelObservations, ServedModel, make_registry, render
 from llmgw.sim.model import (
@@ -30,7 +32,7 @@ from llmgw.types import Outcome, RequestInfo
 
 # -- the simulation -----------------------------------------------------------------------
 
-_ARRIVAL, _WAKE, _STEP_END, _SCRAPE = 0, 1, 2, 3
+_ARRIVAL, _WAKE, _STEP_END, _SCRAPE, _FIRST, _RELEASE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -38,6 +40,7 @@ class ReplayResult:
     strategy: str
     requests: int
     ttft_s: list[float] = field(default_factory=list)
+    predicted_s: list[float] = field(default_factory=list)  # the latency model's, per pick
     e2e_s: list[float] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     per_replica: dict[str, int] = field(default_factory=dict)
@@ -55,6 +58,7 @@ class ReplayResult:
             "requests": self.requests,
             "errors": sum(self.errors.values()),
             "ttft_p50_ms": _ms(_pct(self.ttft_s, 50)),
+            "predicted_ttft_p50_ms": _ms(_pct(self.predicted_s, 50)),
             "ttft_p90_ms": _ms(_pct(self.ttft_s, 90)),
             "ttft_p99_ms": _ms(_pct(self.ttft_s, 99)),
             "e2e_p90_ms": _ms(_pct(self.e2e_s, 90)),
@@ -97,6 +101,36 @@ class _Flight:
     engine: int
     lease: Lease
     first_seen: bool = False
+    held: bool = False  # the lease follows the recorded timing, not the engine
+
+
+class RecordedTies:
+    """A max-score picker that breaks an exact tie the way the recorded run broke it (its
+    endpoint, when among the tied best) instead of by a random draw the trace cannot
+    repeat; about a quarter of `latency` picks on the demo are exact ties."""
+
+    def __init__(self, inner: Picker) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.prefer: str | None = None
+
+    def order(self, ctx: PickContext, totals: list[float], limit: int) -> list[int]:
+        order = self.inner.order(ctx, totals, limit)
+        states = ctx.all_states
+        if self.prefer is None or len(states) != len(totals):  # a filter dropped some
+            return order
+        for i, s in enumerate(states):
+            if s.id == self.prefer and i != order[0] and totals[i] == totals[order[0]]:
+                return [i, *[j for j in order if j != i]][:limit]
+        return order
+
+
+def end(lease: Lease, outcome: Outcome) -> None:
+    """End a request as `Lifecycle.finish` does: the prefill is over (inferred, not seen: a
+    no-op if the first byte was seen), then the release; the same drain of the modelled
+    queue the live router does."""
+    lease.first_token(observed=False)
+    lease.finish(outcome)
 
 
 def simulate(
@@ -108,8 +142,16 @@ def simulate(
     name: str = "",
     seed: int = 1,
     scrape_interval: float = 0.05,
+    timing: str = "simulated",
+    force: bool = False,
+    corrections: Sequence[Correction | None] | None = None,
+    views: dict[int, tuple[View, Speed]] | None = None,
 ) -> ReplayResult:
-    """Every arrival through `Scheduler` with `strategy` onto fresh engines; deterministic."""
+    """Every arrival through `Scheduler` with `strategy` onto fresh engines; deterministic.
+    `timing="recorded"`: the router holds each request for its recorded duration (first
+    token at its recorded TTFT) instead of until its simulated engine ends it. `force`:
+    every request goes where the recorded run sent it; `views` collects what each pick saw
+    of the engines; `corrections` shift that view per pick (`replay_mirror`)."""
     n = len(endpoints)
     models = sorted({a.model for a in arrivals})
     now = 0.0
@@ -117,8 +159,12 @@ def simulate(
     config = replay_config(endpoints, models, strategy, seed)
     registry.staleness = config.scrape.staleness
     scheduler = Scheduler(config, registry, seed=seed)
+    ties: list[RecordedTies] = []
     for model in models:  # traced sessions sit where the recorded ring put them
         router = scheduler.routers[model]
+        if router.picker.name == "max-score":
+            router.picker = tie = RecordedTies(router.picker)
+            ties.append(tie)
         router.ring_for(registry.states(model))
         router.ring = TraceRing(
             endpoints,
@@ -143,21 +189,24 @@ def simulate(
     def push(t: float, kind: int, a: int) -> None:
         heapq.heappush(events, (t, next(counter), kind, a))
 
+    for i in range(n):  # a live router has scraped its engines before traffic comes
+        address = endpoints[i]
+        scraper.ingest(address, targets[address], render(pages[i]).decode())
+        push(rng.uniform(0, scrape_interval), _SCRAPE, i)
     for i, arrival in enumerate(arrivals):
         push(arrival.t, _ARRIVAL, i)
-    for i in range(n):
-        push(rng.uniform(0, scrape_interval), _SCRAPE, i)
     result = ReplayResult(name or str(strategy), len(arrivals))
     result.per_replica = dict.fromkeys(endpoints, 0)
     outstanding = len(arrivals)
     model_of_flight: dict[tuple[int, int], str] = {}
+    leases: dict[int, Lease] = {}
 
     def error(kind: str) -> None:
         nonlocal outstanding
         result.errors[kind] = result.errors.get(kind, 0) + 1
         outstanding -= 1
 
-    while events and outstanding > 0:
+    while events and (outstanding > 0 or leases):
         now, _, kind, a = heapq.heappop(events)
         if kind == _ARRIVAL:
             arrival = arrivals[a]
@@ -168,13 +217,28 @@ def simulate(
                 session_key=arrival.session,
                 prompt=text,
                 prompt_tokens=arrival.prompt_tokens,
+                subset=frozenset({arrival.endpoint}) if force and arrival.endpoint else None,
             )
+            for tie in ties:
+                tie.prefer = arrival.endpoint
+            fix = corrections[a] if corrections is not None else None
+            undo = None
+            if fix is not None:
+                scorers = [sc for sc, _ in scheduler.routers[arrival.model].scorers]
+                undo = apply(fix, registry.states(arrival.model), scorers)
             try:
                 decision = scheduler.pick(info)
             except LlmgwError as exc:
                 error(f"{exc.status} {exc.code}")
                 continue
+            finally:
+                if undo is not None:
+                    undo()
             lease = scheduler.acquire(decision)
+            if views is not None:
+                views[a] = view_of(registry, arrival.model)
+            if decision.predicted_ttft is not None:
+                result.predicted_s.append(decision.predicted_ttft)
             target = index_of[decision.endpoint.id]
             result.per_replica[decision.endpoint.id] += 1
             if arrival.endpoint is not None:
@@ -186,10 +250,17 @@ def simulate(
                 seq = engines[target].submit(request, now)
             except (QueueFullError, RequestTooLargeError) as exc:
                 too_large = isinstance(exc, RequestTooLargeError)
-                lease.finish(Outcome.FAILURE if too_large else Outcome.BACKPRESSURE)
+                end(lease, Outcome.FAILURE if too_large else Outcome.BACKPRESSURE)
                 error("400 too large" if too_large else "429 queue full")
                 continue
-            flights[(target, seq.seq_id)] = _Flight(a, now, target, lease)
+            held = _Flight(a, now, target, lease)
+            if timing == "recorded" and arrival.duration_ms is not None:
+                held.held = True
+                leases[a] = lease
+                if arrival.ttft_ms is not None and arrival.first_tokens:
+                    push(now + arrival.ttft_ms / 1e3, _FIRST, a)
+                push(now + arrival.duration_ms / 1e3, _RELEASE, a)
+            flights[(target, seq.seq_id)] = held
             model_of_flight[(target, seq.seq_id)] = arrival.model
             if not stepping[target]:
                 stepping[target] = True
@@ -203,19 +274,24 @@ def simulate(
                 if flight is not None and not flight.first_seen:
                     flight.first_seen = True
                     result.ttft_s.append(now - flight.sent)
-                    if arrivals[flight.index].first_tokens:
+                    if arrivals[flight.index].first_tokens and not flight.held:
                         flight.lease.first_token()
             for seq in step.finished:
                 flight = flights.pop((a, seq.seq_id))
                 observations[a][model_of_flight.pop((a, seq.seq_id))].observe(seq)
                 result.e2e_s.append(now - flight.sent)
                 result.output_tokens += arrivals[flight.index].output_tokens
-                flight.lease.finish(Outcome.SUCCESS)
+                if not flight.held:
+                    end(flight.lease, Outcome.SUCCESS)
                 outstanding -= 1
             if engines[a].has_work:
                 push(now + engines[a].schedule(now), _STEP_END, a)
             else:
                 stepping[a] = False
+        elif kind == _FIRST:
+            leases[a].first_token()
+        elif kind == _RELEASE:
+            end(leases.pop(a), Outcome.SUCCESS)
         else:  # _SCRAPE
             address = endpoints[a]
             scraper.ingest(address, targets[address], render(pages[a]).decode())
@@ -228,6 +304,38 @@ def simulate(
     return result
 
 
+def mirrorable(arrivals: Sequence[Arrival], endpoints: list[str]) -> bool:
+    """The trace says what its picks saw, and the replay uses the recorded endpoints."""
+    recorded_endpoints = {a.endpoint for a in arrivals if a.endpoint}
+    return any(a.engines for a in arrivals) and recorded_endpoints <= set(endpoints)
+
+
+def mirror_corrections(
+    arrivals: Sequence[Arrival], endpoints: list[str], engine: EngineConfig, seed: int = 1
+) -> list[Correction | None]:
+    """Per arrival, how the recorded engine view differs from the simulated one when every
+    request goes where it went, held as long as it was (`replay_mirror`); ValueError when
+    the trace lacks what that needs."""
+    if not any(a.engines for a in arrivals):
+        raise ValueError("--mirror: the trace has no `engines` views (record it with this llmgw)")
+    if not {a.endpoint for a in arrivals if a.endpoint} <= set(endpoints):
+        raise ValueError(
+            "--mirror: replay the recorded endpoints (drop replicas= from --engine-args)"
+        )
+    views: dict[int, tuple[View, Speed]] = {}
+    simulate(
+        arrivals, endpoints, "ring", engine, seed=seed, timing="recorded", force=True, views=views
+    )
+    out: list[Correction | None] = []
+    for i, a in enumerate(arrivals):
+        seen = views.get(i)
+        if a.engines is None or seen is None:
+            out.append(None)
+            continue
+        out.append(correction(a.engines, a.costs, seen[0], seen[1]))
+    return out
+
+
 def recorded(arrivals: Sequence[Arrival], endpoints: list[str]) -> dict[str, Any]:
     """The recorded run's own row: where its requests went and the TTFT it saw."""
     per_replica = dict.fromkeys(endpoints, 0)
@@ -235,10 +343,12 @@ def recorded(arrivals: Sequence[Arrival], endpoints: list[str]) -> dict[str, Any
         if a.endpoint in per_replica:
             per_replica[a.endpoint] += 1
     ttft = [a.ttft_ms / 1e3 for a in arrivals if a.ttft_ms is not None]
+    predicted = [a.predicted_ms / 1e3 for a in arrivals if a.predicted_ms is not None]
     return {
         "strategy": "recorded",
         "requests": len(arrivals),
         "ttft_p50_ms": _ms(_pct(ttft, 50)),
+        "predicted_ttft_p50_ms": _ms(_pct(predicted, 50)),
         "ttft_p90_ms": _ms(_pct(ttft, 90)),
         "ttft_p99_ms": _ms(_pct(ttft, 99)),
         "per_replica": per_replica,

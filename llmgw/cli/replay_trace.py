@@ -4,13 +4,16 @@ prompts' were)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+import statistics
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmgw.hashring import HashRing, ring_position
+from llmgw.sim.model import EngineConfig
 from llmgw.types import CHARS_PER_TOKEN
 
 BLOCK_CHARS = int(64 * CHARS_PER_TOKEN)  # the trace's block: 64 tokens
@@ -33,6 +36,16 @@ class Arrival:
     # events does not)? The router estimates pending work differently without them.
     first_tokens: bool = True
     request_key: str | None = None  # "@<ring position hex>" of the request id (no session)
+    duration_ms: float | None = None  # how long the recorded run held it, dispatch to end
+    # The fleet's speed as the recording router calibrated it (the trace's `fleet`).
+    prefill_us_per_token: float | None = None
+    step_ms: float | None = None
+    predicted_ms: float | None = None  # the recording router's predicted TTFT
+    # What its pick saw (`--mirror`): per endpoint (waiting, running, KV usage, released
+    # since scrape) or None if stale; the model's speed (s/token, s/step, tokens, s).
+    engines: Mapping[str, tuple[float, ...] | None] | None = None
+    speed: tuple[float | None, ...] | None = None
+    costs: tuple[float | None, ...] | None = None  # what its latency scorer used, if any
 
 
 def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | None) -> list[Arrival]:
@@ -52,6 +65,14 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 rows.append(row)
     if not rows:
         raise ValueError("the trace has no requests")
+    for row in rows:  # the pick's time where the trace has it: replays space picks by it
+        picked = row.get("t_pick")
+        if isinstance(picked, int | float):
+            outcome = row.get("outcome") or {}
+            if isinstance(outcome.get("duration_ms"), int | float):  # held from the pick on
+                waited = (float(picked) - float(row["t"])) * 1e3
+                row["outcome"] = {**outcome, "duration_ms": outcome["duration_ms"] - waited}
+            row["t"] = picked
     rows.sort(key=lambda r: float(r["t"]))
     t0 = float(rows[0]["t"])
     out = []
@@ -70,6 +91,7 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
         else:
             tokens = 16
         session = row.get("session")
+        fleet = row.get("fleet") or {}
         out.append(
             Arrival(
                 t=float(row["t"]) - t0,
@@ -82,9 +104,54 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 ttft_ms=ttft,
                 first_tokens=ttft is not None,
                 request_key=f"@{row['rid']}" if row.get("rid") else None,
+                duration_ms=None if duration is None else float(duration),
+                prefill_us_per_token=_number(fleet.get("prefill_us_per_token")),
+                step_ms=_number(fleet.get("step_ms")),
+                predicted_ms=_number((row.get("decision") or {}).get("predicted_ttft_ms")),
+                engines=_engines(row.get("engines")),
+                speed=_speed(fleet) if fleet else None,
+                costs=_speed(row["costs"]) if isinstance(row.get("costs"), dict) else None,
             )
         )
     return out
+
+
+def _engines(raw: Any) -> dict[str, tuple[float, ...] | None] | None:
+    if not isinstance(raw, dict):
+        return None
+    return {str(e): None if v is None else tuple(float(x) for x in v) for e, v in raw.items()}
+
+
+def _speed(fleet: dict[str, Any]) -> tuple[float | None, ...]:
+    """The trace's `fleet` in the router's units (seconds, tokens)."""
+    per_token, step = _number(fleet.get("prefill_us_per_token")), _number(fleet.get("step_ms"))
+    tokens, service = _number(fleet.get("tokens_per_prefill")), _number(fleet.get("service_ms"))
+    return (
+        None if per_token is None else per_token / 1e6,
+        None if step is None else step / 1e3,
+        tokens,
+        None if service is None else service / 1e3,
+    )
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def fit_engine(
+    arrivals: Sequence[Arrival], engine: EngineConfig, keep: Collection[str] = ()
+) -> EngineConfig:
+    """`engine` with the prefill and decode costs the recording router measured (medians
+    over the trace), except the fields in `keep` (set by the user). A fleet's nominal
+    settings say little about its speed: the demo's engines, configured for 50 us/token and
+    4 ms steps, ran at 200-560 us and 9-19 ms on a busy 2-core host."""
+    prefill = [a.prefill_us_per_token for a in arrivals if a.prefill_us_per_token is not None]
+    step = [a.step_ms for a in arrivals if a.step_ms is not None]
+    if prefill and "prefill_us_per_token" not in keep:
+        engine = dataclasses.replace(engine, prefill_us_per_token=statistics.median(prefill))
+    if step and "decode_ms" not in keep:
+        engine = dataclasses.replace(engine, decode_ms=statistics.median(step))
+    return engine
 
 
 def endpoints_of(arrivals: Iterable[Arrival], replicas: int | None) -> list[str]:

@@ -25,12 +25,15 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from llmgw.calibration import Costs, pooled
 from llmgw.config import TraceSpec
 from llmgw.hashring import ring_position
 from llmgw.lifecycle import Hooks, Lifecycle
+from llmgw.registry import fresh_metrics_of
 from llmgw.runtime.telemetry import decision_reason
 from llmgw.scheduling.prefix import PrefixIndex
-from llmgw.types import CHARS_PER_TOKEN, Outcome
+from llmgw.scheduling.scorers import LatencyScorer
+from llmgw.types import CHARS_PER_TOKEN, Outcome, Rationale
 
 BLOCK_TOKENS = 64  # the latency scorer's default block: the same hashes, the same sharing
 MAX_BLOCKS = 128  # 8,192 tokens of prefix: more says little more about cache reuse
@@ -43,7 +46,94 @@ def session_hash(key: str) -> str:
     return f"{ring_position(key):016x}"
 
 
-def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str, Any] | None:
+def _terms(rationale: Rationale) -> dict[str, list[float]] | None:
+    """{endpoint: [queue, prefill, step] ms} from the latency scorer's column, if any."""
+    for column in rationale.columns:
+        if column.term_names[1:] == ("queue_s", "prefill_s", "step_s") and column.term_rows:
+            ids, rows = rationale.endpoint_ids, column.term_rows
+            return {e: [r[1] * 1e3, r[2] * 1e3, r[3] * 1e3] for e, r in zip(ids, rows, strict=True)}
+    return None
+
+
+def _fleet(lifecycle: Lifecycle, model: str) -> dict[str, float | None] | None:
+    """The model's engine speed as the router calibrated it (`llmgw.calibration`): a replay
+    shapes its simulated engines to it, since an engine's nominal settings say little about
+    how fast it really ran (the demo's ran 2-4x slower than configured on a busy host)."""
+    lease = lifecycle.lease
+    if lease is None:
+        return None
+    return _costs(pooled(s.calibration for s in lease.registry.states(model)))
+
+
+def _costs(costs: Costs) -> dict[str, float | None]:
+    return {
+        "prefill_us_per_token": None if costs.per_token is None else costs.per_token * 1e6,
+        "step_ms": None if costs.step is None else costs.step * 1e3,
+        "tokens_per_prefill": costs.tokens_per_prefill,
+        "service_ms": None if costs.service is None else costs.service * 1e3,
+    }
+
+
+_FLEET_EVERY = 0.1  # seconds: the speed moves slowly; pooling it per request cost ~5 us
+
+
+def engine_view(
+    lifecycle: Lifecycle, cache: dict[str, tuple[Any, Any]] | None = None
+) -> dict[str, Any] | None:
+    """What the pick saw of the engines, beyond the router's own state: per endpoint
+    [waiting, running, KV usage, requests released since its last scrape] (null when its
+    metrics were stale), and the model's calibrated speed (`_fleet`). A replay corrects its
+    simulated engines by the difference (`llmgw replay --mirror`)."""
+    lease, request = lifecycle.lease, lifecycle.request
+    if lease is None or request is None:
+        return None
+    registry = lease.registry
+    states = registry.states(request.model)
+    fresh = fresh_metrics_of(states, registry.clock(), registry.staleness)
+    engines: dict[str, list[float] | None] = {}
+    for s in states:
+        m = fresh[s]
+        engines[s.id] = (
+            None
+            if m is None
+            else [m.waiting, m.running, round(m.kv_usage, 4), s.released_since_scrape]
+        )
+    # Unix seconds at the pick: the router's clock between picks drains its queue model, so
+    # a replay spaces picks by these, not by arrivals (parsing a body takes its own time).
+    now = registry.clock()
+    kept = cache.get(request.model) if cache is not None else None
+    if kept is not None and now - kept[0] < _FLEET_EVERY:
+        fleet = kept[1]
+    else:
+        fleet = _fleet(lifecycle, request.model)
+        if cache is not None:
+            cache[request.model] = (now, fleet)
+    used = None
+    router = lifecycle.snapshot.scheduler.routers.get(request.model)
+    for scorer, _ in router.scorers if router is not None else ():
+        if isinstance(scorer, LatencyScorer):  # the costs this pick used (cached 0.1 s)
+            costs, slot = scorer.costs_in_use, f"costs:{request.model}"
+            seen = cache.get(slot) if cache is not None else None
+            if seen is not None and seen[0] is costs:  # one dict per refresh, not per line
+                used = seen[1]
+            else:
+                used = _costs(costs)
+                if cache is not None:
+                    cache[slot] = (costs, used)
+    decision = lifecycle.decision
+    wall = time.time()
+    picked = decision.at if decision is not None and decision.at is not None else now
+    return {
+        "at": wall - (registry.clock() - picked),  # the pick's own clock, in Unix seconds
+        "engines": engines,
+        "fleet": fleet,
+        "costs": used,
+    }
+
+
+def trace_record(
+    lifecycle: Lifecycle, outcome: Outcome, edge: str, view: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """The trace line of a finished request (None if it was never dispatched)."""
     request, decision = lifecycle.request, lifecycle.decision
     if request is None or decision is None:
@@ -54,6 +144,7 @@ def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str,
     return {
         # Unix seconds at arrival: replays keep the gaps between requests.
         "t": round(time.time() - (ended - lifecycle.started), 6),
+        "t_pick": None if view is None else view["at"],  # unrounded: picks µs apart
         "edge": edge,
         "model": request.model,
         "session": session_hash(request.session_key) if request.session_key else None,
@@ -71,7 +162,14 @@ def trace_record(lifecycle: Lifecycle, outcome: Outcome, edge: str) -> dict[str,
                 None if decision.predicted_ttft is None else decision.predicted_ttft * 1e3
             ),
             "totals": dict(zip(rationale.endpoint_ids, rationale.totals, strict=True)),
+            # The latency model's inputs per endpoint (ms): what a replay must reproduce.
+            "prefill_tokens": decision.prefill_tokens,
+            "terms": _terms(rationale),
         },
+        # At the pick when the writer saw it (the `dispatched` hook), else at the end.
+        "fleet": view["fleet"] if view is not None else _fleet(lifecycle, request.model),
+        "engines": None if view is None else view["engines"],
+        "costs": None if view is None else view["costs"],
         "outcome": {
             "endpoint": answered,
             "status": lifecycle.status,
@@ -157,6 +255,9 @@ def _flush_later(delay: float, flush: Callable[[], None]) -> asyncio.TimerHandle
     return loop.call_later(delay, flush)
 
 
+_UNSAMPLED = object()
+
+
 class TraceWriter:
     """Writes sampled trace lines to a size-rotated file. Call it as a lifecycle
     `finished` hook (see `traced`)."""
@@ -168,14 +269,28 @@ class TraceWriter:
         self.edge = edge
         self.written = 0
         self._random = (rng or random.Random()).random
+        # Views taken at dispatch, by lifecycle, until it ends (only sampled requests).
+        self._views: dict[int, Any] = {}
+        self._hooked = False  # `dispatched` is wired: sampling happens there
+        self._fleets: dict[str, tuple[Any, Any]] = {}  # per model: (when, speed), (costs, dict)
         # `{pid}` in the path: one file per process (`--workers N` must not share one).
         path = spec.path.replace("{pid}", str(os.getpid()))
         self._file = RotatingFile(path, spec.max_bytes, spec.backups)
 
-    def __call__(self, lifecycle: Lifecycle, outcome: Outcome) -> None:
+    def dispatched(self, lifecycle: Lifecycle) -> None:
+        """Samples the request and keeps what its pick saw until it ends."""
+        self._hooked = True
         if self.sample < 1.0 and self._random() >= self.sample:
             return
-        record = trace_record(lifecycle, outcome, self.edge)
+        self._views[id(lifecycle)] = engine_view(lifecycle, self._fleets)
+
+    def __call__(self, lifecycle: Lifecycle, outcome: Outcome) -> None:
+        view = self._views.pop(id(lifecycle), _UNSAMPLED)
+        if view is _UNSAMPLED:
+            if self._hooked or (self.sample < 1.0 and self._random() >= self.sample):
+                return
+            view = None
+        record = trace_record(lifecycle, outcome, self.edge, view)
         if record is None:
             return
         self._file.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
@@ -206,7 +321,9 @@ def shared_trace_problem(spec: TraceSpec, workers: int) -> str | None:
 def traced(hooks: Hooks, spec: TraceSpec) -> Hooks:
     """`hooks` plus the decision trace the config asks for (unchanged when it asks none)."""
     writer = trace_writer(spec, hooks.edge)
-    return hooks if writer is None else dataclasses.replace(hooks, finished=writer)
+    if writer is None:
+        return hooks
+    return dataclasses.replace(hooks, finished=writer, dispatched=writer.dispatched)
 
 
 def close_trace(hooks: Hooks) -> None:

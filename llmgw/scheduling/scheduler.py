@@ -299,13 +299,16 @@ class Scheduler:
             tuple(drops),
             len(states),
         )
-        prediction = ctx.prediction
+        ready_at, predicted, tokens = ctx.prediction or (None, None, None)
         return Decision(
             request.model,
             chosen.endpoint,
             tuple([candidates[i].endpoint for i in order[1:]]),
             rationale,
-            *(prediction or (None, None, None)),
+            ready_at,
+            predicted,
+            tokens,
+            ctx.now,
         )
 
     def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> Lease:

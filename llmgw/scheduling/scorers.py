@@ -323,6 +323,11 @@ class LatencyScorer:
         self._costs_at, self._costs = ctx.now, costs
         return costs
 
+    @property
+    def costs_in_use(self) -> Costs:
+        """The costs the last pick used (refreshed at most every 0.1 s): for the trace."""
+        return self._costs
+
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         request = ctx.request
         if request is not self._request:

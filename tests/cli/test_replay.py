@@ -9,12 +9,16 @@ from typing import Any
 import pytest
 
 from llmgw.cli.replay import engine_args, main
-from llmgw.cli.replay_sim import simulate
-from llmgw.cli.replay_trace import Arrival, TraceRing, prompt_text, read_trace
+from llmgw.cli.replay_mirror import apply, correction
+from llmgw.cli.replay_sim import end, mirror_corrections, replay_config, simulate
+from llmgw.cli.replay_trace import Arrival, TraceRing, fit_engine, prompt_text, read_trace
 from llmgw.hashring import HashRing, ring_position
+from llmgw.registry import Registry, fresh_metrics_of
 from llmgw.runtime.trace import session_hash
 from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim.model import EngineConfig
+from llmgw.types import EngineMetrics, Outcome, RequestInfo
 
 ENDPOINTS = [f"10.0.0.{i + 1}:8000" for i in range(4)]
 
@@ -105,3 +109,140 @@ def test_every_strategy_replays_every_request_at_the_same_times(tmp_path: Path) 
     assert results["latency"].hit_rate > results["round-robin"].hit_rate
     again = simulate(arrivals, ENDPOINTS, "latency", engine)
     assert again.per_replica == results["latency"].per_replica  # deterministic
+
+
+def test_replay_shapes_its_engines_to_the_speed_the_trace_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "t.jsonl"
+    speeds = [(300.0, 12.0), (200.0, 9.0), (250.0, 10.0)]
+    fleet = [{"prefill_us_per_token": p, "step_ms": s} for p, s in speeds]
+    path.write_text("\n".join(line(i * 0.1, f"s{i}", [i], fleet=f) for i, f in enumerate(fleet)))
+    arrivals = read_trace([path], 4.0, None)
+    fitted = fit_engine(arrivals, EngineConfig())  # medians
+    assert (fitted.prefill_us_per_token, fitted.decode_ms) == (250.0, 10.0)
+    assert fit_engine(arrivals, EngineConfig(decode_ms=4.0), {"decode_ms"}).decode_ms == 4.0
+
+    def engine(*argv: str) -> dict[str, Any]:
+        capsys.readouterr()
+        assert main([str(path), "--json", *argv]) == 0
+        shape: dict[str, Any] = json.loads(capsys.readouterr().out)["engine"]
+        return shape
+
+    assert engine()["decode_ms"] == 10.0 and engine()["prefill_us_per_token"] == 250.0
+    assert engine("--engine-args", "decode_ms=4")["decode_ms"] == 4.0  # the user's wins
+    assert engine("--nominal")["decode_ms"] == EngineConfig().decode_ms
+
+
+def test_recorded_timing_holds_each_request_for_its_recorded_duration() -> None:
+    # Three requests held 2 s each in the recorded run, then a fourth at 0.5 s. Simulated,
+    # the first three ended long before (1 output token); held as recorded, they still
+    # occupy three replicas, and least-load must send the fourth to the idle one.
+    arrivals = [
+        Arrival(i * 0.01, "m1", None, 16, (), 1, request_key=f"r{i}", duration_ms=2000.0)
+        for i in range(3)
+    ]
+    arrivals.append(Arrival(0.5, "m1", None, 16, (), 1, request_key="r3", duration_ms=10.0))
+    engine = EngineConfig(decode_ms=1.0)
+    picks = []
+    for seed in range(6):
+        held = simulate(arrivals, ENDPOINTS, "least-load", engine, seed=seed, timing="recorded")
+        assert sorted(held.per_replica.values()) == [1, 1, 1, 1]
+        free = simulate(arrivals, ENDPOINTS, "least-load", engine, seed=seed)
+        picks.append(sorted(free.per_replica.values()))
+    assert picks[0] != [1, 1, 1, 1] or len({str(p) for p in picks}) > 1  # not forced free
+
+
+def test_an_exact_tie_is_broken_the_way_the_recorded_run_broke_it() -> None:
+    # One request onto four idle replicas: least-load ties them all. The recorded run's
+    # random draw chose the third; a replay repeats that choice, whatever its own seed.
+    arrival = Arrival(0.0, "m1", None, 16, (), 4, endpoint=ENDPOINTS[2], request_key="r0")
+    for seed in range(8):
+        result = simulate([arrival], ENDPOINTS, "least-load", EngineConfig(), seed=seed)
+        assert result.per_replica[ENDPOINTS[2]] == 1 and result.same == 1
+    # Round-robin ties everything by design: its order stays its own.
+    rr = simulate([arrival], ENDPOINTS, "round-robin", EngineConfig())
+    assert rr.per_replica[ENDPOINTS[0]] == 1
+
+
+def test_a_replay_ends_each_request_as_the_lifecycle_does() -> None:
+    # Lifecycle.finish marks the first token before releasing (a no-op if seen): on an
+    # edge that never sees first tokens this still releases the pending prefill and tells
+    # the registry the endpoint reports them, which changes the latency scorer's queue.
+    registry = Registry(clock=lambda: 0.0)
+    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    decision = scheduler.pick(RequestInfo(model="m1", request_id="r", prompt="x" * 400))
+    lease = scheduler.acquire(decision)
+    state = registry.get("m1", decision.endpoint.id)
+    assert state is not None and state.pending_prefill > 0 and not state.reports_first_token
+    end(lease, Outcome.SUCCESS)
+    assert state.pending_prefill == 0 and state.reports_first_token and state.inflight == 0
+
+
+def test_mirroring_gives_the_router_the_engine_queues_the_recorded_run_saw() -> None:
+    # The recorded host kept 50 requests waiting on three replicas (CPU starvation the
+    # simulated engines do not have), so the recorded router sent all twelve concurrent
+    # requests to the fourth. Mirrored, the replay sees those queues and does the same;
+    # without, the fourth's own growing queue sends some elsewhere.
+    busy = (50.0, 1.0, 0.1, 0.0)
+    view = {e: (busy if e != ENDPOINTS[3] else (0.0, 1.0, 0.1, 0.0)) for e in ENDPOINTS}
+    arrivals = [
+        Arrival(
+            0.2 + 0.002 * i,
+            "m1",
+            None,
+            100,
+            (),
+            4,
+            endpoint=ENDPOINTS[3],
+            request_key=f"r{i}",
+            duration_ms=1000.0,
+            engines=view,
+        )
+        for i in range(12)
+    ]
+    engine = EngineConfig(decode_ms=2.0)
+    fixes = mirror_corrections(arrivals, ENDPOINTS, engine)
+    mirrored = simulate(
+        arrivals, ENDPOINTS, "latency", engine, timing="recorded", corrections=fixes
+    )
+    assert mirrored.per_replica[ENDPOINTS[3]] == 12
+    plain = simulate(arrivals, ENDPOINTS, "latency", engine, timing="recorded")
+    assert plain.per_replica[ENDPOINTS[3]] < 12
+
+
+def test_mirroring_needs_the_recorded_views_and_endpoints(tmp_path: Path) -> None:
+    arrivals = [Arrival(0.0, "m1", None, 16, (), 4, endpoint=ENDPOINTS[0])]
+    with pytest.raises(ValueError, match="no `engines` views"):
+        mirror_corrections(arrivals, ENDPOINTS, EngineConfig())
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(0.0, "a", [1]))
+    assert main([str(path), "--mirror"]) == 2  # an old trace: says why, exits 2
+
+
+def test_a_mirrored_pick_sees_metrics_as_stale_or_fresh_as_the_recorded_pick_did() -> None:
+    now = 10.0
+    registry = Registry(clock=lambda: now)
+    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    states = registry.states("m1")
+    for s in states:
+        registry.record_scrape("m1", s.id, EngineMetrics(waiting=0.0, running=2.0, kv_usage=0.1))
+    states[3].scraped_at = now - 60  # the simulated scrape of the last went stale
+    fix = correction(
+        {e: None if e == ENDPOINTS[0] else (4.0, 2.0, 0.5, 0.0) for e in ENDPOINTS},
+        None,
+        {e: None if e == ENDPOINTS[3] else (0.0, 2.0, 0.1, 0.0) for e in ENDPOINTS},
+        (None, None, None, None),
+    )
+    undo = apply(fix, states, [sc for sc, _ in scheduler.routers["m1"].scorers])
+    seen = fresh_metrics_of(states, now, registry.staleness)
+    assert seen[states[0]] is None  # stale as recorded
+    shifted = seen[states[1]]
+    assert shifted is not None and shifted.waiting == 4.0  # plus the recorded residual
+    assert shifted.kv_usage == pytest.approx(0.5)
+    assert seen[states[3]] is not None  # fresh as recorded
+    undo()
+    seen = fresh_metrics_of(states, now, registry.staleness)
+    restored = seen[states[1]]
+    assert seen[states[0]] is not None and restored is not None and restored.waiting == 0.0
+    assert seen[states[3]] is None

@@ -228,3 +228,29 @@ async def test_a_buffered_line_reaches_the_file_within_a_second_even_when_traffi
         await eventually(lambda: path.read_bytes().count(b"\n") == 2, timeout=3.0)
     finally:
         file.close()
+
+
+def test_a_trace_line_carries_the_latency_terms_and_the_fleet_speed_the_router_measured(
+    tmp_path: Path, tracing: Callable[[Config, str], Hooks]
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    cfg = config(["10.0.0.1:8000", "10.0.0.2:8000"], path=str(path))
+    scheduler = Scheduler(cfg, seed=1)
+    for state in scheduler.registry.states("m1"):  # as if engines published 200 us, 8 ms
+        state.calibration.prefill.add(0.02, 100.0)
+        state.calibration.step.add(0.08, 10.0)
+    hooks = tracing(cfg, "test")
+    run_lifecycle(Gateway(scheduler), hooks, 0)
+    close_trace(hooks)
+    (record,) = lines(path)
+    decision = record["decision"]
+    assert set(decision["terms"]) == set(decision["totals"])  # [queue, prefill, step] ms
+    chosen = decision["terms"][decision["endpoint"]]
+    assert chosen[1] == pytest.approx(0.2 * decision["prefill_tokens"], rel=1e-3)
+    assert record["fleet"]["prefill_us_per_token"] == pytest.approx(200.0)
+    assert record["fleet"]["step_ms"] == pytest.approx(8.0)
+    # What the pick saw, taken at dispatch: its time, the engines (never scraped here:
+    # stale, null), and the costs the latency scorer used for it.
+    assert record["t"] <= record["t_pick"] <= record["t"] + record["outcome"]["duration_ms"] / 1e3
+    assert record["engines"] == dict.fromkeys(decision["totals"])
+    assert record["costs"]["prefill_us_per_token"] == pytest.approx(200.0)

@@ -1,0 +1,136 @@
+"""`llmgw replay --mirror`: the recorded run's host noise on top of the simulated engines.
+
+The simulated engines reproduce the load routing causes, not what the host added: the
+demo's live engines, starved of CPU, queued and slowed unevenly in ways the engine model
+does not. A first pass sends every request where the recorded run sent it (held for its
+recorded duration) and notes, at each pick, how the simulated engines' view differs from
+the one the trace recorded (`engines`), and the fleet's simulated speed. The replays then
+see their own simulated view plus that difference, and the latency costs the recorded
+pick used, scaled by how the simulated speed moved since: replaying the recorded strategy
+gives its router the recorded inputs again (`replay_sim.RecordedTies` repeats exact-tie
+draws), and another strategy's extra load still shows, as the engines simulate it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from llmgw.calibration import Costs, pooled
+from llmgw.registry import EndpointState, Registry, fresh_metrics_of
+from llmgw.scheduling.interfaces import PickContext
+from llmgw.scheduling.scorers import LatencyScorer
+
+View = Mapping[str, tuple[float, ...] | None]  # endpoint -> (waiting, running, kv, released)
+Speed = tuple[float | None, ...]  # per_token s, step s, tokens per prefill, service s
+
+
+@dataclass(frozen=True, slots=True)
+class Correction:
+    """At one pick: (recorded - simulated) engine view per endpoint; the latency costs the
+    recorded pick used, and the simulated fleet's speed then (to scale them by)."""
+
+    engines: Mapping[str, tuple[float, float, float, float]]
+    costs: Speed | None
+    speed: Speed
+    stale: frozenset[str] = frozenset()  # the recorded pick had no fresh metrics there
+    fresh: frozenset[str] = frozenset()  # it had; the simulated ones had gone stale
+
+
+def view_of(registry: Registry, model: str) -> tuple[View, Speed]:
+    """The engine view a pick sees now (the trace's `engines` and `fleet`, in seconds)."""
+    states = registry.states(model)
+    fresh = fresh_metrics_of(states, registry.clock(), registry.staleness)
+    engines: dict[str, tuple[float, ...] | None] = {}
+    for s in states:
+        m = fresh[s]
+        engines[s.id] = (
+            None if m is None else (m.waiting, m.running, m.kv_usage, s.released_since_scrape)
+        )
+    return engines, _speed(states)
+
+
+def _speed(states: Sequence[EndpointState]) -> Speed:
+    c = pooled(s.calibration for s in states)
+    return (c.per_token, c.step, c.tokens_per_prefill, c.service)
+
+
+def correction(recorded: View, costs: Speed | None, simulated: View, speed: Speed) -> Correction:
+    engines: dict[str, tuple[float, float, float, float]] = {}
+    stale, fresh = set(), set()
+    for endpoint, seen in recorded.items():
+        mine = simulated.get(endpoint)
+        if seen is not None and mine is not None:
+            w, r, k, x = (a - b for a, b in zip(seen, mine, strict=True))
+            engines[endpoint] = (w, r, k, x)
+        elif seen is None and mine is not None:
+            stale.add(endpoint)
+        elif seen is not None and endpoint in simulated:
+            fresh.add(endpoint)
+    return Correction(engines, costs, speed, frozenset(stale), frozenset(fresh))
+
+
+def apply(
+    fix: Correction, states: Sequence[EndpointState], scorers: Sequence[object]
+) -> Callable[[], None]:
+    """Shift the states' engine view by `fix`, and give latency scorers the recorded costs
+    scaled by how the simulated fleet's speed moved since the first pass, for one pick;
+    returns the undo."""
+    undo: list[Callable[[], None]] = []
+    for s in states:
+        if s.id in fix.stale or (s.id in fix.fresh and s.metrics is not None):
+            undo.append(_restore_metrics(s))  # as stale or as fresh as the recorded pick saw
+            s.scraped_at = float("-inf") if s.id in fix.stale else float("inf")
+            continue
+        d = fix.engines.get(s.id)
+        m = s.metrics
+        if d is not None and m is not None:
+            undo.append(_restore_metrics(s))
+            s.metrics = replace(
+                m,
+                waiting=max(0.0, m.waiting + d[0]),
+                running=max(0.0, m.running + d[1]),
+                kv_usage=min(1.0, max(0.0, m.kv_usage + d[2])),
+            )
+            s.released_since_scrape = max(0, s.released_since_scrape + round(d[3]))
+    if fix.costs is not None:
+        now = _speed(states)
+        wanted = Costs(
+            *[
+                None if rec is None else rec * (a / b if a and b else 1.0)
+                for rec, a, b in zip(fix.costs, now, fix.speed, strict=True)
+            ]
+        )
+        for scorer in scorers:
+            if isinstance(scorer, LatencyScorer):
+                undo.append(_use_costs(scorer, wanted))
+
+    def undo_all() -> None:
+        for step_back in reversed(undo):
+            step_back()
+
+    return undo_all
+
+
+def _use_costs(scorer: LatencyScorer, costs: Costs) -> Callable[[], None]:
+    own = scorer.costs
+
+    def recorded(ctx: PickContext) -> Costs:
+        own(ctx)  # its side effects (KV capacities), not its answer
+        return costs
+
+    scorer.costs = recorded  # type: ignore[method-assign]
+
+    def restore() -> None:
+        del scorer.costs
+
+    return restore
+
+
+def _restore_metrics(s: EndpointState) -> Callable[[], None]:
+    metrics, released, scraped_at = s.metrics, s.released_since_scrape, s.scraped_at
+
+    def restore() -> None:
+        s.metrics, s.released_since_scrape, s.scraped_at = metrics, released, scraped_at
+
+    return restore
