@@ -8,6 +8,7 @@ it, bounded in entries, so memory stays flat however many sessions pass.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
 import mmh3
 
@@ -41,22 +42,31 @@ class PrefixIndex:
             out.append(prev)
         return out
 
-    def match(self, hashes: list[int]) -> dict[str, int]:
-        """Endpoint id -> number of leading blocks it holds (only endpoints holding >= 1)."""
+    def match(self, hashes: list[int], deeper_than: int = 0) -> dict[str, int]:
+        """Endpoint id -> number of leading blocks it holds (only endpoints holding more than
+        `deeper_than`, which are all that hold one by default)."""
+        owners_of = self._owners
+        alive = owners_of.get(hashes[0]) if hashes else None
+        if not alive:
+            return {}
         matched: dict[str, int] = {}
-        if not hashes:
-            return matched
-        alive = set(self._owners.get(hashes[0], ()))
-        for depth, h in enumerate(hashes):
-            if depth:
-                owners = self._owners.get(h)
-                if not owners:
-                    break
-                alive &= owners
-            if not alive:
+        # Each endpoint is written once, at the depth where its run ends: a system prompt
+        # all of 256 endpoints hold used to be rewritten at every one of its blocks.
+        depth = 1
+        for h in islice(hashes, 1, None):
+            owners = owners_of.get(h)
+            if not owners:
                 break
-            for eid in alive:
-                matched[eid] = depth + 1
+            still = alive & owners
+            if len(still) != len(alive):
+                if depth > deeper_than:
+                    matched.update(dict.fromkeys(alive - still, depth))
+                if not still:
+                    return matched
+                alive = still
+            depth += 1
+        if depth > deeper_than:
+            matched.update(dict.fromkeys(alive, depth))
         return matched
 
     def shared_depth(self, hashes: list[int], min_sharers: int) -> int:

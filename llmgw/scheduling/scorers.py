@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import overload
 
 from llmgw.calibration import Costs, pooled
 from llmgw.registry import EndpointState
@@ -200,6 +202,41 @@ def softmax_weights(scores: list[float], temperature: float) -> list[float]:
     return [math.exp((s - top) / temperature) for s in scores]
 
 
+class TermRows(Sequence[tuple[float, float, float, float]]):
+    """The latency scorer's (ttft, queue, prefill, step) seconds per candidate, as rows
+    built when read: most Decisions are never explained, and a tuple per endpoint per pick
+    was ~8 % of the scorer's time at 256 endpoints."""
+
+    __slots__ = ("_prefill", "_queue", "_step")
+
+    def __init__(self, queue: list[float], prefill: list[float], step: list[float]) -> None:
+        self._queue, self._prefill, self._step = queue, prefill, step
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[float, float, float, float]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[float, float, float, float]]: ...
+
+    def __getitem__(
+        self, i: int | slice
+    ) -> tuple[float, float, float, float] | list[tuple[float, float, float, float]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        queue, prefill, step = self._queue[i], self._prefill[i], self._step[i]
+        return (queue + prefill + step, queue, prefill, step)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable lists inside, like a list
+
+
 class LatencyScorer:
     """Predicted time to first token on each endpoint, in seconds; the fastest scores 1.
 
@@ -275,7 +312,9 @@ class LatencyScorer:
         self._costs = Costs(self.prefill_s, self.step_s, None, None)
         self._candidates: list[EndpointState] = []
         self._uncached: list[int] = []
-        self._terms: list[tuple[float, float, float, float]] = []
+        self._terms = TermRows([], [], [])
+        self._positions_of: list[EndpointState] | None = None
+        self._position: dict[str, int] = {}
 
     def costs(self, ctx: PickContext) -> Costs:
         """The model's costs: its endpoints' calibration (`pooled`, refreshed at most every
@@ -301,31 +340,53 @@ class LatencyScorer:
         self._costs_at, self._costs = ctx.now, costs
         return costs
 
+    def _positions(self, candidates: list[EndpointState]) -> dict[str, int]:
+        """Endpoint id -> index in `candidates`; kept while the same list comes back (the
+        registry's list, whenever no filter dropped anything: nearly every pick)."""
+        if candidates is not self._positions_of:
+            self._positions_of = candidates
+            self._position = {s.id: i for i, s in enumerate(candidates)}
+        return self._position
+
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         request = ctx.request
         if request is not self._request:
             self._request = request
             self._hashes = self.index.hashes(request.prompt)
         hashes = self._hashes
-        matched = self.index.match(hashes) if hashes else {}
-        get_matched = matched.get
         tokens = request.prompt_tokens if request.prompt_tokens > 0 else 1
         block = self.block_tokens
         # A prefix many sessions share (a system prompt) ends up cached wherever sessions
         # go: its one-time prefill is amortised, so it must not pin new sessions to the
         # replicas that saw it first (they would herd there). Only what is this session's
         # own (its history) counts as a reason to stay.
-        shared = (
-            self.index.shared_depth(hashes, self.shared_sessions) * block
+        shared_blocks = (
+            self.index.shared_depth(hashes, self.shared_sessions)
             if hashes and request.session_key is not None
             else 0
         )
+        shared = shared_blocks * block
+        # Only endpoints holding more than the shared prefix differ from the rest (a
+        # session's home: one or two of 256). Read before `costs`, which may trim the index.
+        deeper = self.index.match(hashes, deeper_than=shared_blocks) if hashes else None
         now = ctx.now
-        fresh = ctx.fresh
+        staleness = ctx.staleness
         costs_now = self.costs(ctx)
         per_token = costs_now.per_token or self.prefill_s
         step0 = costs_now.step or self.step_s
         typical, service = costs_now.tokens_per_prefill, costs_now.service
+        # Uncached tokens per candidate: the shared prefix counts as cached everywhere.
+        n = len(candidates)
+        uncached_tokens = [tokens - shared if shared < tokens else 1] * n
+        prefills = [per_token * uncached_tokens[0]] * n if n else []
+        if deeper:
+            position = self._positions(candidates).get
+            for eid, depth in deeper.items():
+                i = position(eid)
+                if i is not None:
+                    hit = depth * block
+                    uncached_tokens[i] = uncached = tokens - hit if hit < tokens else 1
+                    prefills[i] = per_token * uncached
         # The engine's waiting requests: each a typical prefill (this one, if none known);
         # when its KV cache is full they wait for running requests to end instead.
         per_waiting = per_token * (typical or tokens)
@@ -337,15 +398,15 @@ class LatencyScorer:
         work_weight = self.work_weight
         if self.queue_weighting and per_waiting > 0:
             work_weight += self._mean_queue / per_waiting
-        # (ttft, queue, prefill, step) seconds per candidate; this loop runs per endpoint per
-        # pick, so it avoids calls (no max(), no properties) and appends once.
-        terms: list[tuple[float, float, float, float]] = []
-        append = terms.append
+        # This loop runs per endpoint per pick: no calls (no max(), no properties, no
+        # `ctx.fresh` dict), three appends, and the term rows are built only when read.
+        queues: list[float] = []
+        append_queue = queues.append
+        steps: list[float] = []
+        append_step = steps.append
         costs: list[float] = []
         append_cost = costs.append
-        uncached_tokens: list[int] = []
-        append_uncached = uncached_tokens.append
-        for s in candidates:
+        for s, prefill in zip(candidates, prefills, strict=True):
             load: float = s.inflight
             if s.reports_first_token:  # the edge sees first tokens: exact pending work
                 queue = s.pending_prefill * per_token
@@ -353,8 +414,9 @@ class LatencyScorer:
                 queue = s.busy_until - now
                 if queue < 0:
                     queue = 0.0
-            m = fresh[s]
-            if m is not None:
+            m = s.metrics
+            # Fresh metrics only: the rule of `registry.fresh_metrics_of`, inline.
+            if m is not None and s.scrape_error is None and now - s.scraped_at <= staleness:
                 engine_load = m.waiting + m.running - s.released_since_scrape
                 if engine_load > load:  # noqa: PLR1730 (no call per endpoint)
                     load = engine_load
@@ -371,25 +433,21 @@ class LatencyScorer:
                             engine_queue = m.waiting * freed
                     if engine_queue > queue:  # noqa: PLR1730
                         queue = engine_queue
-            hit = get_matched(s.id, 0) * block
-            if hit < shared:  # noqa: PLR1730
-                hit = shared
-            uncached = tokens - hit if hit < tokens else 1
-            append_uncached(uncached)
-            prefill = per_token * uncached
             step = step0 + factor * load
-            ttft = queue + prefill + step
-            append((ttft, queue, prefill, step))
-            append_cost(ttft + work_weight * prefill)
+            append_queue(queue)
+            append_step(step)
+            # ttft + work_weight x prefill, where ttft = queue + prefill + step.
+            append_cost(queue + prefill + step + work_weight * prefill)
         self._candidates = candidates
         self._uncached = uncached_tokens
-        self._terms = terms  # a new list each pick: the Decision keeps the old one
-        self._mean_queue = sum([t[1] for t in terms]) / len(terms) if terms else 0.0
+        # New lists each pick: the Decision keeps the old ones.
+        self._terms = TermRows(queues, prefills, steps)
+        self._mean_queue = sum(queues) / n if n else 0.0
         smoothing = self.smoothing
         low = min(costs) + smoothing if costs else 0.0
         return [low / (c + smoothing) for c in costs]
 
-    def term_rows(self) -> list[tuple[float, float, float, float]]:
+    def term_rows(self) -> TermRows:
         return self._terms
 
     def terms(self) -> dict[str, tuple[float, ...]]:
@@ -400,9 +458,8 @@ class LatencyScorer:
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
         if self._hashes:
             self.index.insert(chosen.id, self._hashes, ctx.request.session_key)
-        try:
-            i = self._candidates.index(chosen)
-        except ValueError:
+        i = self._positions(self._candidates).get(chosen.id)
+        if i is None or self._candidates[i] is not chosen:
             return
         now = ctx.now
         ttft, _, prefill, _ = self._terms[i]
