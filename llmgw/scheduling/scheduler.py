@@ -225,14 +225,16 @@ class Scheduler:
             if router.mode in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
                 raise ModelNotReady(f"model {request.model!r} has no ready replica yet")
             raise NoHealthyEndpoint(f"model {request.model!r} has no endpoints")
+        registry = self.registry
+        # Positional: keywords cost a lookup each (this runs per pick).
         ctx = PickContext(
-            request=request,
-            spec=router.spec,
-            now=self.registry.clock(),
-            staleness=self.registry.staleness,
-            ring=router.ring_for(states),
-            all_states=states,
-            rng=rng,
+            request,
+            router.spec,
+            registry.clock(),
+            registry.staleness,
+            router.ring_for(states),
+            states,
+            rng,
         )
         candidates = states
         drops: list[tuple[str, int]] = []

@@ -31,6 +31,24 @@ def _smoothing(value: float) -> float:
     return value
 
 
+class Positions:
+    """Endpoint id -> index in a candidate list, kept while the same list object comes back
+    (the registry's, whenever no filter dropped anything: nearly every pick), so a scorer
+    that touches a few endpoints (a ring's three, a session's home) skips the others."""
+
+    __slots__ = ("_of", "_positions")
+
+    def __init__(self) -> None:
+        self._of: list[EndpointState] | None = None
+        self._positions: dict[str, int] = {}
+
+    def __call__(self, candidates: list[EndpointState]) -> dict[str, int]:
+        if candidates is not self._of:
+            self._of = candidates
+            self._positions = {s.id: i for i, s in enumerate(candidates)}
+        return self._positions
+
+
 class QueueScorer:
     """Fewer waiting requests is better (engine metric; local inflight when stale)."""
 
@@ -144,6 +162,7 @@ class SessionScorer:
             raise ValueError(f"bounded_load must be 0 (off) or >= 1.0, got {bounded_load!r}")
         self.bounded_load = bounded_load
         self.abstain_without_session = abstain_without_session
+        self._positions = Positions()
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         if self.abstain_without_session and ctx.request.session_key is None:
@@ -155,9 +174,15 @@ class SessionScorer:
             ring_order = ctx.ring.bounded_candidates(key, loads, c)
         else:
             ring_order = ctx.ring.candidates(key)
-        step = 1.0 / (len(ring_order) + 1) if ring_order else 0.0
-        rank = {rid: 1.0 - i * step for i, rid in enumerate(ring_order)}
-        return [rank.get(s.id, 0.0) for s in candidates]
+        out = [0.0] * len(candidates)
+        if ring_order:
+            step = 1.0 / (len(ring_order) + 1)
+            position = self._positions(candidates).get
+            for i, rid in enumerate(ring_order):
+                j = position(rid)
+                if j is not None:
+                    out[j] = 1.0 - i * step
+        return out
 
 
 class PrefixScorer:
@@ -313,8 +338,7 @@ class LatencyScorer:
         self._candidates: list[EndpointState] = []
         self._uncached: list[int] = []
         self._terms = TermRows([], [], [])
-        self._positions_of: list[EndpointState] | None = None
-        self._position: dict[str, int] = {}
+        self._positions = Positions()
 
     def costs(self, ctx: PickContext) -> Costs:
         """The model's costs: its endpoints' calibration (`pooled`, refreshed at most every
@@ -339,14 +363,6 @@ class LatencyScorer:
             )
         self._costs_at, self._costs = ctx.now, costs
         return costs
-
-    def _positions(self, candidates: list[EndpointState]) -> dict[str, int]:
-        """Endpoint id -> index in `candidates`; kept while the same list comes back (the
-        registry's list, whenever no filter dropped anything: nearly every pick)."""
-        if candidates is not self._positions_of:
-            self._positions_of = candidates
-            self._position = {s.id: i for i, s in enumerate(candidates)}
-        return self._position
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         request = ctx.request
