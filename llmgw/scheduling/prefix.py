@@ -60,8 +60,8 @@ class PrefixIndex:
             owners = owners_of.get(h)
             if not owners:
                 break
-            still = alive & owners
-            if len(still) != len(alive):
+            if not alive <= owners:  # a subset test allocates nothing (a shared prompt)
+                still = alive & owners
                 if depth > deeper_than:
                     matched.update(dict.fromkeys(alive - still, depth))
                 if not still:
