@@ -22,7 +22,9 @@ RING_SEED = 0xF9B4CA77
 
 
 def ring_position(key: str) -> int:
-    return int(mmh3.hash64(key.encode(), seed=RING_SEED, signed=False)[0])
+    # Positional arguments (key, seed, x64arch, signed): keywords cost ~10 % of the call.
+    position: int = mmh3.hash64(key.encode(), RING_SEED, True, False)[0]
+    return position
 
 
 class HashRing:

@@ -273,8 +273,10 @@ class Scheduler:
             else:
                 columns.append(ScorerColumn(scorer.name, weight, tuple(raw)))
             if weight:  # C-level maps: this runs per endpoint per scorer on every pick
-                weighted = map(mul, repeat(weight, n), raw)
-                totals = list(map(add, totals or repeat(0.0, n), weighted))
+                # 1.0 * x is x, and the first column needs no sum (x rather than 0.0 + x:
+                # equal under ==, -0.0 would stay -0.0), so one pass less per pick.
+                weighted = raw if weight == 1.0 else map(mul, repeat(weight, n), raw)
+                totals = list(weighted) if totals is None else list(map(add, totals, weighted))
         if totals is None:
             totals = [0.0] * n
 
