@@ -30,7 +30,16 @@ from llmgw.scheduling.interfaces import (
 )
 from llmgw.scheduling.plugins import make_filter, make_picker, make_scorer
 from llmgw.scheduling.strategies import resolve
-from llmgw.types import Decision, Endpoint, Outcome, Rationale, RequestInfo, ScorerColumn
+from llmgw.types import (
+    Decision,
+    Endpoint,
+    Outcome,
+    RequestInfo,
+    ScorerColumn,
+    new_decision,
+    new_rationale,
+    new_scorer_column,
+)
 
 
 class ModelRouter:
@@ -266,12 +275,12 @@ class Scheduler:
             explainer = router.explainers.get(id(scorer)) if router.explainers else None
             if explainer is not None:
                 columns.append(
-                    ScorerColumn(
+                    new_scorer_column(
                         scorer.name, weight, tuple(raw), explainer.term_names, explainer.term_rows()
                     )
                 )
             else:
-                columns.append(ScorerColumn(scorer.name, weight, tuple(raw)))
+                columns.append(new_scorer_column(scorer.name, weight, tuple(raw), (), ()))
             if weight:  # C-level maps: this runs per endpoint per scorer on every pick
                 # 1.0 * x is x, and the first column needs no sum (x rather than 0.0 + x:
                 # equal under ==, -0.0 would stay -0.0), so one pass less per pick.
@@ -286,8 +295,7 @@ class Scheduler:
         if dropped is None:
             for observer in router.observers:
                 observer.observe(ctx, chosen)
-        # Positional arguments: a frozen dataclass is cheaper to build that way (per pick).
-        rationale = Rationale(
+        why = new_rationale(
             router.strategy_name,
             router.picker.name,
             router.ids_of(candidates),
@@ -297,11 +305,11 @@ class Scheduler:
             len(states),
         )
         prediction = ctx.prediction
-        return Decision(
+        return new_decision(
             request.model,
             chosen.endpoint,
             tuple([candidates[i].endpoint for i in order[1:]]),
-            rationale,
+            why,
             *(prediction or (None, None, None)),
         )
 
