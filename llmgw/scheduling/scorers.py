@@ -433,20 +433,21 @@ class LatencyScorer:
             m = s.metrics
             # Fresh metrics only: the rule of `registry.fresh_metrics_of`, inline.
             if m is not None and s.scrape_error is None and now - s.scraped_at <= staleness:
-                engine_load = m.waiting + m.running - s.released_since_scrape
+                waiting, running = m.waiting, m.running
+                engine_load = waiting + running - s.released_since_scrape
                 if engine_load > load:  # noqa: PLR1730 (no call per endpoint)
                     load = engine_load
-                if m.waiting >= 1:  # others' work too (other routers, direct clients)
-                    engine_queue = m.waiting * per_waiting
+                if waiting >= 1:  # others' work too (other routers, direct clients)
+                    engine_queue = waiting * per_waiting
                     if service is not None and (
-                        m.kv_usage >= kv_full or m.running >= s.peak_running
+                        m.kv_usage >= kv_full or running >= s.peak_running
                     ):
                         # Admission waits for memory or a batch slot (as many running as
                         # ever seen): one running request ends every service / running
                         # seconds, on average, and admits the next.
-                        freed = service / (m.running if m.running >= 1 else 1)
+                        freed = service / (running if running >= 1 else 1)
                         if freed > per_waiting:
-                            engine_queue = m.waiting * freed
+                            engine_queue = waiting * freed
                     if engine_queue > queue:  # noqa: PLR1730
                         queue = engine_queue
             step = step0 + factor * load
