@@ -304,13 +304,15 @@ class Scheduler:
             tuple(drops),
             len(states),
         )
-        prediction = ctx.prediction
+        ready_at, ttft, tokens = ctx.prediction or (None, None, None)
         return new_decision(
             request.model,
             chosen.endpoint,
             tuple([candidates[i].endpoint for i in order[1:]]),
             why,
-            *(prediction or (None, None, None)),
+            ready_at,
+            ttft,
+            tokens,
         )
 
     def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> Lease:

@@ -384,7 +384,7 @@ class LatencyScorer:
         shared = shared_blocks * block
         # Only endpoints holding more than the shared prefix differ from the rest (a
         # session's home: one or two of 256). Read before `costs`, which may trim the index.
-        deeper = self.index.match(hashes, deeper_than=shared_blocks) if hashes else None
+        deeper = self.index.match(hashes, shared_blocks) if hashes else None
         now = ctx.now
         staleness = ctx.staleness
         costs_now = self.costs(ctx)
@@ -439,9 +439,7 @@ class LatencyScorer:
                     load = engine_load
                 if waiting >= 1:  # others' work too (other routers, direct clients)
                     engine_queue = waiting * per_waiting
-                    if service is not None and (
-                        m.kv_usage >= kv_full or running >= s.peak_running
-                    ):
+                    if service is not None and (m.kv_usage >= kv_full or running >= s.peak_running):
                         # Admission waits for memory or a batch slot (as many running as
                         # ever seen): one running request ends every service / running
                         # seconds, on average, and admits the next.

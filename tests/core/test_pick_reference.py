@@ -8,6 +8,9 @@ import json
 
 import pytest
 
+from llmgw.hashring import HashRing, ring_position
+from llmgw.scheduling.prefix import PrefixIndex
+
 from . import pick_scenario
 
 
@@ -22,3 +25,20 @@ def test_latency_preset_makes_the_frozen_reference_decisions(
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         # The first pick that differs, with both records: the later ones follow from it.
         assert g == e, f"pick {i} changed: got {g}, reference {e}"
+
+
+def test_prefix_and_ring_hashes_keep_their_values() -> None:
+    # Traces record both (block hashes, session ring positions), and a rotation of every
+    # ring position (signed instead of unsigned) would leave every decision unchanged: so
+    # the values themselves are pinned, as the code before the speed-ups computed them.
+    text = "".join(chr(33 + (i * 7) % 90) for i in range(700)) + "é" * 200
+    assert PrefixIndex(block_chars=256).hashes(text) == [
+        -2703057965073965199,
+        5260840908211505115,
+        8774221177607816528,
+        3206664643824942011,
+    ]
+    assert ring_position("session-42") == 10838242494130830437
+    ring = HashRing([f"10.0.0.{i}:8000" for i in range(1, 9)])
+    assert ring.candidates("session-42") == ["10.0.0.7:8000", "10.0.0.4:8000", "10.0.0.5:8000"]
+    assert ring.candidates("session-42") == ring.candidates("session-42")  # (cached walk)
