@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from itertools import islice
 
-import mmh3
+from llmgw.scheduling.blockhash import BlockHasher
 
 
 class PrefixIndex:
@@ -22,6 +22,7 @@ class PrefixIndex:
         self.block_chars = block_chars
         self.max_blocks = max_blocks
         self.capacity = capacity
+        self._hasher = BlockHasher(block_chars, max_blocks)
         self._owners: dict[int, set[str]] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
         # Per block: how many times the key using it changed (a count of distinct sessions
@@ -32,18 +33,7 @@ class PrefixIndex:
 
     def hashes(self, prompt: str) -> list[int]:
         """Chained hashes of the prompt's full blocks (a partial tail block is not cached)."""
-        data = prompt.encode("utf-8", "surrogatepass")
-        size = self.block_chars
-        n = min(len(data) // size, self.max_blocks)
-        out: list[int] = []
-        append = out.append
-        hash64 = mmh3.hash64
-        prev = 0
-        for start in range(0, n * size, size):
-            # The seed positionally: a keyword costs ~10 % of the call.
-            prev = hash64(data[start : start + size], prev & 0xFFFFFFFF)[0]
-            append(prev)
-        return out
+        return self._hasher.hashes(prompt)
 
     def match(self, hashes: list[int], deeper_than: int = 0) -> dict[str, int]:
         """Endpoint id -> number of leading blocks it holds (only endpoints holding more than
