@@ -34,9 +34,11 @@ def _smoothing(value: float) -> float:
 
 
 class Positions:
-    """Endpoint id -> index in a candidate list, kept while the same list object comes back
-    (the registry's, whenever no filter dropped anything: nearly every pick), so a scorer
-    that touches a few endpoints (a ring's three, a session's home) skips the others."""
+    """Endpoint id -> index in a candidate list, so a scorer that touches a few endpoints
+    (a ring's three, a session's home) skips the others. Kept while the pick's own endpoint
+    list comes back (`ctx.all_states`: the registry's, replaced, never changed in place,
+    whenever no filter dropped anything: nearly every pick); any other list is indexed
+    afresh, since a plugin could refill one list object between picks."""
 
     __slots__ = ("_of", "_positions")
 
@@ -44,11 +46,13 @@ class Positions:
         self._of: list[EndpointState] | None = None
         self._positions: dict[str, int] = {}
 
-    def __call__(self, candidates: list[EndpointState]) -> dict[str, int]:
-        if candidates is not self._of:
-            self._of = candidates
-            self._positions = {s.id: i for i, s in enumerate(candidates)}
-        return self._positions
+    def __call__(self, ctx: PickContext, candidates: list[EndpointState]) -> dict[str, int]:
+        if candidates is self._of:
+            return self._positions
+        positions = {s.id: i for i, s in enumerate(candidates)}
+        if candidates is ctx.all_states:
+            self._of, self._positions = candidates, positions
+        return positions
 
 
 class QueueScorer:
@@ -179,7 +183,7 @@ class SessionScorer:
         out = [0.0] * len(candidates)
         if ring_order:
             step = 1.0 / (len(ring_order) + 1)
-            position = self._positions(candidates).get
+            position = self._positions(ctx, candidates).get
             for i, rid in enumerate(ring_order):
                 j = position(rid)
                 if j is not None:
@@ -398,7 +402,7 @@ class LatencyScorer:
         uncached_tokens = [tokens - shared if shared < tokens else 1] * n
         prefills = [per_token * uncached_tokens[0]] * n if n else []
         if deeper:
-            position = self._positions(candidates).get
+            position = self._positions(ctx, candidates).get
             for eid, depth in deeper.items():
                 i = position(eid)
                 if i is not None:
@@ -477,7 +481,7 @@ class LatencyScorer:
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
         if self._hashes:
             self.index.insert(chosen.id, self._hashes, ctx.request.session_key)
-        i = self._positions(self._candidates).get(chosen.id)
+        i = self._positions(ctx, self._candidates).get(chosen.id)
         if i is None or self._candidates[i] is not chosen:
             return
         now = ctx.now
