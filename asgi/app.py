@@ -2,9 +2,10 @@
 
 Routes: `POST /v1/...` inference paths (and any request with the model header) go through
 `SchedulerMiddleware` and are forwarded by `llmgw.asgi.forwarder.Forwarder` to the chosen
-endpoint; `GET /v1/models` lists the configured models; `/healthz` and `/readyz` mean what
-they mean on the Envoy edge (`llmgw.runtime.health`); `/metrics` (the shared `Telemetry`
-series, the same names as the ext_proc server).
+endpoint; `GET /v1/models` (and `/v1/models/{id}`) lists the configured models;
+`/healthz` (also `/health`), `/readyz` and `/models/status` mean what they mean on the Envoy
+edge (`llmgw.runtime.health`); `/metrics` (the shared `Telemetry` series, the same names as
+the ext_proc server).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from collections.abc import Callable
+
+import orjson
 
 from llmgw.asgi.forwarder import Forwarder, pool_limits
 from llmgw.asgi.middleware import SchedulerMiddleware, send_error
 from llmgw.asgi.types import Receive, Scope, Send
 from llmgw.asgi.upstream import UpstreamPool
-from llmgw.catalog import model_list
+from llmgw.catalog import catalog_answer, is_catalog_path
 from llmgw.config import Config
 from llmgw.errors import BadRequest, MethodNotAllowed
 from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
@@ -54,6 +58,7 @@ class ProxyApp:
             self.forwarder, config, router=self.router, telemetry=self.telemetry
         )
         self.started = False
+        self.start_error: Exception | None = None  # why the lifespan startup failed
         self.draining = False  # SIGTERM: /readyz answers 503 before the listener closes
         # With a config file: SIGHUP or a change of the file reloads it (see ConfigWatcher).
         self.watcher: ConfigWatcher | None = (
@@ -100,7 +105,7 @@ class ProxyApp:
         kind = scope["type"]
         if kind == "http":
             path: str = scope["path"]
-            if path.startswith("/v1/") and path != "/v1/models":
+            if path.startswith("/v1/") and not is_catalog_path(path):
                 await self.routed(scope, receive, send)
                 return
             if path == EXPLAIN_PATH:
@@ -111,19 +116,14 @@ class ProxyApp:
             await self._lifespan(receive, send)
 
     async def _fixed(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = {
-            "/v1/models": self._list_models,
-            "/healthz": self._healthz,
-            "/readyz": self._readyz,
-            "/metrics": self._metrics,
-        }.get(path)
+        handler = self._catalog if is_catalog_path(path) else self._routes.get(path)
         if handler is None:
             await self.routed(scope, receive, send)  # routed if it names a model, else 404
             return
         if scope["method"] not in ("GET", "HEAD"):
             await send_error(send, MethodNotAllowed(f"{path} answers GET only"))
             return
-        status, content_type, body = handler()
+        status, content_type, body = handler(path)
         await self._send(send, status, content_type, body)
 
     async def _explain(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -161,17 +161,32 @@ class ProxyApp:
         )
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    def _list_models(self) -> tuple[int, str, bytes]:
-        return 200, "application/json", model_list(self.router.config, self.router.models_status())
+    @property
+    def _routes(self) -> dict[str, Callable[[str], tuple[int, str, bytes]]]:
+        return {
+            "/health": self._healthz,  # vLLM's probe path, as the ext_proc edge answers it
+            "/healthz": self._healthz,
+            "/readyz": self._readyz,
+            "/models/status": self._models_status,
+            "/metrics": self._metrics,
+        }
 
-    def _healthz(self) -> tuple[int, str, bytes]:
+    def _catalog(self, path: str) -> tuple[int, str, bytes]:
+        answer = catalog_answer(self.router.config, path, self.router.models_status())
+        assert answer is not None  # only called for catalog paths
+        return answer[0], "application/json", answer[1]
+
+    def _healthz(self, _path: str) -> tuple[int, str, bytes]:
         return 200, "application/json", HEALTHZ_BODY
 
-    def _readyz(self) -> tuple[int, str, bytes]:
+    def _readyz(self, _path: str) -> tuple[int, str, bytes]:
         ready, body = readiness(self.router, started=self.started, draining=self.draining)
         return (200 if ready else 503), "application/json", body
 
-    def _metrics(self) -> tuple[int, str, bytes]:
+    def _models_status(self, _path: str) -> tuple[int, str, bytes]:
+        return 200, "application/json", orjson.dumps(self.router.models_status())
+
+    def _metrics(self, _path: str) -> tuple[int, str, bytes]:
         body, content_type = self.telemetry.render()
         return 200, content_type, body
 
@@ -182,6 +197,7 @@ class ProxyApp:
                 try:
                     await self.startup()
                 except Exception as exc:  # reported to the server, which exits
+                    self.start_error = exc
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})

@@ -47,7 +47,7 @@ from llmgw.lifecycle import (
 from llmgw.request import BODY_PATHS, check_body_size, needs_body
 from llmgw.runtime.driver import activate
 from llmgw.runtime.router import Router, router_for
-from llmgw.runtime.trace import traced
+from llmgw.runtime.trace import close_trace, traced
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Outcome, outcome_for_status
 
@@ -167,7 +167,7 @@ class SchedulerMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "lifespan" and self._owned_router is not None:
+        if kind == "lifespan":
             await self.app(scope, self._lifespan_receive(receive), send)
             return
         if kind != "http" or not self._routed(scope):
@@ -176,15 +176,18 @@ class SchedulerMiddleware:
         await self._route(scope, receive, send)
 
     def _lifespan_receive(self, receive: Receive) -> Receive:
+        """Start and stop the router this middleware built; at shutdown, close the trace
+        file (its buffered lines would be lost)."""
         router = self._owned_router
-        assert router is not None
 
         async def wrapped() -> Message:
             message = await receive()
-            if message["type"] == "lifespan.startup":
+            if message["type"] == "lifespan.startup" and router is not None:
                 await router.start()
             elif message["type"] == "lifespan.shutdown":
-                await router.stop()
+                if router is not None:
+                    await router.stop()
+                close_trace(self.hooks)
             return message
 
         return wrapped

@@ -20,6 +20,7 @@ from llmgw.asgi.serving import WORKER_ARGS, draining_server, event_loop_and_pars
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
 from llmgw.logs import configure
+from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.trace import shared_trace_problem
 
 
@@ -102,5 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         reload_interval=args.reload_interval,
     )
     server = draining_server(uvicorn.Config(app, **options), app, args.drain_delay)
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits (code 3) when the lifespan startup failed
+        if not isinstance(app.start_error, StartError):
+            raise
+    if isinstance(app.start_error, StartError):  # Kubernetes discovery refused (RBAC)
+        print(f"llmgw proxy: cannot start: {app.start_error}", file=sys.stderr)
+        return 3  # as `llmgw extproc`
     return 0 if server.started else 1

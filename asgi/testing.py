@@ -149,6 +149,27 @@ SSE_HEAD = (
 )
 
 
+def held_stream(release: asyncio.Event, path: str = "/v1/chat/completions") -> Script:
+    """A script that answers `path` with one SSE chunk, then holds the stream open until
+    `release` is set (an in-flight stream on a pod that turns NotReady); 404 elsewhere (the
+    scraper's /metrics)."""
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if request.target != path:
+            writer.write(json_response(404, b"{}"))
+            return
+        writer.write(SSE_HEAD + chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'))
+        await writer.drain()
+        await release.wait()
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    return script
+
+
 def outcome_count(telemetry: Telemetry, endpoint: str, outcome: str) -> float:
     value: float | None = telemetry.registry.get_sample_value(
         "llmgw_outcomes_total", {"model": MODEL, "endpoint": endpoint, "outcome": outcome}

@@ -23,6 +23,11 @@ What is real and what is modelled:
   TTFT = first token - send time (no network, no SSE framing).
 - Reference policies (consistent hash, round robin, least requests, sglang cache_aware)
   are plain functions of router-local state; they see no scrape.
+- KV-cache events (contenders that use them, e.g. `llmgw:latency-exact`): the engines
+  record vLLM's events as they cache and evict blocks; each step's events are encoded
+  as vLLM's wire payload (msgpack `[ts, [events]]`, a sequence number per engine),
+  delivered `kv_event_lag` seconds later and decoded by `llmgw.kvevents`, the
+  subscriber's own decode path, into the registry's exact index.
 """
 
 from __future__ import annotations
@@ -32,15 +37,17 @@ import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import msgpack
 import orjson
 
 from bench.workloads import Workload, percentile
 from llmgw.config import Config, load_dict
 from llmgw.errors import LlmgwError
 from llmgw.hashring import HashRing
+from llmgw.kvevents import decode_batch
 from llmgw.registry import Registry
 from llmgw.request import build_request
 from llmgw.runtime.scraper import Scraper
@@ -54,7 +61,7 @@ from llmgw.sim.model import (
     RequestTooLargeError,
     SeqRequest,
 )
-from llmgw.sim.tokens import block_hashes, chat_prompt, count_tokens
+from llmgw.sim.tokens import block_hashes, chat_prompt, count_tokens, token_ids
 from llmgw.types import Outcome, RequestInfo
 
 MODEL = "m1"
@@ -172,7 +179,12 @@ class Contender(Protocol):
 
 
 class LlmgwContender:
-    """The real Scheduler with a strategy (preset name or strategy dict)."""
+    """The real Scheduler with a strategy (preset name or strategy dict).
+
+    `routers` > 1: that many router replicas (a Scheduler each, own prefix index) behind a
+    plain load balancer that picks one per request at random; they share the Registry
+    (load, scrapes: optimistic for all alike) and, with KV events, the exact index (each
+    router subscribes to the same engines)."""
 
     uses_registry = True
 
@@ -182,9 +194,17 @@ class LlmgwContender:
         strategy: str | dict[str, Any],
         scrape_interval: float = 0.05,
         first_tokens: bool = True,
+        routers: int = 1,
     ) -> None:
         self.name = name
         self.strategy = strategy
+        self.routers = routers
+        self.schedulers: list[Scheduler] = []
+        # A scorer with a tokenizer matches on the engines' KV events: feed them.
+        self.uses_kv_events = isinstance(strategy, dict) and any(
+            isinstance(spec, dict) and (spec.get("params") or {}).get("tokenizer")
+            for spec in strategy.get("scorers", {}).values()
+        )
         self.scrape_interval = scrape_interval
         # False stands for Envoy with `response_body_mode: NONE`: the edge never hears first
         # tokens, so the router drains its own queue estimate with time.
@@ -195,16 +215,21 @@ class LlmgwContender:
     def bind(self, n: int, registry: Registry | None, seed: int) -> None:
         config = router_config(n, self.strategy, self.scrape_interval, seed)
         self.config = config
-        self.scheduler = Scheduler(config, registry, seed=seed)
+        self.schedulers = [Scheduler(config, registry, seed=seed + k) for k in range(self.routers)]
+        self.scheduler = self.schedulers[0]
+        self._balancer = random.Random(seed * 31 + 7)
         self._index = {address(i): i for i in range(n)}
 
     def route(self, p: Prepared) -> tuple[int, Lease | None]:
         assert self.scheduler is not None
+        scheduler = self.scheduler
+        if self.routers > 1:
+            scheduler = self.schedulers[self._balancer.randrange(self.routers)]
         try:
-            decision = self.scheduler.pick(p.info)
+            decision = scheduler.pick(p.info)
         except LlmgwError as exc:
             raise RouteError(f"{exc.status} {exc.code}") from None
-        lease = self.scheduler.acquire(decision)
+        lease = scheduler.acquire(decision)
         return self._index[decision.endpoint.address], lease
 
     def done(self, index: int) -> None:
@@ -355,9 +380,27 @@ REFERENCES: dict[str, Callable[[], Contender]] = {
 }
 
 
+# The latency preset matching exactly on the engines' KV events (the simulator's token ids).
+LATENCY_EXACT: dict[str, Any] = {
+    "name": "latency-exact",
+    "scorers": {
+        "latency": {"weight": 1.0, "params": {"tokenizer": "sim"}},
+        "session": {"weight": 0.05, "params": {"abstain_without_session": True}},
+    },
+    "filters": ["healthy", "model-serves"],
+}
+BUILTIN: dict[str, dict[str, Any]] = {"llmgw:latency-exact": LATENCY_EXACT}
+# Two router replicas behind a random load balancer (`LlmgwContender.routers`).
+TWO_ROUTERS: dict[str, str | dict[str, Any]] = {
+    "llmgw:latency-2routers": "latency",
+    "llmgw:latency-exact-2routers": LATENCY_EXACT,
+}
+
+
 def contender_names() -> list[str]:
-    """Every llmgw preset (as `llmgw:<name>`), then the reference policies."""
-    return [f"llmgw:{name}" for name in PRESETS] + list(REFERENCES)
+    """Every llmgw preset (as `llmgw:<name>`), built-in variants, then the references."""
+    builtin = [*BUILTIN, *TWO_ROUTERS]
+    return [f"llmgw:{name}" for name in PRESETS] + builtin + list(REFERENCES)
 
 
 def make_contender(
@@ -375,6 +418,10 @@ def make_contender(
         raise ValueError(f"{name!r}: only llmgw contenders have an envoy variant")
     if custom and name in custom:
         return LlmgwContender(name, custom[name], scrape_interval)
+    if name in BUILTIN:
+        return LlmgwContender(name, BUILTIN[name], scrape_interval)
+    if name in TWO_ROUTERS:
+        return LlmgwContender(name, TWO_ROUTERS[name], scrape_interval, routers=2)
     if name.startswith("llmgw:") and name[6:] in PRESETS:
         return LlmgwContender(name, name[6:], scrape_interval)
     if name in REFERENCES:
@@ -384,7 +431,7 @@ def make_contender(
 
 # -- the simulation -----------------------------------------------------------------------
 
-_ARRIVAL, _WAKE, _STEP_END, _SCRAPE = 0, 1, 2, 3
+_ARRIVAL, _WAKE, _STEP_END, _SCRAPE, _KV = 0, 1, 2, 3, 4
 
 
 @dataclass
@@ -440,6 +487,7 @@ def simulate(
     seed: int = 1,
     scrape_interval: float = 0.05,
     scrape_jitter: float = 0.1,
+    kv_event_lag: float = 0.002,
     max_events: int = 50_000_000,
 ) -> RunResult:
     """Replay the workload through `contender` onto fresh engines; deterministic."""
@@ -457,7 +505,22 @@ def simulate(
         scraper = Scraper(config, registry)
     targets = scraper.targets() if scraper is not None else {}
 
-    engines = [EngineModel(cfg) for cfg in prepared.engines]
+    kv_events = registry is not None and bool(getattr(contender, "uses_kv_events", False))
+    engines = [
+        EngineModel(replace(cfg, kv_events=True) if kv_events else cfg) for cfg in prepared.engines
+    ]
+    kv_seq = [0] * n
+    kv_wire: dict[int, tuple[int, bytes]] = {}  # event id -> (seq, payload) in flight
+    kv_ids = itertools.count()
+
+    def publish(index: int) -> None:
+        events = engines[index].drain_kv_events()
+        if events:
+            eid = next(kv_ids)
+            kv_wire[eid] = (kv_seq[index], msgpack.packb([now, events]))
+            kv_seq[index] += 1
+            push(now + kv_event_lag, _KV, index, eid)
+
     observations = [ModelObservations() for _ in range(n)]
     pages = [
         make_registry("vllm", [ServedModel(MODEL, engines[i], observations[i])]) for i in range(n)
@@ -520,8 +583,13 @@ def simulate(
                 end_request(a, b)
                 continue
             per_replica[index] += 1
+            seq_request = p.seq
+            if kv_events:  # token ids only while needed (they are large)
+                seq_request = replace(
+                    seq_request, token_ids=token_ids(chat_prompt(p.info.raw_prompt))
+                )
             try:
-                seq = engines[index].submit(p.seq, now)
+                seq = engines[index].submit(seq_request, now)
             except (QueueFullError, RequestTooLargeError) as exc:
                 too_large = isinstance(exc, RequestTooLargeError)
                 if lease is not None:
@@ -537,6 +605,8 @@ def simulate(
         elif kind == _WAKE:
             engine = engines[a]
             push(now + engine.schedule(now), _STEP_END, a)
+            if kv_events:
+                publish(a)
         elif kind == _STEP_END:
             engine = engines[a]
             result = engine.complete(now)
@@ -560,7 +630,14 @@ def simulate(
                 push(now + engine.schedule(now), _STEP_END, a)
             else:
                 stepping[a] = False
-        elif scraper is not None:  # _SCRAPE
+            if kv_events:
+                publish(a)
+        elif kind == _KV:
+            assert registry is not None
+            seq_no, payload = kv_wire.pop(b)
+            batch = decode_batch(seq_no, msgpack.unpackb(payload))
+            registry.kv_index.apply_batch(address(a), batch, now)
+        elif kind == _SCRAPE and scraper is not None:
             addr = address(a)
             scraper.ingest(addr, targets[addr], render(pages[a]).decode())
             scrapes += 1

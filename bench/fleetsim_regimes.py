@@ -30,14 +30,22 @@ sys.path.insert(0, str(HERE.parent))
 from bench._tools import format_table, write_results  # noqa: E402
 from bench.fleetsim import make_contender, prepare, simulate  # noqa: E402
 from bench.fleetsim_grid import _ratios, heat_map, load_strategy_file  # noqa: E402
-from bench.workloads.grid import REGIMES, EngineSpeed, regime_workload  # noqa: E402
+
+# bench/routing.py's engine (its sim_args), imported so the two stay in step.
+from bench.routing import (  # noqa: E402
+    BATCH_FACTOR,
+    BLOCK,
+    DECODE_MS,
+    KV_BLOCKS,
+    MAX_SEQS,
+    PREFILL_US,
+    REPLICAS,
+    engine_speed,
+)
+from bench.workloads.grid import REGIMES, regime_workload  # noqa: E402
 from llmgw.sim.model import EngineConfig  # noqa: E402
 
 RESULTS = HERE / "results"
-REPLICAS = 4
-# bench/routing.py's engine (its sim_args): keep the two in step.
-PREFILL_US, DECODE_MS, BATCH_FACTOR, MAX_SEQS, BLOCK = 60.0, 25.0, 0.03, 8, 16
-KV_BLOCKS = {"low": 4096, "high": 768}
 CONTENDERS = (
     "llmgw:latency",
     "llmgw:latency@envoy",
@@ -64,23 +72,12 @@ def engine(level: str) -> EngineConfig:
     )
 
 
-def speed(level: str) -> EngineSpeed:
-    return EngineSpeed(
-        replicas=REPLICAS,
-        prefill_s_per_token=PREFILL_US / 1e6,
-        decode_step_s=DECODE_MS / 1e3,
-        decode_batch_factor=BATCH_FACTOR,
-        max_num_seqs=MAX_SEQS,
-        kv_tokens_per_replica=KV_BLOCKS[level] * BLOCK,
-    )
-
-
 def run_regime(
     name: str, contenders: list[str], seed: int, custom: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     regime = REGIMES[name]
     level = "high" if regime.pressure > 1 else "low"
-    wl = regime_workload(regime, speed(level), seed=seed)
+    wl = regime_workload(regime, engine_speed(level), seed=seed)
     prepared = prepare(wl, [engine(level)] * REPLICAS)
     runs = []
     for contender_name in contenders:

@@ -1,5 +1,8 @@
 """Scheduler.pick latency per strategy: `latency` (the default), `chat`, and `chat` without
-its prefix scorer.
+its prefix scorer; `latency-exact` is `latency` matching exactly on KV events (every
+endpoint live, holding a few prompts' blocks): tokenizing (the simulator's scheme, or a
+tokenizer.json with `--tokenizer`; every prompt new, so the token cache never hits) and
+the exact lookup on every pick.
 
 Each configuration gets a registry of N endpoints with fresh, varied engine metrics
 (re-scraped every few hundred picks, like a 10 Hz scraper), 1000 sessions and 2 KB
@@ -35,6 +38,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, os.environ.get("PICK_LATENCY_CODE", str(ROOT.parent)))
 
 from llmgw.config import load_dict  # noqa: E402
+from llmgw.kvevents import BlockStored, EventBatch  # noqa: E402
 from llmgw.registry import Registry  # noqa: E402
 from llmgw.scheduling.scheduler import Scheduler  # noqa: E402
 from llmgw.scheduling.strategies import PRESETS  # noqa: E402
@@ -46,16 +50,39 @@ SESSIONS = 1000
 RESCRAPE_EVERY = 200  # picks between two scrapes of every endpoint
 # p50 targets: chat without its prefix scorer (issue 2); the latency default (issue 13).
 TARGETS_US = {"chat-no-prefix": {16: 20.0, 256: 150.0}, "latency": {16: 30.0, 256: 200.0}}
-STRATEGIES = ("chat-no-prefix", "chat", "latency")
+STRATEGIES = ("chat-no-prefix", "chat", "latency", "latency-exact")
+
+
+TOKENIZER = "sim"  # --tokenizer: a tokenizer.json path for latency-exact
 
 
 def strategy(name: str) -> dict[str, Any]:
-    """A preset as it ships; `chat-no-prefix` is `chat` without its prefix scorer."""
-    spec = PRESETS[name.removesuffix("-no-prefix")].model_dump()
+    """A preset as it ships; `chat-no-prefix` is `chat` without its prefix scorer;
+    `latency-exact` is `latency` with a tokenizer (exact matching on KV events)."""
+    spec = PRESETS[name.removesuffix("-no-prefix").removesuffix("-exact")].model_dump()
     if name.endswith("-no-prefix"):
         del spec["scorers"]["prefix"]
+    if name.endswith("-exact"):
+        spec["scorers"]["latency"]["params"]["tokenizer"] = TOKENIZER
     spec["name"] = name
     return dict(spec)
+
+
+def feed_kv(sched: Scheduler, registry: Registry, reqs: list[RequestInfo]) -> None:
+    """Every endpoint live, holding the blocks of a few prompts (16-token blocks)."""
+    router = sched.router("chat")
+    scorer = next(s for s, _ in router.scorers if s.name == "latency")
+    tokenizer = getattr(scorer, "tokenizer", None)
+    if tokenizer is None:
+        return
+    for i, s in enumerate(registry.states("chat")):
+        events = []
+        for k, r in enumerate(reqs[i * 4 : i * 4 + 4]):
+            ids = tokenizer.tokens(r.raw_prompt)
+            blocks = len(ids) // 16
+            events.append(BlockStored(tuple(range(k * 10**6, k * 10**6 + blocks)), None,
+                                      tuple(ids[: blocks * 16]), 16))  # fmt: skip
+        registry.kv_index.apply_batch(s.id, EventBatch(0, 0.0, tuple(events)), 0.0)
 
 
 def build(n: int, name: str, seed: int) -> tuple[Scheduler, Registry]:
@@ -87,13 +114,15 @@ def requests(count: int, rng: random.Random) -> list[RequestInfo]:
     out = []
     for i in range(count):
         user = "".join(rng.choices("klmnopqrst ", k=PROMPT_BYTES - 1536))
+        prompt = rng.choice(systems) + user
         out.append(
             RequestInfo(
                 model="chat",
                 request_id=f"req-{i}",
                 session_key=f"session-{rng.randrange(SESSIONS)}",
-                prompt=rng.choice(systems) + user,
+                prompt=prompt,
                 prompt_tokens=PROMPT_BYTES // 4,
+                raw_prompt=prompt,
             )
         )
     return out
@@ -105,6 +134,7 @@ def measure(n: int, name: str, picks: int, seed: int) -> dict[str, float]:
     reqs = requests(picks, rng)
     warm = requests(500, rng)
     scrape_all(registry, rng)
+    feed_kv(sched, registry, warm)
     for r in warm:
         sched.pick(r)
     samples: list[float] = []
@@ -173,7 +203,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 def _measure_in(code: Path, n: int, name: str, picks: int, seed: int) -> dict[str, float]:
     """One measurement in a fresh process importing `llmgw` from `code`."""
     env = {**os.environ, "PICK_LATENCY_CODE": str(code)}
-    argv = [sys.executable, __file__, "--one", f"{n},{name},{picks},{seed}"]
+    argv = [
+        sys.executable,
+        __file__,
+        "--one",
+        f"{n},{name},{picks},{seed}",
+        "--tokenizer",
+        TOKENIZER,
+    ]
     out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
     result: dict[str, float] = json.loads(out)
     return result
@@ -228,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--baseline", metavar="REV", help="compare with a git revision (A/B)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # N,STRATEGY,PICKS,SEED: a child
+    parser.add_argument("--tokenizer", default="sim", help="for latency-exact: sim or a path")
     args = parser.parse_args(argv)
+    global TOKENIZER  # noqa: PLW0603 (one setting for the whole run)
+    TOKENIZER = args.tokenizer
     names = tuple(args.strategies.split(","))
     if args.one:
         n, name, picks, seed = args.one.split(",")

@@ -194,6 +194,7 @@ def llmgw_config(upstreams: list[str], strategy: str | dict[str, Any] | None) ->
         "scrape": {"interval": 0.05, "timeout": 0.5, "staleness": 1.0},
         "debug_headers": True,
         "seed": 7,
+        "destination_fallbacks": True,  # override-host: Envoy retries down the list
     }
 
 

@@ -73,6 +73,7 @@ def fleet_config(replicas: list[SimProcess]) -> dict[str, Any]:
         "breaker": {"failure_threshold": 2, "base_cooldown": 0.5, "max_cooldown": 2.0},
         "scrape": {"interval": 0.05, "staleness": 1.0},
         "limits": {"upstream_read_timeout": 2.0, "upstream_connect_timeout": 0.5},
+        "destination_fallbacks": True,  # override-host: Envoy retries down the list
     }
 
 

@@ -118,7 +118,8 @@ def server_cpu(trace_path: str | None, requests: list[list[bytes]], tmp: Path) -
     cfg.write_text(json.dumps(config))
     ready.unlink(missing_ok=True)
     argv = [sys.executable, "-m", "llmgw.cli", "extproc", "--config", str(cfg)]
-    argv += ["--host", "127.0.0.1", "--grpc-port", "0", "--health-port", "0"]
+    argv += ["--host", "127.0.0.1", "--grpc-port", "0", "--grpc-health-port", "0"]
+    argv += ["--plaintext", "--health-port", "0"]  # drive() speaks h2c
     argv += ["--metrics-port", "0", "--no-scrape", "--log-level", "warning"]
     argv += ["--ready-file", str(ready), "--reload-interval", "0"]
     proc = subprocess.Popen(argv)

@@ -170,6 +170,12 @@ def build(
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     if body_mode not in BODY_MODES:
         raise ValueError(f"body mode must be one of {', '.join(BODY_MODES)}, got {body_mode!r}")
+    if shape == "original-dst" and config.destination_fallbacks:
+        raise ValueError(
+            "destination_fallbacks: true sends `primary,fallback,...` as the destination, which "
+            "an ORIGINAL_DST cluster cannot parse: set it false for shape original-dst, or use "
+            "shape override-host"
+        )
     addresses = list(dict.fromkeys(e.address for m in config.models.values() for e in m.endpoints))
     if not addresses and shape != "original-dst":
         raise ValueError(
@@ -498,6 +504,14 @@ def main(argv: list[str]) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"llmgw envoy-config: {exc}", file=sys.stderr)
         return 2
+    if args.shape == "override-host" and not config.destination_fallbacks:
+        # Valid, but Envoy's retries then pick any endpoint, not the Decision's fallbacks.
+        print(
+            "llmgw envoy-config: note: set `destination_fallbacks: true` in the llmgw config "
+            "for shape override-host, so Envoy retries on llmgw's fallbacks (without it they "
+            "go to the least-loaded endpoint Envoy sees)",
+            file=sys.stderr,
+        )
     if args.out:
         Path(args.out).write_text(text)
     else:

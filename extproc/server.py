@@ -30,9 +30,9 @@ import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
-from llmgw.catalog import MODELS_PATH, model_entry, model_list
+from llmgw.catalog import catalog_answer
 from llmgw.config import Config, load_file
-from llmgw.errors import ConfigError, LlmgwError
+from llmgw.errors import ConfigError
 from llmgw.extproc.envoylimits import GRPC_MESSAGE_MARGIN
 from llmgw.extproc.grpchealth import (
     PROCESS_SERVICE,
@@ -147,14 +147,9 @@ class ExtProcServer:
     def local_answer(self, path: str) -> tuple[int, bytes] | None:
         """GET paths answered through the gateway without an upstream: the model list (the
         OpenAI client's `models.list()`) and health probes aimed at the gateway."""
-        if path == MODELS_PATH:
-            return 200, model_list(self.config, self.router.models_status())
-        if path.startswith(MODELS_PATH + "/"):
-            try:
-                body = model_entry(self.config, path[len(MODELS_PATH) + 1 :])
-            except LlmgwError as exc:
-                return exc.status, exc.body()
-            return 200, body
+        catalog = catalog_answer(self.config, path, self.router.models_status())
+        if catalog is not None:
+            return catalog
         if path in ("/health", "/healthz"):
             return 200, HEALTHZ_BODY
         if path == "/readyz":
@@ -243,7 +238,13 @@ class ExtProcServer:
             self._ports["grpc_health"] = self._bind(probes, self._ports["grpc_health"], tls=None)
             await probes.start()
             self._grpc_health = probes
-        await self.router.start()
+        try:
+            await self.router.start()
+        except BaseException:  # discovery refused (RBAC): close what is already listening
+            if self._grpc_health is not None:
+                await self._grpc_health.stop(0)
+                self._grpc_health = None
+            raise
         await server.start()
         self._grpc = server
         self._health_refresh = asyncio.create_task(self._refresh_health())

@@ -250,38 +250,23 @@ def immediate_response(error: LlmgwError) -> bytes:
     )
 
 
+def _streamed_body(direction: str, chunk: bytes, end_of_stream: bool) -> bytes:
+    """A body chunk passed back unchanged; `direction`: request_body or response_body."""
+    mutation = BodyMutation(
+        streamed_response=StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream)
+    )
+    body = BodyResponse(response=CommonResponse(body_mutation=mutation))
+    return _serialize(ProcessingResponse(**{direction: body}))
+
+
 def streamed_request_body(chunk: bytes, *, end_of_stream: bool) -> bytes:
     """A request body chunk passed back unchanged (FULL_DUPLEX_STREAMED needs one per chunk)."""
-    return _serialize(
-        ProcessingResponse(
-            request_body=BodyResponse(
-                response=CommonResponse(
-                    body_mutation=BodyMutation(
-                        streamed_response=StreamedBodyResponse(
-                            body=chunk, end_of_stream=end_of_stream
-                        )
-                    )
-                )
-            )
-        )
-    )
+    return _streamed_body("request_body", chunk, end_of_stream)
 
 
 def streamed_response_body(chunk: bytes, *, end_of_stream: bool) -> bytes:
     """A response body chunk passed back unchanged (FULL_DUPLEX_STREAMED)."""
-    return _serialize(
-        ProcessingResponse(
-            response_body=BodyResponse(
-                response=CommonResponse(
-                    body_mutation=BodyMutation(
-                        streamed_response=StreamedBodyResponse(
-                            body=chunk, end_of_stream=end_of_stream
-                        )
-                    )
-                )
-            )
-        )
-    )
+    return _streamed_body("response_body", chunk, end_of_stream)
 
 
 def _ask_for_body(response_body_mode: int) -> bytes:

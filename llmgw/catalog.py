@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import orjson
 
 from llmgw.config import Config, model_mode
-from llmgw.errors import ModelNotFound
+from llmgw.errors import LlmgwError, ModelNotFound
 
 MODELS_PATH = "/v1/models"
 
@@ -42,3 +42,22 @@ def model_entry(
         known = ", ".join(sorted(config.models))
         raise ModelNotFound(f"model {model!r} does not exist (configured models: {known})")
     return orjson.dumps(_entry(model, config, status or {}))
+
+
+def is_catalog_path(path: str) -> bool:
+    return path == MODELS_PATH or path.startswith(MODELS_PATH + "/")
+
+
+def catalog_answer(
+    config: Config, path: str, status: Mapping[str, Mapping[str, object]] | None = None
+) -> tuple[int, bytes] | None:
+    """(HTTP status, JSON body) for `GET /v1/models` and `/v1/models/{model}` on either
+    edge; None for any other path."""
+    if path == MODELS_PATH:
+        return 200, model_list(config, status)
+    if not is_catalog_path(path):
+        return None
+    try:
+        return 200, model_entry(config, path[len(MODELS_PATH) + 1 :], status)
+    except LlmgwError as exc:
+        return exc.status, exc.body()

@@ -18,6 +18,7 @@ is STATIC (always routed); `max: 0` is OFF; a launched model needs a scaling sta
 from __future__ import annotations
 
 import enum
+import importlib.util
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -121,6 +122,38 @@ class SaturationSpec(_Strict):
     kv_ceiling: float = Field(default=0.98, gt=0, le=1)
 
 
+class KvEventsSpec(_Strict):
+    """Where each endpoint's engine publishes KV-cache events (vLLM `--kv-events-config`).
+
+    `endpoint` is a ZMQ address template (`tcp://{host}:5557`, `{host}` = the endpoint's
+    host; the engine binds `tcp://*:5557`); `discover: true` reads it (and the replay
+    address and topic) from the engine's `GET /kv_event_sources` instead."""
+
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    discover: bool = False
+    resync: float = Field(default=10.0, ge=0)  # seconds gap-free after a gap before trusting
+
+    @model_validator(mode="after")
+    def _source(self) -> KvEventsSpec:
+        if (self.endpoint is None) == (not self.discover):
+            raise ValueError(
+                "give either endpoint (a tcp://{host}:PORT template) or discover: true"
+            )
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name}: {value!r} is not a ZMQ address (tcp://{{host}}:PORT)")
+        missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(
+                f"KV events need the optional packages {', '.join(missing)} "
+                "(pip install 'llmgw[exact]')"
+            )
+        return self
+
+
 class ModelSpec(_Strict):
     engine: Engine = Engine.VLLM
     endpoints: tuple[EndpointSpec, ...] = ()
@@ -134,6 +167,7 @@ class ModelSpec(_Strict):
     # pydantic's member names in error paths (`strategy.function-after[...].scorers.x`).
     strategy: StrategySpec = Field(default_factory=lambda: _preset_strategy("latency"))
     saturation: SaturationSpec = SaturationSpec()
+    kv_events: KvEventsSpec | None = None
 
     @field_validator("endpoints", mode="before")
     @classmethod

@@ -87,7 +87,8 @@ class Gateway:
 
         Endpoints that stay keep inflight counts, breakers and metrics; requests already
         routed finish on the endpoint they were given. Launch and scaling of a launched
-        model change only on restart: such a config is rejected and nothing changes.
+        model, discovery sources and the decision trace change only on restart: such a
+        config is rejected and nothing changes.
         """
         old = self.snapshot
         problems = restart_only_changes(old.config, config)
@@ -139,7 +140,9 @@ def restart_only_changes(old: Config, new: Config) -> list[str]:
         if (discovered(old, name) or discovered(new, name))
         and _discovery(old, name) != _discovery(new, name)
     ]
-    return launch + found
+    # The edges open the decision trace once, at start (runtime/trace.py).
+    trace = ["trace: the decision trace changes only on restart"] if old.trace != new.trace else []
+    return launch + found + trace
 
 
 def _discovery(config: Config, model: str) -> object:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 from llmgw.breaker import Breaker, BreakerSettings, BreakerState
 from llmgw.calibration import Calibration
+from llmgw.kvindex import ExactPrefixIndex
 from llmgw.types import Endpoint, EngineMetrics, Outcome
 
 Clock = Callable[[], float]
@@ -101,6 +102,8 @@ class Registry:
         # In-flight cap of a warming endpoint; None (no scraper to end the warm-up): off.
         self.warmup_inflight: int | None = None
         self.version = 0  # bumped when any model's endpoint set changes
+        # What each endpoint's engine reported cached (KV events; empty when none are fed).
+        self.kv_index = ExactPrefixIndex()
 
     def configure(self, *, breaker: BreakerSettings, staleness: float) -> None:
         """New breaker settings and staleness (a config reload); live state is kept."""
@@ -131,6 +134,7 @@ class Registry:
             self._by_id.pop((model, gone.id), None)
             if gone.inflight > 0:
                 self._draining[(model, gone.id)] = gone
+            self.kv_index.forget(gone.id)
         before = [s.id for s in current]
         self._by_model[model] = new
         for s in new:

@@ -30,6 +30,9 @@ class BodyFields:
     prompt: str
     stream: bool
     prompt_chars: int = 0  # the whole prompt, however much of it `prompt` keeps
+    # The body's `messages` list or `prompt` string, uncut (exact prefix matching renders
+    # and tokenizes it as the engine does).
+    raw_prompt: Any = None
 
 
 def _content_text(content: Any) -> str:
@@ -108,7 +111,8 @@ def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
     if messages is not None and not isinstance(messages, list):
         raise BadRequest("field 'messages' must be an array")
     prompt, chars = prompt_parts(payload, prefix_chars)
-    return BodyFields(model=model, prompt=prompt, stream=stream, prompt_chars=chars)
+    raw = messages if messages is not None else payload.get("prompt")
+    return BodyFields(model=model, prompt=prompt, stream=stream, prompt_chars=chars, raw_prompt=raw)
 
 
 def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:
@@ -176,4 +180,5 @@ def build_request(
         body_size=len(body) if body is not None else 0,
         headers=headers,
         prompt_tokens=estimate_tokens(fields.prompt_chars) if fields else 0,
+        raw_prompt=fields.raw_prompt if fields else None,
     )

@@ -88,6 +88,8 @@ class RequestInfo:
     prompt_tokens: int = 0
     # The gateway's subset hint: pick only among these addresses (None: any endpoint).
     subset: frozenset[str] | None = None
+    # The body's `messages` (list) or `prompt` (str), uncut, for exact prefix matching.
+    raw_prompt: Any = field(default=None, compare=False)
 
     @property
     def routing_key(self) -> str:
@@ -172,9 +174,13 @@ class Rationale:
 
 
 def _format_terms(terms: dict[str, float]) -> list[str]:
-    """Seconds as `ttft_ms=42.0 queue_ms=...`, then the largest time term (`dominant=prefill`)."""
-    out = [f"{name.removesuffix('_s')}_ms={value * 1e3:.1f}" for name, value in terms.items()]
-    times = {n.removesuffix("_s"): v for n, v in terms.items() if n != "ttft_s"}
+    """Seconds as `ttft_ms=42.0 queue_ms=...`, other terms as numbers (`cached_tokens=128`),
+    then the largest time term (`dominant=prefill`)."""
+    out = [
+        f"{name[:-2]}_ms={value * 1e3:.1f}" if name.endswith("_s") else f"{name}={value:g}"
+        for name, value in terms.items()
+    ]
+    times = {n[:-2]: v for n, v in terms.items() if n.endswith("_s") and n != "ttft_s"}
     if times:
         out.append(f"dominant={max(times, key=times.__getitem__)}")
     return out

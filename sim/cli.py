@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="token budget per step: chunked prefill, as vLLM v1 (default: off)",
     )
     engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish vLLM KV-cache events over ZMQ (a free port per replica; "
+        "GET /kv_event_sources says which)",
+    )
     engine.add_argument("--seed", type=int, default=0)
 
     faults = parser.add_argument_group("faults (also at run time: POST /admin/faults)")
@@ -128,6 +134,7 @@ def _fleet(args: argparse.Namespace) -> SimFleet:
         seed=args.seed,
         faults=faults,
         crash_exits_process=True,
+        kv_events_port=0 if args.kv_events else None,
         max_num_seqs=args.max_num_seqs,
         max_queue=args.max_queue,
         kv_blocks=args.kv_blocks,

@@ -70,8 +70,10 @@ class EngineDriver:
         on_finish: Callable[[Sequence], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         signal: ChangeSignal | None = None,
+        on_schedule: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
+        self._on_schedule = on_schedule  # after each step is scheduled (KV events publish)
         self.signal = signal or ChangeSignal()
         self._on_finish = on_finish
         self._clock = clock
@@ -105,6 +107,8 @@ class EngineDriver:
         if handle.seq.finished:
             return
         self.model.abort(handle.seq, self._clock())
+        if self._on_schedule is not None:
+            self._on_schedule()
         self._handles.pop(handle.seq.seq_id, None)
         if self._on_finish is not None:
             self._on_finish(handle.seq)
@@ -121,6 +125,8 @@ class EngineDriver:
                 await self._wake.wait()
             start = clock()
             duration = model.schedule(start)
+            if self._on_schedule is not None:
+                self._on_schedule()
             if duration > 0:
                 await asyncio.sleep(duration)
                 # Sleeps overshoot; the step ends when it really ended, as a client sees it.

@@ -34,6 +34,7 @@ def build_options(
     faults: Faults | dict[str, Any] | None = None,
     crash_exits_process: bool = False,
     default_output_tokens: tuple[int, int] = (16, 64),
+    kv_events_port: int | None = None,
     **engine_options: Any,
 ) -> ReplicaOptions:
     """ReplicaOptions from keyword arguments; `engine_options` are EngineConfig fields."""
@@ -48,6 +49,7 @@ def build_options(
         faults=faults or Faults(),
         default_output_tokens=default_output_tokens,
         crash_exits_process=crash_exits_process,
+        kv_events_port=kv_events_port,
     )
 
 

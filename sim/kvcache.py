@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -25,6 +26,10 @@ class KVCache:
 
     num_blocks: int
     enable_prefix_caching: bool = True
+    # Opt-in: record vLLM KV-cache events (tagged maps, as vLLM encodes them) in `events`.
+    publish_events: bool = False
+    block_size: int = 16
+    events: list[dict[str, Any]] = field(default_factory=list)
     _refcount: list[int] = field(init=False)
     _block_hash: list[bytes | None] = field(init=False)
     _by_hash: dict[bytes, int] = field(init=False)
@@ -72,9 +77,13 @@ class KVCache:
         free = len(self._empty) + len(self._evictable) - matched_evictable
         return total_blocks - matched <= free
 
-    def allocate(self, block_hashes: tuple[bytes, ...], total_blocks: int) -> Allocation:
-        """Take `total_blocks` blocks, reusing cached prefix blocks; caller checked room."""
+    def allocate(
+        self, block_hashes: tuple[bytes, ...], total_blocks: int, token_ids: tuple[int, ...] = ()
+    ) -> Allocation:
+        """Take `total_blocks` blocks, reusing cached prefix blocks; caller checked room.
+        `token_ids` (the prompt's) go into the BlockStored events when they are on."""
         matched = self.match_prefix(block_hashes)
+        stored: list[int] = []  # indexes of prompt blocks newly cached by this call
         block_ids: list[int] = []
         for block_hash in block_hashes[:matched]:
             block_id = self._by_hash[block_hash]
@@ -87,9 +96,38 @@ class KVCache:
             if self.enable_prefix_caching and index < len(block_hashes):
                 # The prompt block is computed by this step's prefill, so it is cacheable.
                 self._block_hash[block_id] = block_hashes[index]
-                self._by_hash.setdefault(block_hashes[index], block_id)
+                if self._by_hash.setdefault(block_hashes[index], block_id) == block_id:
+                    stored.append(index)
             block_ids.append(block_id)
+        if self.publish_events and stored:
+            self._stored_events(block_hashes, stored, token_ids)
         return Allocation(block_ids=block_ids, cached_blocks=matched)
+
+    def _stored_events(
+        self, block_hashes: tuple[bytes, ...], stored: list[int], token_ids: tuple[int, ...]
+    ) -> None:
+        """One BlockStored per run of consecutive newly cached blocks (vLLM groups them)."""
+        size = self.block_size
+        runs: list[list[int]] = []
+        for index in stored:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, last = run[0], run[-1]
+            self.events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [block_hashes[i] for i in run],
+                    "parent_block_hash": block_hashes[first - 1] if first else None,
+                    "token_ids": list(token_ids[first * size : (last + 1) * size]),
+                    "block_size": size,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                }
+            )
 
     def free(self, allocation: Allocation) -> None:
         """Release a sequence's blocks; hashed ones stay cached, most recent last."""
@@ -108,10 +146,18 @@ class KVCache:
 
     def clear_cache(self) -> None:
         """Drop every cached-but-free block (blocks in use keep their hashes)."""
+        publish, self.publish_events = self.publish_events, False  # one event says it all
         while self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             self._forget(block_id)
             self._empty.append(block_id)
+        self.publish_events = publish
+        if publish:
+            self.events.append({"type": "AllBlocksCleared"})
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events
 
     def _take_free_block(self) -> int:
         if self._empty:
@@ -124,4 +170,12 @@ class KVCache:
         block_hash = self._block_hash[block_id]
         if block_hash is not None and self._by_hash.get(block_hash) == block_id:
             del self._by_hash[block_hash]
+            if self.publish_events:
+                last = self.events[-1] if self.events else None
+                if last is not None and last["type"] == "BlockRemoved":
+                    last["block_hashes"].append(block_hash)  # evictions of one step: one event
+                else:
+                    self.events.append(
+                        {"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU"}
+                    )
         self._block_hash[block_id] = None

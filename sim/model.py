@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmgw.sim.kvcache import Allocation, KVCache
 
@@ -55,6 +56,9 @@ class EngineConfig:
     max_model_len: int = 8192
     # Token budget per step (chunked prefill); None = every admitted prompt in one step.
     max_num_batched_tokens: int | None = None
+    # Record vLLM KV-cache events (`EngineModel.drain_kv_events`); requests then need
+    # `SeqRequest.token_ids`.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "kv_blocks", "block_size", "max_model_len"):
@@ -84,6 +88,8 @@ class SeqRequest:
     block_hashes: tuple[bytes, ...] = ()
     # True when the client set no max_tokens: the output ends on "EOS", reason "stop".
     natural_stop: bool = False
+    # The prompt's token ids (`tokens.token_ids`), only needed for KV events.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(eq=False)
@@ -146,7 +152,12 @@ class EngineModel:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.kv = KVCache(config.kv_blocks, enable_prefix_caching=config.enable_prefix_caching)
+        self.kv = KVCache(
+            config.kv_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            publish_events=config.kv_events,
+            block_size=config.block_size,
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = EngineStats()
@@ -228,7 +239,7 @@ class EngineModel:
             if not self.kv.can_allocate(request.block_hashes, needed):
                 break
             self.waiting.popleft()
-            seq.allocation = self.kv.allocate(request.block_hashes, needed)
+            seq.allocation = self.kv.allocate(request.block_hashes, needed, request.token_ids)
             # At least one prompt token is always recomputed to produce logits.
             cached = min(
                 seq.allocation.cached_blocks * config.block_size, request.prompt_tokens - 1
@@ -287,6 +298,10 @@ class EngineModel:
 
     def reset_prefix_cache(self) -> None:
         self.kv.clear_cache()
+
+    def drain_kv_events(self) -> list[dict[str, Any]]:
+        """KV-cache events since the last call, as vLLM's tagged maps (oldest first)."""
+        return self.kv.drain_events()
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.finish_reason = reason

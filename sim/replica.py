@@ -6,10 +6,13 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from llmgw.sim.kvpublish import KvEventPublisher
 
 from llmgw.sim import api
 from llmgw.sim.driver import ChangeSignal, EngineDriver, SeqHandle
@@ -24,7 +27,7 @@ from llmgw.sim.model import (
     SeqRequest,
     Sequence,
 )
-from llmgw.sim.tokens import OutputText, block_hashes, count_tokens
+from llmgw.sim.tokens import OutputText, block_hashes, count_tokens, token_ids
 
 _NOT_FOUND = Response(404, b'{"detail":"Not Found"}')
 _NOT_ALLOWED = Response(405, b'{"detail":"Method Not Allowed"}')
@@ -46,6 +49,9 @@ class ReplicaOptions:
     default_output_tokens: tuple[int, int] = (16, 64)
     # CLI: a crash fault exits the process; in-process fleets drop sockets instead.
     crash_exits_process: bool = False
+    # Publish vLLM KV-cache events on this ZMQ port (0: any free port; None: off), the
+    # first served model's; `GET /kv_event_sources` says where. Needs pyzmq and msgpack.
+    kv_events_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -78,6 +84,7 @@ class Replica:
         self._faults = FaultState(options.faults, seed=options.seed * 7919 + index)
         self._text = OutputText(options.seed * 104729 + index)
         self._served: dict[str, _Served] = {}
+        self.kv_publisher: KvEventPublisher | None = None
         self._server: asyncio.Server | None = None
         self._connections: set[HttpConnection] = set()
         self._hung: asyncio.Event | None = None
@@ -91,10 +98,17 @@ class Replica:
         )
 
     def _served_model(self, name: str) -> ServedModel:
-        model = EngineModel(self.options.engine_config)
+        events = self.options.kv_events_port is not None and not self._served
+        config = self.options.engine_config
+        model = EngineModel(replace(config, kv_events=True) if events else config)
         model.slowdown = self.options.faults.slowdown
         observations = ModelObservations(self.options.engine)
-        driver = EngineDriver(model, on_finish=observations.observe, signal=self.signal)
+        driver = EngineDriver(
+            model,
+            on_finish=observations.observe,
+            signal=self.signal,
+            on_schedule=(lambda: self._publish(model)) if events else None,
+        )
         self._served[name] = _Served(name, driver, observations)
         return ServedModel(name, model, observations)
 
@@ -114,7 +128,22 @@ class Replica:
         """Wait for a state (e.g. `lambda: len(r.engine().running) == 2`), not for time."""
         await self.signal.wait_until(predicate, timeout)
 
+    def _publish(self, model: EngineModel) -> None:
+        events = model.drain_kv_events()
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(events)
+
     async def start(self) -> None:
+        if self.options.kv_events_port is not None and self.kv_publisher is None:
+            from llmgw.sim.kvpublish import KvEventPublisher  # noqa: PLC0415 (optional extra)
+
+            # A new publisher per start: a restarted engine counts from sequence 0 again,
+            # with an empty prefix cache (freed blocks are dropped; nothing runs yet).
+            for served in self._served.values():
+                served.driver.model.reset_prefix_cache()
+                served.driver.model.drain_kv_events()
+            self.kv_publisher = KvEventPublisher(self.host, self.options.kv_events_port)
+            self.kv_publisher.start()
         self._hung = asyncio.Event()
         for served in self._served.values():
             served.driver.start()
@@ -128,6 +157,9 @@ class Replica:
             self._crash()
 
     async def stop(self) -> None:
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
+            self.kv_publisher = None
         if self._server is not None:
             self._server.close()
             for connection in list(self._connections):
@@ -183,6 +215,9 @@ class Replica:
             return Response(status or 200, b"")
         if path == "/metrics":
             return self._metrics()
+        if path == "/kv_event_sources":
+            sources = self.kv_publisher.sources() if self.kv_publisher is not None else {}
+            return Response(200, orjson.dumps(sources))
         if path == "/v1/models":
             config = self.options.engine_config
             body = api.models_body(list(self.options.models), self._created, config.max_model_len)
@@ -269,12 +304,13 @@ class Replica:
         hashes = (
             block_hashes(call.prompt, config.block_size) if config.enable_prefix_caching else ()
         )
+        ids = token_ids(call.prompt) if self.options.kv_events_port is not None else ()
         if call.max_tokens is not None:
-            return SeqRequest(prompt_tokens, call.max_tokens, hashes)
+            return SeqRequest(prompt_tokens, call.max_tokens, hashes, token_ids=ids)
         low, high = self.options.default_output_tokens
         room = max(1, config.max_model_len - prompt_tokens)
         drawn = min(self._text.length(low, high), room)
-        return SeqRequest(prompt_tokens, drawn, hashes, natural_stop=True)
+        return SeqRequest(prompt_tokens, drawn, hashes, natural_stop=True, token_ids=ids)
 
     def _full(
         self, call: api.CompletionCall, seq: Sequence, response_id: str, created: int

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import zlib
 
 CHARS_PER_TOKEN = 4
 
@@ -18,6 +19,13 @@ VOCAB: tuple[str, ...] = tuple(
 def count_tokens(text: str) -> int:
     """Token count of a prompt: at least 1, about one token per 4 characters."""
     return max(1, -(-len(text) // CHARS_PER_TOKEN))
+
+
+def token_ids(text: str) -> tuple[int, ...]:
+    """Deterministic token ids (no vocabulary): one per 4 characters, the CRC-32 of their
+    UTF-8 bytes. The KV events carry them; `llmgw.tokenize` (`tokenizer: sim`) matches."""
+    crc = zlib.crc32
+    return tuple(crc(text[i : i + CHARS_PER_TOKEN].encode()) for i in range(0, len(text), 4))
 
 
 def block_hashes(text: str, block_size: int) -> tuple[bytes, ...]:

@@ -9,12 +9,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
+from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.middleware import DECISION_KEY, DISPATCH_KEY, SchedulerMiddleware
 from llmgw.asgi.types import Message, Scope
 from llmgw.config import Config, load_dict
+from llmgw.extproc.server import ExtProcServer
 from llmgw.extproc.translate import ASK_FOR_BODY, Answer, Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import AwaitActivation
@@ -346,3 +349,22 @@ async def test_a_reload_applies_alike_on_both_edges() -> None:
             assert decision.endpoint.address in ENDPOINTS[:2]
             routed_chat += 1
     assert routed_chat > 0
+
+
+async def test_both_edges_answer_the_model_catalog_and_health_paths_alike() -> None:
+    cfg = lazy_config()
+    envoy_side = ExtProcServer(cfg, scrape=False)
+    proxy = ProxyApp(cfg, scrape=False)
+    transport = httpx.ASGITransport(app=proxy)
+    async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+        for path in ("/v1/models", "/v1/models/lazy", "/v1/models/gone", "/health", "/healthz"):
+            via_envoy = envoy_side.local_answer(path)
+            assert via_envoy is not None, path
+            reply = await client.get(path)
+            assert (reply.status_code, reply.json()) == (via_envoy[0], orjson.loads(via_envoy[1]))
+        entry = (await client.get("/v1/models/lazy")).json()
+        assert entry["llmgw"] == {"mode": "on_demand", "state": "off"}  # as the list says
+        assert (await client.get("/v1/models/gone")).json()["error"]["code"] == "model_not_found"
+        status = await client.get("/models/status")  # the ext_proc health port's route
+        assert status.json() == envoy_side.router.models_status()
+        assert (await client.post("/v1/models/lazy")).status_code == 405

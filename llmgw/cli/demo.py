@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     envoy: EnvoyProcess | None = None
     try:
         trace = {"trace": {"path": args.trace}} if args.trace else {}
-        config = fleet_config(fleet, strategy=args.strategy, **trace)
+        # override-host: Envoy retries down the Decision's fallbacks, so list them.
+        config = fleet_config(fleet, strategy=args.strategy, destination_fallbacks=True, **trace)
         extproc = ExtProcThread(config)
         envoy = EnvoyProcess(
             build(

@@ -34,6 +34,7 @@ from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
 
 if TYPE_CHECKING:
     from llmgw.runtime.kube.discovery import Discovery
+    from llmgw.runtime.kvevents import KvEventSubscribers
 
 log = logging.getLogger("llmgw.reload")
 
@@ -95,6 +96,9 @@ class Router:
             else None
         )
         self.gateway.activation = self.activator
+        self._scrape = scrape
+        self._started = False
+        self.kv_events: KvEventSubscribers | None = None
 
     @classmethod
     def bare(cls, scheduler: Scheduler) -> Router:
@@ -128,13 +132,34 @@ class Router:
         if self.scraper is not None:
             await self.scraper.start()
         if self.discovery is not None:
-            await self.discovery.start(self.set_endpoints)
+            try:
+                await self.discovery.start(self.set_endpoints)
+            except BaseException:  # refused: leave nothing running behind the error
+                if self.scraper is not None:
+                    await self.scraper.stop()
+                raise
         if self.activator is not None:
             await self.activator.start()
+        self._started = True
+        self._follow_kv_events()
+
+    def _follow_kv_events(self) -> None:
+        if not self._scrape or not any(m.kv_events for m in self.config.models.values()):
+            return
+        if self.kv_events is None:
+            # Imported here: pyzmq and msgpack are an optional extra (the config checked them).
+            from llmgw.runtime.kvevents import KvEventSubscribers  # noqa: PLC0415
+
+            self.kv_events = KvEventSubscribers(self.config, self.registry)
+        self.kv_events.config = self.config
+        self.kv_events.start()
 
     async def stop(self) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
+        self._started = False
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         if self.activator is not None:
@@ -170,6 +195,8 @@ class Router:
         self._warmup()
         if self.scraper is not None:
             self.scraper.resync()
+        if self._started:
+            self._follow_kv_events()
 
 
 def discovery_for(config: Config) -> Discovery | None:

@@ -170,6 +170,10 @@ class Scraper:
                 self._sync()
             await asyncio.sleep(self.interval)
 
+    @property
+    def running(self) -> bool:
+        return self._supervisor is not None
+
     async def start(self) -> None:
         if self._supervisor is None:
             self._seen_version = self.registry.version

@@ -16,6 +16,9 @@ Series (prefix `llmgw_`):
 - `stage_seconds{stage}` histogram: `parse` (headers/body -> RequestInfo), `schedule`
   (pick + acquire), `total` (first message of a request to its routing answer).
 - `outcomes_total{model,endpoint,outcome}`: how dispatched requests ended.
+- `kv_index_blocks{endpoint}`, `kv_events_live{endpoint}` (1 live, 0 unknown),
+  `kv_event_gaps_total{endpoint}`, `kv_event_lag_seconds{endpoint}`: the exact prefix
+  index, for endpoints whose engines publish KV events.
 - `inflight{model,endpoint}`, `breaker_state{model,endpoint,state}` (1 for the current
   state), `metrics_age_seconds{model,endpoint}`, `scrape_errors_total{endpoint}`: read
   from the Registry (and the Scraper, if bound) when /metrics is scraped, so the hot
@@ -178,6 +181,7 @@ class _RegistryCollector(Collector):
                 stale.add_metric([model], seconds)
             yield stale
         yield from self._on_demand()
+        yield from self._kv()
 
     def _on_demand(self) -> Iterable[Metric]:
         p = self.prefix
@@ -196,6 +200,8 @@ class _RegistryCollector(Collector):
         )
         for model, status in sorted((self.models() if self.models else {}).items()):
             current = status.get("state")
+            if current is None:  # a discovered model: no on-demand state to export
+                continue
             for name in _MODEL_STATES:
                 state.add_metric([model, name], 1.0 if name == current else 0.0)
             count = status.get("starts")
@@ -207,6 +213,34 @@ class _RegistryCollector(Collector):
         yield state
         yield starts
         yield cold
+
+    def _kv(self) -> Iterable[Metric]:
+        endpoints = self.registry.kv_index.endpoints()
+        if not endpoints:
+            return
+        p = self.prefix
+        blocks = GaugeMetricFamily(
+            f"{p}_kv_index_blocks", "Blocks the engine reported cached", labels=["endpoint"]
+        )
+        live = GaugeMetricFamily(
+            f"{p}_kv_events_live",
+            "1: the endpoint's KV-event stream is complete (exact matching); 0: unknown",
+            labels=["endpoint"],
+        )
+        gaps = CounterMetricFamily(
+            f"{p}_kv_event_gaps", "Sequence gaps not filled by replay", labels=["endpoint"]
+        )
+        lag = GaugeMetricFamily(
+            f"{p}_kv_event_lag_seconds",
+            "Last KV-event batch: receive time - engine timestamp",
+            labels=["endpoint"],
+        )
+        for eid, e in sorted(endpoints.items()):
+            blocks.add_metric([eid], len(e.blocks))
+            live.add_metric([eid], 1.0 if e.state == "live" else 0.0)
+            gaps.add_metric([eid], e.gaps)
+            lag.add_metric([eid], e.lag_s)
+        yield from (blocks, live, gaps, lag)
 
 
 class Telemetry:

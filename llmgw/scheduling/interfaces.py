@@ -8,6 +8,7 @@ from typing import Protocol, runtime_checkable
 
 from llmgw.errors import LlmgwError
 from llmgw.hashring import HashRing
+from llmgw.kvindex import ExactPrefixIndex
 from llmgw.registry import EndpointState, fresh_metrics_of
 from llmgw.types import EngineMetrics, RequestInfo
 
@@ -42,6 +43,7 @@ class PickContext:
     __slots__ = (
         "_fresh",
         "all_states",
+        "kv",
         "now",
         "prediction",
         "request",
@@ -61,6 +63,7 @@ class PickContext:
         all_states: list[EndpointState],
         rng: random.Random,
         fresh: dict[EndpointState, EngineMetrics | None] | None = None,
+        kv: ExactPrefixIndex | None = None,
     ) -> None:
         self.request = request
         self.spec = spec
@@ -70,6 +73,7 @@ class PickContext:
         self.all_states = all_states
         self.rng = rng
         self._fresh = fresh or None
+        self.kv = kv  # the engines' reported cache contents (KV events), if any are fed
         # (ready_at, predicted ttft, tokens to prefill) for the chosen endpoint, set by a
         # latency scorer.
         self.prediction: tuple[float, float, float] | None = None

@@ -244,6 +244,8 @@ class Scheduler:
             router.ring_for(states),
             states,
             rng,
+            None,  # fresh metrics: computed on first use
+            registry.kv_index,
         )
         candidates = states
         drops: list[tuple[str, int]] = []

@@ -12,6 +12,7 @@ from llmgw.calibration import Costs, pooled
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.tokenize import PromptTokenizer, make_tokenizer
 from llmgw.types import CHARS_PER_TOKEN, RequestInfo
 
 
@@ -233,32 +234,44 @@ def softmax_weights(scores: list[float], temperature: float) -> list[float]:
     return [math.exp((s - top) / temperature) for s in scores]
 
 
-class TermRows(Sequence[tuple[float, float, float, float]]):
-    """The latency scorer's (ttft, queue, prefill, step) seconds per candidate, as rows
-    built when read: most Decisions are never explained, and a tuple per endpoint per pick
-    was ~8 % of the scorer's time at 256 endpoints."""
+Row = tuple[float, float, float, float, float, float]
 
-    __slots__ = ("_prefill", "_queue", "_step")
 
-    def __init__(self, queue: list[float], prefill: list[float], step: list[float]) -> None:
+class TermRows(Sequence[Row]):
+    """The latency scorer's (ttft, queue, prefill, step) seconds, cached tokens and exact
+    (1: from KV events) per candidate, as rows built when read: most Decisions are never
+    explained, and a tuple per endpoint per pick was ~8 % of the scorer's time at 256."""
+
+    __slots__ = ("_exact", "_prefill", "_queue", "_step", "_tokens", "_uncached")
+
+    def __init__(
+        self,
+        queue: list[float],
+        prefill: list[float],
+        step: list[float],
+        uncached: list[int],
+        tokens: int,
+        exact: list[float] | None,  # None: no endpoint exact
+    ) -> None:
         self._queue, self._prefill, self._step = queue, prefill, step
+        self._uncached, self._tokens, self._exact = uncached, tokens, exact
 
     def __len__(self) -> int:
         return len(self._queue)
 
     @overload
-    def __getitem__(self, i: int) -> tuple[float, float, float, float]: ...
+    def __getitem__(self, i: int) -> Row: ...
 
     @overload
-    def __getitem__(self, i: slice) -> list[tuple[float, float, float, float]]: ...
+    def __getitem__(self, i: slice) -> list[Row]: ...
 
-    def __getitem__(
-        self, i: int | slice
-    ) -> tuple[float, float, float, float] | list[tuple[float, float, float, float]]:
+    def __getitem__(self, i: int | slice) -> Row | list[Row]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         queue, prefill, step = self._queue[i], self._prefill[i], self._step[i]
-        return (queue + prefill + step, queue, prefill, step)
+        exact = 0.0 if self._exact is None else self._exact[i]
+        cached = float(self._tokens - self._uncached[i])
+        return (queue + prefill + step, queue, prefill, step, cached, exact)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
@@ -280,6 +293,10 @@ class LatencyScorer:
       step    = one engine step at that endpoint's batch size (waiting + running).
     Seconds per token and per step come from the model's engines' published histograms
     and counters, pooled over its endpoints (`llmgw.calibration`), else from the params.
+    Tokens cached: with a `tokenizer` (`sim` or a tokenizer.json) and an endpoint whose
+    engine publishes KV-cache events (`ctx.kv` live there), exactly what the engine holds
+    for this prompt's tokens; elsewhere the approximate index (blocks routed there). The
+    `exact` term says which (1 or 0), `cached_tokens` how many.
     Leaving a replica costs the prefill of every uncached token; moving buys less queueing:
     both are time, so the comparison holds at any load. The choice minimises
     ttft + work_weight x prefill: a prefill is also work that delays later requests there,
@@ -288,7 +305,7 @@ class LatencyScorer:
 
     name = "latency"
     needs_prompt = True
-    term_names = ("ttft_s", "queue_s", "prefill_s", "step_s")
+    term_names = ("ttft_s", "queue_s", "prefill_s", "step_s", "cached_tokens", "exact")
 
     def __init__(
         self,
@@ -304,7 +321,11 @@ class LatencyScorer:
         shared_sessions: int = 3,
         queue_weighting: bool = True,
         kv_full: float = 0.9,
+        tokenizer: str = "",
     ) -> None:
+        # Built at config load: a missing optional package or file fails there, with a message.
+        self.tokenizer: PromptTokenizer | None = make_tokenizer(tokenizer) if tokenizer else None
+        self._tokens: tuple[int, ...] | None = None
         if shared_sessions < 1:
             raise ValueError(f"shared_sessions must be >= 1, got {shared_sessions!r}")
         self.shared_sessions = shared_sessions
@@ -343,8 +364,21 @@ class LatencyScorer:
         self._costs = Costs(self.prefill_s, self.step_s, None, None)
         self._candidates: list[EndpointState] = []
         self._uncached: list[int] = []
-        self._terms = TermRows([], [], [])
+        self._terms = TermRows([], [], [], [], 0, None)
         self._positions = Positions()
+
+    def _exact_hits(self, ctx: PickContext, candidates: list[EndpointState]) -> dict[str, int]:
+        """Cached tokens per endpoint whose engine's events are live; tokenizes only then."""
+        kv = ctx.kv
+        if self.tokenizer is None or kv is None or not kv.any_live():
+            self._tokens = None
+            return {}
+        request = ctx.request
+        tokens = self.tokenizer.tokens(request.raw_prompt, request.session_key)
+        self._tokens = tokens
+        if not tokens:
+            return {}
+        return kv.match(tokens, [s.id for s in candidates])
 
     def costs(self, ctx: PickContext) -> Costs:
         """The model's costs: its endpoints' calibration (`pooled`, refreshed at most every
@@ -376,20 +410,32 @@ class LatencyScorer:
             self._request = request
             self._hashes = self.index.hashes(request.prompt)
         hashes = self._hashes
+        exact = self._exact_hits(ctx, candidates)
         tokens = request.prompt_tokens if request.prompt_tokens > 0 else 1
+        if self._tokens:
+            tokens = len(self._tokens)
         block = self.block_tokens
         # A prefix many sessions share (a system prompt) ends up cached wherever sessions
         # go: its one-time prefill is amortised, so it must not pin new sessions to the
         # replicas that saw it first (they would herd there). Only what is this session's
-        # own (its history) counts as a reason to stay.
+        # own (its history) counts as a reason to stay. The same holds over exact hits.
         shared_blocks = (
             self.index.shared_depth(hashes, self.shared_sessions)
             if hashes and request.session_key is not None
             else 0
         )
         shared = shared_blocks * block
+        if shared and exact:
+            # Engines hold the shared prefix to the token, past its last full index block:
+            # count that extent everywhere too, or those few tokens herd new sessions. Its
+            # extent: the least that the engines holding it hold (one's history goes further).
+            cap = shared + block
+            holding = [e if e < cap else cap for e in exact.values() if e >= shared]
+            if holding:
+                shared = min(holding)
         # Only endpoints holding more than the shared prefix differ from the rest (a
         # session's home: one or two of 256). Read before `costs`, which may trim the index.
+        # Each holds at least shared_blocks + 1 blocks, past the (exact-extended) `shared`.
         deeper = self.index.match(hashes, shared_blocks) if hashes else None
         now = ctx.now
         staleness = ctx.staleness
@@ -409,6 +455,18 @@ class LatencyScorer:
                     hit = depth * block
                     uncached_tokens[i] = uncached = tokens - hit if hit < tokens else 1
                     prefills[i] = per_token * uncached
+        # Where an engine's events are live, what it holds replaces the index's guess.
+        exact_flags: list[float] | None = None
+        if exact:
+            position = self._positions(ctx, candidates).get
+            exact_flags = [0.0] * n
+            for eid, held in exact.items():
+                i = position(eid)
+                if i is not None:
+                    hit = held if held > shared else shared
+                    uncached_tokens[i] = uncached = tokens - hit if hit < tokens else 1
+                    prefills[i] = per_token * uncached
+                    exact_flags[i] = 1.0
         # The engine's waiting requests: each a typical prefill (this one, if none known);
         # when its KV cache is full they wait for running requests to end instead.
         per_waiting = per_token * (typical or tokens)
@@ -462,7 +520,7 @@ class LatencyScorer:
         self._candidates = candidates
         self._uncached = uncached_tokens
         # New lists each pick: the Decision keeps the old ones.
-        self._terms = TermRows(queues, prefills, steps)
+        self._terms = TermRows(queues, prefills, steps, uncached_tokens, tokens, exact_flags)
         self._mean_queue = sum(queues) / n if n else 0.0
         smoothing = self.smoothing
         low = min(costs) + smoothing if costs else 0.0
@@ -475,7 +533,7 @@ class LatencyScorer:
 
     def terms(self) -> dict[str, tuple[float, ...]]:
         """The last score call's terms by name, one value per candidate (for tests, tools)."""
-        columns = zip(*self._terms, strict=True) if self._terms else [()] * 4
+        columns = zip(*self._terms, strict=True) if self._terms else [()] * len(self.term_names)
         return dict(zip(self.term_names, columns, strict=True))
 
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
@@ -485,7 +543,7 @@ class LatencyScorer:
         if i is None or self._candidates[i] is not chosen:
             return
         now = ctx.now
-        ttft, _, prefill, _ = self._terms[i]
+        ttft, _, prefill, *_ = self._terms[i]
         start = chosen.busy_until if chosen.busy_until > now else now
         chosen.busy_until = ready_at = start + prefill
         ctx.prediction = (ready_at, ttft, self._uncached[i])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -20,7 +21,7 @@ from llmgw.asgi.middleware import DECISION_KEY, DISPATCH_KEY, SchedulerMiddlewar
 from llmgw.asgi.testing import MODEL, make_config
 from llmgw.asgi.types import Message, Scope
 from llmgw.breaker import BreakerState
-from llmgw.config import Config
+from llmgw.config import Config, TraceSpec
 from llmgw.errors import BadRequest, ModelNotFound
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Decision
@@ -209,6 +210,20 @@ def test_middleware_without_a_scheduler_builds_and_runs_a_router(config: Config)
     app.add_middleware(SchedulerMiddleware, config=config)
     with TestClient(app) as client:  # runs the lifespan: the router's scraper starts and stops
         assert client.post(CHAT, content=body()).json()["endpoint"] in ADDRESSES
+
+
+def test_middleware_closes_its_decision_trace_when_the_app_shuts_down(
+    config: Config, tmp_path: Path
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    traced = config.model_copy(update={"trace": TraceSpec(path=str(path))})
+    app = Starlette(routes=[Route(CHAT, echo, methods=["POST"])])
+    app.add_middleware(SchedulerMiddleware, config=traced)
+    with TestClient(app) as client:
+        assert client.post(CHAT, content=body()).status_code == 200
+    # Buffered lines (flushed within a second) are written out at shutdown.
+    lines = path.read_bytes().splitlines()
+    assert len(lines) == 1 and orjson.loads(lines[0])["model"] == MODEL
 
 
 # -- bare ASGI: lease timing for streams and disconnects -----------------------------------

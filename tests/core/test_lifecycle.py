@@ -196,6 +196,18 @@ def test_reload_that_changes_launch_settings_changes_nothing() -> None:
     assert gw.snapshot is before
 
 
+def test_reload_that_changes_the_decision_trace_is_rejected_as_restart_only() -> None:
+    # The edges open the trace file once at start: a reload could not apply a new one.
+    gw = Gateway(Scheduler(config({"chat": static_model(2)}), Registry(), seed=1))
+    before = gw.snapshot
+    traced = config({"chat": static_model(2)}, trace={"path": "/tmp/llmgw-trace.jsonl"})
+    with pytest.raises(ConfigError, match=r"trace: .*restart"):
+        gw.reload(traced)
+    assert gw.snapshot is before
+    gw.reload(config({"chat": static_model(3)}))  # the same trace (none): applied
+    assert gw.snapshot is not before
+
+
 def test_first_byte_reports_observed_and_predicted_ttft_once() -> None:
     clock = FakeClock()
     registry = Registry(clock=clock)

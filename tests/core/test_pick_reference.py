@@ -14,17 +14,27 @@ from llmgw.scheduling.prefix import PrefixIndex
 from . import pick_scenario
 
 
-@pytest.mark.parametrize("fleet", pick_scenario.FLEETS, ids=lambda f: f"{f[0]}-endpoints")
+@pytest.mark.parametrize("fleet", pick_scenario.FLEETS, ids=lambda f: pick_scenario.fleet_key(*f))
 def test_latency_preset_makes_the_frozen_reference_decisions(
-    fleet: tuple[int, int, int],
+    fleet: tuple[int, int, int, bool],
 ) -> None:
-    endpoints, picks, seed = fleet
-    expected = json.loads(pick_scenario.FIXTURE.read_text())[f"{endpoints}x{picks}@{seed}"]
-    got = pick_scenario.run_fleet(endpoints, picks, seed)
+    expected = json.loads(pick_scenario.FIXTURE.read_text())[pick_scenario.fleet_key(*fleet)]
+    got = pick_scenario.run_fleet(*fleet)
     assert len(got) == len(expected)
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         # The first pick that differs, with both records: the later ones follow from it.
         assert g == e, f"pick {i} changed: got {g}, reference {e}"
+
+
+def test_exact_fleet_reference_holds_exact_and_approximate_cache_hits() -> None:
+    # The exact fleet's records end with the chosen endpoint's cached_tokens and exact
+    # terms: the frozen picks must include exact hits from KV events and approximate ones,
+    # so the reference keeps covering both paths of the latency scorer.
+    fleet = next(f for f in pick_scenario.FLEETS if f[3])
+    records = json.loads(pick_scenario.FIXTURE.read_text())[pick_scenario.fleet_key(*fleet)]
+    picked = [r for r in records if r[0] != "error"]
+    assert sum(1 for r in picked if r[-1] == 1.0 and r[-2] > 0) > len(picked) // 2
+    assert any(r[-1] == 0.0 and r[-2] > 0 for r in picked)
 
 
 def test_prefix_and_ring_hashes_keep_their_values() -> None:

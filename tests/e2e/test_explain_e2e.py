@@ -37,7 +37,9 @@ def fleet() -> Iterator[ThreadedFleet]:
 
 
 def config_for(fleet: ThreadedFleet, *, explain: bool = True) -> Config:
-    return fleet_config(fleet, strategy="latency", admin={"explain": explain})
+    return fleet_config(
+        fleet, strategy="latency", admin={"explain": explain}, destination_fallbacks=True
+    )
 
 
 def conversation() -> Iterator[tuple[str | None, dict[str, Any]]]:

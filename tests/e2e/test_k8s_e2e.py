@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -14,12 +14,16 @@ import orjson
 import pytest
 import yaml
 
-from llmgw.asgi.testing import SSE_HEAD, ScriptedUpstream, UpstreamRequest, chunk, json_response
+from llmgw.asgi.testing import (
+    ScriptedUpstream,
+    held_stream,
+)
 from llmgw.config import Config, load_dict
 from llmgw.extproc.envoyconfig import build
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.wait import eventually
 
 NS = "models"
 MODEL = "m1"
@@ -27,13 +31,6 @@ CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
 SESSIONS = [f"session-{i}" for i in range(32)]
 pytestmark = pytest.mark.e2e
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -246,20 +243,7 @@ async def test_a_pod_turning_not_ready_finishes_its_stream_through_envoy_and_get
 ) -> None:
     release = asyncio.Event()
 
-    async def slow_stream(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        if request.target != CHAT:  # the scraper's /metrics: not an engine it knows
-            writer.write(json_response(404, b"{}"))
-            return
-        writer.write(SSE_HEAD + chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'))
-        await writer.drain()
-        await release.wait()
-        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-        await writer.drain()
-        writer.close()
-
-    upstream = await ScriptedUpstream(slow_stream).start()
+    upstream = await ScriptedUpstream(held_stream(release, CHAT)).start()
     try:
         port_a = int(upstream.address.rsplit(":", 1)[1])
         a, b = upstream.address, f"127.0.0.1:{fleet.ports[0]}"

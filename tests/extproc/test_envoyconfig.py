@@ -173,3 +173,27 @@ def test_message_timeout_outlasts_activation_wait_when_models_start_on_demand() 
     assert timeout_of(build(static)) == "2s"
     assert timeout_of(build(lazy)) == "50s"
     assert timeout_of(build(lazy, message_timeout=3)) == "3s"
+
+
+def test_original_dst_refuses_a_destination_list_it_cannot_parse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    listed = tmp_path / "listed.yaml"
+    listed.write_text(EXAMPLE.read_text() + "destination_fallbacks: true\n")
+    with pytest.raises(ValueError, match="destination_fallbacks"):
+        build(load_file(listed), shape="original-dst")
+    assert main(["--config", str(listed), "--shape", "original-dst"]) == 2
+    err = capsys.readouterr().err
+    assert "destination_fallbacks" in err and "override-host" in err
+    assert main(["--config", str(listed), "--shape", "override-host"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_override_host_without_the_destination_list_says_retries_skip_llmgws_fallbacks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--config", str(EXAMPLE), "--shape", "override-host"]) == 0
+    err = capsys.readouterr().err
+    assert "destination_fallbacks: true" in err
+    assert main(["--config", str(EXAMPLE), "--shape", "original-dst"]) == 0
+    assert capsys.readouterr().err == ""

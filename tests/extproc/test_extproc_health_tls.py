@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from llmgw.errors import ConfigError
 from llmgw.extproc.server import ExtProcServer, build_parser, server_tls
 from llmgw.extproc.tls import ServerTls
+from llmgw.runtime.controlplanes import StartError
 from llmgw.testing.extproc import make_config
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -99,6 +100,25 @@ async def test_readiness_is_not_serving_when_no_endpoint_is_available() -> None:
         assert await check(srv.ports["grpc"], EXT_PROC) == SERVING
     finally:
         await srv.stop(1.0)
+
+
+async def test_a_failed_start_closes_the_health_port_it_opened() -> None:
+    """Discovery refused (RBAC) after the probe port opened: nothing stays listening."""
+    srv = ExtProcServer(
+        make_config(), host="127.0.0.1", grpc_port=0, grpc_health_port=0, health_port=None,
+        metrics_port=None, scrape=False,
+    )  # fmt: skip
+
+    async def refused() -> None:
+        raise StartError("RBAC: may not list endpointslices")
+
+    srv.router.start = refused  # type: ignore[method-assign]
+    with pytest.raises(StartError):
+        await srv.start()
+    port = srv.ports["grpc_health"]
+    assert port
+    with pytest.raises(grpc.aio.AioRpcError):
+        await check(port, "liveness")
 
 
 async def test_watch_streams_see_the_drain(server: ExtProcServer) -> None:

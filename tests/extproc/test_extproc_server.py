@@ -7,9 +7,8 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -30,16 +29,9 @@ from llmgw.testing.extproc import (
     set_headers,
     wait_for,
 )
+from llmgw.testing.wait import eventually
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-
-
-async def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

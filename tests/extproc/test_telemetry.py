@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmgw.registry import Registry
 from llmgw.runtime.telemetry import Telemetry, decision_reason
 from llmgw.types import Decision, Endpoint, Rationale, ScorerColumn
 
@@ -44,3 +45,39 @@ def test_ttft_prediction_error_is_exported_per_model() -> None:
     assert 'llmgw_ttft_prediction_error_seconds_count{model="chat"} 1.0' in text
     assert 'llmgw_ttft_prediction_error_seconds_bucket{le="0.05",model="chat"} 0.0' in text
     assert 'llmgw_ttft_prediction_error_seconds_bucket{le="0.1",model="chat"} 1.0' in text
+
+
+def test_model_state_lists_on_demand_models_only_not_discovered_ones() -> None:
+    status: dict[str, dict[str, object]] = {
+        "big": {"state": "ready", "starts": 2, "last_start_seconds": 41.5},
+        # Router.models_status also lists discovered models: they have no on-demand state.
+        "llama": {"discovery": {"source": "service llmgw/vllm", "endpoints": []}},
+    }
+    telemetry = Telemetry()
+    telemetry.bind(Registry(), models=lambda: status)
+    sample = telemetry.registry.get_sample_value
+    assert sample("llmgw_model_state", {"model": "big", "state": "ready"}) == 1.0
+    assert sample("llmgw_model_state", {"model": "big", "state": "off"}) == 0.0
+    assert sample("llmgw_model_starts_total", {"model": "big"}) == 2.0
+    assert sample("llmgw_model_last_start_seconds", {"model": "big"}) == 41.5
+    for state in ("off", "starting", "ready", "idle", "failed"):
+        assert sample("llmgw_model_state", {"model": "llama", "state": state}) is None
+
+
+def test_kv_index_series_per_endpoint_only_when_events_are_fed() -> None:
+    from llmgw.kvevents import BlockStored, EventBatch  # noqa: PLC0415
+    from llmgw.registry import Registry  # noqa: PLC0415
+
+    registry = Registry()
+    telemetry = Telemetry()
+    telemetry.bind(registry)
+    assert b"kv_index_blocks" not in telemetry.render()[0]
+    stored = BlockStored((1, 2), None, tuple(range(8)), 4)
+    registry.kv_index.apply_batch("a:1", EventBatch(0, 0.0, (stored,)), 0.0)
+    registry.kv_index.apply_batch("b:1", EventBatch(5, 0.0, ()), 0.0)  # joined late
+    page = telemetry.render()[0].decode()
+    assert 'llmgw_kv_index_blocks{endpoint="a:1"} 2.0' in page
+    assert 'llmgw_kv_events_live{endpoint="a:1"} 1.0' in page
+    assert 'llmgw_kv_events_live{endpoint="b:1"} 0.0' in page
+    assert 'llmgw_kv_event_gaps_total{endpoint="a:1"} 0.0' in page
+    assert 'llmgw_kv_event_lag_seconds{endpoint="a:1"}' in page

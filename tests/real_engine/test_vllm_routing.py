@@ -67,6 +67,9 @@ def envoy_stack(
     pair: list[VllmInstance], strategy: str, shape: str = "original-dst"
 ) -> Iterator[str]:
     config = config_for(pair, strategy)
+    # override-host retries down the destination list: send the fallbacks (ORIGINAL_DST
+    # takes one address).
+    config = config.model_copy(update={"destination_fallbacks": shape == "override-host"})
     extproc = ExtProcThread(config)
     try:
         envoy = EnvoyProcess(

@@ -7,47 +7,28 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client
 
 from llmgw.config import Config, load_dict
 from llmgw.registry import Registry
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.kube.discovery import Discovery
+from llmgw.runtime.router import Router
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.wait import eventually
 from llmgw.types import Endpoint
 
 NS = "models"
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
-
-
 def config_for(**source: Any) -> Config:
     return load_dict({"models": {"chat": {"discovery": source, "strategy": "ring"}}})
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[FakeKubernetes]:
-    async with FakeKubernetes() as fake:
-        yield fake
-
-
-@pytest.fixture
-def api(kube: FakeKubernetes) -> Iterator[Any]:
-    api_client: Any = client.ApiClient(client.Configuration(host=kube.host))
-    yield api_client
-    api_client.close()
 
 
 class Followed:
@@ -192,6 +173,19 @@ async def test_rbac_forbidden_is_a_startup_error_naming_verb_resource_and_role(
     assert "cannot list resource" in message  # the API server's own words
 
 
+async def test_a_router_whose_discovery_is_refused_stops_the_scraper_it_started(
+    kube: FakeKubernetes, api: Any
+) -> None:
+    """The server exits (code 3) or an embedding app carries on: no scrape loop left behind."""
+    kube.forbidden.add("list-slices")
+    config = config_for(service={"namespace": NS, "name": "vllm"})
+    router = Router(config, discovery=Discovery(config, api_client=api, backoff=(0.02, 0.1)))
+    assert router.scraper is not None
+    with pytest.raises(StartError):
+        await router.start()
+    assert router.scraper.running is False
+
+
 # -- pods and InferencePools ---------------------------------------------------------------
 async def test_a_pod_selector_follows_ready_pods_and_drops_not_ready_and_terminating_ones(
     kube: FakeKubernetes, followed: Followed
@@ -243,8 +237,22 @@ async def test_forbidden_inference_pools_is_a_startup_error_naming_the_resource(
         await followed(config_for(inference_pool={"namespace": NS, "name": "chat-pool"}))
 
 
-async def test_llmgw_extproc_refuses_to_start_without_rbac_naming_what_to_apply(
-    kube: FakeKubernetes, tmp_path: Path
+# Every port ephemeral: a fixed default (9003, 8000) may be taken on a shared machine.
+SERVER_ARGS = {
+    "extproc": [
+        "--host=127.0.0.1",
+        "--grpc-port=0",
+        "--grpc-health-port=0",
+        "--health-port=0",
+        "--metrics-port=0",
+    ],
+    "proxy": ["--host=127.0.0.1", "--port=0"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(SERVER_ARGS))
+async def test_the_servers_refuse_to_start_without_rbac_naming_what_to_apply(
+    kube: FakeKubernetes, tmp_path: Path, command: str
 ) -> None:
     """The CLI, as deployed: credentials from KUBECONFIG, exit code 3, the message on stderr."""
     kube.forbidden.add("list-slices")
@@ -269,12 +277,9 @@ async def test_llmgw_extproc_refuses_to_start_without_rbac_naming_what_to_apply(
         sys.executable,
         "-m",
         "llmgw.cli",
-        "extproc",
+        command,
         f"--config={config}",
-        "--host=127.0.0.1",
-        "--grpc-port=0",
-        "--health-port=0",
-        "--metrics-port=0",
+        *SERVER_ARGS[command],
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -288,6 +293,6 @@ async def test_llmgw_extproc_refuses_to_start_without_rbac_naming_what_to_apply(
             await process.wait()
     assert process.returncode == 3, stderr.decode()[-2000:]
     message = stderr.decode()
-    assert "cannot start: RBAC" in message
+    assert f"llmgw {command}: cannot start: RBAC" in message
     assert "may not list endpointslices.discovery.k8s.io in namespace 'models'" in message
     assert "llmgw-discovery" in message

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,11 +17,8 @@ from kubernetes import client
 from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.testing import (
     MODEL,
-    SSE_HEAD,
     ScriptedUpstream,
-    UpstreamRequest,
-    chunk,
-    json_response,
+    held_stream,
     serve,
 )
 from llmgw.config import Config, load_dict
@@ -29,17 +26,11 @@ from llmgw.runtime.kube.discovery import Discovery
 from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.wait import eventually
 
 NS = "models"
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 def service_config() -> Config:
@@ -171,20 +162,7 @@ async def test_a_pod_turning_not_ready_then_terminating_finishes_its_stream_and_
 ):
     release = asyncio.Event()
 
-    async def slow_stream(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        if request.target != CHAT:  # the scraper's /metrics: not an engine we know
-            writer.write(json_response(404, b"{}"))
-            return
-        writer.write(SSE_HEAD + chunk(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n'))
-        await writer.drain()
-        await release.wait()
-        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-        await writer.drain()
-        writer.close()
-
-    upstream = await ScriptedUpstream(slow_stream).start()
+    upstream = await ScriptedUpstream(held_stream(release, CHAT)).start()
     port_a = int(upstream.address.rsplit(":", 1)[1])
     try:
         async with (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +27,11 @@ from llmgw.runtime.controlplanes.local import LocalProcessControlPlane
 from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.wait import eventually
 from llmgw.types import RequestInfo
 
 SCALE_PATH = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
 SLICES_PATH = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll a condition with a deadline (never a bare sleep as synchronisation)."""
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 def k8s_config(
@@ -60,19 +54,6 @@ def k8s_config(
             },
         }
     )
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[FakeKubernetes]:
-    async with FakeKubernetes() as fake:
-        yield fake
-
-
-@pytest.fixture
-def api(kube: FakeKubernetes) -> Iterator[Any]:
-    api_client: Any = client.ApiClient(client.Configuration(host=kube.host))
-    yield api_client
-    api_client.close()
 
 
 class Planes:

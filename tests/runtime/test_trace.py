@@ -19,7 +19,7 @@ from llmgw.config import Config, TraceSpec, load_dict
 from llmgw.extproc.translate import Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import Hooks, Lifecycle
-from llmgw.runtime.trace import TraceWriter, close_trace, session_hash, traced
+from llmgw.runtime.trace import RotatingFile, TraceWriter, close_trace, session_hash, traced
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim import SimFleet
 from llmgw.testing.extproc import (
@@ -30,6 +30,7 @@ from llmgw.testing.extproc import (
     response_headers,
     response_trailers,
 )
+from llmgw.testing.wait import eventually
 
 SECRET = "the-launch-code-is-PURPLE-ELEPHANT-4242 "
 SESSION = "alice@example.com"
@@ -212,3 +213,18 @@ def test_workers_must_not_share_one_trace_file(tmp_path: Path) -> None:
     run_lifecycle(gateway, Hooks("test", finished=writer), 0)
     writer.close()
     assert (tmp_path / f"t.{os.getpid()}.jsonl").exists()
+
+
+async def test_a_buffered_line_reaches_the_file_within_a_second_even_when_traffic_stops(
+    tmp_path: Path,
+) -> None:
+    """`llmgw replay` on a live trace, or a crash after a burst: an idle server must not keep
+    its last lines in the buffer until the next request."""
+    path = tmp_path / "t.jsonl"
+    file = RotatingFile(path, max_bytes=1 << 20, backups=1)
+    try:
+        file.write(b'{"first": 1}\n')
+        file.write(b'{"then": "silence"}\n')
+        await eventually(lambda: path.read_bytes().count(b"\n") == 2, timeout=3.0)
+    finally:
+        file.close()

@@ -82,3 +82,10 @@ def test_chunked_prefill_flag_reaches_the_engine_config() -> None:
     args = build_parser().parse_args(["--max-num-batched-tokens", "512"])
     assert _fleet(args).options.engine_config.max_num_batched_tokens == 512
     assert build_parser().parse_args([]).max_num_batched_tokens is None
+
+
+def test_kv_events_flag_publishes_on_a_free_port_per_replica() -> None:
+    from llmgw.sim.cli import _fleet  # noqa: PLC0415
+
+    assert _fleet(build_parser().parse_args(["--kv-events"])).options.kv_events_port == 0
+    assert _fleet(build_parser().parse_args([])).options.kv_events_port is None

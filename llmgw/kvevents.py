@@ -1,0 +1,166 @@
+"""vLLM KV-cache events as plain values, decoded from msgpack-decoded Python objects (pure).
+
+The wire (`vllm/distributed/kv_events.py`): ZMQ multipart `(topic, 8-byte big-endian
+sequence number, msgpack payload)`; the payload is the array `[ts, [event, ...], dp_rank?]`.
+vLLM encodes events as maps tagged by `type` (`{"type": "BlockStored", ...}`); older
+releases sent arrays tagged by their first element (`["BlockStored", hashes, ...]`):
+both decode here. Engine block hashes are bytes or ints (`ExternalBlockHash`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+EngineHash = bytes | int
+
+
+class KvEventError(ValueError):
+    """A payload that is not a vLLM KV event batch (the message says what was wrong)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    seq: int
+    ts: float
+    events: tuple[KvEvent, ...]
+    dp_rank: int | None = None
+
+
+# Field order of the array-encoded (older msgspec array_like) events, after the tag.
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
+_STORED_TAIL = ("medium", "lora_name")
+
+
+def _hash(value: Any) -> EngineHash:
+    if isinstance(value, bytes | int) and not isinstance(value, bool):
+        return value
+    raise KvEventError(f"block hash must be bytes or int, got {type(value).__name__}")
+
+
+def _hashes(value: Any) -> tuple[EngineHash, ...]:
+    if not isinstance(value, list | tuple):
+        raise KvEventError(f"block_hashes must be a list, got {type(value).__name__}")
+    return tuple(_hash(h) for h in value)
+
+
+def _opt_str(value: Any, name: str) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise KvEventError(f"{name} must be a string or null, got {type(value).__name__}")
+
+
+def _as_map(raw: Any) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        if "type" not in raw:
+            raise KvEventError("event map has no 'type' tag")
+        return raw
+    if isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        tag, values = raw[0], list(raw[1:])
+        names: tuple[str, ...]
+        if tag == "BlockStored":
+            names = (*_STORED_FIELDS, *_STORED_TAIL)
+        elif tag == "BlockRemoved":
+            names = ("block_hashes", "medium")
+        else:
+            names = ()
+        return {"type": tag, **dict(zip(names, values, strict=False))}
+    raise KvEventError(f"an event must be a tagged map or array, got {type(raw).__name__}")
+
+
+def decode_event(raw: Any) -> KvEvent | None:
+    """One event; None for a type this router does not use (newer engines add some)."""
+    fields = _as_map(raw)
+    tag = fields["type"]
+    if tag == "BlockStored":
+        tokens = fields.get("token_ids")
+        if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):
+            raise KvEventError("BlockStored.token_ids must be a list of ints")
+        size = fields.get("block_size")
+        if not isinstance(size, int) or size < 1:
+            raise KvEventError(f"BlockStored.block_size must be a positive int, got {size!r}")
+        parent = fields.get("parent_block_hash")
+        return BlockStored(
+            block_hashes=_hashes(fields.get("block_hashes")),
+            parent_block_hash=None if parent is None else _hash(parent),
+            token_ids=tuple(tokens),
+            block_size=size,
+            lora_name=_opt_str(fields.get("lora_name"), "lora_name"),
+            medium=_opt_str(fields.get("medium"), "medium"),
+        )
+    if tag == "BlockRemoved":
+        return BlockRemoved(
+            _hashes(fields.get("block_hashes")), _opt_str(fields.get("medium"), "medium")
+        )
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    return None
+
+
+def decode_batch(seq: int, payload: Any) -> EventBatch:
+    """`[ts, [event, ...], dp_rank?]` (msgpack-decoded) with its sequence number."""
+    if not isinstance(payload, list | tuple) or len(payload) < 2:
+        raise KvEventError("payload must be the array [ts, [events...], dp_rank?]")
+    ts, raw_events = payload[0], payload[1]
+    if not isinstance(ts, int | float) or not isinstance(raw_events, list | tuple):
+        raise KvEventError("payload must start with a timestamp then a list of events")
+    rank = payload[2] if len(payload) > 2 and isinstance(payload[2], int) else None
+    events = [decode_event(e) for e in raw_events]
+    return EventBatch(seq, float(ts), tuple(e for e in events if e is not None), rank)
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise KvEventError(f"sequence frame must be 8 bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+def encode_events(events: Sequence[KvEvent]) -> list[dict[str, Any]]:
+    """Events as vLLM's tagged maps (tests and tools build payloads with it)."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            out.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": list(e.block_hashes),
+                    "parent_block_hash": e.parent_block_hash,
+                    "token_ids": list(e.token_ids),
+                    "block_size": e.block_size,
+                    "lora_id": None,
+                    "medium": e.medium,
+                    "lora_name": e.lora_name,
+                }
+            )
+        elif isinstance(e, BlockRemoved):
+            out.append(
+                {"type": "BlockRemoved", "block_hashes": list(e.block_hashes), "medium": e.medium}
+            )
+        else:
+            out.append({"type": "AllBlocksCleared"})
+    return out

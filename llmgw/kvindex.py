@@ -1,0 +1,287 @@
+"""Exact prefix-cache contents per endpoint, fed by the engines' own KV-cache events (pure).
+
+`BlockStored` carries the block's token ids, so the router keys blocks by its own chained
+hash of token ids (key_i = hash((key_{i-1}, tokens of block i)), rooted at the LoRA name)
+and maps the engine's hashes to those keys only to apply `BlockRemoved`: it never has to
+reproduce the engine's hash function. An endpoint is *live* when its event stream is
+complete (followed from sequence 0, from an `AllBlocksCleared`, or for `resync_s` since a
+gap); otherwise *unknown*, and the scorer uses the approximate index there instead.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from llmgw.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
+
+
+class KvState(enum.StrEnum):
+    LIVE = "live"
+    UNKNOWN = "unknown"
+
+
+class SeqVerdict(enum.StrEnum):
+    NEXT = "next"  # the expected sequence number
+    FIRST = "first"  # the first batch seen from this endpoint
+    GAP = "gap"  # batches were missed: replay them or the index is incomplete
+    RESTART = "restart"  # the sequence went back: a new engine process, empty cache
+
+
+# Engines put the GPU tier in `medium` (None on older releases); offloaded tiers (CPU,
+# storage) are not what a prefill reuses without a transfer, so they are not counted.
+_GPU_MEDIA = (None, "GPU")
+
+
+@dataclass
+class EndpointKv:
+    """One endpoint's blocks: router key -> engine hash, oldest stored first."""
+
+    blocks: OrderedDict[int, EngineHash] = field(default_factory=OrderedDict)
+    by_engine: dict[EngineHash, int] = field(default_factory=dict)
+    block_size: int | None = None
+    state: KvState = KvState.UNKNOWN
+    unknown_since: float = 0.0
+    reason: str = "no events yet"
+    last_seq: int | None = None
+    last_ts: float | None = None
+    gaps: int = 0
+    restarts: int = 0
+    orphans: int = 0  # stored blocks whose parent was unknown (skipped)
+    lag_s: float = 0.0  # last batch: received - engine timestamp (set by the subscriber)
+
+
+def root_key(lora_name: str | None) -> int:
+    return hash(("llmgw-kv-root", lora_name))
+
+
+def block_keys(
+    token_ids: Sequence[int], block_size: int, lora_name: str | None = None
+) -> list[int]:
+    """Chained keys of the full blocks of a token sequence (a partial tail is not cached)."""
+    key = root_key(lora_name)
+    out: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        key = hash((key, tuple(token_ids[start : start + block_size])))
+        out.append(key)
+    return out
+
+
+class ExactPrefixIndex:
+    """Per endpoint, the blocks its engine reported cached; bounded by `capacity` blocks
+    in all (unknown endpoints lose theirs first, then the largest endpoint its oldest)."""
+
+    def __init__(self, *, capacity: int = 1_000_000, resync_s: float = 10.0) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        if resync_s < 0:
+            raise ValueError(f"resync_s must be >= 0, got {resync_s!r}")
+        self.capacity = capacity
+        self.resync_s = resync_s
+        self._endpoints: dict[str, EndpointKv] = {}
+        self._total = 0
+        self._memo: tuple[Sequence[int] | None, dict[int, list[int]]] = (None, {})
+        self.evicted = 0
+
+    # -- what the scorer reads -----------------------------------------------------------
+    def any_live(self) -> bool:
+        return any(e.state is KvState.LIVE for e in self._endpoints.values())
+
+    def state(self, endpoint_id: str) -> KvState:
+        e = self._endpoints.get(endpoint_id)
+        return KvState.UNKNOWN if e is None else e.state
+
+    def match(self, token_ids: Sequence[int], endpoint_ids: Iterable[str]) -> dict[str, int]:
+        """Live endpoint id -> leading prompt tokens its engine holds (unknown ones absent)."""
+        memo_tokens, keys_by_size = self._memo
+        if memo_tokens is not token_ids:
+            keys_by_size = {}
+            self._memo = (token_ids, keys_by_size)
+        out: dict[str, int] = {}
+        for eid in endpoint_ids:
+            e = self._endpoints.get(eid)
+            if e is None or e.state is not KvState.LIVE:
+                continue
+            size = e.block_size
+            if size is None:
+                out[eid] = 0
+                continue
+            keys = keys_by_size.get(size)
+            if keys is None:
+                keys = keys_by_size[size] = block_keys(token_ids, size)
+            blocks = e.blocks
+            depth = 0
+            for k in keys:
+                if k not in blocks:
+                    break
+                depth += 1
+            out[eid] = depth * size
+        return out
+
+    def size(self, endpoint_id: str | None = None) -> int:
+        if endpoint_id is None:
+            return self._total
+        e = self._endpoints.get(endpoint_id)
+        return 0 if e is None else len(e.blocks)
+
+    def endpoint(self, endpoint_id: str) -> EndpointKv | None:
+        return self._endpoints.get(endpoint_id)
+
+    def endpoints(self) -> dict[str, EndpointKv]:
+        return dict(self._endpoints)
+
+    def stats(self) -> dict[str, dict[str, object]]:
+        return {
+            eid: {
+                "state": str(e.state),
+                "blocks": len(e.blocks),
+                "last_seq": e.last_seq,
+                "gaps": e.gaps,
+                "restarts": e.restarts,
+                "reason": e.reason,
+            }
+            for eid, e in self._endpoints.items()
+        }
+
+    # -- what the subscriber feeds -------------------------------------------------------
+    def expect(self, endpoint_id: str, seq: int) -> SeqVerdict:
+        """How `seq` follows what this endpoint sent before (nothing is changed)."""
+        e = self._endpoints.get(endpoint_id)
+        last = None if e is None else e.last_seq
+        if last is None:
+            return SeqVerdict.FIRST
+        if seq == last + 1:
+            return SeqVerdict.NEXT
+        return SeqVerdict.RESTART if seq <= last else SeqVerdict.GAP
+
+    def apply_batch(self, endpoint_id: str, batch: EventBatch, now: float) -> SeqVerdict:
+        """Follow the sequence (a gap or late join: unknown; a restart: empty), then apply."""
+        verdict = self.expect(endpoint_id, batch.seq)
+        e = self._get(endpoint_id)
+        if verdict is SeqVerdict.RESTART:
+            e.restarts += 1
+            self._clear(e, live=True)
+        elif verdict is SeqVerdict.GAP:
+            e.gaps += 1
+            self._unknown(
+                e,
+                f"missed batches {e.last_seq + 1 if e.last_seq is not None else 0}"
+                f"..{batch.seq - 1}",
+                now,
+            )
+        elif verdict is SeqVerdict.FIRST:
+            if batch.seq == 0:  # the engine's whole history: exact from the start
+                self._clear(e, live=True)
+            else:
+                self._unknown(e, f"joined at sequence {batch.seq}", now)
+        e.last_seq = batch.seq
+        e.last_ts = batch.ts
+        self.apply(endpoint_id, batch.events, now)
+        return verdict
+
+    def apply(
+        self,
+        endpoint_id: str,
+        events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
+        now: float,
+    ) -> None:
+        e = self._get(endpoint_id)
+        for event in events:
+            if isinstance(event, BlockStored):
+                if event.medium in _GPU_MEDIA:
+                    self._store(e, event)
+            elif isinstance(event, BlockRemoved):
+                if event.medium in _GPU_MEDIA:
+                    self._remove(e, event.block_hashes)
+            else:  # AllBlocksCleared: an exact sync point
+                self._clear(e, live=True)
+        resynced = e.last_seq is not None and now - e.unknown_since >= self.resync_s
+        if e.state is KvState.UNKNOWN and resynced:
+            e.state, e.reason = KvState.LIVE, "resynced"
+        if self._total > self.capacity:
+            self._trim()
+
+    def mark_unknown(self, endpoint_id: str, reason: str, now: float) -> None:
+        """The stream broke (disconnect, engine down): empty it, fall back until resync."""
+        e = self._get(endpoint_id)
+        e.last_seq = None
+        self._unknown(e, reason, now)
+
+    def forget(self, endpoint_id: str) -> None:
+        e = self._endpoints.pop(endpoint_id, None)
+        if e is not None:
+            self._total -= len(e.blocks)
+
+    # -- internals -------------------------------------------------------------------------
+    def _get(self, endpoint_id: str) -> EndpointKv:
+        e = self._endpoints.get(endpoint_id)
+        if e is None:
+            e = self._endpoints[endpoint_id] = EndpointKv()
+        return e
+
+    def _unknown(self, e: EndpointKv, reason: str, now: float) -> None:
+        self._clear(e, live=False)
+        e.state, e.reason, e.unknown_since = KvState.UNKNOWN, reason, now
+
+    def _clear(self, e: EndpointKv, *, live: bool) -> None:
+        self._total -= len(e.blocks)
+        e.blocks.clear()
+        e.by_engine.clear()
+        if live:
+            e.state, e.reason = KvState.LIVE, "in sync"
+
+    def _store(self, e: EndpointKv, event: BlockStored) -> None:
+        size = event.block_size
+        if e.block_size != size:
+            if e.block_size is not None:  # a new engine config: old keys mean nothing
+                self._clear(e, live=e.state is KvState.LIVE)
+            e.block_size = size
+        parent = event.parent_block_hash
+        if parent is None:
+            key = root_key(event.lora_name)
+        else:
+            found = e.by_engine.get(parent)
+            if found is None:
+                e.orphans += len(event.block_hashes)
+                return
+            key = found
+        tokens = event.token_ids
+        blocks, by_engine = e.blocks, e.by_engine
+        for i, engine_hash in enumerate(event.block_hashes):
+            chunk = tokens[i * size : (i + 1) * size]
+            if len(chunk) < size:
+                break
+            key = hash((key, chunk))
+            if key in blocks:
+                blocks.move_to_end(key)
+            else:
+                self._total += 1
+            blocks[key] = engine_hash
+            by_engine[engine_hash] = key
+
+    def _remove(self, e: EndpointKv, hashes: Iterable[EngineHash]) -> None:
+        blocks, by_engine = e.blocks, e.by_engine
+        for h in hashes:
+            key = by_engine.pop(h, None)
+            if key is not None and blocks.get(key) == h:
+                del blocks[key]
+                self._total -= 1
+
+    def _trim(self) -> None:
+        # Unknown endpoints are not matched against: their blocks go first.
+        for e in self._endpoints.values():
+            if self._total <= self.capacity:
+                return
+            if e.state is KvState.UNKNOWN:
+                self._total -= len(e.blocks)
+                self.evicted += len(e.blocks)
+                e.blocks.clear()
+                e.by_engine.clear()
+        while self._total > self.capacity:
+            largest = max(self._endpoints.values(), key=lambda x: len(x.blocks))
+            _, engine_hash = largest.blocks.popitem(last=False)
+            largest.by_engine.pop(engine_hash, None)
+            self._total -= 1
+            self.evicted += 1

@@ -1,0 +1,206 @@
+"""A request's prompt -> the token ids the engine will see, for exact prefix matching.
+
+Two schemes (the latency scorer's `tokenizer` param):
+- `sim`: the simulator's deterministic scheme (it has no vocabulary). Chat messages are
+  flattened as `<|role|>\\ncontent\\n` then `<|assistant|>\\n`; the text is cut into
+  4-character tokens whose id is the CRC-32 of their UTF-8 bytes (the last may be
+  shorter). `llmgw.sim.tokens` implements the same; a test keeps the two equal.
+- a path to a Hugging Face `tokenizer.json`: the `tokenizers` library; chat requests are
+  rendered with the model's chat template (`chat_template.jinja` beside it, or
+  `chat_template` in `tokenizer_config.json`) with jinja2, as vLLM does; completions get
+  the tokenizer's special tokens (BOS), chat prompts only the template's own.
+Both are optional extras (`pip install 'llmgw[exact]'`); without them config load fails
+with a message saying so.
+
+Tokenizing is the costly part, so ids are cached per rendered prompt (LRU): a retried or
+fanned-out request, or the same prompt on several pick attempts, is tokenized once.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SIM_CHARS_PER_TOKEN = 4
+
+
+def sim_token_ids(text: str) -> tuple[int, ...]:
+    step = SIM_CHARS_PER_TOKEN
+    crc = zlib.crc32
+    return tuple(crc(text[i : i + step].encode()) for i in range(0, len(text), step))
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
+def sim_chat_prompt(messages: list[Any]) -> str:
+    parts = [
+        f"<|{m.get('role', 'user')}|>\n{_text(m.get('content'))}\n"
+        for m in messages
+        if isinstance(m, dict)
+    ]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+# Encoder: (text, add special tokens) -> (ids, start character offset of each token).
+Encoder = Callable[[str, bool], tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _sim_encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return sim_token_ids(text), tuple(range(0, len(text), SIM_CHARS_PER_TOKEN))
+
+
+class PromptTokenizer:
+    """`raw_prompt` (a messages list or a prompt string) -> token ids, cached two ways: by
+    the whole rendered prompt (LRU), and per session: a conversation's next prompt extends
+    its last one, so only the new text is tokenized, from the last token before the old
+    end (less `margin`) where tokenizing restarts exactly (`restarts(id)`: a special token
+    such as a chat template's role marker, which the tokenizer never merges across).
+    Both caches are bounded by the tokens they hold (`max_tokens` each, ~50 bytes a token
+    with its offset: 1M tokens ~ 50 MB), oldest dropped first."""
+
+    def __init__(
+        self,
+        name: str,
+        render_chat: Callable[[list[Any]], str],
+        encode: Encoder,
+        restarts: Callable[[int], bool] = lambda _: True,
+        max_tokens: int = 1_000_000,
+        margin: int = 8,
+    ) -> None:
+        self.name = name
+        self._render_chat = render_chat
+        self._encode = encode
+        self._restarts = restarts
+        self.max_tokens = max_tokens
+        self.margin = margin
+        self._cache_tokens = 0
+        self._session_tokens = 0
+        self._cache: OrderedDict[tuple[bool, str], tuple[int, ...]] = OrderedDict()
+        # session -> (chat, text, ids, start offsets) of its last prompt
+        self._sessions: OrderedDict[str, tuple[bool, str, tuple[int, ...], tuple[int, ...]]] = (
+            OrderedDict()
+        )
+        self.hits = 0
+        self.misses = 0
+        self.extended = 0  # misses served by extending the session's last prompt
+
+    def tokens(self, raw_prompt: Any, session: str | None = None) -> tuple[int, ...] | None:
+        """None when the request carries no prompt this tokenizer can render."""
+        if isinstance(raw_prompt, list):
+            try:
+                chat, text = True, self._render_chat(raw_prompt)
+            except Exception:  # a template error on odd messages: fall back, never fail the pick
+                return None
+        elif isinstance(raw_prompt, str):
+            chat, text = False, raw_prompt
+        else:
+            return None
+        key = (chat, text)
+        cache = self._cache
+        ids = cache.get(key)
+        if ids is not None:
+            cache.move_to_end(key)
+            self.hits += 1
+            return ids
+        self.misses += 1
+        ids, ends = self._extend(chat, text, session) or self._encode(text, not chat)
+        cache[key] = ids
+        self._cache_tokens += len(ids)
+        while self._cache_tokens > self.max_tokens and len(cache) > 1:
+            self._cache_tokens -= len(cache.popitem(last=False)[1])
+        if session is not None:
+            sessions = self._sessions
+            old = sessions.pop(session, None)
+            if old is not None:
+                self._session_tokens -= len(old[2])
+            sessions[session] = (chat, text, ids, ends)
+            self._session_tokens += len(ids)
+            while self._session_tokens > self.max_tokens and len(sessions) > 1:
+                self._session_tokens -= len(sessions.popitem(last=False)[1][2])
+        return ids
+
+    def _extend(
+        self, chat: bool, text: str, session: str | None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        last = self._sessions.get(session) if session is not None else None
+        if last is None or last[0] != chat or not text.startswith(last[1]):
+            return None
+        _, _, old_ids, old_starts = last
+        restarts = self._restarts
+        keep = len(old_ids) - self.margin
+        while keep > 0 and not restarts(old_ids[keep]):
+            keep -= 1
+        if keep <= 0:
+            return None
+        cut = old_starts[keep]
+        new_ids, new_starts = self._encode(text[cut:], False)
+        self.extended += 1
+        return old_ids[:keep] + new_ids, old_starts[:keep] + tuple(cut + x for x in new_starts)
+
+
+def sim_tokenizer() -> PromptTokenizer:
+    return PromptTokenizer("sim", sim_chat_prompt, _sim_encode)
+
+
+def hf_tokenizer(path: str) -> PromptTokenizer:
+    """From a tokenizer.json; a ValueError says what is missing."""
+    try:
+        import jinja2.sandbox  # noqa: PLC0415 (optional extra, loaded only when configured)
+        from tokenizers import Tokenizer  # noqa: PLC0415
+    except ImportError as exc:
+        raise ValueError(
+            f"tokenizer {path!r} needs the optional packages `tokenizers` and `jinja2` "
+            "(pip install 'llmgw[exact]'); or use tokenizer: sim"
+        ) from exc
+    file = Path(path)
+    try:
+        tok = Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception
+        raise ValueError(f"tokenizer: cannot load {path!r}: {exc}") from exc
+    folder = file.parent
+    settings: dict[str, Any] = {}
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        settings = json.loads(config_file.read_text())
+    template_file = folder / "chat_template.jinja"
+    source = template_file.read_text() if template_file.is_file() else settings.get("chat_template")
+    specials = {k: _token_text(settings.get(k)) for k in ("bos_token", "eos_token")}
+
+    def render(messages: list[Any]) -> str:
+        if not isinstance(source, str):
+            raise ValueError(f"tokenizer {path!r}: no chat template beside it")
+        return str(template.render(messages=messages, add_generation_prompt=True, **specials))
+
+    template: Any = None
+    if isinstance(source, str):
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(source)
+
+    def encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        enc = tok.encode(text, add_special_tokens=special)
+        return tuple(enc.ids), tuple(start for start, _ in enc.offsets)
+
+    special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+    return PromptTokenizer(path, render, encode, special_ids.__contains__)
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer configs
+        return str(value.get("content", ""))
+    return str(value or "")
+
+
+def make_tokenizer(spec: str) -> PromptTokenizer:
+    """`sim` or a path to a tokenizer.json (a ValueError says what to fix)."""
+    if not spec:
+        raise ValueError("tokenizer: empty; use `sim` or the path of a tokenizer.json")
+    return sim_tokenizer() if spec == "sim" else hf_tokenizer(spec)

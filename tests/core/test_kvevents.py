@@ -1,0 +1,83 @@
+"""Decoding vLLM's KV-event payloads (after msgpack): tagged maps, tagged arrays, errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+
+from llmgw.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventError,
+    decode_batch,
+    decode_seq,
+    encode_events,
+)
+
+STORED_MAP = {
+    "type": "BlockStored",
+    "block_hashes": [b"\x01" * 8, 2],
+    "parent_block_hash": None,
+    "token_ids": [1, 2, 3, 4],
+    "block_size": 2,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+    "extra_keys": None,  # newer fields are ignored
+    "group_idx": 0,
+}
+STORED = BlockStored((b"\x01" * 8, 2), None, (1, 2, 3, 4), 2, None, "GPU")
+
+
+@pytest.mark.parametrize(
+    ("raw", "event"),
+    [
+        (STORED_MAP, STORED),
+        # the array form older vLLM releases sent (msgspec array_like, tag first)
+        (["BlockStored", [b"\x01" * 8, 2], None, [1, 2, 3, 4], 2, None, "GPU"], STORED),
+        ({"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}, BlockRemoved((7,), "GPU")),
+        (["BlockRemoved", [7], None], BlockRemoved((7,), None)),
+        ({"type": "AllBlocksCleared"}, AllBlocksCleared()),
+        (["AllBlocksCleared"], AllBlocksCleared()),
+    ],
+)
+def test_decodes_both_encodings_through_msgpack(raw: Any, event: object) -> None:
+    payload = msgpack.unpackb(msgpack.packb([1.5, [raw], 0]))
+    batch = decode_batch(3, payload)
+    assert (batch.seq, batch.ts, batch.dp_rank, batch.events) == (3, 1.5, 0, (event,))
+
+
+def test_unknown_event_types_are_skipped() -> None:
+    batch = decode_batch(0, [0.0, [{"type": "SomethingNew"}, {"type": "AllBlocksCleared"}]])
+    assert batch.events == (AllBlocksCleared(),)
+
+
+def test_encode_then_decode_round_trips() -> None:
+    events = (STORED, BlockRemoved((b"x",), "GPU"), AllBlocksCleared())
+    assert decode_batch(0, [0.0, encode_events(events)]).events == events
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ("nope", "payload must be the array"),
+        ([0.0, "x"], "timestamp then a list"),
+        ([0.0, [{"block_hashes": []}]], "no 'type' tag"),
+        ([0.0, [{**STORED_MAP, "token_ids": "abc"}]], "token_ids must be a list of ints"),
+        ([0.0, [{**STORED_MAP, "block_size": 0}]], "block_size must be a positive int"),
+        ([0.0, [{**STORED_MAP, "block_hashes": [1.5]}]], "bytes or int"),
+        ([0.0, [42]], "tagged map or array"),
+    ],
+)
+def test_bad_payloads_raise_a_clear_error(payload: Any, message: str) -> None:
+    with pytest.raises(KvEventError, match=message):
+        decode_batch(0, payload)
+
+
+def test_sequence_frame_is_8_bytes_big_endian() -> None:
+    assert decode_seq((258).to_bytes(8, "big")) == 258
+    with pytest.raises(KvEventError, match="8 bytes"):
+        decode_seq(b"\x01")

@@ -1,0 +1,149 @@
+"""The exact prefix index: what engines report cached, per endpoint, from KV events."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent
+from llmgw.kvindex import ExactPrefixIndex, KvState, SeqVerdict, block_keys
+
+BS = 4
+TOKENS = tuple(range(100, 116))  # 4 blocks of 4 tokens
+
+
+def stored(first: int, last: int, tokens: tuple[int, ...] = TOKENS, **kw: object) -> BlockStored:
+    """Blocks first..last (inclusive) of `tokens`, engine hashes 'h<i>' chained to h<first-1>."""
+    return BlockStored(
+        block_hashes=tuple(f"h{i}".encode() for i in range(first, last + 1)),
+        parent_block_hash=f"h{first - 1}".encode() if first else None,
+        token_ids=tokens[first * BS : (last + 1) * BS],
+        block_size=BS,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def removed(*blocks: int) -> BlockRemoved:
+    return BlockRemoved(tuple(f"h{i}".encode() for i in blocks))
+
+
+def live_index(*events: KvEvent, **kw: float) -> ExactPrefixIndex:
+    index = ExactPrefixIndex(**kw)  # type: ignore[arg-type]
+    index.apply_batch("a", EventBatch(0, 0.0, tuple(events)), now=0.0)
+    return index
+
+
+@pytest.mark.parametrize(
+    ("events", "prompt", "cached"),
+    [
+        ((stored(0, 3),), TOKENS, 16),
+        ((stored(0, 1),), TOKENS, 8),
+        ((stored(0, 1), stored(2, 3)), TOKENS, 16),  # a later batch chains to its parent
+        ((stored(0, 3),), TOKENS[:10], 8),  # a partial tail block is not cached
+        ((stored(0, 3), removed(2)), TOKENS, 8),  # a hole ends the prefix
+        ((stored(0, 3), removed(0)), TOKENS, 0),
+        ((stored(0, 3), AllBlocksCleared()), TOKENS, 0),
+        ((stored(0, 3), AllBlocksCleared(), stored(0, 0)), TOKENS, 4),
+        ((stored(0, 3),), (1, 2, 3, 4, *TOKENS[4:]), 0),  # another first block: nothing
+        ((stored(2, 3),), TOKENS, 0),  # parent never seen: skipped
+        ((stored(0, 3, medium="CPU"),), TOKENS, 0),  # offloaded tiers do not count
+        ((stored(0, 3, medium="GPU"),), TOKENS, 16),
+        ((stored(0, 3, lora_name="adapter"),), TOKENS, 0),  # another adapter's blocks
+    ],
+)
+def test_longest_cached_prefix_in_tokens(
+    events: tuple[KvEvent, ...], prompt: tuple[int, ...], cached: int
+) -> None:
+    assert live_index(*events).match(prompt, ["a"]) == {"a": cached}
+
+
+def test_keys_are_the_routers_own_chain_not_the_engines_hashes() -> None:
+    other_hashes = BlockStored((7, 8), None, TOKENS[:8], BS)  # int hashes, any function
+    index = live_index(other_hashes)
+    assert index.match(TOKENS, ["a"]) == {"a": 8}
+    assert list(index.endpoint("a").blocks) == block_keys(TOKENS[:8], BS)  # type: ignore[union-attr]
+
+
+def test_unknown_and_unfed_endpoints_are_absent_from_matches() -> None:
+    index = live_index(stored(0, 3))
+    index.mark_unknown("a", "subscriber disconnected", now=1.0)
+    assert index.match(TOKENS, ["a", "b"]) == {}
+    assert index.size("a") == 0
+    assert index.state("b") is KvState.UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("seqs", "verdicts", "state"),
+    [
+        ((0, 1, 2), ["first", "next", "next"], KvState.LIVE),
+        ((0, 2), ["first", "gap"], KvState.UNKNOWN),
+        ((5,), ["first"], KvState.UNKNOWN),  # joined late: history unknown
+        ((0, 1, 0), ["first", "next", "restart"], KvState.LIVE),  # new engine, empty cache
+    ],
+)
+def test_sequence_numbers_decide_live_or_unknown(
+    seqs: tuple[int, ...], verdicts: list[str], state: KvState
+) -> None:
+    index = ExactPrefixIndex(resync_s=10.0)
+    got = [index.apply_batch("a", EventBatch(s, 0.0, ()), now=0.0) for s in seqs]
+    assert got == [SeqVerdict(v) for v in verdicts]
+    assert index.state("a") is state
+
+
+def test_a_gap_empties_the_endpoint_until_resync_time_has_passed() -> None:
+    index = ExactPrefixIndex(resync_s=5.0)
+    index.apply_batch("a", EventBatch(0, 0.0, (stored(0, 1),)), now=0.0)
+    index.apply_batch("a", EventBatch(3, 0.0, (stored(0, 3),)), now=1.0)  # gap
+    assert index.state("a") is KvState.UNKNOWN
+    assert index.endpoint("a").gaps == 1  # type: ignore[union-attr]
+    index.apply_batch("a", EventBatch(4, 0.0, ()), now=5.9)
+    assert index.state("a") is KvState.UNKNOWN
+    index.apply_batch("a", EventBatch(5, 0.0, ()), now=6.0)
+    assert index.state("a") is KvState.LIVE
+    assert index.match(TOKENS, ["a"]) == {"a": 16}  # kept what came after the gap
+
+
+def test_all_blocks_cleared_is_a_sync_point_after_a_gap() -> None:
+    index = ExactPrefixIndex(resync_s=60.0)
+    index.apply_batch("a", EventBatch(0, 0.0, ()), now=0.0)
+    index.apply_batch("a", EventBatch(9, 0.0, (AllBlocksCleared(), stored(0, 0))), now=1.0)
+    assert index.state("a") is KvState.LIVE
+    assert index.match(TOKENS, ["a"]) == {"a": 4}
+
+
+def test_restart_empties_what_the_old_engine_held() -> None:
+    index = ExactPrefixIndex()
+    index.apply_batch("a", EventBatch(0, 0.0, (stored(0, 3),)), now=0.0)
+    index.apply_batch("a", EventBatch(1, 0.0, ()), now=0.0)
+    index.apply_batch("a", EventBatch(0, 0.0, (stored(0, 0),)), now=1.0)
+    assert index.match(TOKENS, ["a"]) == {"a": 4}
+    assert index.endpoint("a").restarts == 1  # type: ignore[union-attr]
+
+
+def test_capacity_drops_unknown_endpoints_then_the_largest_endpoints_oldest() -> None:
+    index = ExactPrefixIndex(capacity=6)
+    other = tuple(range(500, 516))
+    index.apply_batch("big", EventBatch(0, 0.0, (stored(0, 3),)), now=0.0)  # 4 blocks
+    index.apply_batch("small", EventBatch(0, 0.0, (stored(0, 0, other),)), now=0.0)  # 1
+    index.apply_batch("stale", EventBatch(7, 0.0, (stored(0, 0, other),)), now=0.0)  # unknown
+    assert index.size() == 6
+    index.apply_batch("small", EventBatch(1, 0.0, (stored(1, 1, other),)), now=0.0)
+    assert index.size("stale") == 0  # unknown ones go first
+    assert index.size() == 6
+    index.apply_batch("small", EventBatch(2, 0.0, (stored(2, 2, other),)), now=0.0)
+    assert index.size() == 6
+    assert index.size("small") == 3  # its recent blocks stay
+    assert index.size("big") == 3  # the largest lost its oldest block (the first)
+    assert index.match(TOKENS, ["big"]) == {"big": 0}
+
+
+def test_removals_of_blocks_never_stored_are_ignored() -> None:
+    index = live_index(stored(0, 1), removed(5, 6))
+    assert index.match(TOKENS, ["a"]) == {"a": 8}
+    assert index.size() == 2
+
+
+def test_bad_params_say_what_to_fix() -> None:
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        ExactPrefixIndex(capacity=0)
+    with pytest.raises(ValueError, match="resync_s must be >= 0"):
+        ExactPrefixIndex(resync_s=-1)

@@ -1,0 +1,195 @@
+"""The latency scorer on exact cache contents: per endpoint, events when live, else the
+approximate index; the Decision says which; no tokenizing when nothing is live."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmgw.config import load_dict
+from llmgw.kvevents import BlockStored, EventBatch
+from llmgw.kvindex import ExactPrefixIndex
+from llmgw.registry import Registry
+from llmgw.scheduling.plugins import PluginError, make_scorer
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.scheduling.scorers import LatencyScorer
+from llmgw.tokenize import make_tokenizer, sim_chat_prompt, sim_token_ids
+from llmgw.types import RequestInfo
+
+from .helpers import context, state
+
+MESSAGES = [{"role": "system", "content": "s" * 3000}, {"role": "user", "content": "q" * 200}]
+TOKENS = sim_token_ids(sim_chat_prompt(MESSAGES))
+BS = 16
+
+
+def request(rid: str = "r") -> RequestInfo:
+    return RequestInfo(
+        "m", rid, prompt="<|system|>" + "s" * 3000, prompt_tokens=len(TOKENS), raw_prompt=MESSAGES
+    )
+
+
+def feed(index: ExactPrefixIndex, endpoint: str, tokens: tuple[int, ...], seq: int = 0) -> None:
+    blocks = len(tokens) // BS
+    event = BlockStored(tuple(range(blocks)), None, tuple(tokens[: blocks * BS]), BS, medium="GPU")
+    index.apply_batch(endpoint, EventBatch(seq, 0.0, (event,)), now=0.0)
+
+
+def test_live_endpoint_scores_on_what_its_engine_holds() -> None:
+    kv = ExactPrefixIndex()
+    feed(kv, "a:1", TOKENS[:400])  # a holds 400 tokens (25 blocks) of this prompt
+    feed(kv, "b:1", ())  # b is live and holds nothing
+    scorer = LatencyScorer(tokenizer="sim")
+    states = [state("a:1"), state("b:1")]
+    # The approximate index believes b has it all: it must not count where events are live.
+    scorer.index.insert("b:1", scorer.index.hashes(request().prompt))
+    ctx = context(states, request=request())
+    ctx.kv = kv
+    scores = scorer.score(ctx, states)
+    terms = scorer.terms()
+    assert terms["cached_tokens"] == (400.0, 0.0)
+    assert terms["exact"] == (1.0, 1.0)
+    assert scores[0] > scores[1]
+
+
+def test_unknown_endpoint_falls_back_to_the_approximate_index_and_says_so() -> None:
+    kv = ExactPrefixIndex()
+    feed(kv, "a:1", TOKENS[:400])
+    scorer = LatencyScorer(tokenizer="sim")
+    states = [state("a:1"), state("b:1")]  # b: no events at all
+    scorer.index.insert("b:1", scorer.index.hashes(request().prompt))
+    ctx = context(states, request=request())
+    ctx.kv = kv
+    scorer.score(ctx, states)
+    terms = scorer.terms()
+    assert terms["exact"] == (1.0, 0.0)
+    assert terms["cached_tokens"][1] > 0  # the approximate index's guess
+
+
+def test_a_shared_prefix_held_to_the_token_somewhere_does_not_herd_new_sessions() -> None:
+    kv = ExactPrefixIndex()
+    feed(kv, "a:1", TOKENS[:400])  # a holds the shared system prompt, past 6 index blocks
+    feed(kv, "b:1", ())  # b does not hold it yet
+    scorer = LatencyScorer(tokenizer="sim")
+    hashes = scorer.index.hashes(request().prompt)
+    for k in range(3):  # three sessions used the first 6 blocks: a shared prefix
+        scorer.index.insert("a:1", hashes[:6], key=f"other-{k}")
+    states = [state("a:1"), state("b:1")]
+    req = RequestInfo(
+        "m", "r", "new-session", prompt=request().prompt, prompt_tokens=len(TOKENS),
+        raw_prompt=MESSAGES,
+    )  # fmt: skip
+    ctx = context(states, request=req)
+    ctx.kv = kv
+    scores = scorer.score(ctx, states)
+    assert scorer.terms()["cached_tokens"] == (400.0, 400.0)  # not 400 vs 384
+    assert scores[0] == scores[1]
+
+
+def test_no_live_endpoint_means_no_tokenizing() -> None:
+    scorer = LatencyScorer(tokenizer="sim")
+    assert scorer.tokenizer is not None
+    states = [state("a:1")]
+    ctx = context(states, request=request())
+    ctx.kv = ExactPrefixIndex()
+    scorer.score(ctx, states)
+    assert scorer.tokenizer.misses == scorer.tokenizer.hits == 0
+    assert scorer.terms()["exact"] == (0.0,)
+
+
+def test_decision_says_exact_and_cached_tokens() -> None:
+    config = load_dict(
+        {
+            "models": {
+                "m": {
+                    "endpoints": ["a:1", "b:1"],
+                    "strategy": {"scorers": {"latency": {"params": {"tokenizer": "sim"}}}},
+                }
+            }
+        }
+    )
+    registry = Registry()
+    scheduler = Scheduler(config, registry)
+    feed(registry.kv_index, "a:1", TOKENS[:400])
+    feed(registry.kv_index, "b:1", ())
+    decision = scheduler.pick(request())
+    assert decision.endpoint.address == "a:1"
+    assert "cached_tokens=400" in decision.describe()
+    assert "exact=1" in decision.describe()
+    assert decision.prefill_tokens == len(TOKENS) - 400
+
+
+def test_tokenizer_param_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(PluginError, match="cannot load"):
+        make_scorer("latency", {"tokenizer": str(tmp_path / "missing.json")})
+
+
+def test_hf_tokenizer_renders_the_chat_template(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers  # noqa: PLC0415
+
+    vocab = {"[UNK]": 0, "<s>": 1, "<|user|>": 2, "hi": 3, "<|assistant|>": 4}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "<|user|>", "<|assistant|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    scorer = LatencyScorer(tokenizer=str(tmp_path / "tokenizer.json"))
+    assert scorer.tokenizer is not None
+    assert scorer.tokenizer.tokens([{"role": "user", "content": "hi"}]) == (1, 2, 3, 4)
+    assert scorer.tokenizer.tokens("hi") == (3,)
+    assert scorer.tokenizer.tokens(None) is None
+
+
+def _wordlevel(tmp_path: Path) -> str:
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers  # noqa: PLC0415
+
+    words = ["[UNK]", "<s>", "<|user|>", "<|assistant|>", "hi", "there", "more", "words"]
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "<|user|>", "<|assistant|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return str(tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("spec", ["sim", "wordlevel"])
+def test_a_sessions_next_prompt_extends_its_last_tokens_equal_to_a_full_encode(
+    spec: str, tmp_path: Path
+) -> None:
+    name = _wordlevel(tmp_path) if spec == "wordlevel" else "sim"
+    incremental, fresh = make_tokenizer(name), make_tokenizer(name)
+    messages: list[dict[str, str]] = []
+    words = ["hi", "there", "more", "words", "unknown"]
+    for turn in range(12):
+        messages.append({"role": "user", "content": " ".join(words[: 1 + turn % 5] * 3)})
+        got = incremental.tokens(list(messages), "session-1")
+        fresh._cache.clear()
+        assert got == fresh.tokens(list(messages)), f"turn {turn}"
+        messages.append({"role": "assistant", "content": " ".join(words[turn % 5 :] * 2)})
+    assert incremental.extended >= 10  # most turns tokenized only their new text
+
+
+def test_token_caches_hold_at_most_max_tokens() -> None:
+    from llmgw.tokenize import (  # noqa: PLC0415
+        PromptTokenizer,
+        _sim_encode,
+        sim_chat_prompt,
+    )
+
+    tok = PromptTokenizer("sim", sim_chat_prompt, _sim_encode, max_tokens=100)
+    for i in range(50):
+        assert tok.tokens(f"{i:04d}" * 10, session=f"s{i}") is not None  # 10 tokens each
+    assert tok._cache_tokens <= 100 and len(tok._cache) == 10
+    assert tok._session_tokens <= 100 and len(tok._sessions) == 10
+    assert tok.tokens("0049" * 10) is not None and tok.hits == 1  # the newest stayed

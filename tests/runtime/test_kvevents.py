@@ -1,0 +1,152 @@
+"""The KV-event subscriber against the simulator's ZMQ publisher (vLLM's wire format), over
+loopback: discovery, exact cached tokens, replay of a lost batch, a gap without replay, an
+engine restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+
+from llmgw.config import KvEventsSpec
+from llmgw.kvindex import KvState
+from llmgw.registry import Registry
+from llmgw.runtime.kvevents import KvEventSubscriber, source_from_engine
+from llmgw.sim import SimFleet
+from llmgw.sim.replica import Replica
+from llmgw.sim.tokens import block_hashes, chat_prompt, token_ids
+
+pytest.importorskip("zmq")
+
+BS = 16
+SYSTEM = "you are a helpful assistant. " * 30  # ~ 900 chars: several full blocks
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for a condition the event loop will make true (polled, bounded)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[SimFleet]:
+    async with SimFleet(replicas=1, time_scale=0, seed=1, kv_events_port=0, block_size=BS) as f:
+        yield f
+
+
+@contextlib.asynccontextmanager
+async def following(
+    replica: Replica, spec: KvEventsSpec, registry: Registry
+) -> AsyncIterator[KvEventSubscriber]:
+    sub = KvEventSubscriber(registry, f"127.0.0.1:{replica.port}", spec, retry_s=0.05)
+    task = asyncio.create_task(sub.run())
+    try:
+        await asyncio.wait_for(sub.connected.wait(), 5.0)
+        yield sub
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def chat(replica: Replica, user: str) -> list[dict[str, object]]:
+    messages: list[dict[str, object]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": user},
+    ]
+    async with httpx.AsyncClient(base_url=replica.url, timeout=10) as client:
+        r = await client.post(
+            "/v1/chat/completions", json={"model": "m1", "messages": messages, "max_tokens": 2}
+        )
+        assert r.status_code == 200
+    return messages
+
+
+def engine_hit_tokens(replica: Replica, messages: list[dict[str, object]]) -> int:
+    return replica.engine().kv.match_prefix(block_hashes(chat_prompt(messages), BS)) * BS
+
+
+async def test_discovered_events_predict_the_engines_cached_tokens(fleet: SimFleet) -> None:
+    replica = fleet.replicas[0]
+    registry = Registry()
+    eid = f"127.0.0.1:{replica.port}"
+    async with following(replica, KvEventsSpec(discover=True), registry) as sub:
+        assert sub.source is not None and sub.source.topic == "kv"
+        messages = await chat(replica, "first question")
+        await until(lambda: registry.kv_index.size(eid) > 0)
+        assert registry.kv_index.state(eid) is KvState.LIVE
+        for user in ("first question", "another question entirely"):
+            probe: list[dict[str, object]] = [messages[0], {"role": "user", "content": user}]
+            ids = token_ids(chat_prompt(probe))
+            predicted = registry.kv_index.match(ids, [eid])[eid]
+            assert predicted == engine_hit_tokens(replica, probe) > 0
+        assert sub.stats.lag_s < 5.0
+        assert sub.stats.bad_messages == 0
+
+
+async def test_a_lost_batch_is_replayed(fleet: SimFleet) -> None:
+    replica = fleet.replicas[0]
+    registry = Registry()
+    eid = f"127.0.0.1:{replica.port}"
+    async with following(replica, KvEventsSpec(discover=True), registry) as sub:
+        await chat(replica, "one")
+        await until(lambda: sub.stats.batches >= 1)
+        assert replica.kv_publisher is not None
+        replica.kv_publisher.drop_next = 1  # the next batch never reaches the SUB socket
+        await chat(replica, "two " * 100)
+        await chat(replica, "three " * 100)
+        await until(lambda: sub.stats.replayed >= 1)
+        assert sub.stats.gaps == 0
+        assert registry.kv_index.state(eid) is KvState.LIVE
+
+
+async def test_a_gap_without_replay_marks_the_endpoint_unknown(fleet: SimFleet) -> None:
+    replica = fleet.replicas[0]
+    assert replica.kv_publisher is not None
+    registry = Registry()
+    eid = f"127.0.0.1:{replica.port}"
+    spec = KvEventsSpec(endpoint=f"tcp://{{host}}:{replica.kv_publisher.port}", topic="kv")
+    async with following(replica, spec, registry) as sub:
+        await chat(replica, "one")
+        await until(lambda: sub.stats.batches >= 1)
+        replica.kv_publisher.drop_next = 1
+        await chat(replica, "two " * 100)
+        await chat(replica, "three " * 100)
+        await until(lambda: sub.stats.gaps >= 1)
+        assert registry.kv_index.state(eid) is KvState.UNKNOWN
+        assert "missed batches" in registry.kv_index.endpoint(eid).reason  # type: ignore[union-attr]
+
+
+async def test_engine_restart_empties_the_endpoint_within_a_second(fleet: SimFleet) -> None:
+    replica = fleet.replicas[0]
+    registry = Registry()
+    eid = f"127.0.0.1:{replica.port}"
+    async with following(replica, KvEventsSpec(discover=True), registry) as sub:
+        await chat(replica, "one")
+        await until(lambda: registry.kv_index.size(eid) > 0)
+        await replica.stop()
+        await until(lambda: registry.kv_index.size(eid) == 0, timeout=1.0)
+        assert registry.kv_index.state(eid) is KvState.UNKNOWN
+        await replica.start()  # same HTTP port, a new publisher from sequence 0
+        await until(sub.connected.is_set)
+        await chat(replica, "after restart")
+        await until(lambda: registry.kv_index.state(eid) is KvState.LIVE)
+        assert registry.kv_index.size(eid) > 0
+
+
+def test_engine_sources_answer_is_read_like_vllms() -> None:
+    body = b'{"0": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": "kv"}}'
+    source = source_from_engine(body, "10.0.0.5")
+    assert source is not None
+    assert (source.endpoint, source.replay_endpoint, source.topic) == (
+        "tcp://10.0.0.5:5557",
+        None,
+        "kv",
+    )
+    assert source_from_engine(b"{}", "h") is None
+    off = b'{"0": {"enable_kv_cache_events": false, "endpoint": "tcp://*:1"}}'
+    assert source_from_engine(off, "h") is None

@@ -1,0 +1,84 @@
+"""The simulator publishes vLLM's KV events from its prefix cache; fed to the router's exact
+index they predict exactly what the engine's prefix cache will hit."""
+
+from __future__ import annotations
+
+import random
+
+import msgpack
+
+from llmgw.kvevents import EventBatch, decode_batch
+from llmgw.kvindex import ExactPrefixIndex
+from llmgw.sim.kvcache import KVCache
+from llmgw.sim.model import EngineConfig, EngineModel, SeqRequest
+from llmgw.sim.tokens import block_hashes, chat_prompt, count_tokens, token_ids
+from llmgw.tokenize import sim_chat_prompt, sim_token_ids, sim_tokenizer
+
+BS = 4
+
+
+def test_sim_and_router_token_schemes_are_the_same() -> None:
+    messages: list[dict[str, object]] = [
+        {"role": "system", "content": "be brief ✓"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image"}]},
+    ]
+    assert sim_chat_prompt(messages) == chat_prompt(messages)
+    text = chat_prompt(messages) + "odd tail"
+    assert sim_token_ids(text) == token_ids(text)
+    assert len(token_ids(text)) == count_tokens(text)
+    assert sim_tokenizer().tokens(messages) == token_ids(chat_prompt(messages))
+
+
+def test_cache_records_stored_removed_and_cleared_events() -> None:
+    kv = KVCache(3, publish_events=True, block_size=BS)
+    text = "x" * (BS * 4 * 2)  # two full blocks
+    hashes = block_hashes(text, BS)
+    alloc = kv.allocate(hashes, 2, token_ids(text))
+    (event,) = kv.drain_events()
+    assert event["type"] == "BlockStored"
+    assert event["block_hashes"] == list(hashes)
+    assert event["parent_block_hash"] is None
+    assert event["token_ids"] == list(token_ids(text))
+    kv.free(alloc)
+    other = "y" * (BS * 4 * 2)
+    kv.allocate(block_hashes(other, BS), 3, token_ids(other))  # evicts both cached blocks
+    events = kv.drain_events()
+    assert [e["type"] for e in events] == ["BlockRemoved", "BlockStored"]
+    assert sorted(events[0]["block_hashes"]) == sorted(hashes)
+    kv.clear_cache()
+    assert kv.drain_events() == [{"type": "AllBlocksCleared"}]
+
+
+def test_events_off_records_nothing() -> None:
+    kv = KVCache(4, block_size=BS)
+    text = "x" * (BS * 4)
+    kv.allocate(block_hashes(text, BS), 1, token_ids(text))
+    assert kv.drain_events() == []
+
+
+def test_index_fed_by_engine_events_predicts_every_prefix_hit() -> None:
+    """Under eviction pressure, the index's cached tokens equal the engine's hits."""
+    rng = random.Random(7)
+    engine = EngineModel(EngineConfig(kv_blocks=40, block_size=BS, max_num_seqs=4, kv_events=True))
+    index = ExactPrefixIndex()
+    prefixes = [
+        "".join(rng.choice("abcdef") for _ in range(rng.randint(16, 120))) for _ in range(6)
+    ]
+    index.apply_batch("e", EventBatch(0, 0.0, ()), 0.0)  # the engine's first (empty) batch
+    seq_no, now, checked = 1, 0.0, 0
+    for _ in range(150):
+        text = rng.choice(prefixes) + "".join(rng.choice("xyz") for _ in range(rng.randint(0, 40)))
+        hashes = block_hashes(text, BS)
+        ids = token_ids(text)
+        predicted = index.match(ids, ["e"]).get("e")
+        assert predicted == engine.kv.match_prefix(hashes) * BS
+        checked += 1
+        engine.submit(SeqRequest(count_tokens(text), 2, hashes, token_ids=ids), now)
+        while engine.has_work:
+            now += engine.schedule(now)
+            engine.complete(now)
+            payload = msgpack.unpackb(msgpack.packb([now, engine.drain_kv_events()]))
+            index.apply_batch("e", decode_batch(seq_no, payload), now)
+            seq_no += 1
+    assert checked == 150
+    assert 0 < index.size("e") <= 40
