@@ -71,7 +71,8 @@ def strategy(name: str) -> dict[str, Any]:
 def feed_kv(sched: Scheduler, registry: Registry, reqs: list[RequestInfo]) -> None:
     """Every endpoint live, holding the blocks of a few prompts (16-token blocks)."""
     router = sched.router("chat")
-    scorer = next(s for s, _ in router.scorers if s.name == "latency")
+    # `chat` strategies have no latency scorer (next() without a default raised there).
+    scorer = next((s for s, _ in router.scorers if s.name == "latency"), None)
     tokenizer = getattr(scorer, "tokenizer", None)
     if tokenizer is None:
         return
