@@ -9,6 +9,12 @@ Each configuration gets a registry of N endpoints with fresh, varied engine metr
 prompts that share a few system prefixes. Prints a table and writes JSON.
 
     python bench/pick_latency.py [--picks 5000] [--repeat 3] [--strategies latency,chat]
+
+`--baseline REV` compares against the code of a git revision in the same run (A/B, one
+process per measurement, alternating, so both see the same machine load): a shared
+machine moves absolute numbers by tens of percent, the ratio far less.
+
+    python bench/pick_latency.py --baseline HEAD~3 --strategies latency
 """
 
 from __future__ import annotations
@@ -16,20 +22,27 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from llmgw.config import load_dict
-from llmgw.kvevents import BlockStored, EventBatch
-from llmgw.registry import Registry
-from llmgw.scheduling.scheduler import Scheduler
-from llmgw.scheduling.strategies import PRESETS
-from llmgw.types import EngineMetrics, RequestInfo
+ROOT = Path(__file__).resolve().parent
+# The checkout's own `llmgw` (or a baseline's, for --baseline), not an installed one.
+sys.path.insert(0, os.environ.get("PICK_LATENCY_CODE", str(ROOT.parent)))
+
+from llmgw.config import load_dict  # noqa: E402
+from llmgw.kvevents import BlockStored, EventBatch  # noqa: E402
+from llmgw.registry import Registry  # noqa: E402
+from llmgw.scheduling.scheduler import Scheduler  # noqa: E402
+from llmgw.scheduling.strategies import PRESETS  # noqa: E402
+from llmgw.types import EngineMetrics, RequestInfo  # noqa: E402
 
 SIZES = (4, 16, 64, 256)
 PROMPT_BYTES = 2048
@@ -38,7 +51,6 @@ RESCRAPE_EVERY = 200  # picks between two scrapes of every endpoint
 # p50 targets: chat without its prefix scorer (issue 2); the latency default (issue 13).
 TARGETS_US = {"chat-no-prefix": {16: 20.0, 256: 150.0}, "latency": {16: 30.0, 256: 200.0}}
 STRATEGIES = ("chat-no-prefix", "chat", "latency", "latency-exact")
-ROOT = Path(__file__).resolve().parent
 
 
 TOKENIZER = "sim"  # --tokenizer: a tokenizer.json path for latency-exact
@@ -59,7 +71,8 @@ def strategy(name: str) -> dict[str, Any]:
 def feed_kv(sched: Scheduler, registry: Registry, reqs: list[RequestInfo]) -> None:
     """Every endpoint live, holding the blocks of a few prompts (16-token blocks)."""
     router = sched.router("chat")
-    scorer = next(s for s, _ in router.scorers if s.name == "latency")
+    # `chat` strategies have no latency scorer (next() without a default raised there).
+    scorer = next((s for s, _ in router.scorers if s.name == "latency"), None)
     tokenizer = getattr(scorer, "tokenizer", None)
     if tokenizer is None:
         return
@@ -188,17 +201,90 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _measure_in(code: Path, n: int, name: str, picks: int, seed: int) -> dict[str, float]:
+    """One measurement in a fresh process importing `llmgw` from `code`."""
+    env = {**os.environ, "PICK_LATENCY_CODE": str(code)}
+    argv = [
+        sys.executable,
+        __file__,
+        "--one",
+        f"{n},{name},{picks},{seed}",
+        "--tokenizer",
+        TOKENIZER,
+    ]
+    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
+    result: dict[str, float] = json.loads(out)
+    return result
+
+
+def compare(rev: str, picks: int, repeat: int, names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """p50 of the checkout vs `rev`, measured alternately (best of `repeat` each)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pick-baseline-") as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT.parent), "archive", rev, "llmgw"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        for name in names:
+            for n in SIZES:
+                base: list[float] = []
+                new: list[float] = []
+                for k in range(repeat):
+                    base.append(_measure_in(Path(tmp), n, name, picks, k)["p50_us"])
+                    new.append(_measure_in(ROOT.parent, n, name, picks, k)["p50_us"])
+                rows.append(
+                    {
+                        "endpoints": n,
+                        "strategy": name,
+                        "baseline": rev,
+                        "baseline_p50_us": round(min(base), 2),
+                        "p50_us": round(min(new), 2),
+                        "ratio": round(min(new) / min(base), 3),
+                    }
+                )
+    return rows
+
+
+def compare_table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'strategy':>14}  {'endpoints':>9}  {'before µs':>9}  {'after µs':>9}  ratio"]
+    lines.append("-" * 56)
+    for r in rows:
+        lines.append(
+            f"{r['strategy']:>14}  {r['endpoints']:>9}  {r['baseline_p50_us']:>9.1f}  "
+            f"{r['p50_us']:>9.1f}  {r['ratio']:.2f}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--picks", type=int, default=5000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "pick_latency.json")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--baseline", metavar="REV", help="compare with a git revision (A/B)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # N,STRATEGY,PICKS,SEED: a child
     parser.add_argument("--tokenizer", default="sim", help="for latency-exact: sim or a path")
     args = parser.parse_args(argv)
     global TOKENIZER  # noqa: PLW0603 (one setting for the whole run)
     TOKENIZER = args.tokenizer
-    rows = run(args.picks, args.repeat, tuple(args.strategies.split(",")))
+    names = tuple(args.strategies.split(","))
+    if args.one:
+        n, name, picks, seed = args.one.split(",")
+        print(json.dumps(measure(int(n), name, int(picks), int(seed))))
+        return 0
+    if args.baseline:
+        rows = compare(args.baseline, args.picks, args.repeat, names)
+        print(f"Scheduler.pick p50, this checkout vs {args.baseline} (same run, alternating)")
+        print(compare_table(rows))
+        out = args.out.with_name(args.out.stem + "_ab.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"benchmark": "pick_latency_ab", "results": rows}, indent=2))
+        print(f"wrote {out}")
+        return 0
+    rows = run(args.picks, args.repeat, names)
     print("Scheduler.pick latency (2 KB prompts, fresh metrics)")
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ Zadimoghaddam 2018): a replica whose load would exceed ceil(c * mean) is skipped
 
 from __future__ import annotations
 
+import functools
 import math
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Mapping
@@ -63,6 +64,10 @@ class HashRing:
         )
         self._positions = [p for p, _ in points]
         self._owners = [r for _, r in points]
+        # Sessions come back: a C-level LRU of their walks skips the hash and the bisect
+        # (scattered reads of the 100-per-replica point list) on every pick. Per ring, so
+        # it dies with the replica set it was computed for.
+        self._walks = functools.lru_cache(maxsize=4096)(self._candidates)
 
     def __len__(self) -> int:
         return len(self.replica_ids)
@@ -86,7 +91,10 @@ class HashRing:
 
     def candidates(self, key: str) -> list[str]:
         """Primary first, then up to `num_fallback_replicas` distinct replicas clockwise."""
-        # The same walk as `_walk`, without a generator: this runs on every pick.
+        return list(self._walks(key))  # a new list: the cached tuple stays as computed
+
+    def _candidates(self, key: str) -> tuple[str, ...]:
+        # The same walk as `_walk`, without a generator.
         positions, owners = self._positions, self._owners
         n = len(positions)
         limit = min(1 + self.num_fallback_replicas, len(self.replica_ids))
@@ -99,7 +107,7 @@ class HashRing:
             if rid not in out:
                 out.append(rid)
             i += 1
-        return out
+        return tuple(out)
 
     def bounded_candidates(self, key: str, load: Mapping[str, int], c: float) -> list[str]:
         """Like `candidates`, but replicas at capacity ceil(c * (total + 1) / n) are passed over.

@@ -208,3 +208,82 @@ class Decision:
 
     def describe(self) -> str:
         return self.rationale.summary(self.endpoint.id)
+
+
+# -- fast constructors for the values built on every pick ---------------------------------
+# A frozen dataclass's generated __init__ calls object.__setattr__ once per field; setting
+# the slots through their descriptors builds the same object ~2.5x faster (0.38 vs 0.97 µs
+# for a Rationale), which is ~2.5 µs of a 16-endpoint pick (one Decision, one Rationale,
+# a column per scorer). All fields are positional and required; tests check every field.
+_new = object.__new__
+_sc_name, _sc_weight, _sc_raw, _sc_term_names, _sc_term_rows = (
+    getattr(ScorerColumn, f).__set__ for f in ScorerColumn.__slots__
+)
+# (A field added to a class fails these unpackings at import: the constructors must follow.)
+_ra_strategy, _ra_picker, _ra_ids, _ra_columns, _ra_totals, _ra_drops, _ra_considered = (
+    getattr(Rationale, f).__set__ for f in Rationale.__slots__
+)
+_de_model, _de_endpoint, _de_fallbacks, _de_rationale, _de_ready, _de_ttft, _de_tokens, _de_at = (
+    getattr(Decision, f).__set__ for f in Decision.__slots__
+)
+
+
+def new_scorer_column(
+    name: str,
+    weight: float,
+    raw: tuple[float, ...],
+    term_names: tuple[str, ...],
+    term_rows: Sequence[tuple[float, ...]],
+) -> ScorerColumn:
+    """`ScorerColumn(...)`, faster (see above)."""
+    column: ScorerColumn = _new(ScorerColumn)
+    _sc_name(column, name)
+    _sc_weight(column, weight)
+    _sc_raw(column, raw)
+    _sc_term_names(column, term_names)
+    _sc_term_rows(column, term_rows)
+    return column
+
+
+def new_rationale(
+    strategy: str,
+    picker: str,
+    endpoint_ids: tuple[str, ...],
+    columns: tuple[ScorerColumn, ...],
+    totals: tuple[float, ...],
+    filter_drops: tuple[tuple[str, int], ...],
+    considered: int,
+) -> Rationale:
+    """`Rationale(...)`, faster (see above)."""
+    out: Rationale = _new(Rationale)
+    _ra_strategy(out, strategy)
+    _ra_picker(out, picker)
+    _ra_ids(out, endpoint_ids)
+    _ra_columns(out, columns)
+    _ra_totals(out, totals)
+    _ra_drops(out, filter_drops)
+    _ra_considered(out, considered)
+    return out
+
+
+def new_decision(
+    model: str,
+    endpoint: Endpoint,
+    fallbacks: tuple[Endpoint, ...],
+    why: Rationale,
+    ready_at: float | None,
+    predicted_ttft: float | None,
+    prefill_tokens: float | None,
+    at: float | None = None,
+) -> Decision:
+    """`Decision(...)`, faster (see above)."""
+    out: Decision = _new(Decision)
+    _de_model(out, model)
+    _de_endpoint(out, endpoint)
+    _de_fallbacks(out, fallbacks)
+    _de_rationale(out, why)
+    _de_ready(out, ready_at)
+    _de_ttft(out, predicted_ttft)
+    _de_tokens(out, prefill_tokens)
+    _de_at(out, at)
+    return out

@@ -49,7 +49,7 @@ def session_hash(key: str) -> str:
 def _terms(rationale: Rationale) -> dict[str, list[float]] | None:
     """{endpoint: [queue, prefill, step] ms} from the latency scorer's column, if any."""
     for column in rationale.columns:
-        if column.term_names[1:] == ("queue_s", "prefill_s", "step_s") and column.term_rows:
+        if column.term_names[1:4] == ("queue_s", "prefill_s", "step_s") and column.term_rows:
             ids, rows = rationale.endpoint_ids, column.term_rows
             return {e: [r[1] * 1e3, r[2] * 1e3, r[3] * 1e3] for e, r in zip(ids, rows, strict=True)}
     return None

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from operator import attrgetter
 
 from llmgw.breaker import BreakerState
 from llmgw.errors import NoCapacity, NoHealthyEndpoint
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
+
+_breaker_state = attrgetter("breaker.state")
+_serves_model = attrgetter("serves_model")
 
 
 def _kept(candidates: list[EndpointState], kept: list[EndpointState]) -> list[EndpointState]:
@@ -24,8 +28,11 @@ class HealthyFilter:
     empty_message = "every endpoint of model {model!r} is failing (circuit open); retry shortly"
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
-        now = ctx.now
         closed = BreakerState.CLOSED  # the common case, without a call
+        # All closed (nearly every pick): counted at C level, ~5x faster than a Python loop.
+        if list(map(_breaker_state, candidates)).count(closed) == len(candidates):
+            return candidates
+        now = ctx.now
         return _kept(
             candidates,
             [s for s in candidates if s.breaker.state is closed or s.breaker.available(now)],
@@ -40,6 +47,8 @@ class ModelServesFilter:
     empty_message = "no endpoint currently serves model {model!r}"
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
+        if False not in map(_serves_model, candidates):  # C level: the common case
+            return candidates
         return _kept(candidates, [s for s in candidates if s.serves_model is not False])
 
 

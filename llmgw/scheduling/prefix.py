@@ -8,8 +8,9 @@ it, bounded in entries, so memory stays flat however many sessions pass.
 from __future__ import annotations
 
 from collections import OrderedDict
+from itertools import islice
 
-import mmh3
+from llmgw.scheduling.blockhash import BlockHasher
 
 
 class PrefixIndex:
@@ -21,6 +22,7 @@ class PrefixIndex:
         self.block_chars = block_chars
         self.max_blocks = max_blocks
         self.capacity = capacity
+        self._hasher = BlockHasher(block_chars, max_blocks)
         self._owners: dict[int, set[str]] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
         # Per block: how many times the key using it changed (a count of distinct sessions
@@ -31,32 +33,33 @@ class PrefixIndex:
 
     def hashes(self, prompt: str) -> list[int]:
         """Chained hashes of the prompt's full blocks (a partial tail block is not cached)."""
-        data = prompt.encode("utf-8", "surrogatepass")
-        size = self.block_chars
-        n = min(len(data) // size, self.max_blocks)
-        out: list[int] = []
-        prev = 0
-        for i in range(n):
-            prev = mmh3.hash64(data[i * size : (i + 1) * size], seed=prev & 0xFFFFFFFF)[0]
-            out.append(prev)
-        return out
+        return self._hasher.hashes(prompt)
 
-    def match(self, hashes: list[int]) -> dict[str, int]:
-        """Endpoint id -> number of leading blocks it holds (only endpoints holding >= 1)."""
+    def match(self, hashes: list[int], deeper_than: int = 0) -> dict[str, int]:
+        """Endpoint id -> number of leading blocks it holds (only endpoints holding more than
+        `deeper_than`, which are all that hold one by default)."""
+        owners_of = self._owners
+        alive = owners_of.get(hashes[0]) if hashes else None
+        if not alive:
+            return {}
         matched: dict[str, int] = {}
-        if not hashes:
-            return matched
-        alive = set(self._owners.get(hashes[0], ()))
-        for depth, h in enumerate(hashes):
-            if depth:
-                owners = self._owners.get(h)
-                if not owners:
-                    break
-                alive &= owners
-            if not alive:
+        # Each endpoint is written once, at the depth where its run ends: a system prompt
+        # all of 256 endpoints hold used to be rewritten at every one of its blocks.
+        depth = 1
+        for h in islice(hashes, 1, None):
+            owners = owners_of.get(h)
+            if not owners:
                 break
-            for eid in alive:
-                matched[eid] = depth + 1
+            if not alive <= owners:  # a subset test allocates nothing (a shared prompt)
+                still = alive & owners
+                if depth > deeper_than:
+                    matched.update(dict.fromkeys(alive - still, depth))
+                if not still:
+                    return matched
+                alive = still
+            depth += 1
+        if depth > deeper_than:
+            matched.update(dict.fromkeys(alive, depth))
         return matched
 
     def shared_depth(self, hashes: list[int], min_sharers: int) -> int:
@@ -70,20 +73,28 @@ class PrefixIndex:
         return depth
 
     def insert(self, endpoint_id: str, hashes: list[int], key: str | None = None) -> None:
-        if key is not None:
-            last_key, sharers = self._last_key, self._sharers
-            for h in hashes:
-                if last_key.get(h) != key:
-                    last_key[h] = key
-                    sharers[h] = sharers.get(h, 0) + 1
-        lru = self._lru.setdefault(endpoint_id, OrderedDict())
+        lru = self._lru.get(endpoint_id)
+        if lru is None:
+            lru = self._lru[endpoint_id] = OrderedDict()
+        owners_of = self._owners
+        last_key, sharers = self._last_key, self._sharers
+        move_to_end = lru.move_to_end
+        # One pass per block (this runs on every pick): sharers, then the endpoint's LRU.
         for h in hashes:
+            if key is not None and last_key.get(h) != key:
+                last_key[h] = key
+                sharers[h] = sharers.get(h, 0) + 1
             if h in lru:
-                lru.move_to_end(h)
+                move_to_end(h)
                 continue
             lru[h] = None
-            self._owners.setdefault(h, set()).add(endpoint_id)
-        self._trim(endpoint_id, lru)
+            owners = owners_of.get(h)
+            if owners is None:
+                owners_of[h] = {endpoint_id}
+            else:
+                owners.add(endpoint_id)
+        if len(lru) > self._capacity.get(endpoint_id, self.capacity):
+            self._trim(endpoint_id, lru)
 
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
         """Hold at most `blocks` for this endpoint (its engine's KV cache, in index blocks):

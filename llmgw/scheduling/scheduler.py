@@ -30,7 +30,16 @@ from llmgw.scheduling.interfaces import (
 )
 from llmgw.scheduling.plugins import make_filter, make_picker, make_scorer
 from llmgw.scheduling.strategies import resolve
-from llmgw.types import Decision, Endpoint, Outcome, Rationale, RequestInfo, ScorerColumn
+from llmgw.types import (
+    Decision,
+    Endpoint,
+    Outcome,
+    RequestInfo,
+    ScorerColumn,
+    new_decision,
+    new_rationale,
+    new_scorer_column,
+)
 
 
 class ModelRouter:
@@ -231,15 +240,18 @@ class Scheduler:
             if router.mode in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
                 raise ModelNotReady(f"model {request.model!r} has no ready replica yet")
             raise NoHealthyEndpoint(f"model {request.model!r} has no endpoints")
+        registry = self.registry
+        # Positional: keywords cost a lookup each (this runs per pick).
         ctx = PickContext(
-            request=request,
-            spec=router.spec,
-            now=self.registry.clock(),
-            staleness=self.registry.staleness,
-            ring=router.ring_for(states),
-            all_states=states,
-            rng=rng,
-            kv=self.registry.kv_index,
+            request,
+            router.spec,
+            registry.clock(),
+            registry.staleness,
+            router.ring_for(states),
+            states,
+            rng,
+            None,  # fresh metrics: computed on first use
+            registry.kv_index,
         )
         candidates = states
         drops: list[tuple[str, int]] = []
@@ -271,15 +283,17 @@ class Scheduler:
             explainer = router.explainers.get(id(scorer)) if router.explainers else None
             if explainer is not None:
                 columns.append(
-                    ScorerColumn(
+                    new_scorer_column(
                         scorer.name, weight, tuple(raw), explainer.term_names, explainer.term_rows()
                     )
                 )
             else:
-                columns.append(ScorerColumn(scorer.name, weight, tuple(raw)))
+                columns.append(new_scorer_column(scorer.name, weight, tuple(raw), (), ()))
             if weight:  # C-level maps: this runs per endpoint per scorer on every pick
-                weighted = map(mul, repeat(weight, n), raw)
-                totals = list(map(add, totals or repeat(0.0, n), weighted))
+                # 1.0 * x is x, and the first column needs no sum (x rather than 0.0 + x:
+                # equal under ==, -0.0 would stay -0.0), so one pass less per pick.
+                weighted = raw if weight == 1.0 else map(mul, repeat(weight, n), raw)
+                totals = list(weighted) if totals is None else list(map(add, totals, weighted))
         if totals is None:
             totals = [0.0] * n
 
@@ -289,8 +303,7 @@ class Scheduler:
         if dropped is None:
             for observer in router.observers:
                 observer.observe(ctx, chosen)
-        # Positional arguments: a frozen dataclass is cheaper to build that way (per pick).
-        rationale = Rationale(
+        why = new_rationale(
             router.strategy_name,
             router.picker.name,
             router.ids_of(candidates),
@@ -299,14 +312,14 @@ class Scheduler:
             tuple(drops),
             len(states),
         )
-        ready_at, predicted, tokens = ctx.prediction or (None, None, None)
-        return Decision(
+        ready_at, ttft, tokens = ctx.prediction or (None, None, None)
+        return new_decision(
             request.model,
             chosen.endpoint,
             tuple([candidates[i].endpoint for i in order[1:]]),
-            rationale,
+            why,
             ready_at,
-            predicted,
+            ttft,
             tokens,
             ctx.now,
         )

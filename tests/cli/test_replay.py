@@ -166,9 +166,10 @@ def test_an_exact_tie_is_broken_the_way_the_recorded_run_broke_it() -> None:
 
 
 def test_a_replay_ends_each_request_as_the_lifecycle_does() -> None:
-    # Lifecycle.finish marks the first token before releasing (a no-op if seen): on an
-    # edge that never sees first tokens this still releases the pending prefill and tells
-    # the registry the endpoint reports them, which changes the latency scorer's queue.
+    # Lifecycle.finish marks the prefill over before releasing (a no-op if seen): on an
+    # edge that never sees first tokens this releases the pending prefill, but must not
+    # tell the registry the endpoint reports them (that would switch the latency scorer's
+    # queue to pending prefill tokens).
     registry = Registry(clock=lambda: 0.0)
     scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
     decision = scheduler.pick(RequestInfo(model="m1", request_id="r", prompt="x" * 400))
@@ -176,7 +177,7 @@ def test_a_replay_ends_each_request_as_the_lifecycle_does() -> None:
     state = registry.get("m1", decision.endpoint.id)
     assert state is not None and state.pending_prefill > 0 and not state.reports_first_token
     end(lease, Outcome.SUCCESS)
-    assert state.pending_prefill == 0 and state.reports_first_token and state.inflight == 0
+    assert state.pending_prefill == 0 and not state.reports_first_token and state.inflight == 0
 
 
 def test_mirroring_gives_the_router_the_engine_queues_the_recorded_run_saw() -> None:

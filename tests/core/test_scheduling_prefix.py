@@ -114,3 +114,13 @@ def test_prefix_scorer_reads_each_request_prompt_even_when_request_ids_repeat() 
     other = RequestInfo("m", "same-id", prompt="Z" * 16)
     assert scorer.score(context(states, request=other), states) == [0.0, 0.0]
     assert scorer.score(context(states, request=cached), states) == [0.0, 1.0]
+
+
+def test_match_deeper_than_keeps_only_endpoints_past_that_depth() -> None:
+    idx = PrefixIndex(block_chars=4)
+    shared, own = idx.hashes("abcdefgh"), idx.hashes("abcdefghijklmnop")
+    idx.insert("a", shared)
+    idx.insert("b", own)
+    assert idx.match(own) == {"a": 2, "b": 4}
+    assert idx.match(own, deeper_than=2) == {"b": 4}
+    assert idx.match(own, deeper_than=4) == {}

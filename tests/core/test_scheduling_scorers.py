@@ -146,6 +146,20 @@ def test_session_scores_the_ring_primary_one_then_decreasing_fallbacks(session: 
     assert all(scores[a] == 0.0 for a in ADDRESSES if a not in ring)
 
 
+def test_session_ranks_follow_a_candidate_list_refilled_in_place_between_picks() -> None:
+    # Scorers index candidates by position; a filter may hand back one list object it
+    # refills each pick, so only the pick's own endpoint list may be indexed once.
+    states = [state(a) for a in ADDRESSES]
+    ctx = context(states, request=RequestInfo("m", "r", session_key="alice"))
+    primary = HashRing(ADDRESSES, num_fallback_replicas=2).candidates("alice")[0]
+    scorer = SessionScorer()
+    kept = list(states)
+    for order in (states, states[::-1], states[2:] + states[:2]):
+        kept[:] = order
+        scores = scorer.score(ctx, kept)
+        assert scores[[s.id for s in kept].index(primary)] == 1.0
+
+
 def test_session_without_a_session_key_uses_the_request_id() -> None:
     states = [state(a) for a in ADDRESSES]
     ctx = context(states, request=RequestInfo("m", "req-77"))
