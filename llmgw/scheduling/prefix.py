@@ -130,6 +130,10 @@ class PrefixIndex:
                 if not owners:
                     self._drop(h)
 
+    def room(self, endpoint_id: str) -> int:
+        """Blocks this endpoint's cache can still take before it must evict (as known here)."""
+        return self._capacity.get(endpoint_id, self.capacity) - len(self._lru.get(endpoint_id, ()))
+
     def size(self, endpoint_id: str | None = None) -> int:
         if endpoint_id is not None:
             return len(self._lru.get(endpoint_id, ()))

@@ -481,8 +481,20 @@ class LatencyScorer:
         # replicas hold queues (n typical requests deep), each second of work costs about
         # n more seconds for others; so duplicating a cached prefix elsewhere costs more.
         work_weight = self.work_weight
+        mean_queue = self._mean_queue
         if self.queue_weighting and per_waiting > 0:
-            work_weight += self._mean_queue / per_waiting
+            work_weight += mean_queue / per_waiting
+        # ... but only the requests queued where it runs wait behind it. For a session, a
+        # copy of its history in spare cache there is also a second home for its later
+        # turns: so where the destination's queue is shorter than the mean and the copy
+        # fits without evicting, charge that queue instead. Sessionless shared prefixes
+        # keep the fleet's charge (every request would see the same idle replica and herd
+        # there: 6x worse TTFT p90 in the prefix cells with a per-destination charge).
+        room = self.index.room
+        per_room_block = per_token * block
+        session_charge = (
+            self.queue_weighting and per_waiting > 0 and request.session_key is not None
+        )
         # This loop runs per endpoint per pick: no calls (no max(), no properties, no
         # `ctx.fresh` dict), three appends, and the term rows are built only when read.
         queues: list[float] = []
@@ -521,7 +533,12 @@ class LatencyScorer:
             append_queue(queue)
             append_step(step)
             # ttft + work_weight x prefill, where ttft = queue + prefill + step.
-            append_cost(queue + prefill + step + work_weight * prefill)
+            if session_charge and queue < mean_queue and room(s.id) * per_room_block >= prefill:
+                append_cost(
+                    queue + prefill + step + (self.work_weight + queue / per_waiting) * prefill
+                )
+            else:
+                append_cost(queue + prefill + step + work_weight * prefill)
         self._candidates = candidates
         self._uncached = uncached_tokens
         # New lists each pick: the Decision keeps the old ones.

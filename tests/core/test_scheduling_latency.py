@@ -330,3 +330,28 @@ def test_a_full_batch_queues_for_slots_not_for_prefill_work() -> None:
     assert queue[0] == pytest.approx(3 * 2.0 / 8)
     assert queue[1] == pytest.approx(3 * 300 * PER_TOKEN)  # typical prefill: this one's
     assert scores.index(max(scores)) == 2
+
+
+def test_a_session_moves_off_a_queued_home_when_its_history_fits_in_an_idle_cache() -> None:
+    """The fleet holds queues (0.6 s mean at the last pick) and the session's home holds
+    1.2 s of them; the other replica is idle. Duplicating the 4,000-token history costs the
+    fleet's queue only where requests wait behind it: none wait on the idle replica, and the
+    copy becomes the session's second home, so it moves. If that cache is full (the copy
+    would evict others' blocks), the fleet's charge stays and so does the session."""
+    req = request(session="alice")
+
+    def best(room_blocks: int | None) -> str:
+        scorer = LatencyScorer()
+        home, idle = state("a:1"), state("b:1")
+        scorer.index.insert(home.id, scorer.index.hashes(req.prompt))
+        if room_blocks is not None:
+            scorer.index.set_capacity(idle.id, room_blocks)
+            scorer.index.insert(idle.id, list(range(room_blocks)))  # full of other blocks
+        home.busy_until, idle.busy_until = NOW + 1.2, NOW
+        scorer._mean_queue = 0.6
+        states = [home, idle]
+        scores = scorer.score(context(states, request=req, now=NOW), states)
+        return states[scores.index(max(scores))].id
+
+    assert best(room_blocks=None) == "b:1"
+    assert best(room_blocks=40) == "a:1"
