@@ -153,6 +153,44 @@ def test_recorded_timing_holds_each_request_for_its_recorded_duration() -> None:
     assert picks[0] != [1, 1, 1, 1] or len({str(p) for p in picks}) > 1  # not forced free
 
 
+def test_a_replay_holds_requests_by_the_recording_routers_clock_not_the_wall(
+    tmp_path: Path,
+) -> None:
+    # Three requests the router held 2 s (its clock) while their wall-clock durations,
+    # anchored per line, say 10 ms; a fourth at 0.5 s. Held by the router's clock, three
+    # replicas are still busy and least-load sends the fourth to the idle one.
+    rows = [
+        line(
+            100.0 + 0.01 * i,
+            None,
+            [],
+            rid=session_hash(f"r{i}"),
+            clock={"pick": 7.0 + 0.01 * i, "first": None, "end": 9.0 + 0.01 * i},
+            outcome={"ttft_ms": None, "duration_ms": 10.0},
+        )
+        for i in range(3)
+    ]
+    rows.append(
+        line(
+            100.7,
+            None,
+            [],
+            clock={"pick": 7.5, "first": 7.52, "end": 7.6},
+            outcome={"ttft_ms": 30.0, "duration_ms": 10.0},
+        )
+    )
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(rows))
+    arrivals = read_trace([path], 4.0, 1)
+    assert [a.t for a in arrivals] == pytest.approx([0.0, 0.01, 0.02, 0.5])  # clock, not wall
+    assert arrivals[0].held_s == pytest.approx(2.0) and arrivals[0].first_s is None
+    assert arrivals[3].first_s == pytest.approx(0.02) and arrivals[3].held_s == pytest.approx(0.1)
+    engine = EngineConfig(decode_ms=1.0)
+    for seed in range(4):
+        held = simulate(arrivals, ENDPOINTS, "least-load", engine, seed=seed, timing="recorded")
+        assert sorted(held.per_replica.values()) == [1, 1, 1, 1]
+
+
 def test_an_exact_tie_is_broken_the_way_the_recorded_run_broke_it() -> None:
     # One request onto four idle replicas: least-load ties them all. The recorded run's
     # random draw chose the third; a replay repeats that choice, whatever its own seed.
@@ -167,8 +205,8 @@ def test_an_exact_tie_is_broken_the_way_the_recorded_run_broke_it() -> None:
 
 def test_a_replay_ends_each_request_as_the_lifecycle_does() -> None:
     # Lifecycle.finish marks the first token before releasing (a no-op if seen): on an
-    # edge that never sees first tokens this still releases the pending prefill and tells
-    # the registry the endpoint reports them, which changes the latency scorer's queue.
+    # edge that never sees first tokens this still releases the pending prefill, but as
+    # inferred, so the endpoint keeps the time-drained queue estimate (as live).
     registry = Registry(clock=lambda: 0.0)
     scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
     decision = scheduler.pick(RequestInfo(model="m1", request_id="r", prompt="x" * 400))
@@ -176,7 +214,7 @@ def test_a_replay_ends_each_request_as_the_lifecycle_does() -> None:
     state = registry.get("m1", decision.endpoint.id)
     assert state is not None and state.pending_prefill > 0 and not state.reports_first_token
     end(lease, Outcome.SUCCESS)
-    assert state.pending_prefill == 0 and state.reports_first_token and state.inflight == 0
+    assert state.pending_prefill == 0 and not state.reports_first_token and state.inflight == 0
 
 
 def test_mirroring_gives_the_router_the_engine_queues_the_recorded_run_saw() -> None:
@@ -218,6 +256,30 @@ def test_mirroring_needs_the_recorded_views_and_endpoints(tmp_path: Path) -> Non
     path = tmp_path / "t.jsonl"
     path.write_text(line(0.0, "a", [1]))
     assert main([str(path), "--mirror"]) == 2  # an old trace: says why, exits 2
+
+
+def test_a_mirrored_pick_sees_the_peak_running_the_recorded_router_had_scraped() -> None:
+    # At running >= the most ever scraped, the latency queue waits for a batch slot
+    # (service / running per waiting request, ~50 ms on the demo) instead of a prefill
+    # (~5 ms). The simulated scrapes peaked higher than the live ones had: a replayed pick
+    # saw the short queue and went elsewhere (envoy demo, 1 in ~40 runs).
+    registry = Registry(clock=lambda: 1.0)
+    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    states = registry.states("m1")
+    for running in (6.0, 3.0):
+        for s in states:
+            registry.record_scrape("m1", s.id, EngineMetrics(1.0, running, 0.01))
+    assert states[0].peak_running == 6.0
+    fix = correction(
+        {e: (1.0, 3.0, 0.01, 0.0, 3.0) for e in ENDPOINTS},
+        None,
+        {e: (1.0, 3.0, 0.01, 0.0, 6.0) for e in ENDPOINTS},
+        (None, None, None, None),
+    )
+    undo = apply(fix, states, [sc for sc, _ in scheduler.routers["m1"].scorers])
+    assert [s.peak_running for s in states] == [3.0] * 4
+    undo()
+    assert [s.peak_running for s in states] == [6.0] * 4
 
 
 def test_a_mirrored_pick_sees_metrics_as_stale_or_fresh_as_the_recorded_pick_did() -> None:
