@@ -42,7 +42,8 @@ class Arrival:
     step_ms: float | None = None
     predicted_ms: float | None = None  # the recording router's predicted TTFT
     # What its pick saw (`--mirror`): per endpoint (waiting, running, KV usage, released
-    # since scrape) or None if stale; the model's speed (s/token, s/step, tokens, s).
+    # since scrape[, peak running]) or None if stale; the model's speed (s/token, s/step,
+    # tokens, s).
     engines: Mapping[str, tuple[float, ...] | None] | None = None
     speed: tuple[float | None, ...] | None = None
     costs: tuple[float | None, ...] | None = None  # what its latency scorer used, if any
