@@ -14,14 +14,15 @@ draws), and another strategy's extra load still shows, as the engines simulate i
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from llmgw.calibration import Costs, pooled
 from llmgw.registry import EndpointState, Registry, fresh_metrics_of
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.scorers import LatencyScorer
 
-View = Mapping[str, tuple[float, ...] | None]  # endpoint -> (waiting, running, kv, released)
+# endpoint -> (waiting, running, kv, released, peak running); older traces lack the peak
+View = Mapping[str, tuple[float, ...] | None]
 Speed = tuple[float | None, ...]  # per_token s, step s, tokens per prefill, service s
 
 
@@ -35,6 +36,9 @@ class Correction:
     speed: Speed
     stale: frozenset[str] = frozenset()  # the recorded pick had no fresh metrics there
     fresh: frozenset[str] = frozenset()  # it had; the simulated ones had gone stale
+    # The most running the recorded router had scraped there (its own scrapes' history,
+    # not the simulated one's): at it, the latency queue waits for a batch slot.
+    peaks: Mapping[str, float] = field(default_factory=dict)
 
 
 def view_of(registry: Registry, model: str) -> tuple[View, Speed]:
@@ -45,7 +49,9 @@ def view_of(registry: Registry, model: str) -> tuple[View, Speed]:
     for s in states:
         m = fresh[s]
         engines[s.id] = (
-            None if m is None else (m.waiting, m.running, m.kv_usage, s.released_since_scrape)
+            None
+            if m is None
+            else (m.waiting, m.running, m.kv_usage, s.released_since_scrape, s.peak_running)
         )
     return engines, _speed(states)
 
@@ -58,16 +64,19 @@ def _speed(states: Sequence[EndpointState]) -> Speed:
 def correction(recorded: View, costs: Speed | None, simulated: View, speed: Speed) -> Correction:
     engines: dict[str, tuple[float, float, float, float]] = {}
     stale, fresh = set(), set()
+    peaks: dict[str, float] = {}
     for endpoint, seen in recorded.items():
         mine = simulated.get(endpoint)
+        if seen is not None and len(seen) > 4:
+            peaks[endpoint] = seen[4]
         if seen is not None and mine is not None:
-            w, r, k, x = (a - b for a, b in zip(seen, mine, strict=True))
+            w, r, k, x = (a - b for a, b in zip(seen[:4], mine[:4], strict=True))
             engines[endpoint] = (w, r, k, x)
         elif seen is None and mine is not None:
             stale.add(endpoint)
         elif seen is not None and endpoint in simulated:
             fresh.add(endpoint)
-    return Correction(engines, costs, speed, frozenset(stale), frozenset(fresh))
+    return Correction(engines, costs, speed, frozenset(stale), frozenset(fresh), peaks)
 
 
 def apply(
@@ -78,6 +87,10 @@ def apply(
     returns the undo."""
     undo: list[Callable[[], None]] = []
     for s in states:
+        peak = fix.peaks.get(s.id)
+        if peak is not None:
+            undo.append(_restore_peak(s))
+            s.peak_running = peak
         if s.id in fix.stale or (s.id in fix.fresh and s.metrics is not None):
             undo.append(_restore_metrics(s))  # as stale or as fresh as the recorded pick saw
             s.scraped_at = float("-inf") if s.id in fix.stale else float("inf")
@@ -132,5 +145,14 @@ def _restore_metrics(s: EndpointState) -> Callable[[], None]:
 
     def restore() -> None:
         s.metrics, s.released_since_scrape, s.scraped_at = metrics, released, scraped_at
+
+    return restore
+
+
+def _restore_peak(s: EndpointState) -> Callable[[], None]:
+    peak = s.peak_running
+
+    def restore() -> None:
+        s.peak_running = peak
 
     return restore

@@ -133,6 +133,17 @@ def end(lease: Lease, outcome: Outcome) -> None:
     lease.finish(outcome)
 
 
+def _recorded_times(arrival: Arrival) -> tuple[float | None, float]:
+    """(first token, end) seconds after the pick as the recording router clocked them,
+    else from the edge's TTFT and duration (their wall-clock anchors jitter by µs-ms)."""
+    first: float | None = None
+    if arrival.first_tokens:
+        first = arrival.first_s if arrival.first_s is not None else (arrival.ttft_ms or 0.0) / 1e3
+    if arrival.held_s is not None:
+        return first, arrival.held_s
+    return first, (arrival.duration_ms or 0.0) / 1e3
+
+
 def simulate(
     arrivals: Sequence[Arrival],
     endpoints: list[str],
@@ -257,9 +268,10 @@ def simulate(
             if timing == "recorded" and arrival.duration_ms is not None:
                 held.held = True
                 leases[a] = lease
-                if arrival.ttft_ms is not None and arrival.first_tokens:
-                    push(now + arrival.ttft_ms / 1e3, _FIRST, a)
-                push(now + arrival.duration_ms / 1e3, _RELEASE, a)
+                first, hold = _recorded_times(arrival)
+                if first is not None:
+                    push(now + first, _FIRST, a)
+                push(now + hold, _RELEASE, a)
             flights[(target, seq.seq_id)] = held
             model_of_flight[(target, seq.seq_id)] = arrival.model
             if not stepping[target]:

@@ -42,10 +42,15 @@ class Arrival:
     step_ms: float | None = None
     predicted_ms: float | None = None  # the recording router's predicted TTFT
     # What its pick saw (`--mirror`): per endpoint (waiting, running, KV usage, released
-    # since scrape) or None if stale; the model's speed (s/token, s/step, tokens, s).
+    # since scrape[, peak running]) or None if stale; the model's speed (s/token, s/step,
+    # tokens, s).
     engines: Mapping[str, tuple[float, ...] | None] | None = None
     speed: tuple[float | None, ...] | None = None
     costs: tuple[float | None, ...] | None = None  # what its latency scorer used, if any
+    # On the recording router's own clock, seconds after the pick: its first token (if the
+    # edge saw it) and its end; None for traces without `clock` (then ttft/duration).
+    first_s: float | None = None
+    held_s: float | None = None
 
 
 def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | None) -> list[Arrival]:
@@ -65,7 +70,11 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 rows.append(row)
     if not rows:
         raise ValueError("the trace has no requests")
+    clocked = len(paths) == 1 and all(_clocked(row) for row in rows)  # one router's clock
     for row in rows:  # the pick's time where the trace has it: replays space picks by it
+        if clocked:  # and hold requests as that router's clock saw it (wall anchors jitter)
+            row["t"] = row["clock"]["pick"]
+            continue
         picked = row.get("t_pick")
         if isinstance(picked, int | float):
             outcome = row.get("outcome") or {}
@@ -92,6 +101,8 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
             tokens = 16
         session = row.get("session")
         fleet = row.get("fleet") or {}
+        clock = row["clock"] if clocked else {}
+        first_at = clock.get("first")
         out.append(
             Arrival(
                 t=float(row["t"]) - t0,
@@ -111,9 +122,18 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 engines=_engines(row.get("engines")),
                 speed=_speed(fleet) if fleet else None,
                 costs=_speed(row["costs"]) if isinstance(row.get("costs"), dict) else None,
+                first_s=float(first_at) - row["t"] if isinstance(first_at, int | float) else None,
+                held_s=float(clock["end"]) - row["t"] if clocked else None,
             )
         )
     return out
+
+
+def _clocked(row: dict[str, Any]) -> bool:
+    clock = row.get("clock")
+    return isinstance(clock, dict) and all(
+        isinstance(clock.get(k), int | float) for k in ("pick", "end")
+    )
 
 
 def _engines(raw: Any) -> dict[str, tuple[float, ...] | None] | None:

@@ -81,7 +81,8 @@ def engine_view(
     lifecycle: Lifecycle, cache: dict[str, tuple[Any, Any]] | None = None
 ) -> dict[str, Any] | None:
     """What the pick saw of the engines, beyond the router's own state: per endpoint
-    [waiting, running, KV usage, requests released since its last scrape] (null when its
+    [waiting, running, KV usage, requests released since its last scrape, most running
+    ever scraped] (null when its
     metrics were stale), and the model's calibrated speed (`_fleet`). A replay corrects its
     simulated engines by the difference (`llmgw replay --mirror`)."""
     lease, request = lifecycle.lease, lifecycle.request
@@ -96,7 +97,13 @@ def engine_view(
         engines[s.id] = (
             None
             if m is None
-            else [m.waiting, m.running, round(m.kv_usage, 4), s.released_since_scrape]
+            else [
+                m.waiting,
+                m.running,
+                round(m.kv_usage, 4),
+                s.released_since_scrape,
+                s.peak_running,  # running >= its peak switches the queue estimate
+            ]
         )
     # Unix seconds at the pick: the router's clock between picks drains its queue model, so
     # a replay spaces picks by these, not by arrivals (parsing a body takes its own time).
@@ -145,6 +152,9 @@ def trace_record(
         # Unix seconds at arrival: replays keep the gaps between requests.
         "t": round(time.time() - (ended - lifecycle.started), 6),
         "t_pick": None if view is None else view["at"],  # unrounded: picks µs apart
+        # The router's own clock (seconds, one process) at the pick, the first token and
+        # the end: a replay orders these against picks exactly; wall-clock anchors jitter.
+        "clock": _clock(lifecycle),
         "edge": edge,
         "model": request.model,
         "session": session_hash(request.session_key) if request.session_key else None,
@@ -179,6 +189,14 @@ def trace_record(
             "duration_ms": (ended - lifecycle.started) * 1e3,
         },
     }
+
+
+def _clock(lifecycle: Lifecycle) -> dict[str, float | None] | None:
+    lease, decision = lifecycle.lease, lifecycle.decision
+    if lease is None or decision is None or decision.at is None:
+        return None
+    first = lease.first_at if lifecycle.ttft is not None else None  # seen, not inferred
+    return {"pick": decision.at, "first": first, "end": lease.ended_at}
 
 
 class RotatingFile:

@@ -131,6 +131,10 @@ class Lease:
     done: bool = False
     first_token_seen: bool = False
     on_first_token: Callable[[], None] | None = None
+    # The registry clock when the first token and the end took effect: a trace records
+    # them so a replay orders them against picks as the router did (µs margins).
+    first_at: float | None = None
+    ended_at: float | None = None
 
     def first_token(self, observed: bool = True) -> None:
         """The first response body byte arrived (the engine finished this prefill); with
@@ -139,6 +143,7 @@ class Lease:
         if self.first_token_seen or self.done:
             return
         self.first_token_seen = True
+        self.first_at = self.registry.clock()
         if self.ready_at is not None:
             self.registry.first_token(
                 self.model,
@@ -154,6 +159,7 @@ class Lease:
         if self.done:
             return
         self.done = True
+        self.ended_at = self.registry.clock()
         pending = 0.0 if self.first_token_seen else self.prefill_tokens or 0.0
         self.registry.release(
             self.model, self.endpoint_id, outcome, probe=self.probe, prefill_tokens=pending

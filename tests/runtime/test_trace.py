@@ -19,6 +19,7 @@ from llmgw.config import Config, TraceSpec, load_dict
 from llmgw.extproc.translate import Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import Hooks, Lifecycle
+from llmgw.registry import Registry
 from llmgw.runtime.trace import RotatingFile, TraceWriter, close_trace, session_hash, traced
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim import SimFleet
@@ -254,3 +255,31 @@ def test_a_trace_line_carries_the_latency_terms_and_the_fleet_speed_the_router_m
     assert record["t"] <= record["t_pick"] <= record["t"] + record["outcome"]["duration_ms"] / 1e3
     assert record["engines"] == dict.fromkeys(decision["totals"])
     assert record["costs"]["prefill_us_per_token"] == pytest.approx(200.0)
+
+
+def test_a_trace_line_times_the_pick_first_token_and_end_on_the_routers_own_clock(
+    tmp_path: Path, tracing: Callable[[Config, str], Hooks]
+) -> None:
+    # A replay orders first tokens and ends against picks by these: the wall-clock anchors
+    # of `t_pick` and the edge's durations jitter by µs-ms, and the latency scorer's
+    # margins are µs (1 in ~40 demo replays diverged by them).
+    path = tmp_path / "trace.jsonl"
+    cfg = config(["10.0.0.1:8000", "10.0.0.2:8000"], path=str(path))
+    now = [5.0]
+    gateway = Gateway(Scheduler(cfg, Registry(clock=lambda: now[0]), seed=1))
+    hooks = tracing(cfg, "test")
+    for seen in (True, False):
+        now[0] += 1.0
+        lifecycle = Lifecycle(gateway, hooks)
+        lifecycle.route({"x-session-id": SESSION}, "/v1/chat/completions", body(0))
+        now[0] += 0.02
+        if seen:  # an edge without body events never calls it
+            lifecycle.first_byte()
+        lifecycle.response(200)
+        now[0] += 0.08
+        lifecycle.finish()
+    close_trace(hooks)
+    seen_line, unseen_line = lines(path)
+    assert seen_line["clock"] == pytest.approx({"pick": 6.0, "first": 6.02, "end": 6.1})
+    # A first token inferred at the end is not one the edge saw: no time for it.
+    assert unseen_line["clock"] == pytest.approx({"pick": 7.1, "first": None, "end": 7.2})
