@@ -43,8 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._tools import find_load_tool, format_table, parse_h2load, write_results  # noqa: E402
 from llmgw.config import Config, load_dict  # noqa: E402
-from llmgw.extproc.envoyconfig import build  # noqa: E402
-from llmgw.testing.extproc import EnvoyProcess, free_port, wait_for  # noqa: E402
+from llmgw.testing.extproc import EnvoyProcess, free_port, loopback_bootstrap, wait_for  # noqa: E402
 
 BODY = json.dumps(
     {
@@ -255,13 +254,10 @@ def run_scenario(
     try:
         if process is not None:
             wait_port(grpc_port)
-        bootstrap = build(
+        bootstrap = loopback_bootstrap(
             config,
+            f"127.0.0.1:{grpc_port}",
             shape="original-dst",
-            listen_host="127.0.0.1",
-            listen_port=free_port(),
-            admin_port=free_port(),
-            extproc_address=f"127.0.0.1:{grpc_port}",
             body_mode=scenario.body_mode,
         )
         if process is None:  # Envoy alone: drop the ext_proc filter

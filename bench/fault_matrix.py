@@ -41,11 +41,16 @@ import uvicorn
 from llmgw.asgi.app import ProxyApp
 from llmgw.breaker import BreakerState
 from llmgw.config import Config
-from llmgw.extproc.envoyconfig import build
 from llmgw.hashring import HashRing
 from llmgw.registry import Registry
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, fleet_config, free_port, quick_fleet
+from llmgw.testing.extproc import (
+    EnvoyProcess,
+    ExtProcThread,
+    fleet_config,
+    loopback_bootstrap,
+    quick_fleet,
+)
 
 T = TypeVar("T")
 RESULTS = Path(__file__).parent / "results" / "fault_matrix.json"
@@ -137,13 +142,10 @@ class EnvoyEdge:
         self.extproc = ExtProcThread(config)
         try:
             self.envoy = EnvoyProcess(
-                build(
+                loopback_bootstrap(
                     config,
+                    self.extproc.address,
                     shape="override-host",
-                    listen_host="127.0.0.1",
-                    listen_port=free_port(),
-                    admin_port=free_port(),
-                    extproc_address=self.extproc.address,
                     message_timeout=5.0,
                     connect_timeout=0.5,
                     route_timeout=ROUTE_TIMEOUT,

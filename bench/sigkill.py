@@ -37,9 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's llmgw, whatever is installed
 
 from llmgw.config import load_dict  # noqa: E402
-from llmgw.extproc.envoyconfig import build  # noqa: E402
 from llmgw.sim.fleet import SimProcess, spawn  # noqa: E402
-from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port, wait_for  # noqa: E402
+from llmgw.testing.extproc import (  # noqa: E402
+    EnvoyProcess,
+    ExtProcThread,
+    loopback_bootstrap,
+    wait_for,
+)
 
 RESULTS = Path(__file__).parent / "results" / "sigkill.json"
 VICTIM = 1
@@ -140,13 +144,10 @@ def run(name: str, requests: int, concurrency: int) -> Row:
     extproc = ExtProcThread(config)
     row = Row(config=name, sent=requests)
     try:
-        bootstrap = build(
+        bootstrap = loopback_bootstrap(
             config,
+            extproc.address,
             shape="override-host",
-            listen_host="127.0.0.1",
-            listen_port=free_port(),
-            admin_port=free_port(),
-            extproc_address=extproc.address,
             message_timeout=5.0,
             connect_timeout=0.5,
             route_timeout=30.0,

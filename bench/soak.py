@@ -35,9 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench._tools import format_table, write_results  # noqa: E402
 from llmgw.config import load_dict  # noqa: E402
-from llmgw.extproc.envoyconfig import build  # noqa: E402
 from llmgw.sim.fleet import spawn  # noqa: E402
-from llmgw.testing.extproc import EnvoyProcess, free_port, wait_for  # noqa: E402
+from llmgw.testing.extproc import EnvoyProcess, free_port, loopback_bootstrap, wait_for  # noqa: E402
 
 SESSION_SPACE = 1_000_000
 PREAMBLE = "You are a careful assistant. Answer briefly and cite the rules you follow. " * 24
@@ -209,13 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             wait_for(ready.exists, 30, "ext_proc ready")
             ports = json.loads(ready.read_text())
             envoy = EnvoyProcess(
-                build(
+                loopback_bootstrap(
                     load_dict(config),
+                    f"127.0.0.1:{grpc_port}",
                     shape="override-host",
-                    listen_host="127.0.0.1",
-                    listen_port=free_port(),
-                    admin_port=free_port(),
-                    extproc_address=f"127.0.0.1:{grpc_port}",
                 )
             )
             try:

@@ -103,12 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         import openai  # noqa: PLC0415
 
         import llmgw.sim  # noqa: F401, PLC0415 (checked here, used by demo_fleet)
-        from llmgw.extproc.envoyconfig import build  # noqa: PLC0415
         from llmgw.testing.extproc import (  # noqa: PLC0415
             EnvoyProcess,
             ExtProcThread,
             fleet_config,
-            free_port,
+            loopback_bootstrap,
         )
     except ImportError as exc:
         print(f"llmgw demo needs the extproc, sim and dev extras: {exc}", file=sys.stderr)
@@ -133,13 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             extproc = ExtProcThread(config)
             envoy = EnvoyProcess(
-                build(
+                loopback_bootstrap(
                     config,
+                    extproc.address,
                     shape="override-host",
-                    listen_host="127.0.0.1",
-                    listen_port=free_port(),
-                    admin_port=free_port(),
-                    extproc_address=extproc.address,
                 )
             )
             base_url, telemetry = envoy.url, extproc.server.telemetry

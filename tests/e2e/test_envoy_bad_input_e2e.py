@@ -19,7 +19,6 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from llmgw.extproc.envoyconfig import build
 from llmgw.extproc.envoyconfig import main as envoyconfig_main
 from llmgw.extproc.tls import ServerTls
 from llmgw.sim import ThreadedFleet
@@ -30,6 +29,7 @@ from llmgw.testing.extproc import (
     StackFactory,
     fleet_config,
     free_port,
+    loopback_bootstrap,
     wait_for,
 )
 
@@ -69,13 +69,10 @@ def test_envoy_verifies_the_ext_proc_certificate_with_extproc_ca(
     extproc = ExtProcThread(config, tls=pair)
     try:
         for ca, expected in (("ca.pem", 200), ("other.pem", 500)):
-            bootstrap = build(
+            bootstrap = loopback_bootstrap(
                 config,
+                extproc.address,
                 shape="original-dst",
-                listen_host="127.0.0.1",
-                listen_port=free_port(),
-                admin_port=free_port(),
-                extproc_address=extproc.address,
                 extproc_ca=str(tmp_path / ca),
             )
             with EnvoyProcess(bootstrap) as envoy:

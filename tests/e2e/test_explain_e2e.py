@@ -17,9 +17,15 @@ from llmgw.asgi.testing import serve
 from llmgw.cli.demo import demo_fleet
 from llmgw.cli.explain import ask, build_parser, main, query_of
 from llmgw.config import Config
-from llmgw.extproc.envoyconfig import build
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, fleet_config, free_port, wait_for
+from llmgw.testing.extproc import (
+    EnvoyProcess,
+    ExtProcThread,
+    fleet_config,
+    free_port,
+    loopback_bootstrap,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -76,13 +82,10 @@ def test_explained_pick_is_the_next_pick_through_envoy(
     envoy: EnvoyProcess | None = None
     try:
         envoy = EnvoyProcess(
-            build(
+            loopback_bootstrap(
                 cfg,
+                extproc.address,
                 shape="override-host",
-                listen_host="127.0.0.1",
-                listen_port=free_port(),
-                admin_port=free_port(),
-                extproc_address=extproc.address,
             )
         )
         admin = f"http://127.0.0.1:{extproc.ports['health']}"

@@ -9,14 +9,13 @@ from typing import Any
 import httpx
 import pytest
 
-from llmgw.extproc.envoyconfig import build
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import (
     EnvoyProcess,
     ExtProcThread,
     StackFactory,
     fleet_config,
-    free_port,
+    loopback_bootstrap,
     wait_for,
 )
 
@@ -195,12 +194,9 @@ def test_subset_hint_limits_the_pick_and_none_eligible_is_503(
     extproc = ExtProcThread(config)
     try:
         for subset, expect in (([allowed], 200), (["10.9.9.9:1"], 503)):
-            bootstrap = build(
+            bootstrap = loopback_bootstrap(
                 config,
-                listen_host="127.0.0.1",
-                listen_port=free_port(),
-                admin_port=free_port(),
-                extproc_address=extproc.address,
+                extproc.address,
                 message_timeout=5.0,
                 body_mode=mode,
             )

@@ -19,9 +19,8 @@ from llmgw.asgi.testing import (
     held_stream,
 )
 from llmgw.config import Config, load_dict
-from llmgw.extproc.envoyconfig import build
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port
+from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, loopback_bootstrap
 from llmgw.testing.fake_k8s import FakeKubernetes
 from llmgw.testing.wait import eventually
 
@@ -85,13 +84,10 @@ async def envoy_stack(config: Config, envoy_path: str) -> AsyncIterator[tuple[Ex
     try:
         envoy = await asyncio.to_thread(
             EnvoyProcess,
-            build(
+            loopback_bootstrap(
                 config,
+                extproc.address,
                 shape="original-dst",
-                listen_host="127.0.0.1",
-                listen_port=free_port(),
-                admin_port=free_port(),
-                extproc_address=extproc.address,
                 message_timeout=5.0,
                 connect_timeout=0.5,
             ),

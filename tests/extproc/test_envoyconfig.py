@@ -13,6 +13,7 @@ import yaml
 
 from llmgw.config import load_dict, load_file
 from llmgw.extproc.envoyconfig import SHAPES, build, main, render
+from llmgw.testing.extproc import BootstrapOptions, loopback_bootstrap, make_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "envoy" / "llmgw.yaml"
@@ -197,3 +198,28 @@ def test_override_host_without_the_destination_list_says_retries_skip_llmgws_fal
     assert "destination_fallbacks: true" in err
     assert main(["--config", str(EXAMPLE), "--shape", "original-dst"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_loopback_bootstrap_is_build_on_loopback_with_free_ports_and_passes_options() -> None:
+    config = make_config(destination_fallbacks=False)
+    options: BootstrapOptions = {"shape": "original-dst", "fail_open": True, "message_timeout": 7.0}
+    got = loopback_bootstrap(config, "127.0.0.1:4321", **options)
+    listener = got["static_resources"]["listeners"][0]["address"]["socket_address"]
+    admin = got["admin"]["address"]["socket_address"]
+    assert listener["address"] == "127.0.0.1" and admin["address"] == "127.0.0.1"
+    assert listener["port_value"] != admin["port_value"]
+    assert got == build(
+        config,
+        listen_host="127.0.0.1",
+        listen_port=listener["port_value"],
+        admin_port=admin["port_value"],
+        extproc_address="127.0.0.1:4321",
+        **options,
+    )
+    assert got != build(
+        config,
+        listen_host="127.0.0.1",
+        listen_port=listener["port_value"],
+        admin_port=admin["port_value"],
+        extproc_address="127.0.0.1:4321",
+    )

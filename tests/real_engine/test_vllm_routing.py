@@ -13,9 +13,8 @@ import pytest
 from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.testing import serve
 from llmgw.config import Config, load_dict
-from llmgw.extproc.envoyconfig import build
 from llmgw.promtext import CONTRACTS, extract, parse
-from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, free_port
+from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, loopback_bootstrap
 from llmgw.types import Engine
 from tests.real_engine.conftest import PAIR_ARGS, VllmInstance, start_instance, wait_healthy
 
@@ -73,13 +72,10 @@ def envoy_stack(
     extproc = ExtProcThread(config)
     try:
         envoy = EnvoyProcess(
-            build(
+            loopback_bootstrap(
                 config,
+                extproc.address,
                 shape=shape,
-                listen_host="127.0.0.1",
-                listen_port=free_port(),
-                admin_port=free_port(),
-                extproc_address=extproc.address,
                 message_timeout=5.0,
             )
         )

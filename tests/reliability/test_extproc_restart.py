@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from llmgw.config import load_dict
-from llmgw.extproc.envoyconfig import EXTPROC_CLUSTER, build
+from llmgw.extproc.envoyconfig import EXTPROC_CLUSTER
 from llmgw.hashring import HashRing
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import EnvoyProcess, free_port, wait_for
+from llmgw.testing.extproc import EnvoyProcess, free_port, loopback_bootstrap, wait_for
 
 from .conftest import Child, SpawnFn
 
@@ -39,13 +39,10 @@ def config_for(sim: ThreadedFleet) -> dict[str, Any]:
 def envoy_for(
     config: dict[str, Any], grpc_ports: list[int], *, shape: str, fail_open: bool
 ) -> EnvoyProcess:
-    bootstrap = build(
+    bootstrap = loopback_bootstrap(
         load_dict(config),
+        f"127.0.0.1:{grpc_ports[0]}",
         shape=shape,
-        listen_host="127.0.0.1",
-        listen_port=free_port(),
-        admin_port=free_port(),
-        extproc_address=f"127.0.0.1:{grpc_ports[0]}",
         fail_open=fail_open,
         message_timeout=2.0,
         connect_timeout=0.25,

@@ -21,9 +21,8 @@ import httpx
 import pytest
 
 from llmgw.config import load_dict
-from llmgw.extproc.envoyconfig import build
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import EnvoyProcess, free_port, wait_for
+from llmgw.testing.extproc import EnvoyProcess, loopback_bootstrap, wait_for
 
 from .conftest import Child, SpawnFn, http_status
 
@@ -52,13 +51,10 @@ def config_for(sim: ThreadedFleet, indexes: list[int]) -> dict[str, Any]:
 
 def envoy_for(config: dict[str, Any], extproc: Child) -> EnvoyProcess:
     return EnvoyProcess(
-        build(
+        loopback_bootstrap(
             load_dict(config),
+            f"127.0.0.1:{extproc.ports['grpc']}",
             shape="original-dst",
-            listen_host="127.0.0.1",
-            listen_port=free_port(),
-            admin_port=free_port(),
-            extproc_address=f"127.0.0.1:{extproc.ports['grpc']}",
             message_timeout=5.0,
             connect_timeout=0.5,
         )
