@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -232,6 +235,84 @@ async def test_rolling_update_and_an_api_outage_through_envoy_fail_nothing(
             traffic.stop()
             await asyncio.gather(*workers)
     assert traffic.failures == [], traffic.failures[:5]
+
+
+OUTAGE = 30.0  # seconds: issue 15's "API server unreachable for 30 s"
+MAX_BACKOFF = 30.0 * 1.2  # the reflector's retry cap, with its +20 % jitter
+STALE = re.compile(r'^llmgw_discovery_stale_seconds\{model="m1"\} (\S+)$', re.MULTILINE)
+
+
+class Records(logging.Handler):
+    """Keeps llmgw.k8s records (caplog misses them once `llmgw.logs.configure` has run)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.slow
+async def test_a_30s_api_outage_through_envoy_fails_nothing_and_a_change_made_meanwhile_lands_after(
+    kube: FakeKubernetes, fleet: ThreadedFleet, envoy_path: str
+) -> None:
+    pods = [f"127.0.0.1:{p}" for p in fleet.ports]
+    kube.add_deployment("vllm", namespace=NS, pod_ports=fleet.ports, replicas=2)
+    await eventually(lambda: sum(p.ready for p in kube.deployments[(NS, "vllm")].pods) == 2)
+    k8s_log = logging.getLogger("llmgw.k8s")
+    records = Records()
+    level = k8s_log.level
+    k8s_log.addHandler(records)
+    k8s_log.setLevel(logging.INFO)
+    async with (
+        envoy_stack(discovered_config(), envoy_path) as (extproc, url),
+        httpx.AsyncClient(base_url=url, timeout=10.0) as http,
+    ):
+        await wait_routed(extproc, set(pods[:2]))
+        metrics_url = f"http://127.0.0.1:{extproc.ports['metrics']}/metrics"
+        traffic = Traffic(http)
+        workers = [asyncio.create_task(traffic.worker(i)) for i in range(2)]
+        stale: list[float] = []
+        try:
+            await traffic.round()
+            at_down = traffic.sent
+            await kube.go_down()
+            ends = time.monotonic() + OUTAGE
+            scaled = False
+            while time.monotonic() < ends:  # the scenario's length, sampling /metrics
+                found = STALE.search((await http.get(metrics_url)).text)
+                assert found is not None
+                stale.append(float(found.group(1)))
+                if not scaled and time.monotonic() > ends - OUTAGE / 2:
+                    kube.scale("vllm", 3, namespace=NS)  # a pod added while llmgw is blind
+                    scaled = True
+                await asyncio.sleep(1.0)
+            assert await routed(extproc) == set(pods[:2])  # the last known fleet, kept
+            sent = traffic.sent
+            assert sent > at_down + OUTAGE  # traffic went on: over one request a second
+            await kube.come_back()
+            back = time.monotonic()
+            async with asyncio.timeout(MAX_BACKOFF + 5.0):
+                while await routed(extproc) != set(pods[:3]):
+                    await asyncio.sleep(0.05)
+            catch_up = time.monotonic() - back
+            print(
+                f"\n{OUTAGE:g}s API outage: {sent - at_down} requests meanwhile, stale max "
+                f"{max(stale):.1f}s, change caught up {catch_up:.1f}s after the API returned"
+            )
+            await eventually(lambda: traffic.sent > sent + 20)
+            assert pods[2] in set((await traffic.round()).values())
+        finally:
+            traffic.stop()
+            await asyncio.gather(*workers)
+            k8s_log.removeHandler(records)
+            k8s_log.setLevel(level)
+    assert traffic.failures == [], traffic.failures[:5]
+    assert max(stale) > OUTAGE - 5.0, stale
+    lost = [r.getMessage() for r in records.records if "Kubernetes API lost" in r.getMessage()]
+    assert len(lost) == 1 and " since " in lost[0], lost
+    assert sum("reachable again" in r.getMessage() for r in records.records) == 1
 
 
 async def test_a_pod_turning_not_ready_finishes_its_stream_through_envoy_and_gets_no_new_request(
