@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[extproc,asgi,sim,k8s,dev]'
+	$(PY) -m pip install -q -e '.[extproc,asgi,sim,k8s,exact,dev]'
 	touch $(STAMP)
 
 test: $(STAMP)
