@@ -270,3 +270,16 @@ def test_the_schema_check_catches_typos_and_wrong_types() -> None:
     problems = check(doc, "V1Service", "Service")
     assert "Service.spec.portz: unknown field for V1ServiceSpec" in problems
     assert "Service.spec.ports[0].port: expected int, got str" in problems
+
+
+def test_the_image_installs_what_the_shipped_kubernetes_config_needs() -> None:
+    """deploy/k8s follows Services and InferencePools: without the `k8s` extra the pod would
+    fail at start with a missing `kubernetes` package."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    found = re.search(r"pip install [^']*'\.\[([a-z0-9,]+)\]'", dockerfile)
+    assert found, "deploy/Dockerfile: no `pip install '.[extras]'` line"
+    extras = set(found.group(1).split(","))
+    config = load_file(K8S / "llmgw-config.yaml")
+    assert "extproc" in extras
+    if any(spec.discovery is not None for spec in config.models.values()):
+        assert "k8s" in extras, f"deploy/Dockerfile installs {sorted(extras)}: add k8s"
