@@ -623,8 +623,7 @@ def simulate(
                 e2e.append(now - flight.sent)
                 done_at.append(now)
                 if flight.lease is not None:
-                    flight.lease.first_token(observed=False)  # as Lifecycle.finish does
-                    flight.lease.finish(Outcome.SUCCESS)
+                    flight.lease.end(Outcome.SUCCESS)  # as Lifecycle.finish does
                 contender.done(a)
                 end_request(flight.conv, flight.turn)
             if engine.has_work:

@@ -244,8 +244,13 @@ class Lifecycle:
         self.lease = self.snapshot.scheduler.acquire(decision, target)
         return target
 
-    def _release(self, lease: Lease, outcome: Outcome) -> None:
-        lease.finish(outcome)
+    def _release(self, lease: Lease, outcome: Outcome, *, end: bool = False) -> None:
+        """Release an attempt: `end` for the request's last (`Lease.end`), else a failed
+        attempt before a fallback (`Lease.finish`: its prefill was never done)."""
+        if end:
+            lease.end(outcome)
+        else:
+            lease.finish(outcome)
         if self.hooks.outcome is not None:
             self.hooks.outcome(lease.model, lease.endpoint_id, outcome)
 
@@ -257,10 +262,7 @@ class Lifecycle:
         if outcome is None:
             status = self._status
             outcome = Outcome.CANCELLED if status is None else outcome_for_status(status)
-        # Its prefill is over by now (a no-op if the first byte was seen); inferred, not seen,
-        # so an edge without body events keeps the time-drained queue estimate.
-        lease.first_token(observed=False)
-        self._release(lease, outcome)
+        self._release(lease, outcome, end=True)
         if self._in_use:
             self._in_use = False
             activation = self.gateway.activation

@@ -125,14 +125,6 @@ class RecordedTies:
         return order
 
 
-def end(lease: Lease, outcome: Outcome) -> None:
-    """End a request as `Lifecycle.finish` does: the prefill is over (inferred, not seen: a
-    no-op if the first byte was seen), then the release; the same drain of the modelled
-    queue the live router does."""
-    lease.first_token(observed=False)
-    lease.finish(outcome)
-
-
 def _recorded_times(arrival: Arrival) -> tuple[float | None, float]:
     """(first token, end) seconds after the pick as the recording router clocked them,
     else from the edge's TTFT and duration (their wall-clock anchors jitter by µs-ms)."""
@@ -261,7 +253,7 @@ def simulate(
                 seq = engines[target].submit(request, now)
             except (QueueFullError, RequestTooLargeError) as exc:
                 too_large = isinstance(exc, RequestTooLargeError)
-                end(lease, Outcome.FAILURE if too_large else Outcome.BACKPRESSURE)
+                lease.end(Outcome.FAILURE if too_large else Outcome.BACKPRESSURE)
                 error("400 too large" if too_large else "429 queue full")
                 continue
             held = _Flight(a, now, target, lease)
@@ -294,7 +286,7 @@ def simulate(
                 result.e2e_s.append(now - flight.sent)
                 result.output_tokens += arrivals[flight.index].output_tokens
                 if not flight.held:
-                    end(flight.lease, Outcome.SUCCESS)
+                    flight.lease.end(Outcome.SUCCESS)
                 outstanding -= 1
             if engines[a].has_work:
                 push(now + engines[a].schedule(now), _STEP_END, a)
@@ -303,7 +295,7 @@ def simulate(
         elif kind == _FIRST:
             leases[a].first_token()
         elif kind == _RELEASE:
-            end(leases.pop(a), Outcome.SUCCESS)
+            leases.pop(a).end(Outcome.SUCCESS)
         else:  # _SCRAPE
             address = endpoints[a]
             scraper.ingest(address, targets[address], render(pages[a]).decode())

@@ -155,6 +155,13 @@ class Lease:
         if self.on_first_token is not None:
             self.on_first_token()
 
+    def end(self, outcome: Outcome) -> None:
+        """The request is over: its prefill is done by now (inferred, not seen: a no-op if
+        the first byte was seen, and an edge without body events keeps the time-drained
+        queue estimate), then `finish`. A fallback's failed attempt uses `finish` alone."""
+        self.first_token(observed=False)
+        self.finish(outcome)
+
     def finish(self, outcome: Outcome) -> None:
         if self.done:
             return

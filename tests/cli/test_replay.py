@@ -10,7 +10,7 @@ import pytest
 
 from llmgw.cli.replay import engine_args, main
 from llmgw.cli.replay_mirror import apply, correction
-from llmgw.cli.replay_sim import end, mirror_corrections, replay_config, simulate
+from llmgw.cli.replay_sim import mirror_corrections, replay_config, simulate
 from llmgw.cli.replay_trace import Arrival, TraceRing, fit_engine, prompt_text, read_trace
 from llmgw.hashring import HashRing, ring_position
 from llmgw.registry import Registry, fresh_metrics_of
@@ -176,7 +176,7 @@ def test_a_replay_ends_each_request_as_the_lifecycle_does() -> None:
     lease = scheduler.acquire(decision)
     state = registry.get("m1", decision.endpoint.id)
     assert state is not None and state.pending_prefill > 0 and not state.reports_first_token
-    end(lease, Outcome.SUCCESS)
+    lease.end(Outcome.SUCCESS)
     assert state.pending_prefill == 0 and not state.reports_first_token and state.inflight == 0
 
 
