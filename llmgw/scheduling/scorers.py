@@ -480,7 +480,7 @@ class LatencyScorer:
         # A prefill's work delays every request that queues behind it: when the model's
         # replicas hold queues (n typical requests deep), each second of work costs about
         # n more seconds for others; so duplicating a cached prefix elsewhere costs more.
-        work_weight = self.work_weight
+        work_weight = base_weight = self.work_weight
         mean_queue = self._mean_queue
         if self.queue_weighting and per_waiting > 0:
             work_weight += mean_queue / per_waiting
@@ -495,8 +495,8 @@ class LatencyScorer:
         session_charge = (
             self.queue_weighting and per_waiting > 0 and request.session_key is not None
         )
-        # This loop runs per endpoint per pick: no calls (no max(), no properties, no
-        # `ctx.fresh` dict), three appends, and the term rows are built only when read.
+        # This loop runs per endpoint per pick: no calls on its common path (no max(), no
+        # properties, no `ctx.fresh` dict), three appends, term rows built only when read.
         queues: list[float] = []
         append_queue = queues.append
         steps: list[float] = []
@@ -533,12 +533,10 @@ class LatencyScorer:
             append_queue(queue)
             append_step(step)
             # ttft + work_weight x prefill, where ttft = queue + prefill + step.
+            charge = work_weight
             if session_charge and queue < mean_queue and room(s.id) * per_room_block >= prefill:
-                append_cost(
-                    queue + prefill + step + (self.work_weight + queue / per_waiting) * prefill
-                )
-            else:
-                append_cost(queue + prefill + step + work_weight * prefill)
+                charge = base_weight + queue / per_waiting  # this queue, not the fleet's
+            append_cost(queue + prefill + step + charge * prefill)
         self._candidates = candidates
         self._uncached = uncached_tokens
         # New lists each pick: the Decision keeps the old ones.
