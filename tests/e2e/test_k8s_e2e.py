@@ -25,6 +25,7 @@ from llmgw.config import Config, load_dict
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, loopback_bootstrap
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.traffic import SessionTraffic, served_by
 from llmgw.testing.wait import eventually
 
 NS = "models"
@@ -103,13 +104,6 @@ async def envoy_stack(config: Config, envoy_path: str) -> AsyncIterator[tuple[Ex
         await asyncio.to_thread(extproc.stop)
 
 
-def served_by(reply: httpx.Response) -> str:
-    fields = dict(
-        part.split("=", 1) for part in reply.headers["x-llmgw-decision"].split() if "=" in part
-    )
-    return fields.get("answered") or fields["endpoint"]
-
-
 async def routed(extproc: ExtProcThread) -> set[str]:
     registry = extproc.scheduler.registry
     return set(
@@ -131,44 +125,6 @@ async def wait_routed(extproc: ExtProcThread, wanted: set[str]) -> None:
             await asyncio.sleep(0.01)
 
 
-class Traffic:
-    """Two clients cycling through the sessions until stopped; failures and owners kept."""
-
-    def __init__(self, http: httpx.AsyncClient) -> None:
-        self.http = http
-        self.failures: list[str] = []
-        self.served: dict[str, str] = {}
-        self.epoch = 0
-        self.sent = 0
-        self._stop = asyncio.Event()
-
-    async def worker(self, offset: int) -> None:
-        i = offset
-        while not self._stop.is_set():
-            session = SESSIONS[i % len(SESSIONS)]
-            i += 2
-            epoch = self.epoch
-            try:
-                reply = await self.http.post(CHAT, content=BODY, headers={"x-session-id": session})
-            except httpx.HTTPError as exc:
-                self.failures.append(f"{session}: {type(exc).__name__}")
-                continue
-            self.sent += 1
-            if reply.status_code != 200:
-                self.failures.append(f"{session}: HTTP {reply.status_code} {reply.text[:120]}")
-            elif epoch == self.epoch:
-                self.served[session] = served_by(reply)
-
-    async def round(self) -> dict[str, str]:
-        self.epoch += 1
-        self.served.clear()
-        await eventually(lambda: len(self.served) == len(SESSIONS), timeout=20.0)
-        return dict(self.served)
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 async def test_scale_2_to_4_to_1_through_envoy_fails_nothing_and_moves_only_moved_sessions(
     kube: FakeKubernetes, fleet: ThreadedFleet, envoy_path: str
 ) -> None:
@@ -180,8 +136,8 @@ async def test_scale_2_to_4_to_1_through_envoy_fails_nothing_and_moves_only_move
         httpx.AsyncClient(base_url=url, timeout=10.0) as http,
     ):
         await wait_routed(extproc, set(pods[:2]))
-        traffic = Traffic(http)
-        workers = [asyncio.create_task(traffic.worker(i)) for i in range(2)]
+        traffic = SessionTraffic(http, SESSIONS, BODY)
+        workers = [asyncio.create_task(traffic.worker(i, 2)) for i in range(2)]
         try:
             two = await traffic.round()
             kube.scale("vllm", 4, namespace=NS)
@@ -212,8 +168,8 @@ async def test_rolling_update_and_an_api_outage_through_envoy_fail_nothing(
         httpx.AsyncClient(base_url=url, timeout=10.0) as http,
     ):
         await wait_routed(extproc, set(pods[:2]))
-        traffic = Traffic(http)
-        workers = [asyncio.create_task(traffic.worker(i)) for i in range(2)]
+        traffic = SessionTraffic(http, SESSIONS, BODY)
+        workers = [asyncio.create_task(traffic.worker(i, 2)) for i in range(2)]
         try:
             kube.rollout("vllm", fleet.ports[2:], namespace=NS)  # every address changes
             await wait_routed(extproc, set(pods[2:]))
@@ -271,8 +227,8 @@ async def test_a_30s_api_outage_through_envoy_fails_nothing_and_a_change_made_me
     ):
         await wait_routed(extproc, set(pods[:2]))
         metrics_url = f"http://127.0.0.1:{extproc.ports['metrics']}/metrics"
-        traffic = Traffic(http)
-        workers = [asyncio.create_task(traffic.worker(i)) for i in range(2)]
+        traffic = SessionTraffic(http, SESSIONS, BODY)
+        workers = [asyncio.create_task(traffic.worker(i, 2)) for i in range(2)]
         stale: list[float] = []
         try:
             await traffic.round()

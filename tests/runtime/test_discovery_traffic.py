@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -26,6 +25,7 @@ from llmgw.runtime.kube.discovery import Discovery
 from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.traffic import SessionTraffic, served_by
 from llmgw.testing.wait import eventually
 
 NS = "models"
@@ -48,14 +48,6 @@ def service_config() -> Config:
     )
 
 
-def served_by(reply: httpx.Response) -> str:
-    """The endpoint that answered, from the `x-llmgw-decision` debug header."""
-    fields = dict(
-        part.split("=", 1) for part in reply.headers["x-llmgw-decision"].split() if "=" in part
-    )
-    return fields.get("answered") or fields["endpoint"]
-
-
 @contextlib.asynccontextmanager
 async def proxy_on(kube: FakeKubernetes, config: Config) -> AsyncIterator[tuple[Router, str]]:
     api: Any = client.ApiClient(client.Configuration(host=kube.host))
@@ -66,47 +58,6 @@ async def proxy_on(kube: FakeKubernetes, config: Config) -> AsyncIterator[tuple[
             yield router, base
     finally:
         api.close()
-
-
-@dataclass
-class Traffic:
-    """Workers that send one request per session in turn until stopped."""
-
-    http: httpx.AsyncClient
-    sessions: list[str]
-    served: dict[str, str] = field(default_factory=dict)  # session -> last endpoint
-    sent: int = 0
-    failures: list[str] = field(default_factory=list)
-    epoch: int = 0  # a round counts only requests sent after it began
-    _stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def worker(self, offset: int, step: int) -> None:
-        i = offset
-        while not self._stop.is_set():
-            session = self.sessions[i % len(self.sessions)]
-            i += step
-            epoch = self.epoch
-            try:
-                reply = await self.http.post(CHAT, content=BODY, headers={"x-session-id": session})
-            except httpx.HTTPError as exc:
-                self.failures.append(f"{session}: {type(exc).__name__} {exc}")
-                continue
-            self.sent += 1
-            if reply.status_code != 200:
-                self.failures.append(f"{session}: HTTP {reply.status_code} {reply.text[:200]}")
-                continue
-            if epoch == self.epoch:
-                self.served[session] = served_by(reply)
-
-    async def round(self) -> dict[str, str]:
-        """Every session served at least once from now on; their endpoints."""
-        self.epoch += 1
-        self.served.clear()
-        await eventually(lambda: len(self.served) == len(self.sessions), timeout=20.0)
-        return dict(self.served)
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 async def test_scale_2_to_4_to_1_under_session_traffic_fails_nothing_and_moves_only_moved_sessions(
@@ -128,7 +79,7 @@ async def test_scale_2_to_4_to_1_under_session_traffic_fails_nothing_and_moves_o
                 return {s.id for s in registry.states(MODEL)}
 
             await eventually(lambda: routed() == set(pods[:2]))
-            traffic = Traffic(http, [f"session-{i}" for i in range(48)])
+            traffic = SessionTraffic(http, [f"session-{i}" for i in range(48)], BODY)
             workers = [asyncio.create_task(traffic.worker(i, 4)) for i in range(4)]
             try:
                 two = await traffic.round()
