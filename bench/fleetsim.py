@@ -480,6 +480,30 @@ class _Flight:
     first_seen: bool = False
 
 
+# What a minimal engine simulator publishes: load and cache-use gauges, no histograms,
+# no token counters, no cache config (the router's calibration falls back to its params).
+GAUGES_ONLY = frozenset(
+    {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+)
+
+
+def only(page: str, families: frozenset[str]) -> str:
+    """The exposition `page` with only the samples of `families` (and their comments)."""
+    kept = []
+    for line in page.splitlines():
+        if line.startswith("#"):
+            parts = line.split(maxsplit=3)
+            name = parts[2] if len(parts) > 2 else ""
+        else:
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            for suffix in ("_bucket", "_sum", "_count"):
+                if name.endswith(suffix) and name[: -len(suffix)] in families:
+                    name = name[: -len(suffix)]
+        if name in families:
+            kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
 def simulate(
     prepared: PreparedWorkload,
     contender: Contender,
@@ -489,8 +513,11 @@ def simulate(
     scrape_jitter: float = 0.1,
     kv_event_lag: float = 0.002,
     max_events: int = 50_000_000,
+    metrics: frozenset[str] | None = None,
 ) -> RunResult:
-    """Replay the workload through `contender` onto fresh engines; deterministic."""
+    """Replay the workload through `contender` onto fresh engines; deterministic.
+    `metrics`: the metric families the engines publish (None: all the simulator has), to
+    stand for engines that publish less (`GAUGES_ONLY`)."""
     n = len(prepared.engines)
     now = 0.0
     registry: Registry | None = None
@@ -639,7 +666,8 @@ def simulate(
             registry.kv_index.apply_batch(address(a), batch, now)
         elif kind == _SCRAPE and scraper is not None:
             addr = address(a)
-            scraper.ingest(addr, targets[addr], render(pages[a]).decode())
+            page = render(pages[a]).decode()
+            scraper.ingest(addr, targets[addr], page if metrics is None else only(page, metrics))
             scrapes += 1
             spread = scrape_interval * scrape_jitter
             push(now + scrape_interval + rng.uniform(-spread, spread), _SCRAPE, a)

@@ -1,0 +1,208 @@
+"""Does a strategy's ranking survive a different engine? The grid's regimes on engines unlike
+the one `bench/routing.py` simulates, in virtual time (`bench/fleetsim.py`).
+
+    .venv/bin/python bench/fleetsim_robust.py --seeds 1,2 --jobs 2
+    .venv/bin/python bench/fleetsim_robust.py --variants base,gauges-only --cells chat-history
+
+A router tuned to one simulator can lose on another (issue 13: the old default was 2-2.5x
+worse than consistent hashing on a simulator that was not ours). Each variant changes one
+thing of the base engine (4 replicas, 60 us a prefill token, 25 ms decode steps, 8
+sequences, chunked prefill at 2,048 tokens, every vLLM metric): prefill 4x faster or
+slower, big batches, small prefill chunks, 8 replicas, or an engine that publishes only
+the load gauges (no histograms, counters or cache config: llmgw's calibration falls back
+to its params). Workloads are sized to each variant's capacity, so load 0.6 means 0.6 of
+that engine's capacity. Windows are `--window` x the real grid's (more requests: p90 of a
+few hundred moves 20-40 % between seeds). Prints per variant the TTFT p90 over the best
+contender of each cell (geometric mean over seeds) and writes JSON + a heat map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench._tools import format_table, write_results  # noqa: E402
+from bench.fleetsim import GAUGES_ONLY, make_contender, prepare, simulate  # noqa: E402
+from bench.fleetsim_grid import load_strategy_file  # noqa: E402
+from bench.fleetsim_regimes import engine, mean_ratios  # noqa: E402
+from bench.routing import REPLICAS, engine_speed, pressure_level  # noqa: E402
+from bench.workloads.grid import REGIMES, EngineSpeed, regime_workload  # noqa: E402
+from llmgw.sim.model import EngineConfig  # noqa: E402
+
+RESULTS = HERE / "results"
+CELLS = ("chat-history", "chat-history-heavy", "hot-zipf", "hot-zipf-pressure", "docs-shared",
+         "prefill-heavy", "decode-heavy")  # fmt: skip
+CONTENDERS = (
+    "llmgw:latency",
+    "llmgw:latency@envoy",
+    "consistent-hash",
+    "sglang-cache-aware-lib",
+    "least-requests",
+    "round-robin",
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One change to the base engine (`engine` / `engine_speed` of the real grid)."""
+
+    note: str
+    engine: dict[str, Any]
+    replicas: int = REPLICAS
+    metrics: frozenset[str] | None = None
+
+
+VARIANTS: dict[str, Variant] = {
+    "base": Variant("the real grid's engine", {}),
+    "gauges-only": Variant("publishes running/waiting/KV use only", {}, metrics=GAUGES_ONLY),
+    "fast-prefill": Variant("prefill 15 us a token (4x faster)", {"prefill_us_per_token": 15.0}),
+    "slow-prefill": Variant("prefill 240 us a token (4x slower)", {"prefill_us_per_token": 240.0}),
+    "big-batch": Variant(
+        "48 sequences a replica, +1 % step per sequence",
+        {"max_num_seqs": 48, "decode_batch_factor": 0.01},
+    ),
+    "small-chunk": Variant("chunked prefill at 512 tokens", {"max_num_batched_tokens": 512}),
+    "8-replicas": Variant("8 replicas", {}, replicas=8),
+}
+
+
+def variant_engine(variant: Variant, level: str) -> tuple[EngineConfig, EngineSpeed]:
+    cfg = replace(engine(level), **variant.engine)
+    base = engine_speed(level)
+    speed = replace(
+        base,
+        replicas=variant.replicas,
+        prefill_s_per_token=cfg.prefill_us_per_token / 1e6,
+        decode_step_s=cfg.decode_ms / 1e3,
+        decode_batch_factor=cfg.decode_batch_factor,
+        max_num_seqs=cfg.max_num_seqs,
+    )
+    return cfg, speed
+
+
+def run_cell(
+    variant_name: str,
+    cell: str,
+    contenders: list[str],
+    seed: int,
+    window: float,
+    custom: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    variant = VARIANTS[variant_name]
+    regime = REGIMES[cell]
+    regime = replace(regime, window_s=regime.window_s * window)
+    cfg, speed = variant_engine(variant, pressure_level(regime))
+    wl = regime_workload(regime, speed, seed=seed)
+    prepared = prepare(wl, [cfg] * variant.replicas)
+    runs = []
+    for name in contenders:
+        result = simulate(prepared, make_contender(name, 0.05, custom), seed=seed, metrics=variant.metrics)
+        runs.append(result.row())
+    return {
+        "variant": variant_name,
+        "cell": cell,
+        "seed": seed,
+        "description": wl.description,
+        "requests": wl.requests,
+        "runs": runs,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument("--cells", default=",".join(CELLS), help="comma-separated regimes")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--strategy-file", action="append", default=[], help="YAML strategy")
+    parser.add_argument("--seeds", default="1,2")
+    parser.add_argument("--window", type=float, default=3.0, help="x the real grid's window")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--out", default="fleetsim_robust")
+    parser.add_argument("--plot", default=str(RESULTS / "fleetsim_robust.png"))
+    args = parser.parse_args(argv)
+    variants, cells = args.variants.split(","), args.cells.split(",")
+    custom: dict[str, dict[str, Any]] = {}
+    for path in args.strategy_file:
+        custom.update(load_strategy_file(path))
+    contenders = [*args.contenders.split(","), *(c for c in custom if c not in args.contenders)]
+    for name, known in ((variants, VARIANTS), (cells, REGIMES)):
+        unknown = [n for n in name if n not in known]
+        if unknown:
+            raise SystemExit(f"unknown {unknown}; known: {', '.join(known)}")
+    for c in contenders:
+        make_contender(c, 0.05, custom)  # unknown names fail now
+    seeds = [int(s) for s in args.seeds.split(",")]
+    tasks = [(v, c, s) for v in variants for s in seeds for c in cells]
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [pool.submit(run_cell, v, c, contenders, s, args.window, custom) for v, c, s in tasks]
+        results = [f.result() for f in futures]
+    wall = time.perf_counter() - started
+
+    summary: dict[str, dict[str, dict[str, float | None]]] = {}
+    worst_rows = []
+    for v in variants:
+        ratios = mean_ratios([r for r in results if r["variant"] == v])
+        summary[v] = ratios
+        print(f"\n## {v}: {VARIANTS[v].note} — TTFT p90 / best in cell (geo-mean over seeds)")
+        print(format_table([{"contender": n, **r} for n, r in ratios.items()]))
+        worst_rows.append(
+            {"variant": v, **{n: max(x for x in r.values() if x is not None)
+                              for n, r in ratios.items()}}  # fmt: skip
+        )
+    print("\n## worst ratio per contender and variant")
+    print(format_table(worst_rows))
+    requests = sorted({r["requests"] for r in results})
+    print(f"requests per cell: {requests[0]}-{requests[-1]}; wall {wall:.0f} s")
+    write_results(args.out, {"seeds": seeds, "variants": variants, "cells": results,
+                             "summary": summary})  # fmt: skip
+    if args.plot:
+        plot(summary, contenders, cells, Path(args.plot))
+    return 0
+
+
+def plot(
+    summary: dict[str, dict[str, dict[str, float | None]]],
+    contenders: list[str],
+    cells: list[str],
+    path: Path,
+) -> None:
+    """One heat map per variant: contender x cell, TTFT p90 / best (log colour)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(summary)
+    fig, axes = plt.subplots(len(variants), 1, figsize=(1.3 * len(cells) + 3, 2.2 * len(variants)))
+    axes_list = [axes] if len(variants) == 1 else list(axes)
+    for ax, v in zip(axes_list, variants, strict=True):
+        grid = [[summary[v].get(c, {}).get(cell) or math.nan for cell in cells]
+                for c in contenders]  # fmt: skip
+        ax.imshow([[math.log(x) if x == x else math.nan for x in row] for row in grid],
+                  cmap="RdYlGn_r", vmin=0, vmax=math.log(3), aspect="auto")  # fmt: skip
+        for i, row in enumerate(grid):
+            for j, x in enumerate(row):
+                if x == x:
+                    ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(len(contenders)), contenders, fontsize=7)
+        ax.set_xticks(range(len(cells)), cells if ax is axes_list[-1] else [""] * len(cells),
+                      fontsize=7, rotation=20)  # fmt: skip
+        ax.set_title(f"{v}: {VARIANTS[v].note}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
