@@ -22,6 +22,7 @@ min-max), bench/results/kv_exact.json and bench/results/kv_exact.png.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -144,9 +145,10 @@ def plot(rows: list[dict[str, Any]], contenders: list[str], path: Path) -> None:
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
         ax.set_title(title)
     axes[0].set_yscale("log")
-    axes[1].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(contenders), fontsize=8)
     fig.suptitle(f"exact vs approximate prefix matching, {REPLICAS} simulated replicas")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -159,7 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=REPLICAS)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--plot", default=str(RESULTS / "kv_exact.png"))
+    parser.add_argument("--replot", help="redraw the plot from a results JSON, run nothing")
     args = parser.parse_args(argv)
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        names = list(dict.fromkeys(r["contender"] for r in data["rows"]))
+        plot(data["rows"], names, Path(args.plot))
+        return 0
     table = cells()
     names = args.cells.split(",") if args.cells else list(table)
     for name in names:

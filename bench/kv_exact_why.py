@@ -10,6 +10,11 @@ replies' tokens, the last partial block, others' traffic); share of picks whose 
 differs; the mean predicted TTFT the approximate choice loses, priced by the exact terms
 (over all picks, and over the differing ones); of the differing picks, how many the
 approximate choice made on a stale belief about its own choice.
+
+`--realised`: run `llmgw:latency` and `llmgw:latency-exact` on the cells and compare, per
+request, the cached tokens predicted on the chosen endpoint with what the engine found at
+admission (`Sequence.cached_tokens`): the share predicted >= 64 tokens too high (lost to an
+eviction while the request waited, or never there), too low, and the mean wait for admission.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from bench.kv_exact import REPLICAS, cells  # noqa: E402
 from llmgw.registry import EndpointState  # noqa: E402
 from llmgw.scheduling.interfaces import PickContext  # noqa: E402
 from llmgw.scheduling.scorers import LatencyScorer  # noqa: E402
+from llmgw.sim.model import EngineModel, SeqRequest, Sequence  # noqa: E402
 
 BLOCK = 64  # tokens: the approximate index's block, the smallest difference it can see
 
@@ -74,12 +80,68 @@ def _probed(self: LatencyScorer, ctx: PickContext, candidates: list[EndpointStat
     return exact
 
 
+PREDICTED: list[float] = []  # cached tokens predicted on the chosen endpoint, per pick
+ADMITTED: list[Sequence] = []  # the engine's sequences, in the same order
+_observe = LatencyScorer.observe
+_submit = EngineModel.submit
+
+
+def _observed(self: LatencyScorer, ctx: PickContext, chosen: EndpointState) -> None:
+    i = next(k for k, s in enumerate(self._candidates) if s is chosen)
+    PREDICTED.append(self.term_rows()[i][4])
+    _observe(self, ctx, chosen)
+
+
+def _submitted(self: EngineModel, request: SeqRequest, now: float) -> Sequence:
+    seq = _submit(self, request, now)
+    ADMITTED.append(seq)
+    return seq
+
+
+def realised(names: list[str], seed: int, replicas: int) -> None:
+    setattr(LatencyScorer, "observe", _observed)  # noqa: B010
+    setattr(EngineModel, "submit", _submitted)  # noqa: B010
+    table = cells()
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        cell, ratio = table[name]
+        fleet_ratio = ratio / replicas if ratio is not None else 1.0
+        for contender in ("llmgw:latency", "llmgw:latency-exact"):
+            PREDICTED.clear()
+            ADMITTED.clear()
+            # The plan's capacity probes submit too (least-requests, no observe): skip them.
+            out = run_cell(cell, [contender], seed, False, 0.05, {}, replicas, fleet_ratio)
+            seqs = ADMITTED[-len(PREDICTED) :]
+            pairs = list(zip(PREDICTED, seqs, strict=True))
+            n = max(1, len(pairs))
+            waits = [q.scheduled_time - q.arrival_time for _, q in pairs if q.scheduled_time]
+            rows.append(
+                {
+                    "cell": name,
+                    "contender": contender,
+                    "requests": len(pairs),
+                    "predicted cached": round(sum(p for p, _ in pairs) / n),
+                    "found cached": round(sum(q.cached_tokens for _, q in pairs) / n),
+                    "too high": f"{sum(p - q.cached_tokens >= BLOCK for p, q in pairs) / n:.1%}",
+                    "too low": f"{sum(q.cached_tokens - p >= BLOCK for p, q in pairs) / n:.1%}",
+                    "wait ms": round(sum(waits) / max(1, len(waits)) * 1e3, 1),
+                    "ttft p90": out["runs"][0]["ttft_p90_ms"],
+                }
+            )
+    print(f"{replicas} replicas, seed {seed}: predicted vs found cached tokens per request")
+    print(format_table(rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--cells", default="chat-long-P-ws20x,prefix-P-ws20x,hot-D-ws20x")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--replicas", type=int, default=REPLICAS)
+    parser.add_argument("--realised", action="store_true", help="predicted vs found cached")
     args = parser.parse_args(argv)
+    if args.realised:
+        realised(args.cells.split(","), args.seed, args.replicas)
+        return 0
     setattr(LatencyScorer, "score", _probed)  # noqa: B010
     table = cells()
     rows: list[dict[str, Any]] = []
