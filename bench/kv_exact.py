@@ -6,8 +6,9 @@ simulated fleet of 8, under cache pressure and without, over several seeds (issu
 
 Cells are `bench/fleetsim_grid.py` cells (its planning: capacity probe, Little's-law working
 set, rate, KV size) with `--replicas` engines; "ws Nx" cells size each engine's KV so the
-working set is N times one replica's KV (the fleet could hold it if routing partitions it),
-"loose" cells give each engine room for all of it. Contenders:
+working set is N times one replica's KV (at N <= 8 the fleet holds it if routing partitions
+it; 12x and 20x put the fleet under pressure), "loose" cells give each engine room for all.
+Contenders:
 - `llmgw:latency`: approximate index, bounded by each engine's KV size (the default);
 - `llmgw:latency-nokvsize`: the same index without the KV size (believes what it routed
   is still cached: llm-d's "approximate");
