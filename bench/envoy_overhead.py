@@ -12,6 +12,14 @@ One run, one machine, one load tool (h2load, HTTP/1.1, `-c` clients), one fast u
   2f bare fdx        the bare ext_proc in GIE's FULL_DUPLEX_STREAMED mode (bodies both ways
                      streamed through ext_proc, trailers sent): the floor for 5
   5 llmgw body fdx   llmgw ext_proc (`chat`) in that mode (`envoy-config --body-mode gie`)
+  6 latency, sim     llmgw ext_proc (`latency`) in front of 4 simulated engines
+                     (`python -m llmgw.sim --kv-events`, zero prefill/decode time), a 2 KB prompt
+  7 latency exact    the same with exact matching: `tokenizer: sim` + `kv_events: {discover:
+                     true}` (the subscribers follow the engines' events; checked live on
+                     llmgw's /metrics before measuring); its floor is 6, so "x CPU of floor"
+                     is exact / approximate. h2load repeats one body: the prompt is tokenized
+                     once and cached, so 7 - 6 is the per-request lookup, the events and the
+                     cache look-up; tokenizing a new prompt is `bench/pick_latency.py`'s row.
 
 Every scenario uses the same generated Envoy config (`llmgw envoy-config`, original-dst
 shape, request + response headers sent to ext_proc; 2f and 5 with `--body-mode gie`). For each: req/s, latency p50/p99
@@ -26,6 +34,7 @@ Prints a table and writes bench/results/envoy_overhead.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -43,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._tools import find_load_tool, format_table, parse_h2load, write_results  # noqa: E402
 from llmgw.config import Config, load_dict  # noqa: E402
+from llmgw.sim.fleet import SimProcess, spawn  # noqa: E402
 from llmgw.testing.extproc import EnvoyProcess, free_port, loopback_bootstrap, wait_for  # noqa: E402
 
 BODY = json.dumps(
@@ -53,6 +63,17 @@ BODY = json.dumps(
             {"role": "user", "content": "Summarise the plot of Hamlet in two sentences."},
         ],
         "max_tokens": 64,
+    }
+).encode()
+# Scenarios 6-7: a prompt long enough for several KV blocks (16 tokens of 4 characters).
+LONG_BODY = json.dumps(
+    {
+        "model": "m1",
+        "messages": [
+            {"role": "system", "content": "You are a careful assistant. " * 70},
+            {"role": "user", "content": "Summarise the plot of Hamlet in two sentences."},
+        ],
+        "max_tokens": 4,
     }
 ).encode()
 HEADERS = {"x-llmgw-model": "m1", "x-session-id": "bench-session-1"}
@@ -126,18 +147,23 @@ def upstream_bootstrap(ports: list[int], admin_port: int) -> dict[str, Any]:
     }
 
 
-def llmgw_config(upstreams: list[str], strategy: str) -> Config:
-    return load_dict(
-        {
-            "models": {
-                "m1": {
-                    "endpoints": upstreams,
-                    "strategy": strategy,
-                    "saturation": {"queue_ceiling": 1e9},
-                }
-            }
+def llmgw_config(upstreams: list[str], strategy: str, exact: bool = False) -> Config:
+    model: dict[str, Any] = {
+        "endpoints": upstreams,
+        "strategy": strategy,
+        "saturation": {"queue_ceiling": 1e9},
+    }
+    if exact:  # the latency preset, matching on the engines' KV events (README)
+        model["kv_events"] = {"discover": True, "resync": 1.0}  # a late join: live in 1 s
+        model["strategy"] = {
+            "name": "latency-exact",
+            "scorers": {
+                "latency": {"weight": 1.0, "params": {"tokenizer": "sim"}},
+                "session": {"weight": 0.05, "params": {"abstain_without_session": True}},
+            },
+            "filters": ["healthy", "model-serves"],
         }
-    )
+    return load_dict({"models": {"m1": model}})
 
 
 def cpu_seconds(pid: int) -> float:
@@ -169,6 +195,8 @@ class Scenario:
     extproc: str | None  # None | "bare" | "bare-body" | "bare-fdx" | "llmgw"
     strategy: str = "ring"
     body_mode: str = "override"  # envoy-config --body-mode
+    sim: bool = False  # simulated engines (with KV events) instead of the Envoy upstream
+    exact: bool = False  # exact matching on the engines' KV events
 
 
 SCENARIOS = [
@@ -179,17 +207,22 @@ SCENARIOS = [
     Scenario("4", "+ llmgw body (chat)", "llmgw", "chat"),
     Scenario("2f", "+ bare ext_proc (full duplex)", "bare-fdx", body_mode="gie"),
     Scenario("5", "+ llmgw body (chat, full duplex)", "llmgw", "chat", body_mode="gie"),
+    Scenario("6", "+ llmgw body (latency), sim engines", "llmgw", "latency", sim=True),
+    Scenario("7", "+ llmgw body (latency exact), sim", "llmgw", "latency", sim=True, exact=True),
 ]
-# The floor each scenario is compared with (the bare ext_proc in the same mode).
-FLOORS = {"2b": "2b", "4": "2b", "2f": "2f", "5": "2f"}
+# The floor each scenario is compared with (the bare ext_proc in the same mode; for exact
+# matching, the same router without it).
+FLOORS = {"2b": "2b", "4": "2b", "2f": "2f", "5": "2f", "6": "2b", "7": "6"}
 
 
-def h2load(url: str, duration: float, clients: int, log: Path | None = None) -> dict[str, Any]:
+def h2load(
+    url: str, duration: float, clients: int, log: Path | None = None, data: bytes = BODY
+) -> dict[str, Any]:
     tool = find_load_tool(("h2load",))
     if tool is None:
         raise SystemExit("h2load not found (apt-get install nghttp2-client)")
     with tempfile.NamedTemporaryFile(prefix="bench-body-") as body:
-        body.write(BODY)
+        body.write(data)
         body.flush()
         command = [tool.path, "--h1", "-c", str(clients), "-t", "1", "-D", f"{duration:g}"]
         command += ["-d", body.name, "-H", "content-type: application/json"]
@@ -227,8 +260,35 @@ def run_scenario(
     loop: str,
     scratch: Path,
 ) -> dict[str, Any]:
-    config = llmgw_config(upstreams, scenario.strategy)
+    with contextlib.ExitStack() as stack:
+        if scenario.sim:  # fresh engines: their event streams start at sequence 0 (live)
+            sim = stack.enter_context(start_sim(len(upstreams)))
+            upstreams = [f"{sim.host}:{port}" for port in sim.ports]
+        return _run_scenario(
+            scenario,
+            upstreams,
+            duration=duration,
+            clients=clients,
+            workers=workers,
+            loop=loop,
+            scratch=scratch,
+        )
+
+
+def _run_scenario(
+    scenario: Scenario,
+    upstreams: list[str],
+    *,
+    duration: float,
+    clients: int,
+    workers: int,
+    loop: str,
+    scratch: Path,
+) -> dict[str, Any]:
+    config = llmgw_config(upstreams, scenario.strategy, scenario.exact)
+    data = LONG_BODY if scenario.sim else BODY
     grpc_port = free_port()
+    metrics_port = free_port()
     process: subprocess.Popen[bytes] | None = None
     if scenario.extproc in ("bare", "bare-body", "bare-fdx"):
         command = [
@@ -247,7 +307,7 @@ def run_scenario(
             sys.executable, "-m", "llmgw.cli", "extproc", "--config", str(config_file),
             "--host", "127.0.0.1", "--grpc-port", str(grpc_port), "--plaintext",
             "--grpc-health-port", "0", "--health-port", str(free_port()),
-            "--metrics-port", str(free_port()), "--log-level", "warning",
+            "--metrics-port", str(metrics_port), "--log-level", "warning",
             "--workers", str(workers), "--loop", loop,
         ]  # fmt: skip
         process = subprocess.Popen(command, cwd=ROOT, env=_ENV)
@@ -267,15 +327,25 @@ def run_scenario(
                 f for f in filters if f["name"] != "envoy.filters.http.ext_proc"
             ]
         with EnvoyProcess(bootstrap) as envoy:
-            h2load(envoy.url, min(2.0, duration), clients)  # warm-up: connections, caches
+            h2load(envoy.url, min(2.0, duration), clients, data=data)  # warm-up
+            if scenario.exact:  # measure only once every engine's events are followed
+
+                def all_live() -> bool:
+                    for upstream in upstreams:  # direct requests: every engine publishes
+                        _post(f"http://{upstream}/v1/chat/completions", data)
+                    return _kv_live(metrics_port) == len(upstreams)
+
+                wait_for(all_live, 20.0, "every engine's KV events live")
             if scenario.extproc == "llmgw":
                 time.sleep(0.3)  # let the scraper see the upstream's /metrics at least once
             log = scratch / f"{scenario.key}.log"
             envoy_cpu0 = cpu_seconds(envoy.process.pid)
             cpu0 = children_cpu_seconds(process.pid) if process else 0.0
-            result = h2load(envoy.url, duration, clients, log)
+            result = h2load(envoy.url, duration, clients, log, data=data)
             cpu1 = children_cpu_seconds(process.pid) if process else 0.0
             envoy_cpu1 = cpu_seconds(envoy.process.pid)
+        if scenario.exact and _kv_live(metrics_port) != len(upstreams):
+            raise RuntimeError("an engine's KV events stopped being live during the run")
         p50, p99 = percentiles(log)
         done = max(1, result["succeeded"])
         return {
@@ -298,6 +368,38 @@ def run_scenario(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _kv_live(metrics_port: int) -> int:
+    """Endpoints whose KV events llmgw follows (`llmgw_kv_events_live` = 1)."""
+    import urllib.request  # noqa: PLC0415 (scenario 7 only)
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2) as r:
+            page = r.read().decode()
+    except OSError:
+        return 0
+    return sum(
+        1
+        for line in page.splitlines()
+        if line.startswith("llmgw_kv_events_live{") and float(line.rsplit(" ", 1)[1]) == 1.0
+    )
+
+
+def _post(url: str, data: bytes) -> None:
+    import urllib.request  # noqa: PLC0415 (scenario 7 only)
+
+    request = urllib.request.Request(url, data, {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        response.read()
+
+
+def start_sim(replicas: int) -> SimProcess:
+    """Simulated engines publishing KV events, as fast as the simulator goes."""
+    return spawn(
+        ["--replicas", str(replicas), "--base-port", "0", "--kv-events", "--model", "m1",
+         "--prefill-us-per-token", "0", "--decode-ms", "0", "--kv-blocks", "4096"]
+    )  # fmt: skip
 
 
 def median_run(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -52,6 +52,7 @@ from llmgw.registry import Registry
 from llmgw.request import build_request
 from llmgw.runtime.scraper import Scraper
 from llmgw.scheduling.scheduler import Lease, Scheduler
+from llmgw.scheduling.scorers import LatencyScorer
 from llmgw.scheduling.strategies import PRESETS
 from llmgw.sim.metrics import ModelObservations, ServedModel, make_registry, render
 from llmgw.sim.model import (
@@ -184,7 +185,11 @@ class LlmgwContender:
     `routers` > 1: that many router replicas (a Scheduler each, own prefix index) behind a
     plain load balancer that picks one per request at random; they share the Registry
     (load, scrapes: optimistic for all alike) and, with KV events, the exact index (each
-    router subscribes to the same engines)."""
+    router subscribes to the same engines).
+
+    `engine_kv_model=False`: the latency scorer's approximate index ignores each engine's
+    KV size (`cache_config_info`) and keeps up to its default capacity per endpoint: an
+    index that believes every block it routed is still cached (llm-d's "approximate")."""
 
     uses_registry = True
 
@@ -195,10 +200,12 @@ class LlmgwContender:
         scrape_interval: float = 0.05,
         first_tokens: bool = True,
         routers: int = 1,
+        engine_kv_model: bool = True,
     ) -> None:
         self.name = name
         self.strategy = strategy
         self.routers = routers
+        self.engine_kv_model = engine_kv_model
         self.schedulers: list[Scheduler] = []
         # A scorer with a tokenizer matches on the engines' KV events: feed them.
         self.uses_kv_events = isinstance(strategy, dict) and any(
@@ -217,6 +224,12 @@ class LlmgwContender:
         self.config = config
         self.schedulers = [Scheduler(config, registry, seed=seed + k) for k in range(self.routers)]
         self.scheduler = self.schedulers[0]
+        if not self.engine_kv_model:
+            for scheduler in self.schedulers:
+                for scorer, _ in scheduler.router(MODEL).scorers:
+                    if isinstance(scorer, LatencyScorer):
+                        # The index's per-endpoint capacity stays its default (16,384 blocks).
+                        setattr(scorer.index, "set_capacity", _ignore_capacity)  # noqa: B010
         self._balancer = random.Random(seed * 31 + 7)
         self._index = {address(i): i for i in range(n)}
 
@@ -234,6 +247,10 @@ class LlmgwContender:
 
     def done(self, index: int) -> None:
         pass
+
+
+def _ignore_capacity(endpoint_id: str, blocks: int) -> None:
+    """`PrefixIndex.set_capacity` for an index that does not model the engines' KV size."""
 
 
 class _Local:
@@ -390,6 +407,8 @@ LATENCY_EXACT: dict[str, Any] = {
     "filters": ["healthy", "model-serves"],
 }
 BUILTIN: dict[str, dict[str, Any]] = {"llmgw:latency-exact": LATENCY_EXACT}
+# The approximate index without each engine's KV size (`LlmgwContender.engine_kv_model`).
+NO_KV_MODEL: dict[str, str] = {"llmgw:latency-nokvsize": "latency"}
 # Two router replicas behind a random load balancer (`LlmgwContender.routers`).
 TWO_ROUTERS: dict[str, str | dict[str, Any]] = {
     "llmgw:latency-2routers": "latency",
@@ -399,7 +418,7 @@ TWO_ROUTERS: dict[str, str | dict[str, Any]] = {
 
 def contender_names() -> list[str]:
     """Every llmgw preset (as `llmgw:<name>`), built-in variants, then the references."""
-    builtin = [*BUILTIN, *TWO_ROUTERS]
+    builtin = [*BUILTIN, *NO_KV_MODEL, *TWO_ROUTERS]
     return [f"llmgw:{name}" for name in PRESETS] + builtin + list(REFERENCES)
 
 
@@ -420,6 +439,8 @@ def make_contender(
         return LlmgwContender(name, custom[name], scrape_interval)
     if name in BUILTIN:
         return LlmgwContender(name, BUILTIN[name], scrape_interval)
+    if name in NO_KV_MODEL:
+        return LlmgwContender(name, NO_KV_MODEL[name], scrape_interval, engine_kv_model=False)
     if name in TWO_ROUTERS:
         return LlmgwContender(name, TWO_ROUTERS[name], scrape_interval, routers=2)
     if name.startswith("llmgw:") and name[6:] in PRESETS:

@@ -5,8 +5,8 @@
     .venv/bin/python bench/fleetsim_grid.py --cells chat-long-mid-P --contenders \\
         llmgw:chat,consistent-hash --strategy-file my_weights.yaml
 
-Each cell: 4 replicas of one engine shape, one workload, an offered load as a fraction
-of capacity, and a KV size below or 2-3x under the working set. Capacity comes from a
+Each cell: 4 replicas (`--replicas`) of one engine shape, one workload, an offered load as a
+fraction of capacity, and a KV size below or 2-3x under the working set. Capacity comes from a
 saturation probe in the simulation itself: the workload with every conversation started
 at t=0 and no think time, routed by least-requests, onto engines with an unbounded
 queue; capacity = completions per second between the 20th and 70th percentile of
@@ -153,14 +153,16 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def capacity(wl: Workload, engine: EngineConfig, conversations: int) -> float:
+def capacity(
+    wl: Workload, engine: EngineConfig, conversations: int, replicas: int = REPLICAS
+) -> float:
     """Requests/s the fleet sustains under least-requests (see the module docstring)."""
     convs = tuple(
         replace(c, start_s=0.0, turns=tuple(replace(t, think_s=0.0) for t in c.turns))
         for c in wl.conversations[:conversations]
     )
     probe_engine = replace(engine, max_queue=1_000_000)
-    prepared = prepare(replace(wl, conversations=convs), [probe_engine] * REPLICAS)
+    prepared = prepare(replace(wl, conversations=convs), [probe_engine] * replicas)
     result = simulate(prepared, LeastRequests(), seed=wl.seed)
     done = sorted(result.done_at)
     lo, hi = done[len(done) // 5], done[int(len(done) * 0.7)]
@@ -205,9 +207,12 @@ class CellPlan:
     mean_turns: float
 
 
-def plan_cell(cell: Cell, seed: int, quick: bool) -> CellPlan:
+def plan_cell(
+    cell: Cell, seed: int, quick: bool, replicas: int = REPLICAS, tight_ratio: float = TIGHT_RATIO
+) -> CellPlan:
+    """Rate, KV size and size of a cell; tight cells: working set / fleet KV = tight_ratio."""
     shape = SHAPES[cell.shape]
-    slots = REPLICAS * shape.max_num_seqs
+    slots = replicas * shape.max_num_seqs
     base = make_workload(cell.workload, seed, overrides=cell.overrides)
     mean_turns = _mean([len(c.turns) for c in base.conversations])
     chains = math.ceil((1.5 if mean_turns > 1.5 else 3.0) * slots)
@@ -215,17 +220,17 @@ def plan_cell(cell: Cell, seed: int, quick: bool) -> CellPlan:
     worst = _max_request_blocks(probe_wl, shape)
     # Probe KV: every batch slot can hold a worst-case request, so memory never caps the batch.
     kv = max(8 * worst, shape.max_num_seqs * worst)
-    cap = capacity(probe_wl, replace(shape, kv_blocks=kv), chains)
+    cap = capacity(probe_wl, replace(shape, kv_blocks=kv), chains, replicas)
     conv_rate = cell.load * cap / mean_turns
     ws = working_set_blocks(base, conv_rate, shape)
     if cell.tight:
         # Less KV, less capacity, a lower rate, a smaller working set: iterate a few times.
         for _ in range(4):
-            kv = max(3 * worst // 2, math.ceil(ws / TIGHT_RATIO / REPLICAS))
-            cap = capacity(probe_wl, replace(shape, kv_blocks=kv), chains)
+            kv = max(3 * worst // 2, math.ceil(ws / tight_ratio / replicas))
+            cap = capacity(probe_wl, replace(shape, kv_blocks=kv), chains, replicas)
             conv_rate = cell.load * cap / mean_turns
             ws = working_set_blocks(base, conv_rate, shape)
-            if kv == 3 * worst // 2 or abs(ws / (kv * REPLICAS) - TIGHT_RATIO) < 0.4:
+            if kv == 3 * worst // 2 or abs(ws / (kv * replicas) / tight_ratio - 1) < 0.16:
                 break
     else:
         kv = max(kv, math.ceil(ws * 1.2))  # each engine could hold the whole working set
@@ -236,7 +241,7 @@ def plan_cell(cell: Cell, seed: int, quick: bool) -> CellPlan:
         conv_rate=conv_rate,
         capacity_rps=cap,
         kv_blocks=kv,
-        ws_ratio=ws / (kv * REPLICAS),
+        ws_ratio=ws / (kv * replicas),
         conversations=conversations,
         mean_turns=mean_turns,
     )
@@ -249,13 +254,15 @@ def run_cell(
     quick: bool,
     scrape_interval: float,
     custom: dict[str, dict[str, Any]],
+    replicas: int = REPLICAS,
+    tight_ratio: float = TIGHT_RATIO,
 ) -> dict[str, Any]:
     started = time.process_time()
-    plan = plan_cell(cell, seed, quick)
+    plan = plan_cell(cell, seed, quick, replicas, tight_ratio)
     wl = make_workload(cell.workload, seed, plan.conversations, cell.overrides)
     wl = wl.with_rate(plan.conv_rate)
     engine = replace(SHAPES[cell.shape], kv_blocks=plan.kv_blocks)
-    prepared = prepare(wl, [engine] * REPLICAS)
+    prepared = prepare(wl, [engine] * replicas)
     runs = []
     for name in contenders:
         contender = make_contender(name, scrape_interval, custom)
@@ -269,6 +276,8 @@ def run_cell(
         runs.append(row)
     return {
         "cell": cell.name,
+        "seed": seed,
+        "replicas": replicas,
         "workload": cell.workload,
         "description": wl.description,
         "load": cell.load,
@@ -354,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller workloads")
     parser.add_argument("--strategy-file", action="append", default=[], help="YAML strategy")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--replicas", type=int, default=REPLICAS, help="engines per cell")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--scrape-interval", type=float, default=0.05)
     parser.add_argument("--out", default=str(RESULTS / "fleetsim.json"))
@@ -378,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     jobs = max(1, min(args.jobs, len(cells)))
-    call = (contenders, args.seed, args.quick, args.scrape_interval, custom)
+    call = (contenders, args.seed, args.quick, args.scrape_interval, custom, args.replicas)
     if jobs == 1:
         results = [run_cell(c, *call) for c in cells]
     else:
@@ -412,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "seed": args.seed,
         "quick": args.quick,
-        "replicas": REPLICAS,
+        "replicas": args.replicas,
         "scrape_interval": args.scrape_interval,
         "wall_s": round(wall, 1),
         "contenders": contenders,

@@ -20,6 +20,8 @@ from bench.fleetsim import (
 from bench.fleetsim_grid import load_strategy_file
 from bench.workloads.regimes import chat_long
 from llmgw.registry import Registry
+from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.scheduling.scorers import LatencyScorer
 from llmgw.sim.model import EngineConfig
 
 ENGINE = EngineConfig(
@@ -123,3 +125,27 @@ def test_strategy_file_adds_a_custom_contender(tmp_path: Path, chat: PreparedWor
 def test_unknown_contender_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown contender"):
         make_contender("llmgw:nope")
+
+
+def _latency_index(contender: object) -> PrefixIndex:
+    scheduler = getattr(contender, "scheduler")  # noqa: B009
+    scorer = next(s for s, _ in scheduler.router(MODEL).scorers if isinstance(s, LatencyScorer))
+    index: PrefixIndex = scorer.index
+    return index
+
+
+def test_approximate_index_without_kv_size_keeps_its_default_capacity(
+    chat: PreparedWorkload,
+) -> None:
+    # The default index follows each engine's KV size (4096 blocks of 16 = 1024 of 64 tokens);
+    # `latency-nokvsize` believes every routed block is still cached.
+    bounded, unbounded = make_contender("llmgw:latency"), make_contender("llmgw:latency-nokvsize")
+    simulate(chat, bounded, seed=1)
+    simulate(chat, unbounded, seed=1)
+    index = _latency_index(bounded)
+    assert [index.room(f"10.0.0.{i}:8000") + index.size(f"10.0.0.{i}:8000") for i in (1, 2)] == [
+        1024,
+        1024,
+    ]
+    free = _latency_index(unbounded)
+    assert free.room("10.0.0.1:8000") + free.size("10.0.0.1:8000") == free.capacity == 16384
