@@ -106,7 +106,9 @@ def run_cell(
     prepared = prepare(wl, [cfg] * variant.replicas)
     runs = []
     for name in contenders:
-        result = simulate(prepared, make_contender(name, 0.05, custom), seed=seed, metrics=variant.metrics)
+        result = simulate(
+            prepared, make_contender(name, 0.05, custom), seed=seed, metrics=variant.metrics
+        )
         runs.append(result.row())
     return {
         "variant": variant_name,
@@ -145,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [(v, c, s) for v in variants for s in seeds for c in cells]
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(run_cell, v, c, contenders, s, args.window, custom) for v, c, s in tasks]
+        futures = [
+            pool.submit(run_cell, v, c, contenders, s, args.window, custom) for v, c, s in tasks
+        ]
         results = [f.result() for f in futures]
     wall = time.perf_counter() - started
 
@@ -156,10 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         summary[v] = ratios
         print(f"\n## {v}: {VARIANTS[v].note} — TTFT p90 / best in cell (geo-mean over seeds)")
         print(format_table([{"contender": n, **r} for n, r in ratios.items()]))
-        worst_rows.append(
-            {"variant": v, **{n: max(x for x in r.values() if x is not None)
-                              for n, r in ratios.items()}}  # fmt: skip
-        )
+        worst = {n: max(x for x in r.values() if x is not None) for n, r in ratios.items()}
+        worst_rows.append({"variant": v, **worst})
     print("\n## worst ratio per contender and variant")
     print(format_table(worst_rows))
     requests = sorted({r["requests"] for r in results})
@@ -178,10 +180,10 @@ def plot(
     path: Path,
 ) -> None:
     """One heat map per variant: contender x cell, TTFT p90 / best (log colour)."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (only when plotting)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     variants = list(summary)
     fig, axes = plt.subplots(len(variants), 1, figsize=(1.3 * len(cells) + 3, 2.2 * len(variants)))
@@ -189,11 +191,11 @@ def plot(
     for ax, v in zip(axes_list, variants, strict=True):
         grid = [[summary[v].get(c, {}).get(cell) or math.nan for cell in cells]
                 for c in contenders]  # fmt: skip
-        ax.imshow([[math.log(x) if x == x else math.nan for x in row] for row in grid],
+        ax.imshow([[math.nan if math.isnan(x) else math.log(x) for x in row] for row in grid],
                   cmap="RdYlGn_r", vmin=0, vmax=math.log(3), aspect="auto")  # fmt: skip
         for i, row in enumerate(grid):
             for j, x in enumerate(row):
-                if x == x:
+                if not math.isnan(x):
                     ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=7)
         ax.set_yticks(range(len(contenders)), contenders, fontsize=7)
         ax.set_xticks(range(len(cells)), cells if ax is axes_list[-1] else [""] * len(cells),

@@ -482,8 +482,15 @@ class LatencyScorer:
         # n more seconds for others; so duplicating a cached prefix elsewhere costs more.
         work_weight = base_weight = self.work_weight
         mean_queue = self._mean_queue
-        if self.queue_weighting and per_waiting > 0:
-            work_weight += mean_queue / per_waiting
+        # Queued requests counted in typical prefills overstate the queue's depth when most
+        # prefills are cache hits and a few long misses make the queue (it holds the long
+        # ones): for sessionless shared prefixes (documents, RAG) that weight reached 10-40
+        # and pinned each prefix to one busy replica (3.6x the best TTFT p90 on big-batch
+        # engines, bench/fleetsim_robust.py). Count requests of this one's size there;
+        # sessions keep the typical count (this size moved hot sessions too readily).
+        per_queued = per_waiting if request.session_key is not None else per_token * tokens
+        if self.queue_weighting and per_queued > 0:
+            work_weight += mean_queue / per_queued
         # ... but only the requests queued where it runs wait behind it. For a session, a
         # copy of its history in spare cache there is also a second home for its later
         # turns: so where the destination's queue is shorter than the mean and the copy

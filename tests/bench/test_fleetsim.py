@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.fleetsim import (
+    GAUGES_ONLY,
     MODEL,
     PreparedWorkload,
     make_contender,
@@ -149,3 +150,39 @@ def test_approximate_index_without_kv_size_keeps_its_default_capacity(
     ]
     free = _latency_index(unbounded)
     assert free.room("10.0.0.1:8000") + free.size("10.0.0.1:8000") == free.capacity == 16384
+
+
+def test_an_engine_publishing_only_the_load_gauges_leaves_the_calibration_empty(
+    chat: PreparedWorkload,
+) -> None:
+    """`metrics=GAUGES_ONLY` stands for a minimal simulator: the router still sees load and
+    KV use, but no histogram, counter or cache config reaches its calibration (so the
+    latency scorer runs on its params), while the full page calibrates every endpoint."""
+    runs = {}
+    for label, families in (("full", None), ("gauges", GAUGES_ONLY)):
+        contender = make_contender("llmgw:latency")
+        simulate(chat, contender, seed=1, metrics=families)
+        registry = getattr(contender, "scheduler").registry  # noqa: B009
+        runs[label] = registry.states(MODEL)
+    gauges = runs["gauges"]
+    assert all(s.metrics is not None and s.metrics.running is not None for s in gauges)
+    assert all(s.calibration.prefill.value is None for s in gauges)
+    assert all(s.calibration.kv_tokens is None for s in gauges)
+    assert all(s.calibration.prefill.value is not None for s in runs["full"])
+    assert all(s.calibration.kv_tokens is not None for s in runs["full"])
+
+
+def test_robust_variants_change_one_thing_of_the_base_engine() -> None:
+    """Each variant of bench/fleetsim_robust.py differs from the real grid's engine in what
+    it names and in nothing else, and its capacity model follows that engine."""
+    from bench.fleetsim_robust import VARIANTS, variant_engine  # noqa: PLC0415
+
+    base_cfg, base_speed = variant_engine(VARIANTS["base"], "low")
+    for name, variant in VARIANTS.items():
+        cfg, speed = variant_engine(variant, "low")
+        changed = {k for k in vars(base_cfg) if getattr(cfg, k) != getattr(base_cfg, k)}
+        assert changed == set(variant.engine), name
+        assert speed.prefill_s_per_token == cfg.prefill_us_per_token / 1e6
+        assert speed.max_num_seqs == cfg.max_num_seqs
+        assert speed.replicas == variant.replicas
+    assert variant_engine(VARIANTS["8-replicas"], "low")[1].replicas == 2 * base_speed.replicas

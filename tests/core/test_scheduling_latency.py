@@ -355,3 +355,31 @@ def test_a_session_moves_off_a_queued_home_when_its_history_fits_in_an_idle_cach
 
     assert best(room_blocks=None) == "b:1"
     assert best(room_blocks=40) == "a:1"
+
+
+def test_a_shared_document_leaves_a_busy_replica_when_typical_prefills_are_cache_hits() -> None:
+    """Sessionless: the 4,000-token document is cached on a:1, which has 1.5 s queued; b:1
+    is idle. Most prefills are cache hits (90 computed tokens each), so 0.5 s of mean
+    queue reads as ~56 typical requests waiting behind a copy, which would price the 0.4 s
+    copy at ~23 s and keep the document on a:1 for ever. The queue is held by long misses:
+    counted in requests of this one's size (1.25 of them), the copy costs ~1.3 s, below
+    a:1's 1.5 s of queue, and the document moves. A session keeps the typical count (b:1's
+    cache is full of other blocks, so its history's copy would not be a free second home)."""
+
+    def best(session: str | None) -> str:
+        scorer = LatencyScorer()
+        home, idle = state("a:1"), state("b:1")
+        for s in (home, idle):
+            s.calibration.tokens.add(90.0, 1.0)  # computed tokens per prefill
+        req = request(session=session)
+        scorer.index.insert(home.id, scorer.index.hashes(req.prompt), session)
+        scorer.index.set_capacity(idle.id, 40)
+        scorer.index.insert(idle.id, list(range(40)))
+        home.busy_until, idle.busy_until = NOW + 1.5, NOW
+        scorer._mean_queue = 0.5
+        states = [home, idle]
+        scores = scorer.score(context(states, request=req, now=NOW), states)
+        return states[scores.index(max(scores))].id
+
+    assert best(session=None) == "b:1"
+    assert best(session="alice") == "a:1"
