@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,32 +251,18 @@ def percentiles(log: Path) -> tuple[float, float]:
     return q[49], q[98]
 
 
+@contextlib.contextmanager
+def scenario_upstreams(scenario: Scenario, shared: list[str]) -> Iterator[list[str]]:
+    """The shared direct-response upstreams, or for a `sim` scenario fresh simulated
+    engines (their event streams start at sequence 0, so they are live at once)."""
+    if not scenario.sim:
+        yield shared
+        return
+    with start_sim(len(shared)) as sim:
+        yield [f"{sim.host}:{port}" for port in sim.ports]
+
+
 def run_scenario(
-    scenario: Scenario,
-    upstreams: list[str],
-    *,
-    duration: float,
-    clients: int,
-    workers: int,
-    loop: str,
-    scratch: Path,
-) -> dict[str, Any]:
-    with contextlib.ExitStack() as stack:
-        if scenario.sim:  # fresh engines: their event streams start at sequence 0 (live)
-            sim = stack.enter_context(start_sim(len(upstreams)))
-            upstreams = [f"{sim.host}:{port}" for port in sim.ports]
-        return _run_scenario(
-            scenario,
-            upstreams,
-            duration=duration,
-            clients=clients,
-            workers=workers,
-            loop=loop,
-            scratch=scratch,
-        )
-
-
-def _run_scenario(
     scenario: Scenario,
     upstreams: list[str],
     *,
@@ -467,17 +454,17 @@ def main(argv: list[str] | None = None) -> int:
                 if wanted and scenario.key not in wanted:
                     continue
                 print(f"running {scenario.key}: {scenario.label}", file=sys.stderr, flush=True)
-                rounds.setdefault(scenario.key, []).append(
-                    run_scenario(
+                with scenario_upstreams(scenario, upstreams) as targets:
+                    result = run_scenario(
                         scenario,
-                        upstreams,
+                        targets,
                         duration=args.duration,
                         clients=args.clients,
                         workers=args.workers,
                         loop=args.loop,
                         scratch=Path(scratch),
                     )
-                )
+                rounds.setdefault(scenario.key, []).append(result)
     runs = [median_run(results) for results in rounds.values()]
     rows = table(runs)
     print(format_table(rows))

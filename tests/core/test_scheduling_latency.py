@@ -332,6 +332,35 @@ def test_a_full_batch_queues_for_slots_not_for_prefill_work() -> None:
     assert scores.index(max(scores)) == 2
 
 
+def home_or_idle(
+    req: RequestInfo,
+    *,
+    home_queue: float,
+    mean_queue: float,
+    idle_room: int | None,
+    typical: float | None = None,
+    owner: str | None = None,
+) -> str:
+    """The prompt is cached on a:1 (its home, `home_queue` s queued); b:1 is idle, its cache
+    full of `idle_room` blocks of others (None: no capacity known). The fleet's mean queue at
+    the last pick is `mean_queue`; `typical`: computed tokens per prefill, if published.
+    Which one the scorer picks."""
+    scorer = LatencyScorer()
+    home, idle = state("a:1"), state("b:1")
+    if typical is not None:
+        for s in (home, idle):
+            s.calibration.tokens.add(typical, 1.0)
+    scorer.index.insert(home.id, scorer.index.hashes(req.prompt), owner)
+    if idle_room is not None:
+        scorer.index.set_capacity(idle.id, idle_room)
+        scorer.index.insert(idle.id, list(range(idle_room)))  # full of other blocks
+    home.busy_until, idle.busy_until = NOW + home_queue, NOW
+    scorer._mean_queue = mean_queue
+    states = [home, idle]
+    scores = scorer.score(context(states, request=req, now=NOW), states)
+    return states[scores.index(max(scores))].id
+
+
 def test_a_session_moves_off_a_queued_home_when_its_history_fits_in_an_idle_cache() -> None:
     """The fleet holds queues (0.6 s mean at the last pick) and the session's home holds
     1.2 s of them; the other replica is idle. Duplicating the 4,000-token history costs the
@@ -339,22 +368,8 @@ def test_a_session_moves_off_a_queued_home_when_its_history_fits_in_an_idle_cach
     copy becomes the session's second home, so it moves. If that cache is full (the copy
     would evict others' blocks), the fleet's charge stays and so does the session."""
     req = request(session="alice")
-
-    def best(room_blocks: int | None) -> str:
-        scorer = LatencyScorer()
-        home, idle = state("a:1"), state("b:1")
-        scorer.index.insert(home.id, scorer.index.hashes(req.prompt))
-        if room_blocks is not None:
-            scorer.index.set_capacity(idle.id, room_blocks)
-            scorer.index.insert(idle.id, list(range(room_blocks)))  # full of other blocks
-        home.busy_until, idle.busy_until = NOW + 1.2, NOW
-        scorer._mean_queue = 0.6
-        states = [home, idle]
-        scores = scorer.score(context(states, request=req, now=NOW), states)
-        return states[scores.index(max(scores))].id
-
-    assert best(room_blocks=None) == "b:1"
-    assert best(room_blocks=40) == "a:1"
+    assert home_or_idle(req, home_queue=1.2, mean_queue=0.6, idle_room=None) == "b:1"
+    assert home_or_idle(req, home_queue=1.2, mean_queue=0.6, idle_room=40) == "a:1"
 
 
 def test_a_shared_document_leaves_a_busy_replica_when_typical_prefills_are_cache_hits() -> None:
@@ -367,19 +382,10 @@ def test_a_shared_document_leaves_a_busy_replica_when_typical_prefills_are_cache
     cache is full of other blocks, so its history's copy would not be a free second home)."""
 
     def best(session: str | None) -> str:
-        scorer = LatencyScorer()
-        home, idle = state("a:1"), state("b:1")
-        for s in (home, idle):
-            s.calibration.tokens.add(90.0, 1.0)  # computed tokens per prefill
         req = request(session=session)
-        scorer.index.insert(home.id, scorer.index.hashes(req.prompt), session)
-        scorer.index.set_capacity(idle.id, 40)
-        scorer.index.insert(idle.id, list(range(40)))
-        home.busy_until, idle.busy_until = NOW + 1.5, NOW
-        scorer._mean_queue = 0.5
-        states = [home, idle]
-        scores = scorer.score(context(states, request=req, now=NOW), states)
-        return states[scores.index(max(scores))].id
+        return home_or_idle(
+            req, home_queue=1.5, mean_queue=0.5, idle_room=40, typical=90.0, owner=session
+        )
 
     assert best(session=None) == "b:1"
     assert best(session="alice") == "a:1"
