@@ -29,18 +29,20 @@ def _delta(new: float | None, old: float | None) -> float | None:
 
 
 class DecayedRatio:
-    """sum(num) / sum(den) over recent updates, older ones weighing _DECAY less each."""
+    """sum(num) / sum(den) over recent updates, older ones weighing `decay` less each."""
 
-    __slots__ = ("den", "num", "value")
+    __slots__ = ("decay", "den", "num", "value")
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = _DECAY) -> None:
+        self.decay = decay
         self.num = 0.0
         self.den = 0.0
         self.value: float | None = None  # None until the first update
 
     def add(self, num: float, den: float) -> None:
-        self.num = self.num * _DECAY + num
-        self.den = self.den * _DECAY + den
+        decay = self.decay
+        self.num = self.num * decay + num
+        self.den = self.den * decay + den
         self.value = self.num / self.den if self.den > 0 else None
 
 

@@ -389,3 +389,28 @@ def test_a_shared_document_leaves_a_busy_replica_when_typical_prefills_are_cache
 
     assert best(session=None) == "b:1"
     assert best(session="alice") == "a:1"
+
+
+def test_without_engine_counters_the_typical_prefill_is_this_routers_own() -> None:
+    """Engines that publish only gauges: a:1 holds alice's 4,000-token history and reports
+    3 requests waiting; b:1 is idle. With nothing known of typical prefills, each waiting
+    request counts as this one (0.4 s: 1.2 s of queue) and alice moves. Once this router
+    has made picks of 100 uncached tokens, the 3 waiting are ~0.03 s and she stays home."""
+    scorer = LatencyScorer()
+    home = state("a:1", waiting=3, running=1, scraped_at=NOW)
+    idle = state("b:1", waiting=0, scraped_at=NOW)
+    states = [home, idle]
+    alice = request(session="alice")
+    scorer.index.insert(home.id, scorer.index.hashes(alice.prompt), "alice")
+
+    def best() -> str:
+        scores = scorer.score(context(states, request=alice, now=NOW), states)
+        return states[scores.index(max(scores))].id
+
+    assert best() == "b:1"
+    other = [state("c:1")]  # the earlier picks: short prompts, one a second (no queue left)
+    for i in range(20):
+        ctx = context(other, request=request("word " * 80, rid=f"w{i}"), now=NOW - 20 + i)
+        scorer.score(ctx, other)
+        scorer.observe(ctx, other[0])
+    assert best() == "a:1"
