@@ -506,6 +506,12 @@ class _Flight:
 GAUGES_ONLY = frozenset(
     {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
 )
+# ... plus token and request counters, no histograms (what SGLang publishes, in vLLM's names).
+COUNTERS_ONLY = GAUGES_ONLY | {
+    "vllm:prompt_tokens",
+    "vllm:prefix_cache_hits",
+    "vllm:request_success",
+}
 
 
 def only(page: str, families: frozenset[str]) -> str:
@@ -517,7 +523,7 @@ def only(page: str, families: frozenset[str]) -> str:
             name = parts[2] if len(parts) > 2 else ""
         else:
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            for suffix in ("_bucket", "_sum", "_count"):
+            for suffix in ("_bucket", "_sum", "_count", "_total", "_created"):
                 if name.endswith(suffix) and name[: -len(suffix)] in families:
                     name = name[: -len(suffix)]
         if name in families:

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench._tools import format_table, write_results  # noqa: E402
-from bench.fleetsim import GAUGES_ONLY, make_contender, prepare, simulate  # noqa: E402
+from bench.fleetsim import COUNTERS_ONLY, GAUGES_ONLY, make_contender, prepare, simulate  # noqa: E402
 from bench.fleetsim_grid import load_strategy_file  # noqa: E402
 from bench.fleetsim_regimes import engine, mean_ratios  # noqa: E402
 from bench.routing import REPLICAS, engine_speed, pressure_level  # noqa: E402
@@ -65,6 +65,11 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "base": Variant("the real grid's engine", {}),
     "gauges-only": Variant("publishes running/waiting/KV use only", {}, metrics=GAUGES_ONLY),
+    "counters-only": Variant(
+        "gauges + token and request counters, no histograms (like SGLang)",
+        {},
+        metrics=COUNTERS_ONLY,
+    ),
     "fast-prefill": Variant("prefill 15 us a token (4x faster)", {"prefill_us_per_token": 15.0}),
     "slow-prefill": Variant("prefill 240 us a token (4x slower)", {"prefill_us_per_token": 240.0}),
     "big-batch": Variant(

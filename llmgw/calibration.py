@@ -85,6 +85,11 @@ class Calibration:
                 tokens = prompt - (cached or 0.0)
         prefill = _delta(m.prefill_seconds_sum, prev.prefill_seconds_sum)
         prefills = _delta(m.prefill_count, prev.prefill_count)
+        # No prefill histogram at all (SGLang, TRT-LLM): the token counters over finished
+        # requests still give the typical prefill in tokens, though not its seconds.
+        untimed = m.prefill_count is None and prev.prefill_count is None
+        if untimed:
+            prefill, prefills = 0.0, _delta(m.finished_total, prev.finished_total)
         pending = self._pending
         if tokens is not None and prefill is not None and prefills is not None:
             pending[0] += prefill
@@ -93,9 +98,10 @@ class Calibration:
         else:  # a counter went missing or was reset: what is pending no longer pairs up
             pending[:] = [0.0, 0.0, 0.0]
         seconds, tokens_in, count = pending
-        if tokens_in >= _MIN_TOKENS and seconds > 0 and count >= 1:
+        if tokens_in >= _MIN_TOKENS and (seconds > 0 or untimed) and count >= 1:
             pending[:] = [0.0, 0.0, 0.0]
-            self.prefill.add(seconds, tokens_in)
+            if seconds > 0:
+                self.prefill.add(seconds, tokens_in)
             self.tokens.add(tokens_in, count)
         steps = _delta(m.step_count, prev.step_count)
         step_time = _delta(m.step_seconds_sum, prev.step_seconds_sum)

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.fleetsim import (
+    COUNTERS_ONLY,
     GAUGES_ONLY,
     MODEL,
     PreparedWorkload,
@@ -157,9 +158,10 @@ def test_an_engine_publishing_only_the_load_gauges_leaves_the_calibration_empty(
 ) -> None:
     """`metrics=GAUGES_ONLY` stands for a minimal simulator: the router still sees load and
     KV use, but no histogram, counter or cache config reaches its calibration (so the
-    latency scorer runs on its params), while the full page calibrates every endpoint."""
+    latency scorer runs on its params), while the full page calibrates every endpoint and
+    `COUNTERS_ONLY` (SGLang's set) the typical prefill only."""
     runs = {}
-    for label, families in (("full", None), ("gauges", GAUGES_ONLY)):
+    for label, families in (("full", None), ("gauges", GAUGES_ONLY), ("counters", COUNTERS_ONLY)):
         contender = make_contender("llmgw:latency")
         simulate(chat, contender, seed=1, metrics=families)
         registry = getattr(contender, "scheduler").registry  # noqa: B009
@@ -168,8 +170,13 @@ def test_an_engine_publishing_only_the_load_gauges_leaves_the_calibration_empty(
     assert all(s.metrics is not None and s.metrics.running is not None for s in gauges)
     assert all(s.calibration.prefill.value is None for s in gauges)
     assert all(s.calibration.kv_tokens is None for s in gauges)
+    assert all(s.calibration.tokens.value is None for s in gauges)
     assert all(s.calibration.prefill.value is not None for s in runs["full"])
     assert all(s.calibration.kv_tokens is not None for s in runs["full"])
+    # Counters without histograms (SGLang's set): the typical prefill, not its seconds.
+    counters = runs["counters"]
+    assert all(s.calibration.tokens.value is not None for s in counters)
+    assert all(s.calibration.prefill.value is None for s in counters)
 
 
 def test_robust_variants_change_one_thing_of_the_base_engine() -> None:

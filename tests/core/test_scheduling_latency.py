@@ -267,6 +267,33 @@ def test_calibration_pairs_seconds_and_tokens_seen_in_different_windows() -> Non
     assert cal.prefill.value == pytest.approx(2e-4)
 
 
+def test_without_a_prefill_histogram_token_counters_over_finished_requests_give_typical() -> None:
+    """SGLang and TRT-LLM publish no prefill-time histogram: prompt and cached token
+    counters over finished requests still give the typical computed tokens per request,
+    and no seconds per token are made up. A histogram that vanished mid-run (a restart
+    into a different build) pairs nothing."""
+
+    def page(prompt: float, cached: float, finished: float) -> EngineMetrics:
+        return EngineMetrics(
+            waiting=0.0,
+            running=0.0,
+            kv_usage=0.0,
+            finished_total=finished,
+            prompt_tokens_total=prompt,
+            cached_tokens_total=cached,
+        )
+
+    cal = Calibration()
+    cal.on_scrape(page(0, 0, 0))
+    cal.on_scrape(page(5000, 3000, 4))
+    assert cal.tokens.value == pytest.approx(500)  # (5000 - 3000) / 4
+    assert cal.prefill.value is None
+    gone = Calibration()
+    gone.on_scrape(metrics(prefill_s=0.1, tokens=100, prefills=1))
+    gone.on_scrape(page(5000, 3000, 4))
+    assert gone.tokens.value is None
+
+
 def test_an_engine_smaller_than_the_index_forgets_what_it_must_have_evicted() -> None:
     """The engine says its KV cache holds 128 tokens (2 index blocks): older prompts routed
     there no longer count as cached."""
