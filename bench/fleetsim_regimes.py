@@ -16,7 +16,6 @@ Envoy costs are not in it: the real grid stays the judge; this one is for iterat
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -28,22 +27,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench._tools import format_table, write_results  # noqa: E402
-from bench.fleetsim import make_contender, prepare, simulate  # noqa: E402
-from bench.fleetsim_grid import _ratios, heat_map, load_strategy_file  # noqa: E402
-
-# bench/routing.py's engine (its sim_args), imported so the two stay in step.
-from bench.routing import (  # noqa: E402
-    BATCH_FACTOR,
-    BLOCK,
-    DECODE_MS,
-    KV_BLOCKS,
-    MAX_SEQS,
-    PREFILL_US,
-    REPLICAS,
-    engine_speed,
-)
-from bench.workloads.grid import REGIMES, regime_workload  # noqa: E402
-from llmgw.sim.model import EngineConfig  # noqa: E402
+from bench.fleetsim import make_contender  # noqa: E402
+from bench.fleetsim_grid import heat_map, load_strategy_file  # noqa: E402
+from bench.fleetsim_robust import mean_ratios, run_cell  # noqa: E402
+from bench.workloads.grid import REGIMES  # noqa: E402
 
 RESULTS = HERE / "results"
 CONTENDERS = (
@@ -58,50 +45,11 @@ CONTENDERS = (
 )
 
 
-def engine(level: str) -> EngineConfig:
-    return EngineConfig(
-        max_num_seqs=MAX_SEQS,
-        max_queue=4096,
-        kv_blocks=KV_BLOCKS[level],
-        block_size=BLOCK,
-        prefill_us_per_token=PREFILL_US,
-        decode_ms=DECODE_MS,
-        decode_batch_factor=BATCH_FACTOR,
-        max_model_len=16384,
-        max_num_batched_tokens=2048,
-    )
-
-
 def run_regime(
     name: str, contenders: list[str], seed: int, custom: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
-    regime = REGIMES[name]
-    level = "high" if regime.pressure > 1 else "low"
-    wl = regime_workload(regime, engine_speed(level), seed=seed)
-    prepared = prepare(wl, [engine(level)] * REPLICAS)
-    runs = []
-    for contender_name in contenders:
-        contender = make_contender(contender_name, 0.05, custom)
-        result = simulate(prepared, contender, seed=seed)
-        row = result.row()
-        row["per_replica"] = result.per_replica
-        runs.append(row)
-    return {"cell": name, "description": wl.description, "requests": wl.requests, "runs": runs}
-
-
-def mean_ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """TTFT p90 / best in cell per seed, then the geometric mean over seeds per cell (p90
-    of a few hundred requests moves by 20-40 % between seeds in the hot cells)."""
-    per_seed: dict[str, dict[str, list[float]]] = {}
-    for cell in results:
-        for name, cells in _ratios([cell]).items():
-            value = cells[cell["cell"]]
-            if value is not None:
-                per_seed.setdefault(name, {}).setdefault(cell["cell"], []).append(value)
-    return {
-        name: {c: round(math.prod(v) ** (1 / len(v)), 2) for c, v in cells.items()}
-        for name, cells in per_seed.items()
-    }
+    """The regime on bench/routing.py's engine, at its window: fleetsim_robust's base."""
+    return run_cell("base", name, contenders, seed, 1.0, custom)
 
 
 def main(argv: list[str] | None = None) -> int:

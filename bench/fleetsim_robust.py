@@ -10,7 +10,8 @@ thing of the base engine (4 replicas, 60 us a prefill token, 25 ms decode steps,
 sequences, chunked prefill at 2,048 tokens, every vLLM metric): prefill 4x faster or
 slower, big batches, small prefill chunks, 8 replicas, or an engine that publishes only
 the load gauges (no histograms, counters or cache config: llmgw's calibration falls back
-to its params). Workloads are sized to each variant's capacity, so load 0.6 means 0.6 of
+to its params and its own picks), or one that adds only the token and request counters (no
+histograms, like SGLang). `bench/fleetsim_regimes.py` runs the base engine's cells. Workloads are sized to each variant's capacity, so load 0.6 means 0.6 of
 that engine's capacity. Windows are `--window` x the real grid's (more requests: p90 of a
 few hundred moves 20-40 % between seeds). Prints per variant the TTFT p90 over the best
 contender of each cell (geometric mean over seeds) and writes JSON + a heat map.
@@ -33,9 +34,18 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench._tools import format_table, write_results  # noqa: E402
 from bench.fleetsim import COUNTERS_ONLY, GAUGES_ONLY, make_contender, prepare, simulate  # noqa: E402
-from bench.fleetsim_grid import load_strategy_file  # noqa: E402
-from bench.fleetsim_regimes import engine, mean_ratios  # noqa: E402
-from bench.routing import REPLICAS, engine_speed, pressure_level  # noqa: E402
+from bench.fleetsim_grid import _ratios, load_strategy_file  # noqa: E402
+from bench.routing import (  # noqa: E402
+    BATCH_FACTOR,
+    BLOCK,
+    DECODE_MS,
+    KV_BLOCKS,
+    MAX_SEQS,
+    PREFILL_US,
+    REPLICAS,
+    engine_speed,
+    pressure_level,
+)
 from bench.workloads.grid import REGIMES, EngineSpeed, regime_workload  # noqa: E402
 from llmgw.sim.model import EngineConfig  # noqa: E402
 
@@ -60,6 +70,37 @@ class Variant:
     engine: dict[str, Any]
     replicas: int = REPLICAS
     metrics: frozenset[str] | None = None
+
+
+# bench/routing.py's engine (its sim_args), from the constants it imports, so the two
+# stay in step.
+def engine(level: str) -> EngineConfig:
+    return EngineConfig(
+        max_num_seqs=MAX_SEQS,
+        max_queue=4096,
+        kv_blocks=KV_BLOCKS[level],
+        block_size=BLOCK,
+        prefill_us_per_token=PREFILL_US,
+        decode_ms=DECODE_MS,
+        decode_batch_factor=BATCH_FACTOR,
+        max_model_len=16384,
+        max_num_batched_tokens=2048,
+    )
+
+
+def mean_ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """TTFT p90 / best in cell per seed, then the geometric mean over seeds per cell (p90
+    of a few hundred requests moves by 20-40 % between seeds in the hot cells)."""
+    per_seed: dict[str, dict[str, list[float]]] = {}
+    for cell in results:
+        for name, cells in _ratios([cell]).items():
+            value = cells[cell["cell"]]
+            if value is not None:
+                per_seed.setdefault(name, {}).setdefault(cell["cell"], []).append(value)
+    return {
+        name: {c: round(math.prod(v) ** (1 / len(v)), 2) for c, v in cells.items()}
+        for name, cells in per_seed.items()
+    }
 
 
 VARIANTS: dict[str, Variant] = {
@@ -114,7 +155,9 @@ def run_cell(
         result = simulate(
             prepared, make_contender(name, 0.05, custom), seed=seed, metrics=variant.metrics
         )
-        runs.append(result.row())
+        row = result.row()
+        row["per_replica"] = result.per_replica
+        runs.append(row)
     return {
         "variant": variant_name,
         "cell": cell,
