@@ -85,8 +85,8 @@ class Calibration:
                 tokens = prompt - (cached or 0.0)
         prefill = _delta(m.prefill_seconds_sum, prev.prefill_seconds_sum)
         prefills = _delta(m.prefill_count, prev.prefill_count)
-        # No prefill histogram at all (SGLang, TRT-LLM): the token counters over finished
-        # requests still give the typical prefill in tokens, though not its seconds.
+        # No prefill histogram at all (SGLang): the token counters over finished requests
+        # still give the typical prefill in tokens, though not its seconds.
         untimed = m.prefill_count is None and prev.prefill_count is None
         if untimed:
             prefill, prefills = 0.0, _delta(m.finished_total, prev.finished_total)
