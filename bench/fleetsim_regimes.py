@@ -45,13 +45,6 @@ CONTENDERS = (
 )
 
 
-def run_regime(
-    name: str, contenders: list[str], seed: int, custom: dict[str, dict[str, Any]]
-) -> dict[str, Any]:
-    """The regime on bench/routing.py's engine, at its window: fleetsim_robust's base."""
-    return run_cell("base", name, contenders, seed, 1.0, custom)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--cells", help="comma-separated regime names (default: all)")
@@ -77,15 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [(n, seed) for seed in seeds for n in names]
     started = time.perf_counter()
     jobs = max(1, min(args.jobs, len(tasks)))
+    # bench/routing.py's engine at its window: fleetsim_robust's base variant, window 1.
     if jobs == 1:
-        results = [run_regime(n, contenders, seed, custom) for n, seed in tasks]
+        results = [run_cell("base", n, contenders, seed, 1.0, custom) for n, seed in tasks]
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(run_regime, n, contenders, seed, custom) for n, seed in tasks]
+            futures = [
+                pool.submit(run_cell, "base", n, contenders, seed, 1.0, custom) for n, seed in tasks
+            ]
             results = [f.result() for f in futures]
     wall = time.perf_counter() - started
-    for cell, (_, seed) in zip(results, tasks, strict=True):
-        cell["seed"] = seed
     keys = ("contender", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "hit_rate", "max_mean",
             "errors")  # fmt: skip
     for cell in results:

@@ -8,11 +8,12 @@ A router tuned to one simulator can lose on another (issue 13: the old default w
 worse than consistent hashing on a simulator that was not ours). Each variant changes one
 thing of the base engine (4 replicas, 60 us a prefill token, 25 ms decode steps, 8
 sequences, chunked prefill at 2,048 tokens, every vLLM metric): prefill 4x faster or
-slower, big batches, small prefill chunks, 8 replicas, or an engine that publishes only
+slower, big batches, small prefill chunks, 8 replicas, an engine that publishes only
 the load gauges (no histograms, counters or cache config: llmgw's calibration falls back
-to its params and its own picks), or one that adds only the token and request counters (no
-histograms, like SGLang). `bench/fleetsim_regimes.py` runs the base engine's cells. Workloads are sized to each variant's capacity, so load 0.6 means 0.6 of
-that engine's capacity. Windows are `--window` x the real grid's (more requests: p90 of a
+to its params and its own picks), or one that adds only the token and request counters
+(no histograms, like SGLang). `bench/fleetsim_regimes.py` runs the base engine's cells.
+Workloads are sized to each variant's capacity, so load 0.6 means 0.6 of that engine's
+capacity. Windows are `--window` x the real grid's (more requests: p90 of a
 few hundred moves 20-40 % between seeds). Prints per variant the TTFT p90 over the best
 contender of each cell (geometric mean over seeds) and writes JSON + a heat map.
 """
