@@ -359,6 +359,31 @@ def test_a_full_batch_queues_for_slots_not_for_prefill_work() -> None:
     assert scores.index(max(scores)) == 2
 
 
+def test_requests_beyond_the_batch_wait_for_slots_before_the_engine_shows_them() -> None:
+    """The last scrape says a:1 runs 8 of its 8 (peak) slots with none waiting, but this
+    router has since sent it 4 more; the history is cached there. Those 4 wait for slots
+    (one freed every 2 s / 8) and so would this request: 1 s, more than prefilling the
+    history on b:1, which has a slot free (0.4 s, and as much again charged for the
+    duplicated work). Without the excess, the cached home wins."""
+    scorer = LatencyScorer()
+    home = state("a:1", waiting=0, running=8, inflight=12, scraped_at=NOW)
+    other = state("b:1", waiting=0, running=7, inflight=7, scraped_at=NOW)
+    for s in (home, other):
+        s.peak_running = 8
+        s.calibration.service.add(2.0, 1.0)
+    req = request()
+    scorer.index.insert(home.id, scorer.index.hashes(req.prompt))
+    states = [home, other]
+    scores = scorer.score(context(states, request=req, now=NOW), states)
+    queue = scorer.terms()["queue_s"]
+    assert queue[0] == pytest.approx(4 * 2.0 / 8) and queue[1] == 0.0
+    assert scores[1] > scores[0]
+    home.inflight = 8
+    scores = scorer.score(context(states, request=req, now=NOW), states)
+    assert scorer.terms()["queue_s"] == (0.0, 0.0)
+    assert scores[0] > scores[1]
+
+
 def home_or_idle(
     req: RequestInfo,
     *,
