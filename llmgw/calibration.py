@@ -57,10 +57,22 @@ def _pooled(ratios: Iterable[DecayedRatio]) -> float | None:
 class Calibration:
     """Per-endpoint latency estimates; None until the endpoint has published enough."""
 
-    __slots__ = ("_pending", "_prev", "kv_tokens", "prefill", "service", "step", "tokens")
+    __slots__ = (
+        "_batch_seconds",
+        "_pending",
+        "_prev",
+        "_prev_at",
+        "kv_tokens",
+        "prefill",
+        "service",
+        "step",
+        "tokens",
+    )
 
     def __init__(self) -> None:
         self._prev: EngineMetrics | None = None
+        self._prev_at: float | None = None  # when it was scraped (seconds, any clock)
+        self._batch_seconds = 0.0  # requests in the batch x seconds, since one last left
         # Deltas not yet folded in: engines count prompt tokens when a request is admitted
         # but observe its prefill time when it finishes, so one scrape window can hold one
         # without the other; folding only windows with both would drop seconds (a bias).
@@ -71,8 +83,11 @@ class Calibration:
         self.service = DecayedRatio()  # seconds a request holds its batch slot
         self.kv_tokens: float | None = None  # the engine's KV cache size, if it says
 
-    def on_scrape(self, m: EngineMetrics, batch_factor: float = 0.02) -> None:
+    def on_scrape(
+        self, m: EngineMetrics, batch_factor: float = 0.02, at: float | None = None
+    ) -> None:
         prev, self._prev = self._prev, m
+        prev_at, self._prev_at = self._prev_at, at
         if m.kv_tokens is not None:
             self.kv_tokens = m.kv_tokens
         if prev is None:
@@ -112,6 +127,18 @@ class Calibration:
         service = _delta(m.service_seconds_sum, prev.service_seconds_sum)
         if served and service is not None:
             self.service.add(service, served)
+        elif m.service_count is None and at is not None and prev_at is not None:
+            # No time-in-batch histogram (SGLang, TRT-LLM): Little's law, requests in the
+            # batch x seconds / requests that left it, summed until a window saw one leave
+            # (dropping windows where none did biased it 10x low).
+            finished = _delta(m.finished_total, prev.finished_total)
+            if finished is None or at <= prev_at:
+                self._batch_seconds = 0.0
+            else:
+                self._batch_seconds += (m.running + prev.running) / 2 * (at - prev_at)
+                if finished:
+                    self.service.add(self._batch_seconds, finished)
+                    self._batch_seconds = 0.0
 
 
 class Costs(NamedTuple):

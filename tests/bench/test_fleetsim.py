@@ -21,6 +21,7 @@ from bench.fleetsim import (
 )
 from bench.fleetsim_grid import load_strategy_file
 from bench.workloads.regimes import chat_long
+from llmgw.calibration import pooled
 from llmgw.registry import Registry
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scorers import LatencyScorer
@@ -159,7 +160,8 @@ def test_an_engine_publishing_only_the_load_gauges_leaves_the_calibration_empty(
     """`metrics=GAUGES_ONLY` stands for a minimal simulator: the router still sees load and
     KV use, but no histogram, counter or cache config reaches its calibration (so the
     latency scorer runs on its params), while the full page calibrates every endpoint and
-    `COUNTERS_ONLY` (SGLang's set) the typical prefill only."""
+    `COUNTERS_ONLY` (SGLang's set) the typical prefill and, by Little's law, how long a
+    request holds its batch slot: within 25 % of what the full page's histogram says."""
     runs = {}
     for label, families in (("full", None), ("gauges", GAUGES_ONLY), ("counters", COUNTERS_ONLY)):
         contender = make_contender("llmgw:latency")
@@ -177,6 +179,11 @@ def test_an_engine_publishing_only_the_load_gauges_leaves_the_calibration_empty(
     counters = runs["counters"]
     assert all(s.calibration.tokens.value is not None for s in counters)
     assert all(s.calibration.prefill.value is None for s in counters)
+    assert all(s.calibration.service.value is None for s in gauges)
+    full_service = pooled([s.calibration for s in runs["full"]]).service
+    counters_service = pooled([s.calibration for s in counters]).service
+    assert full_service is not None and counters_service is not None
+    assert counters_service == pytest.approx(full_service, rel=0.25)
 
 
 def test_robust_variants_change_one_thing_of_the_base_engine() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -292,6 +292,40 @@ def test_without_a_prefill_histogram_token_counters_over_finished_requests_give_
     gone.on_scrape(metrics(prefill_s=0.1, tokens=100, prefills=1))
     gone.on_scrape(page(5000, 3000, 4))
     assert gone.tokens.value is None
+
+
+def test_without_a_service_histogram_littles_law_gives_the_time_in_the_batch() -> None:
+    """No time-in-batch histogram (SGLang, TRT-LLM): requests in the batch x seconds over
+    the requests that left it. 4 running for 2 s (no finish: no estimate yet), then 2 of
+    them done within the third: 4 + 4 + 3 = 11 request-seconds / 2 = 5.5 s each, the
+    windows without a finish included. A counter reset starts the sum again; a histogram,
+    where published, wins."""
+
+    def page(running: float, finished: float) -> EngineMetrics:
+        return EngineMetrics(waiting=0.0, running=running, kv_usage=0.0, finished_total=finished)
+
+    cal = Calibration()
+    cal.on_scrape(page(4, 0), at=0.0)
+    cal.on_scrape(page(4, 0), at=1.0)
+    assert cal.service.value is None
+    cal.on_scrape(page(4, 0), at=2.0)
+    cal.on_scrape(page(2, 2), at=3.0)  # (4 + 2) / 2 over the last second
+    assert cal.service.value == pytest.approx((4 + 4 + 3) / 2)
+    reset = Calibration()
+    reset.on_scrape(page(4, 10), at=0.0)
+    reset.on_scrape(page(4, 0), at=1.0)  # restarted: the 4 request-seconds pair with nothing
+    reset.on_scrape(page(4, 2), at=2.0)
+    assert reset.service.value == pytest.approx(4 / 2)
+    timed = Calibration()
+    hist = EngineMetrics(
+        waiting=0.0, running=4.0, kv_usage=0.0, finished_total=0.0,
+        service_seconds_sum=0.0, service_count=0.0,
+    )  # fmt: skip
+    timed.on_scrape(hist, at=0.0)
+    timed.on_scrape(
+        replace(hist, finished_total=2.0, service_seconds_sum=1.0, service_count=2.0), at=1.0
+    )
+    assert timed.service.value == pytest.approx(0.5)
 
 
 def test_an_engine_smaller_than_the_index_forgets_what_it_must_have_evicted() -> None:
