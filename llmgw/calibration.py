@@ -84,8 +84,14 @@ class Calibration:
         self.kv_tokens: float | None = None  # the engine's KV cache size, if it says
 
     def on_scrape(
-        self, m: EngineMetrics, batch_factor: float = 0.02, at: float | None = None
+        self,
+        m: EngineMetrics,
+        batch_factor: float = 0.02,
+        at: float | None = None,
+        released: int | None = None,
     ) -> None:
+        """`at`: when it was scraped; `released`: requests this router saw end there since
+        the previous scrape (what finished, if the engine counts nothing itself)."""
         prev, self._prev = self._prev, m
         prev_at, self._prev_at = self._prev_at, at
         if m.kv_tokens is not None:
@@ -130,8 +136,13 @@ class Calibration:
         elif m.service_count is None and at is not None and prev_at is not None:
             # No time-in-batch histogram (SGLang, TRT-LLM): Little's law, requests in the
             # batch x seconds / requests that left it, summed until a window saw one leave
-            # (dropping windows where none did biased it 10x low).
-            finished = _delta(m.finished_total, prev.finished_total)
+            # (dropping windows where none did biased it 10x low). Without a finished
+            # counter either, the requests this router saw end (other clients' requests
+            # make that an overestimate).
+            if m.finished_total is None and prev.finished_total is None:
+                finished = None if released is None else float(released)
+            else:
+                finished = _delta(m.finished_total, prev.finished_total)
             if finished is None or at <= prev_at:
                 self._batch_seconds = 0.0
             else:

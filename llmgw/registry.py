@@ -237,7 +237,7 @@ class Registry:
             return
         now = self.clock()
         state.peak_running = max(state.peak_running, metrics.running)
-        state.calibration.on_scrape(metrics, at=now)
+        state.calibration.on_scrape(metrics, at=now, released=state.released_since_scrape)
         if state.warming:
             state.warming = False
             self._warming[model] = max(0, self._warming.get(model, 0) - 1)

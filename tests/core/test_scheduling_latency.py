@@ -299,7 +299,7 @@ def test_without_a_service_histogram_littles_law_gives_the_time_in_the_batch() -
     the requests that left it. 4 running for 2 s (no finish: no estimate yet), then 2 of
     them done within the third: 4 + 4 + 3 = 11 request-seconds / 2 = 5.5 s each, the
     windows without a finish included. A counter reset starts the sum again; a histogram,
-    where published, wins."""
+    where published, wins; with no counter, the requests this router saw end count."""
 
     def page(running: float, finished: float) -> EngineMetrics:
         return EngineMetrics(waiting=0.0, running=running, kv_usage=0.0, finished_total=finished)
@@ -326,6 +326,14 @@ def test_without_a_service_histogram_littles_law_gives_the_time_in_the_batch() -
         replace(hist, finished_total=2.0, service_seconds_sum=1.0, service_count=2.0), at=1.0
     )
     assert timed.service.value == pytest.approx(0.5)
+    # No finished counter either: the requests this router saw end there.
+    own = Calibration()
+    gauges = EngineMetrics(waiting=0.0, running=4.0, kv_usage=0.0)
+    own.on_scrape(gauges, at=0.0, released=0)
+    own.on_scrape(gauges, at=1.0, released=0)
+    assert own.service.value is None
+    own.on_scrape(gauges, at=2.0, released=4)
+    assert own.service.value == pytest.approx(8 / 4)
 
 
 def test_an_engine_smaller_than_the_index_forgets_what_it_must_have_evicted() -> None:
