@@ -14,7 +14,8 @@ to its params and its own picks), or one that adds only the token and request co
 (no histograms, like SGLang). `bench/fleetsim_regimes.py` runs the base engine's cells.
 Workloads are sized to each variant's capacity, so load 0.6 means 0.6 of that engine's
 capacity. Windows are `--window` x the real grid's (more requests: p90 of a
-few hundred moves 20-40 % between seeds). Prints per variant the TTFT p90 over the best
+few hundred moves 20-40 % between seeds), and longer where a cell would still hold fewer
+than `--min-requests` (500). Prints per variant the TTFT p90 over the best
 contender of each cell (geometric mean over seeds) and writes JSON + a heat map.
 """
 
@@ -144,12 +145,23 @@ def run_cell(
     seed: int,
     window: float,
     custom: dict[str, dict[str, Any]],
+    min_requests: int = 0,
 ) -> dict[str, Any]:
+    """One cell on one engine variant for every contender. `window` scales the real grid's
+    window; a cell that would still hold fewer than `min_requests` requests gets a window
+    long enough for about that many (at least 90 %) (a p90 over ~180 requests is the 18th-slowest one)."""
     variant = VARIANTS[variant_name]
     regime = REGIMES[cell]
     regime = replace(regime, window_s=regime.window_s * window)
     cfg, speed = variant_engine(variant, pressure_level(regime))
     wl = regime_workload(regime, speed, seed=seed)
+    below: float = min_requests
+    for _ in range(4):
+        if not 0 < wl.requests < below:
+            break
+        regime = replace(regime, window_s=regime.window_s * min_requests / wl.requests)
+        wl = regime_workload(regime, speed, seed=seed)
+        below = 0.9 * min_requests  # requests are not proportional to the window: near is enough
     prepared = prepare(wl, [cfg] * variant.replicas)
     runs = []
     for name in contenders:
@@ -177,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy-file", action="append", default=[], help="YAML strategy")
     parser.add_argument("--seeds", default="1,2")
     parser.add_argument("--window", type=float, default=3.0, help="x the real grid's window")
+    parser.add_argument(
+        "--min-requests", type=int, default=500, help="longer windows for smaller cells"
+    )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", default="fleetsim_robust")
     parser.add_argument("--plot", default=str(RESULTS / "fleetsim_robust.png"))
@@ -197,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = [
-            pool.submit(run_cell, v, c, contenders, s, args.window, custom) for v, c, s in tasks
+            pool.submit(run_cell, v, c, contenders, s, args.window, custom, args.min_requests)
+            for v, c, s in tasks
         ]
         results = [f.result() for f in futures]
     wall = time.perf_counter() - started

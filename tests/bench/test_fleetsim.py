@@ -202,3 +202,18 @@ def test_robust_variants_change_one_thing_of_the_base_engine() -> None:
         assert speed.max_num_seqs == cfg.max_num_seqs
         assert speed.replicas == variant.replicas
     assert variant_engine(VARIANTS["8-replicas"], "low")[1].replicas == 2 * base_speed.replicas
+
+
+def test_robust_cells_below_the_minimum_get_longer_windows() -> None:
+    """A cell with few requests at the bench's window (slow prefill: a quarter of the base
+    engine's capacity) is stretched to hold at least 90 % of `min_requests` (not ten times more);
+    one that already holds them keeps its window."""
+    from bench.fleetsim_robust import run_cell  # noqa: PLC0415
+
+    short = run_cell("slow-prefill", "docs-shared", ["round-robin"], 1, 3.0, {})
+    assert short["requests"] < 200
+    stretched = run_cell("slow-prefill", "docs-shared", ["round-robin"], 1, 3.0, {}, 400)
+    assert 360 <= stretched["requests"] <= 1000
+    assert stretched["runs"][0]["requests"] == stretched["requests"]
+    kept = run_cell("slow-prefill", "docs-shared", ["round-robin"], 1, 3.0, {}, 100)
+    assert kept["requests"] == short["requests"]
