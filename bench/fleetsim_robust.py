@@ -148,8 +148,9 @@ def run_cell(
     min_requests: int = 0,
 ) -> dict[str, Any]:
     """One cell on one engine variant for every contender. `window` scales the real grid's
-    window; a cell that would still hold fewer than `min_requests` requests gets a window
-    long enough for about that many (at least 90 %) (a p90 over ~180 requests is the 18th-slowest one)."""
+    window. A cell that would still hold fewer than `min_requests` requests gets a longer
+    window, rescaled until it holds at least 90 % of them: a p90 over ~180 requests is the
+    18th-slowest one."""
     variant = VARIANTS[variant_name]
     regime = REGIMES[cell]
     regime = replace(regime, window_s=regime.window_s * window)

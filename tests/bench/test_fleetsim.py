@@ -158,11 +158,12 @@ def test_engines_publishing_less_calibrate_what_their_metrics_allow(
     chat: PreparedWorkload,
 ) -> None:
     """`metrics=GAUGES_ONLY` stands for a minimal simulator: the router still sees load and
-    KV use, but no histogram, counter or cache config (the latency scorer's per-token and
-    typical costs stay on its params), while the full page calibrates every endpoint and
-    `COUNTERS_ONLY` (SGLang's set) the typical prefill. How long a request holds its batch
-    slot comes from Little's law without the histogram (over the engine's finished counter,
-    else the requests this router saw end): within 25 % of what the histogram says."""
+    KV use, but no histogram, counter or cache config (the latency scorer's per-token cost
+    stays on its params, its typical prefill on its own picks), while the full page
+    calibrates every endpoint and `COUNTERS_ONLY` (SGLang's set) the typical prefill. How
+    long a request holds its batch slot comes from Little's law without the histogram (over
+    the engine's finished counter, else the requests this router saw end): within 25 % of
+    what the histogram says."""
     runs = {}
     for label, families in (("full", None), ("gauges", GAUGES_ONLY), ("counters", COUNTERS_ONLY)):
         contender = make_contender("llmgw:latency")
@@ -206,8 +207,8 @@ def test_robust_variants_change_one_thing_of_the_base_engine() -> None:
 
 def test_robust_cells_below_the_minimum_get_longer_windows() -> None:
     """A cell with few requests at the bench's window (slow prefill: a quarter of the base
-    engine's capacity) is stretched to hold at least 90 % of `min_requests` (not ten times more);
-    one that already holds them keeps its window."""
+    engine's capacity) is stretched to hold at least 90 % of `min_requests` (not ten times
+    more); one that already holds them keeps its window."""
     from bench.fleetsim_robust import run_cell  # noqa: PLC0415
 
     short = run_cell("slow-prefill", "docs-shared", ["round-robin"], 1, 3.0, {})
