@@ -106,10 +106,23 @@ class Calibration:
                 tokens = prompt - (cached or 0.0)
         prefill = _delta(m.prefill_seconds_sum, prev.prefill_seconds_sum)
         prefills = _delta(m.prefill_count, prev.prefill_count)
-        # No prefill histogram at all (SGLang): the token counters over finished requests
-        # still give the typical prefill in tokens, though not its seconds.
         untimed = m.prefill_count is None and prev.prefill_count is None
-        if untimed:
+        if untimed and m.ttft_count is not None and prev.ttft_count is not None:
+            # No prefill histogram, but time to first token (most vLLM look-alikes, SGLang):
+            # the prefill is what is left of it once the queue-time histogram's seconds are
+            # taken out. Without one the queue counts as prefill, an upper bound like the
+            # step a prefill shares (`pooled` takes the least loaded engine's). Little's
+            # law over the waiting gauge instead took out too much under heavy queueing
+            # (prefill-heavy: 400 us a token where the prefill histogram said 710).
+            untimed = False
+            prefill = _delta(m.ttft_seconds_sum, prev.ttft_seconds_sum)
+            prefills = _delta(m.ttft_count, prev.ttft_count)
+            queued = _delta(m.queue_seconds_sum, prev.queue_seconds_sum)
+            if prefill is not None and queued is not None:
+                prefill -= queued  # each window's may go negative; the pending sum pairs up
+        elif untimed:
+            # No histogram at all: the token counters over finished requests still give the
+            # typical prefill in tokens, though not its seconds.
             prefill, prefills = 0.0, _delta(m.finished_total, prev.finished_total)
         pending = self._pending
         if tokens is not None and prefill is not None and prefills is not None:

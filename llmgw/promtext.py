@@ -122,9 +122,18 @@ OPTIONAL_ROLES = (
     "cached_tokens",
     "step_time",
     "service_time",
+    "ttft_time",
+    "queue_time",
     "cache_info",
 )
-_HISTOGRAM_ROLES = ("prefill_time", "computed_tokens", "step_time", "service_time")
+_HISTOGRAM_ROLES = (
+    "prefill_time",
+    "computed_tokens",
+    "step_time",
+    "service_time",
+    "ttft_time",
+    "queue_time",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +156,10 @@ class MetricContract:
     cached_tokens: tuple[str, ...] = ()
     step_time: tuple[str, ...] = ()
     service_time: tuple[str, ...] = ()  # a request's time in the batch (scheduled to done)
+    # Time to first token and time queued: their difference is the prefill's time where an
+    # engine publishes no prefill histogram (vLLM look-alikes, SGLang).
+    ttft_time: tuple[str, ...] = ()
+    queue_time: tuple[str, ...] = ()
     # An info metric whose labels give the KV cache size: num_gpu_blocks x block_size.
     cache_info: tuple[str, ...] = ()
 
@@ -197,6 +210,8 @@ CONTRACTS: dict[Engine, MetricContract] = {
         cached_tokens=("vllm:prefix_cache_hits_total",),
         step_time=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
         service_time=("vllm:request_inference_time_seconds",),
+        ttft_time=("vllm:time_to_first_token_seconds",),
+        queue_time=("vllm:request_queue_time_seconds",),
         cache_info=("vllm:cache_config_info",),
     ),
     Engine.SGLANG: MetricContract(
@@ -207,6 +222,8 @@ CONTRACTS: dict[Engine, MetricContract] = {
         prompt_tokens=("sglang:prompt_tokens_total",),
         cached_tokens=("sglang:cached_tokens_total",),
         step_time=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
+        ttft_time=("sglang:time_to_first_token_seconds",),
+        queue_time=("sglang:queue_time_seconds",),
     ),
     Engine.TRTLLM: MetricContract(
         waiting=("trtllm_num_requests_waiting",),
@@ -282,6 +299,10 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
         service_seconds_sum=total(contract.service_time, "_sum"),
         service_count=total(contract.service_time, "_count"),
         kv_tokens=kv_tokens,
+        ttft_seconds_sum=total(contract.ttft_time, "_sum"),
+        ttft_count=total(contract.ttft_time, "_count"),
+        queue_seconds_sum=total(contract.queue_time, "_sum"),
+        queue_count=total(contract.queue_time, "_count"),
     )
 
 

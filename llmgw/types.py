@@ -51,6 +51,10 @@ class EngineMetrics:
     service_seconds_sum: float | None = None  # time in the batch (inference) histogram _sum
     service_count: float | None = None  # ... and its _count
     kv_tokens: float | None = None  # KV cache size in tokens (cache config info)
+    ttft_seconds_sum: float | None = None  # time to first token histogram _sum
+    ttft_count: float | None = None  # ... and its _count
+    queue_seconds_sum: float | None = None  # queue time (arrival to scheduled) _sum
+    queue_count: float | None = None  # ... and its _count
 
 
 class Outcome(enum.StrEnum):

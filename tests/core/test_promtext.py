@@ -282,6 +282,8 @@ def test_overrides_leave_the_built_in_contract_unchanged() -> None:
                 "sglang:inter_token_latency_seconds",
                 "sglang:time_per_output_token_seconds",
             ),
+            ttft_time=("sglang:time_to_first_token_seconds",),
+            queue_time=("sglang:queue_time_seconds",),
         )
     )
 
@@ -294,6 +296,11 @@ def test_the_real_vllm_page_gives_the_calibration_counters() -> None:
     assert m.prefill_seconds_sum == pytest.approx(5.2653167)
     assert (m.prompt_tokens_total, m.cached_tokens_total) == (8865.0, 256.0)
     assert m.step_count == 4716.0 and m.step_seconds_sum == pytest.approx(35.8706046)
+    # Time to first token (at the first token) and time queued (at the end): the prefill's
+    # time where no prefill histogram is published.
+    assert (m.ttft_count, m.queue_count) == (685.0, 663.0)
+    assert m.ttft_seconds_sum == pytest.approx(47.0952227)
+    assert m.queue_seconds_sum == pytest.approx(0.0152071)
 
 
 def test_a_page_without_the_optional_roles_still_extracts() -> None:

@@ -336,6 +336,41 @@ def test_without_a_service_histogram_littles_law_gives_the_time_in_the_batch() -
     assert own.service.value == pytest.approx(8 / 4)
 
 
+def test_without_a_prefill_histogram_the_time_to_first_token_less_the_queue_prices_tokens() -> None:
+    """No prefill histogram (vLLM look-alikes, SGLang), but time to first token: 10
+    requests computed 5,000 tokens in 1.5 s of TTFT, 0.5 s of it queued: 200 us a token.
+    Without a queue histogram the queue counts too (an upper bound); a prefill histogram,
+    where published, wins; with neither, no seconds are made up."""
+
+    def page(**counters: float) -> EngineMetrics:
+        return EngineMetrics(waiting=0.0, running=4.0, kv_usage=0.0, **counters)
+
+    start = {"prompt_tokens_total": 0.0, "cached_tokens_total": 0.0, "finished_total": 0.0}
+    end = {"prompt_tokens_total": 8000.0, "cached_tokens_total": 3000.0, "finished_total": 10.0}
+    ttft = ({"ttft_seconds_sum": 0.0, "ttft_count": 0.0},
+            {"ttft_seconds_sum": 1.5, "ttft_count": 10.0})  # fmt: skip
+    queue = ({"queue_seconds_sum": 0.0, "queue_count": 0.0},
+             {"queue_seconds_sum": 0.5, "queue_count": 10.0})  # fmt: skip
+    cal = Calibration()
+    cal.on_scrape(page(**start, **ttft[0], **queue[0]), at=0.0)
+    cal.on_scrape(page(**end, **ttft[1], **queue[1]), at=1.0)
+    assert cal.prefill.value == pytest.approx(1.0 / 5000)
+    assert cal.tokens.value == pytest.approx(500.0)
+    unqueued = Calibration()
+    unqueued.on_scrape(page(**start, **ttft[0]), at=0.0)
+    unqueued.on_scrape(page(**end, **ttft[1]), at=1.0)
+    assert unqueued.prefill.value == pytest.approx(1.5 / 5000)
+    timed = Calibration()
+    timed.on_scrape(page(**start, **ttft[0], prefill_seconds_sum=0.0, prefill_count=0.0), at=0.0)
+    timed.on_scrape(page(**end, **ttft[1], prefill_seconds_sum=0.4, prefill_count=10.0), at=1.0)
+    assert timed.prefill.value == pytest.approx(0.4 / 5000)
+    bare = Calibration()
+    bare.on_scrape(page(**start), at=0.0)
+    bare.on_scrape(page(**end), at=1.0)
+    assert bare.prefill.value is None
+    assert bare.tokens.value == pytest.approx(500.0)
+
+
 def test_an_engine_smaller_than_the_index_forgets_what_it_must_have_evicted() -> None:
     """The engine says its KV cache holds 128 tokens (2 index blocks): older prompts routed
     there no longer count as cached."""
