@@ -512,6 +512,14 @@ COUNTERS_ONLY = GAUGES_ONLY | {
     "vllm:prefix_cache_hits",
     "vllm:request_success",
 }
+# ... plus the latency histograms most vLLM look-alikes publish (time to first token, time
+# between tokens, end to end), none of the ones that split a request's time (queue,
+# prefill, inference).
+TTFT_ONLY = COUNTERS_ONLY | {
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+}
 
 
 def only(page: str, families: frozenset[str]) -> str:

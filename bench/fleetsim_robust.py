@@ -11,7 +11,12 @@ sequences, chunked prefill at 2,048 tokens, every vLLM metric): prefill 4x faste
 slower, big batches, small prefill chunks, 8 replicas, an engine that publishes only
 the load gauges (no histograms, counters or cache config: llmgw's calibration falls back
 to its params and its own picks), or one that adds only the token and request counters
-(no histograms, like SGLang). `bench/fleetsim_regimes.py` runs the base engine's cells.
+(no histograms, like SGLang). A few change two things, because a router's params are
+right for nobody's engine: a prefill speed 4x off the params on an engine that publishes
+only the gauges (`gauges-fast`, `gauges-slow`) or counters plus time to first token, time
+between tokens and end to end, no prefill or queue histogram (`ttft-*`, what most vLLM
+look-alikes publish); and an engine that publishes no metrics at all (`no-metrics`).
+`bench/fleetsim_regimes.py` runs the base engine's cells.
 Workloads are sized to each variant's capacity, so load 0.6 means 0.6 of that engine's
 capacity. Windows are `--window` x the real grid's (more requests: p90 of a
 few hundred moves 20-40 % between seeds), and longer where a cell would still hold fewer
@@ -35,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench._tools import format_table, write_results  # noqa: E402
-from bench.fleetsim import COUNTERS_ONLY, GAUGES_ONLY, make_contender, prepare, simulate  # noqa: E402
+from bench.fleetsim import COUNTERS_ONLY, GAUGES_ONLY, TTFT_ONLY, make_contender, prepare, simulate  # noqa: E402
 from bench.fleetsim_grid import _ratios, load_strategy_file  # noqa: E402
 from bench.routing import (  # noqa: E402
     BATCH_FACTOR,
@@ -121,6 +126,24 @@ VARIANTS: dict[str, Variant] = {
     ),
     "small-chunk": Variant("chunked prefill at 512 tokens", {"max_num_batched_tokens": 512}),
     "8-replicas": Variant("8 replicas", {}, replicas=8),
+    "gauges-fast": Variant(
+        "gauges only, prefill 15 us a token", {"prefill_us_per_token": 15.0}, metrics=GAUGES_ONLY
+    ),
+    "gauges-slow": Variant(
+        "gauges only, prefill 240 us a token", {"prefill_us_per_token": 240.0}, metrics=GAUGES_ONLY
+    ),
+    "no-metrics": Variant("publishes no metrics", {}, metrics=frozenset()),
+    "ttft-fast": Variant(
+        "counters + TTFT/TPOT/e2e histograms, prefill 15 us a token",
+        {"prefill_us_per_token": 15.0},
+        metrics=TTFT_ONLY,
+    ),
+    "ttft-slow": Variant(
+        "counters + TTFT/TPOT/e2e histograms, prefill 240 us a token",
+        {"prefill_us_per_token": 240.0},
+        metrics=TTFT_ONLY,
+    ),
+    "ttft-base": Variant("counters + TTFT/TPOT/e2e histograms", {}, metrics=TTFT_ONLY),
 }
 
 

@@ -14,6 +14,7 @@ from bench.fleetsim import (
     COUNTERS_ONLY,
     GAUGES_ONLY,
     MODEL,
+    TTFT_ONLY,
     PreparedWorkload,
     make_contender,
     prepare,
@@ -163,9 +164,16 @@ def test_engines_publishing_less_calibrate_what_their_metrics_allow(
     calibrates every endpoint and `COUNTERS_ONLY` (SGLang's set) the typical prefill. How
     long a request holds its batch slot comes from Little's law without the histogram (over
     the engine's finished counter, else the requests this router saw end): within 25 % of
-    what the histogram says."""
+    what the histogram says. With time to first token but no prefill histogram
+    (`TTFT_ONLY`), the per-token cost is TTFT less the time queued (from its
+    histogram, where published): within 25 % of what the prefill histogram gives."""
     runs = {}
-    for label, families in (("full", None), ("gauges", GAUGES_ONLY), ("counters", COUNTERS_ONLY)):
+    for label, families in (
+        ("full", None),
+        ("gauges", GAUGES_ONLY),
+        ("counters", COUNTERS_ONLY),
+        ("ttft", TTFT_ONLY),
+    ):
         contender = make_contender("llmgw:latency")
         simulate(chat, contender, seed=1, metrics=families)
         registry = getattr(contender, "scheduler").registry  # noqa: B009
@@ -181,7 +189,12 @@ def test_engines_publishing_less_calibrate_what_their_metrics_allow(
     counters = runs["counters"]
     assert all(s.calibration.tokens.value is not None for s in counters)
     assert all(s.calibration.prefill.value is None for s in counters)
-    full_service = pooled([s.calibration for s in runs["full"]]).service
+    full = pooled([s.calibration for s in runs["full"]])
+    assert full.per_token is not None
+    assert pooled([s.calibration for s in runs["ttft"]]).per_token == pytest.approx(
+        full.per_token, rel=0.25
+    )
+    full_service = full.service
     assert full_service is not None
     for label in ("counters", "gauges"):
         assert pooled([s.calibration for s in runs[label]]).service == pytest.approx(
