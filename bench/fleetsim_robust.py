@@ -20,7 +20,8 @@ look-alikes publish); and an engine that publishes no metrics at all (`no-metric
 Workloads are sized to each variant's capacity, so load 0.6 means 0.6 of that engine's
 capacity. Windows are `--window` x the real grid's (more requests: p90 of a
 few hundred moves 20-40 % between seeds), and longer where a cell would still hold fewer
-than `--min-requests` (500). Prints per variant the TTFT p90 over the best
+than `--min-requests` (500). The router scrapes each replica every `--scrape` seconds,
+llmgw's own default (0.1) unless told. Prints per variant the TTFT p90 over the best
 contender of each cell (geometric mean over seeds) and writes JSON + a heat map.
 """
 
@@ -54,6 +55,7 @@ from bench.routing import (  # noqa: E402
     pressure_level,
 )
 from bench.workloads.grid import REGIMES, EngineSpeed, regime_workload  # noqa: E402
+from llmgw.config import ScrapeSpec  # noqa: E402
 from llmgw.sim.model import EngineConfig  # noqa: E402
 
 RESULTS = HERE / "results"
@@ -169,6 +171,7 @@ def run_cell(
     window: float,
     custom: dict[str, dict[str, Any]],
     min_requests: int = 0,
+    scrape_interval: float = ScrapeSpec().interval,
 ) -> dict[str, Any]:
     """One cell on one engine variant for every contender. `window` scales the real grid's
     window. A cell that would still hold fewer than `min_requests` requests gets a longer
@@ -190,7 +193,11 @@ def run_cell(
     runs = []
     for name in contenders:
         result = simulate(
-            prepared, make_contender(name, 0.05, custom), seed=seed, metrics=variant.metrics
+            prepared,
+            make_contender(name, scrape_interval, custom),
+            seed=seed,
+            metrics=variant.metrics,
+            scrape_interval=scrape_interval,
         )
         row = result.row()
         row["per_replica"] = result.per_replica
@@ -216,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--min-requests", type=int, default=500, help="longer windows for smaller cells"
     )
+    parser.add_argument(
+        "--scrape",
+        type=float,
+        default=ScrapeSpec().interval,
+        help="seconds between two scrapes of a replica (default: llmgw's own default)",
+    )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", default="fleetsim_robust")
     parser.add_argument("--plot", default=str(RESULTS / "fleetsim_robust.png"))
@@ -236,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = [
-            pool.submit(run_cell, v, c, contenders, s, args.window, custom, args.min_requests)
+            pool.submit(
+                run_cell, v, c, contenders, s, args.window, custom, args.min_requests, args.scrape
+            )
             for v, c, s in tasks
         ]
         results = [f.result() for f in futures]

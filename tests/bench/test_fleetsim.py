@@ -231,3 +231,24 @@ def test_robust_cells_below_the_minimum_get_longer_windows() -> None:
     assert stretched["runs"][0]["requests"] == stretched["requests"]
     kept = run_cell("slow-prefill", "docs-shared", ["round-robin"], 1, 3.0, {}, 100)
     assert kept["requests"] == short["requests"]
+
+
+def test_robust_cells_scrape_at_llmgws_default_unless_told() -> None:
+    """The router in a robustness cell scrapes as often as llmgw does by default (what a
+    user runs), and `--scrape` reaches both the router's config and the simulation: a
+    slower scrape changes llmgw's picks, never a reference router's (it reads no metrics)."""
+    import inspect  # noqa: PLC0415
+
+    from bench.fleetsim_robust import run_cell  # noqa: PLC0415
+    from llmgw.config import ScrapeSpec  # noqa: PLC0415
+
+    default = inspect.signature(run_cell).parameters["scrape_interval"].default
+    assert default == ScrapeSpec().interval
+    names = ["llmgw:latency", "round-robin"]
+    runs = {
+        interval: run_cell("base", "decode-heavy", names, 1, 0.5, {}, scrape_interval=interval)
+        for interval in (0.05, 1.0)
+    }
+    fast, slow = (runs[i]["runs"] for i in (0.05, 1.0))
+    assert fast[1]["ttft_p90_ms"] == slow[1]["ttft_p90_ms"]
+    assert fast[0]["per_replica"] != slow[0]["per_replica"]
