@@ -16,7 +16,9 @@ right for nobody's engine: a prefill speed 4x off the params on an engine that p
 only the gauges (`gauges-fast`, `gauges-slow`) or counters plus time to first token, time
 between tokens and end to end, no prefill or queue histogram (`ttft-*`, what most vLLM
 look-alikes publish); and an engine that publishes no metrics at all (`no-metrics`).
-`bench/fleetsim_regimes.py` runs the base engine's cells.
+`bench/fleetsim_regimes.py` runs the base engine's cells. `--cells` also takes the regimes
+outside the real grid (`system-shared`, `-heavy`, `-pressure`: short chat sharing system
+prompts, no session header).
 Workloads are sized to each variant's capacity, so load 0.6 means 0.6 of that engine's
 capacity. Windows are `--window` x the real grid's (more requests: p90 of a
 few hundred moves 20-40 % between seeds), and longer where a cell would still hold fewer
@@ -54,13 +56,14 @@ from bench.routing import (  # noqa: E402
     engine_speed,
     pressure_level,
 )
-from bench.workloads.grid import REGIMES, EngineSpeed, regime_workload  # noqa: E402
+from bench.workloads.grid import EXTRA_REGIMES, REGIMES, EngineSpeed, regime_workload  # noqa: E402
 from llmgw.config import ScrapeSpec  # noqa: E402
 from llmgw.sim.model import EngineConfig  # noqa: E402
 
 RESULTS = HERE / "results"
 CELLS = ("chat-history", "chat-history-heavy", "hot-zipf", "hot-zipf-pressure", "docs-shared",
          "prefill-heavy", "decode-heavy")  # fmt: skip
+ALL_REGIMES = {**REGIMES, **EXTRA_REGIMES}  # the grid's, then short chat without sessions
 CONTENDERS = (
     "llmgw:latency",
     "llmgw:latency@envoy",
@@ -178,7 +181,7 @@ def run_cell(
     window, rescaled until it holds at least 90 % of them: a p90 over ~180 requests is the
     18th-slowest one."""
     variant = VARIANTS[variant_name]
-    regime = REGIMES[cell]
+    regime = ALL_REGIMES[cell]
     regime = replace(regime, window_s=regime.window_s * window)
     cfg, speed = variant_engine(variant, pressure_level(regime))
     wl = regime_workload(regime, speed, seed=seed)
@@ -238,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.strategy_file:
         custom.update(load_strategy_file(path))
     contenders = [*args.contenders.split(","), *(c for c in custom if c not in args.contenders)]
-    for name, known in ((variants, VARIANTS), (cells, REGIMES)):
+    for name, known in ((variants, VARIANTS), (cells, ALL_REGIMES)):
         unknown = [n for n in name if n not in known]
         if unknown:
             raise SystemExit(f"unknown {unknown}; known: {', '.join(known)}")

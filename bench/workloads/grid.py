@@ -329,9 +329,21 @@ REGIMES: dict[str, Regime] = {
     )
 }
 QUICK_REGIMES = ("chat-history", "hot-zipf", "docs-shared")
+# Not in the real grid (its 12 cells take half an hour): short chat whose requests share a
+# few system prompts and carry no session header, the third workload of issue 13's report.
+# The virtual-time benches run them (`bench/fleetsim_robust.py --cells system-shared,...`).
+EXTRA_REGIMES: dict[str, Regime] = {
+    r.name: r
+    for r in (
+        Regime("system-shared", 0.6, "short", "none", 0.4, zipf_s=0.8),
+        Regime("system-shared-heavy", 0.85, "short", "none", 0.4, zipf_s=0.8),
+        Regime("system-shared-pressure", 0.85, "short", "none", 2.5, zipf_s=0.8),
+    )
+}
 
 
 __all__ = [
+    "EXTRA_REGIMES",
     "MIXES",
     "QUICK_REGIMES",
     "REGIMES",

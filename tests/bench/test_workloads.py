@@ -99,6 +99,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 from bench.loadclient import ring_picker, round_robin_picker  # noqa: E402
 from bench.workloads.grid import (  # noqa: E402
+    EXTRA_REGIMES,
     MIXES,
     REGIMES,
     SESSION_KINDS,
@@ -136,6 +137,19 @@ def test_the_grid_covers_every_level_of_every_axis() -> None:
     assert any(r.pressure < 1 for r in cells) and any(r.pressure >= 2 for r in cells)
     history = [r for r in cells if r.mix == "history" and r.sessions == "cold"]
     assert any(r.load == 0.6 for r in history)  # multi-turn chat at moderate load
+
+
+def test_extra_regimes_are_short_chat_sharing_system_prompts_without_sessions() -> None:
+    """Issue 13's third workload, outside the real grid: short one-shot chat requests, no
+    session header, requests sharing system prompts (a few popular ones, Zipf)."""
+    assert not set(EXTRA_REGIMES) & set(REGIMES)
+    for regime in EXTRA_REGIMES.values():
+        wl = regime_workload(regime, SPEED, seed=1)
+        assert {c.session_id for c in wl.conversations} == {None}
+        assert regime.mix == "short"
+        systems = Counter(c.system for c in wl.conversations)  # Zipf over the contexts
+        assert len(systems) < len(wl.conversations)
+        assert systems.most_common(1)[0][1] >= 0.04 * len(wl.conversations)  # 13-39 of 230-340
 
 
 @pytest.mark.parametrize(
