@@ -19,6 +19,7 @@ from llmgw.types import EngineMetrics
 
 _DECAY = 0.9  # per scrape that carried new data: ~10 scrapes of memory
 _MIN_TOKENS = 16.0  # a window with fewer computed tokens says little about per-token cost
+_MIN_SAMPLES = 20.0  # first tokens seen before the router's own fit is trusted
 
 
 def _delta(new: float | None, old: float | None) -> float | None:
@@ -46,6 +47,38 @@ class DecayedRatio:
         self.value = self.num / self.den if self.den > 0 else None
 
 
+class DecayedSlope:
+    """The least-squares slope of y on x over recent samples, older ones weighing `decay`
+    less each: seconds per token from (tokens, seconds) pairs whose intercept (a step, the
+    edge's own overhead) is unknown."""
+
+    __slots__ = ("decay", "n", "x", "xx", "xy", "y")
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.n = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n = self.n * d + 1.0
+        self.x = self.x * d + x
+        self.y = self.y * d + y
+        self.xx = self.xx * d + x * x
+        self.xy = self.xy * d + x * y
+
+
+def _slope(fits: Iterable[DecayedSlope]) -> float | None:
+    """One slope over all the samples (None: too few, or no positive slope)."""
+    n = x = y = xx = xy = 0.0
+    for f in fits:
+        n, x, y, xx, xy = n + f.n, x + f.x, y + f.y, xx + f.xx, xy + f.xy
+    spread = n * xx - x * x
+    if n < _MIN_SAMPLES or spread <= 0:
+        return None
+    slope = (n * xy - x * y) / spread
+    return slope if slope > 0 else None
+
+
 def _pooled(ratios: Iterable[DecayedRatio]) -> float | None:
     num = den = 0.0
     for r in ratios:
@@ -63,6 +96,7 @@ class Calibration:
         "_prev",
         "_prev_at",
         "kv_tokens",
+        "observed",
         "prefill",
         "service",
         "step",
@@ -82,6 +116,10 @@ class Calibration:
         self.step = DecayedRatio()  # seconds per engine step, normalised to a batch of one
         self.service = DecayedRatio()  # seconds a request holds its batch slot
         self.kv_tokens: float | None = None  # the engine's KV cache size, if it says
+        # What this router saw itself: time to first token against the prefill tokens ahead
+        # of and in the request (its own estimate, in its own tokens), where the edge sees
+        # first tokens. Its slope is seconds per token for engines that publish none.
+        self.observed = DecayedSlope()
 
     def on_scrape(
         self,
@@ -182,6 +220,8 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     more data, weigh more)."""
     cals = list(cals)
     per_token = min((v for c in cals if (v := c.prefill.value) is not None), default=None)
+    if per_token is None:  # no engine publishes it: what this router saw, if it sees tokens
+        per_token = _slope(c.observed for c in cals)
     step = min((v for c in cals if (v := c.step.value) is not None), default=None)
     return Costs(
         per_token,

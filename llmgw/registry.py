@@ -201,11 +201,15 @@ class Registry:
             return
         state.breaker.record(outcome is Outcome.SUCCESS, now, probe=probe)
 
-    def add_prefill(self, model: str, endpoint_id: str, tokens: float) -> None:
-        """A request with `tokens` to prefill was sent there (released at its first token)."""
+    def add_prefill(self, model: str, endpoint_id: str, tokens: float) -> float:
+        """A request with `tokens` to prefill was sent there (released at its first token);
+        returns the prefill tokens that were pending there before it."""
         state = self._by_id.get((model, endpoint_id))
-        if state is not None:
-            state.pending_prefill += tokens
+        if state is None:
+            return 0.0
+        ahead = state.pending_prefill
+        state.pending_prefill += tokens
+        return ahead
 
     def first_token(
         self,
@@ -215,6 +219,7 @@ class Registry:
         prefill_tokens: float = 0.0,
         *,
         observed: bool = True,
+        waited: tuple[float, float] | None = None,
     ) -> None:
         """The request predicted to finish its prefill at `ready_at` produced its first token
         now: its tokens are no longer pending; if it is early, the modelled queue was long.
@@ -225,6 +230,8 @@ class Registry:
             return
         if observed:
             state.reports_first_token = True
+            if waited is not None:  # (prefill tokens ahead + its own, seconds to this token)
+                state.calibration.observed.add(*waited)
         state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
         now = self.clock()
         if ready_at > now:

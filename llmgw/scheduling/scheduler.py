@@ -128,6 +128,7 @@ class Lease:
     started: float | None = None
     ready_at: float | None = None
     prefill_tokens: float | None = None  # counted as pending prefill there until done
+    ahead: float = 0.0  # prefill tokens pending there when it was sent (this router's)
     done: bool = False
     first_token_seen: bool = False
     on_first_token: Callable[[], None] | None = None
@@ -145,12 +146,17 @@ class Lease:
         self.first_token_seen = True
         self.first_at = self.registry.clock()
         if self.ready_at is not None:
+            tokens = self.prefill_tokens or 0.0
+            waited = None
+            if observed and self.started is not None:
+                waited = (self.ahead + tokens, self.first_at - self.started)
             self.registry.first_token(
                 self.model,
                 self.endpoint_id,
                 self.ready_at,
-                self.prefill_tokens or 0.0,
+                tokens,
                 observed=observed,
+                waited=waited,
             )
         if self.on_first_token is not None:
             self.on_first_token()
@@ -344,8 +350,7 @@ class Scheduler:
         # The prediction holds for the primary only; a fallback's first token says nothing.
         primary = target is decision.endpoint
         tokens = decision.prefill_tokens if primary else None
-        if tokens:
-            self.registry.add_prefill(decision.model, target.id, tokens)
+        ahead = self.registry.add_prefill(decision.model, target.id, tokens) if tokens else 0.0
         return Lease(
             self.registry,
             decision.model,
@@ -354,4 +359,5 @@ class Scheduler:
             self.registry.clock(),
             decision.ready_at if primary else None,
             tokens,
+            ahead,
         )

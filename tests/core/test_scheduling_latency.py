@@ -414,6 +414,40 @@ def test_pending_prefill_is_the_queue_where_the_edge_reports_first_tokens() -> N
     assert a.pending_prefill == 0
 
 
+def test_engines_without_a_per_token_cost_get_the_one_this_router_sees() -> None:
+    """No engine metrics: the edge's first tokens give time to first token against the
+    prefill tokens ahead of a request plus its own; the slope of that is the per-token
+    cost (here 50 us a token on top of a 30 ms step), once 20 have come back. Requests
+    sent behind others count the tokens ahead; a fallback or an unseen first token
+    teaches nothing; a published prefill histogram wins."""
+    clock = FakeClock(NOW)
+    sched = Scheduler(
+        config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
+    )
+    a = sched.registry.get("m", "a:1")
+    assert a is not None
+    sizes = [400 * (1 + k % 5) for k in range(24)]  # 100-500 tokens, all uncached
+    for k, chars in enumerate(sizes):
+        first = sched.acquire(sched.pick(request("q" * chars, rid=f"a{k}")))
+        behind = sched.acquire(sched.pick(request("r" * chars, rid=f"b{k}")))
+        assert behind.ahead == first.prefill_tokens
+        for lease in (first, behind):
+            assert lease.prefill_tokens is not None and lease.started == NOW
+            clock.now = NOW + 0.03 + 50e-6 * (lease.ahead + lease.prefill_tokens)
+            lease.first_token()
+            lease.finish(Outcome.SUCCESS)
+        clock.now = NOW
+        if k == 8:
+            assert pooled([a.calibration]).per_token is None  # 18 samples: not yet
+    assert pooled([a.calibration]).per_token == pytest.approx(50e-6)
+    seen = a.calibration.observed.n
+    unseen = sched.acquire(sched.pick(request("s" * 800, rid="c")))
+    unseen.end(Outcome.SUCCESS)  # no first token seen: nothing learnt
+    assert a.calibration.observed.n == seen
+    a.calibration.prefill.add(1.0, 10_000.0)  # the engine says 100 us
+    assert pooled([a.calibration]).per_token == pytest.approx(100e-6)
+
+
 def test_a_full_batch_queues_for_slots_not_for_prefill_work() -> None:
     """Decode-bound: every batch slot is taken (running at its peak) and 3 wait. Each waits
     for a running request to end, one every service / running seconds (2 s / 8), not for
