@@ -2,12 +2,13 @@
 per computed prompt token, seconds per engine step (time between tokens) for a batch of
 one, and prompt tokens computed per request.
 
-Pure: counters arrive through `on_scrape`. Each estimate is a ratio of decayed sums (sum of
-seconds / sum of tokens over recent scrapes), so a scrape window that saw one short request
-does not swing it. The scorer uses one set of costs per model (`pooled`): replicas
-of one model share hardware and per-token costs, while one replica's own numbers also carry
-its load (a busy engine's prefills share steps with others and look slower per token), and
-routing on those would feed back into them.
+Pure: counters arrive through `on_scrape`, the router's own first tokens through
+`observed.add` (a fit for engines that publish no per-token cost). Each estimate from the
+engines is a ratio of decayed sums (sum of seconds / sum of tokens over recent scrapes),
+so a scrape window that saw one short request does not swing it. The scorer uses one set
+of costs per model (`pooled`): replicas of one model share hardware and per-token costs,
+while one replica's own numbers also carry its load (a busy engine's prefills share steps
+with others and look slower per token), and routing on those would feed back into them.
 """
 
 from __future__ import annotations
@@ -216,8 +217,9 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     """A model's costs over its endpoints. Per-token and per-step costs are upper bounds on
     each engine (a request's prefill time covers the whole step it shared with other
     prefills and decodes; the time between tokens includes steps stalled by prefills), so
-    the lowest endpoint's is the tightest. The means are pooled ratios (busier endpoints,
-    more data, weigh more)."""
+    the lowest endpoint's is the tightest; where no endpoint publishes one, this router's
+    own fit over all of them. The means are pooled ratios (busier endpoints, more data,
+    weigh more)."""
     cals = list(cals)
     per_token = min((v for c in cals if (v := c.prefill.value) is not None), default=None)
     if per_token is None:  # no engine publishes it: what this router saw, if it sees tokens

@@ -302,7 +302,6 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
         ttft_seconds_sum=total(contract.ttft_time, "_sum"),
         ttft_count=total(contract.ttft_time, "_count"),
         queue_seconds_sum=total(contract.queue_time, "_sum"),
-        queue_count=total(contract.queue_time, "_count"),
     )
 
 

@@ -54,7 +54,6 @@ class EngineMetrics:
     ttft_seconds_sum: float | None = None  # time to first token histogram _sum
     ttft_count: float | None = None  # ... and its _count
     queue_seconds_sum: float | None = None  # queue time (arrival to scheduled) _sum
-    queue_count: float | None = None  # ... and its _count
 
 
 class Outcome(enum.StrEnum):

@@ -349,8 +349,7 @@ def test_without_a_prefill_histogram_the_time_to_first_token_less_the_queue_pric
     end = {"prompt_tokens_total": 8000.0, "cached_tokens_total": 3000.0, "finished_total": 10.0}
     ttft = ({"ttft_seconds_sum": 0.0, "ttft_count": 0.0},
             {"ttft_seconds_sum": 1.5, "ttft_count": 10.0})  # fmt: skip
-    queue = ({"queue_seconds_sum": 0.0, "queue_count": 0.0},
-             {"queue_seconds_sum": 0.5, "queue_count": 10.0})  # fmt: skip
+    queue = ({"queue_seconds_sum": 0.0}, {"queue_seconds_sum": 0.5})
     cal = Calibration()
     cal.on_scrape(page(**start, **ttft[0], **queue[0]), at=0.0)
     cal.on_scrape(page(**end, **ttft[1], **queue[1]), at=1.0)
