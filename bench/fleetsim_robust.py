@@ -10,7 +10,7 @@ thing of the base engine (4 replicas, 60 us a prefill token, 25 ms decode steps,
 sequences, chunked prefill at 2,048 tokens, every vLLM metric): prefill 4x faster or
 slower, big batches, small prefill chunks, 8 replicas, an engine that publishes only
 the load gauges (no histograms, counters or cache config: llmgw's calibration falls back
-to its params and its own picks), or one that adds only the token and request counters
+to the first tokens and picks it sees itself, else its params), or one that adds only the token and request counters
 (no histograms, like SGLang). A few change two things, because a router's params are
 right for nobody's engine: a prefill speed 4x off the params on an engine that publishes
 only the gauges (`gauges-fast`, `gauges-slow`) or counters plus time to first token, time
@@ -139,16 +139,16 @@ VARIANTS: dict[str, Variant] = {
     ),
     "no-metrics": Variant("publishes no metrics", {}, metrics=frozenset()),
     "ttft-fast": Variant(
-        "counters + TTFT/TPOT/e2e histograms, prefill 15 us a token",
+        "counters + TTFT/ITL/e2e histograms, prefill 15 us a token",
         {"prefill_us_per_token": 15.0},
         metrics=TTFT_ONLY,
     ),
     "ttft-slow": Variant(
-        "counters + TTFT/TPOT/e2e histograms, prefill 240 us a token",
+        "counters + TTFT/ITL/e2e histograms, prefill 240 us a token",
         {"prefill_us_per_token": 240.0},
         metrics=TTFT_ONLY,
     ),
-    "ttft-base": Variant("counters + TTFT/TPOT/e2e histograms", {}, metrics=TTFT_ONLY),
+    "ttft-base": Variant("counters + TTFT/ITL/e2e histograms", {}, metrics=TTFT_ONLY),
 }
 
 
