@@ -191,7 +191,8 @@ def llmgw_config(upstreams: list[str], strategy: str | dict[str, Any] | None) ->
         model["strategy"] = strategy
     return {
         "models": {MODEL: model},
-        "scrape": {"interval": 0.05, "timeout": 0.5, "staleness": 1.0},
+        # No `scrape` stanza: llmgw's defaults (every 0.1 s, stale after 2 s), as users run
+        # it; this grid scraped every 0.05 s (stale after 1 s) until session 6.
         "debug_headers": True,
         "seed": 7,
         "destination_fallbacks": True,  # override-host: Envoy retries down the list
