@@ -49,7 +49,10 @@ def config_for(fleet: ThreadedFleet, *, explain: bool = True) -> Config:
 
 
 def conversation() -> Iterator[tuple[str | None, dict[str, Any]]]:
-    """Growing chat histories (prefix hits) interleaved with one-off requests."""
+    """Growing chat histories (prefix hits) interleaved with one-off requests. The sessions
+    share a system prompt, so on an idle fleet they all stay where the first one went; the
+    one-offs, equal everywhere, are the real choices (3 a turn: all 9 on one of the demo's
+    replicas by chance is about 1 in 260,000)."""
     histories = {s: [{"role": "system", "content": SYSTEM}] for s in SESSIONS}
     for turn in range(3):
         for session in SESSIONS:
@@ -57,7 +60,9 @@ def conversation() -> Iterator[tuple[str | None, dict[str, Any]]]:
             history.append({"role": "user", "content": f"{session} question {turn} " * 30})
             yield session, {"model": "m1", "messages": list(history), "max_tokens": 8}
             history.append({"role": "assistant", "content": f"answer {turn} " * 20})
-        yield None, {"model": "m1", "messages": [{"role": "user", "content": f"one-off {turn}"}]}
+        for k in range(3):
+            content = f"one-off {turn}.{k}"
+            yield None, {"model": "m1", "messages": [{"role": "user", "content": content}]}
 
 
 def explained(url: str, session: str | None, body: dict[str, Any], tmp: Path) -> dict[str, Any]:
