@@ -161,12 +161,11 @@ def test_engines_publishing_less_calibrate_what_their_metrics_allow(
     """`metrics=GAUGES_ONLY` stands for a minimal simulator: the router still sees load and
     KV use, but no histogram, counter or cache config (the latency scorer's per-token cost
     comes from the first tokens it sees, its typical prefill from its own picks), while the
-    full page
-    calibrates every endpoint and `COUNTERS_ONLY` (SGLang's set) the typical prefill. How
-    long a request holds its batch slot comes from Little's law without the histogram (over
-    the engine's finished counter, else the requests this router saw end): within 25 % of
-    what the histogram says. With time to first token but no prefill histogram
-    (`TTFT_ONLY`), the per-token cost is TTFT less the time queued (from its
+    full page calibrates every endpoint and `COUNTERS_ONLY` (SGLang's set) the typical
+    prefill. How long a request holds its batch slot comes from Little's law without the
+    histogram (over the engine's finished counter, else the requests this router saw end):
+    within 25 % of what the histogram says. With time to first token but no prefill
+    histogram (`TTFT_ONLY`), the per-token cost is TTFT less the time queued (from its
     histogram, where published): within 25 % of what the prefill histogram gives."""
     runs = {}
     for label, families in (

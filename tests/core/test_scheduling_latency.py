@@ -417,8 +417,8 @@ def test_engines_without_a_per_token_cost_get_the_one_this_router_sees() -> None
     """No engine metrics: the edge's first tokens give time to first token against the
     prefill tokens ahead of a request plus its own; the slope of that is the per-token
     cost (here 50 us a token on top of a 30 ms step), once 20 have come back. Requests
-    sent behind others count the tokens ahead; a fallback or an unseen first token
-    teaches nothing; a published prefill histogram wins."""
+    sent behind others count the tokens ahead; an unseen first token (the request ended
+    without one) teaches nothing; a published prefill histogram wins."""
     clock = FakeClock(NOW)
     sched = Scheduler(
         config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
