@@ -125,9 +125,12 @@ def router_config(
     )
 
 
-def prepare(workload: Workload, engines: Sequence[EngineConfig]) -> PreparedWorkload:
+def prepare(
+    workload: Workload, engines: Sequence[EngineConfig], chars_per_token: float = 4.0
+) -> PreparedWorkload:
     """Build every request once: the JSON body -> RequestInfo (the edges' code) and the
-    engine's SeqRequest (the HTTP replica's code). The block size must be the same."""
+    engine's SeqRequest (the HTTP replica's code). The block size must be the same.
+    `chars_per_token`: how the engines' tokenizer counts (the router estimates chars / 4)."""
     sizes = {e.block_size for e in engines}
     if len(sizes) != 1:
         raise ValueError("every engine of a fleet must use one block size")
@@ -155,8 +158,9 @@ def prepare(workload: Workload, engines: Sequence[EngineConfig]) -> PreparedWork
                 config, headers, "/v1/chat/completions", body, request_id=f"c{conv.index}-t{k}"
             )
             prompt = chat_prompt(messages)  # type: ignore[arg-type]
-            hashes = block_hashes(prompt, block_size) if caching else ()
-            turns.append(Prepared(info, SeqRequest(count_tokens(prompt), turn.max_tokens, hashes)))
+            hashes = block_hashes(prompt, block_size, chars_per_token) if caching else ()
+            tokens = count_tokens(prompt, chars_per_token)
+            turns.append(Prepared(info, SeqRequest(tokens, turn.max_tokens, hashes)))
         requests.append(turns)
     return PreparedWorkload(workload, tuple(engines), requests)
 

@@ -82,6 +82,10 @@ class Variant:
     engine: dict[str, Any]
     replicas: int = REPLICAS
     metrics: frozenset[str] | None = None
+    # The engine's tokenizer: characters per token where the router estimates 4. Its
+    # per-token costs and sizes scale with it, so a character costs the same time and
+    # cache as on the base engine: only the unit the engine counts in differs.
+    chars_per_token: float = 4.0
 
 
 # bench/routing.py's engine (its sim_args), from the constants it imports, so the two
@@ -149,16 +153,31 @@ VARIANTS: dict[str, Variant] = {
         metrics=TTFT_ONLY,
     ),
     "ttft-base": Variant("counters + TTFT/ITL/e2e histograms", {}, metrics=TTFT_ONLY),
+    # A real tokenizer on a benchmark's random text counts 2-3 characters a token; a
+    # simulator counting words, ~6.
+    "dense-tokens": Variant("its tokenizer counts 2 characters a token", {}, chars_per_token=2.0),
+    "sparse-tokens": Variant("its tokenizer counts 6 characters a token", {}, chars_per_token=6.0),
 }
 
 
 def variant_engine(variant: Variant, level: str) -> tuple[EngineConfig, EngineSpeed]:
+    """The variant's engine, in its own tokens, and its speed in the workload's (chars / 4)."""
     cfg = replace(engine(level), **variant.engine)
+    scale = variant.chars_per_token / 4.0  # engine tokens per workload token: 1 / scale
+    if scale != 1.0:
+        chunk = cfg.max_num_batched_tokens
+        cfg = replace(
+            cfg,
+            prefill_us_per_token=cfg.prefill_us_per_token * scale,
+            kv_blocks=round(cfg.kv_blocks / scale),
+            max_num_batched_tokens=None if chunk is None else round(chunk / scale),
+            max_model_len=round(cfg.max_model_len / scale),
+        )
     base = engine_speed(level)
     speed = replace(
         base,
         replicas=variant.replicas,
-        prefill_s_per_token=cfg.prefill_us_per_token / 1e6,
+        prefill_s_per_token=cfg.prefill_us_per_token / scale / 1e6,
         decode_step_s=cfg.decode_ms / 1e3,
         decode_batch_factor=cfg.decode_batch_factor,
         max_num_seqs=cfg.max_num_seqs,
@@ -192,7 +211,7 @@ def run_cell(
         regime = replace(regime, window_s=regime.window_s * min_requests / wl.requests)
         wl = regime_workload(regime, speed, seed=seed)
         below = 0.9 * min_requests  # requests are not proportional to the window: near is enough
-    prepared = prepare(wl, [cfg] * variant.replicas)
+    prepared = prepare(wl, [cfg] * variant.replicas, variant.chars_per_token)
     runs = []
     for name in contenders:
         result = simulate(

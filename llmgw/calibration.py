@@ -21,6 +21,10 @@ from llmgw.types import EngineMetrics
 _DECAY = 0.9  # per scrape that carried new data: ~10 scrapes of memory
 _MIN_TOKENS = 16.0  # a window with fewer computed tokens says little about per-token cost
 _MIN_SAMPLES = 20.0  # first tokens seen before the router's own fit is trusted
+# The engines' tokenizer against this router's estimate: a constant of the model, so a long
+# memory (~200 scrapes, 20 s at the default interval) over enough requests on both sides.
+_RATIO_DECAY = 0.995
+_MIN_REQUESTS = 20.0
 
 
 def _delta(new: float | None, old: float | None) -> float | None:
@@ -96,9 +100,13 @@ class Calibration:
         "_pending",
         "_prev",
         "_prev_at",
+        "engine_prompt",
         "kv_tokens",
         "observed",
         "prefill",
+        "router_prompt",
+        "sent_count",
+        "sent_tokens",
         "service",
         "step",
         "tokens",
@@ -121,6 +129,14 @@ class Calibration:
         # of and in the request (its own estimate, in its own tokens), where the edge sees
         # first tokens. Its slope is seconds per token for engines that publish none.
         self.observed = DecayedSlope()
+        # Prompt tokens per request as the engine counts them (its prompt-token counter over
+        # its first tokens, else its finished requests) and as this router estimated the
+        # ones it sent there (picks add to `sent_*`, each scrape folds them in): their ratio
+        # converts the engine's per-token numbers into this router's tokens (`pooled`).
+        self.engine_prompt = DecayedRatio(_RATIO_DECAY)
+        self.router_prompt = DecayedRatio(_RATIO_DECAY)
+        self.sent_tokens = 0.0
+        self.sent_count = 0.0
 
     def on_scrape(
         self,
@@ -136,7 +152,19 @@ class Calibration:
         if m.kv_tokens is not None:
             self.kv_tokens = m.kv_tokens
         if prev is None:
+            self.sent_tokens = self.sent_count = 0.0
             return
+        prompt_all = _delta(m.prompt_tokens_total, prev.prompt_tokens_total)
+        # Requests counted when their prompt tokens are (vLLM: at the first token), else
+        # when they finish: a window then lags by a request's time in the batch.
+        started = _delta(m.ttft_count, prev.ttft_count)
+        if started is None:
+            started = _delta(m.finished_total, prev.finished_total)
+        if prompt_all is not None and started is not None:
+            # Both sides decay together, once a scrape: the same window of traffic.
+            self.engine_prompt.add(prompt_all, started)
+            self.router_prompt.add(self.sent_tokens, self.sent_count)
+        self.sent_tokens = self.sent_count = 0.0
         tokens = _delta(m.computed_tokens_sum, prev.computed_tokens_sum)
         if tokens is None:
             prompt = _delta(m.prompt_tokens_total, prev.prompt_tokens_total)
@@ -205,12 +233,32 @@ class Calibration:
 
 
 class Costs(NamedTuple):
-    """A model's latency costs, from its endpoints' calibrations (None: not published)."""
+    """A model's latency costs, from its endpoints' calibrations (None: not published), in
+    this router's tokens (its chars / 4 estimate, or its tokenizer's)."""
 
     per_token: float | None  # seconds per computed prefill token
     step: float | None  # seconds per engine step, batch of one
     tokens_per_prefill: float | None  # prompt tokens computed per request
     service: float | None  # seconds a request holds its batch slot
+    # Engine tokens per token of this router's (1.0 until both sides counted enough): an
+    # engine's KV size in tokens divides by it.
+    engine_tokens: float = 1.0
+
+
+def token_ratio(cals: Iterable[Calibration]) -> float:
+    """Engine tokens per token of this router's estimate, from prompt tokens per request on
+    each side (a ratio of means: other routers' and clients' requests count at the engine
+    too, so totals would not compare). 1.0 until both sides saw enough requests."""
+    engine_num = engine_den = router_num = router_den = 0.0
+    for c in cals:
+        e, r = c.engine_prompt, c.router_prompt
+        if e.den > 0 and r.den > 0:
+            engine_num, engine_den = engine_num + e.num, engine_den + e.den
+            router_num, router_den = router_num + r.num, router_den + r.den
+    if engine_den < _MIN_REQUESTS or router_den < _MIN_REQUESTS or router_num <= 0:
+        return 1.0
+    ratio = (engine_num / engine_den) / (router_num / router_den)
+    return ratio if ratio > 0 else 1.0
 
 
 def pooled(cals: Iterable[Calibration]) -> Costs:
@@ -219,15 +267,21 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     prefills and decodes; the time between tokens includes steps stalled by prefills), so
     the lowest endpoint's is the tightest; where no endpoint publishes one, this router's
     own fit over all of them. The means are pooled ratios (busier endpoints, more data,
-    weigh more)."""
+    weigh more). The engines' token counts convert into this router's tokens
+    (`token_ratio`)."""
     cals = list(cals)
+    ratio = token_ratio(cals)
     per_token = min((v for c in cals if (v := c.prefill.value) is not None), default=None)
-    if per_token is None:  # no engine publishes it: what this router saw, if it sees tokens
+    if per_token is not None:
+        per_token *= ratio
+    else:  # no engine publishes it: what this router saw (its own tokens), if it sees tokens
         per_token = _slope(c.observed for c in cals)
     step = min((v for c in cals if (v := c.step.value) is not None), default=None)
+    tokens = _pooled(c.tokens for c in cals)
     return Costs(
         per_token,
         step,
-        _pooled(c.tokens for c in cals),
+        None if tokens is None else tokens / ratio,
         _pooled(c.service for c in cals),
+        ratio,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import zlib
 
@@ -16,9 +17,10 @@ VOCAB: tuple[str, ...] = tuple(
 )
 
 
-def count_tokens(text: str) -> int:
-    """Token count of a prompt: at least 1, about one token per 4 characters."""
-    return max(1, -(-len(text) // CHARS_PER_TOKEN))
+def count_tokens(text: str, chars_per_token: float = CHARS_PER_TOKEN) -> int:
+    """Token count of a prompt: at least 1, about one token per 4 characters (or as many
+    as told: an engine whose tokenizer counts unlike a router's chars / 4 estimate)."""
+    return max(1, math.ceil(len(text) / chars_per_token))
 
 
 def token_ids(text: str) -> tuple[int, ...]:
@@ -28,9 +30,11 @@ def token_ids(text: str) -> tuple[int, ...]:
     return tuple(crc(text[i : i + CHARS_PER_TOKEN].encode()) for i in range(0, len(text), 4))
 
 
-def block_hashes(text: str, block_size: int) -> tuple[bytes, ...]:
+def block_hashes(
+    text: str, block_size: int, chars_per_token: float = CHARS_PER_TOKEN
+) -> tuple[bytes, ...]:
     """Chained hashes of the prompt's *full* blocks; a partial last block is not cached."""
-    chars_per_block = block_size * CHARS_PER_TOKEN
+    chars_per_block = max(1, round(block_size * chars_per_token))
     full_blocks = len(text) // chars_per_block
     if full_blocks == 0:
         return ()

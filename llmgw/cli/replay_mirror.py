@@ -108,12 +108,11 @@ def apply(
             s.released_since_scrape = max(0, s.released_since_scrape + round(d[3]))
     if fix.costs is not None:
         now = _speed(states)
-        wanted = Costs(
-            *[
-                None if rec is None else rec * (a / b if a and b else 1.0)
-                for rec, a, b in zip(fix.costs, now, fix.speed, strict=True)
-            ]
-        )
+        per_token, step, tokens, service = [
+            None if rec is None else rec * (a / b if a and b else 1.0)
+            for rec, a, b in zip(fix.costs, now, fix.speed, strict=True)
+        ]
+        wanted = Costs(per_token, step, tokens, service)
         for scorer in scorers:
             if isinstance(scorer, LatencyScorer):
                 undo.append(_use_costs(scorer, wanted))

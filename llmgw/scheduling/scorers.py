@@ -369,6 +369,7 @@ class LatencyScorer:
         self._costs = Costs(self.prefill_s, self.step_s, None, None)
         self._candidates: list[EndpointState] = []
         self._uncached: list[int] = []
+        self._prompt_tokens = 0
         self._terms = TermRows([], [], [], [], 0, None)
         self._positions = Positions()
 
@@ -390,21 +391,23 @@ class LatencyScorer:
         0.1 s) where they publish it, else the params."""
         if ctx.now - self._costs_at < 0.1:
             return self._costs
-        if self.calibrate:
-            block = self.block_tokens
-            for s in ctx.all_states:
-                kv = s.calibration.kv_tokens
-                if kv is not None:
-                    self.index.set_capacity(s.id, int(kv // block))
         measured = pooled([s.calibration for s in ctx.all_states]) if self.calibrate else None
         if measured is None:
             costs = Costs(self.prefill_s, self.step_s, None, None)
         else:
+            # The engine's cache in this router's index blocks (its tokens may count
+            # differently from this router's).
+            block = self.block_tokens * measured.engine_tokens
+            for s in ctx.all_states:
+                kv = s.calibration.kv_tokens
+                if kv is not None:
+                    self.index.set_capacity(s.id, int(kv // block))
             costs = Costs(
                 measured.per_token or self.prefill_s,
                 measured.step or self.step_s,
                 measured.tokens_per_prefill,
                 measured.service,
+                measured.engine_tokens,
             )
         self._costs_at, self._costs = ctx.now, costs
         return costs
@@ -568,6 +571,7 @@ class LatencyScorer:
             append_cost(queue + prefill + step + charge * prefill)
         self._candidates = candidates
         self._uncached = uncached_tokens
+        self._prompt_tokens = tokens
         # New lists each pick: the Decision keeps the old ones.
         self._terms = TermRows(queues, prefills, steps, uncached_tokens, tokens, exact_flags)
         self._mean_queue = sum(queues) / n if n else 0.0
@@ -594,6 +598,9 @@ class LatencyScorer:
         now = ctx.now
         ttft, _, prefill, *_ = self._terms[i]
         self._own_typical.add(self._uncached[i], 1.0)
+        calibration = chosen.calibration  # prompt tokens sent there, in this router's tokens
+        calibration.sent_tokens += self._prompt_tokens
+        calibration.sent_count += 1.0
         start = chosen.busy_until if chosen.busy_until > now else now
         chosen.busy_until = ready_at = start + prefill
         ctx.prediction = (ready_at, ttft, self._uncached[i])

@@ -213,14 +213,41 @@ def test_robust_variants_change_one_thing_of_the_base_engine() -> None:
     from bench.fleetsim_robust import VARIANTS, variant_engine  # noqa: PLC0415
 
     base_cfg, base_speed = variant_engine(VARIANTS["base"], "low")
+    # An engine counting tokens unlike the router's chars / 4 counts its per-token cost and
+    # sizes in its own tokens: per character the same time and cache as the base engine.
+    units = {"prefill_us_per_token", "kv_blocks", "max_num_batched_tokens", "max_model_len"}
     for name, variant in VARIANTS.items():
         cfg, speed = variant_engine(variant, "low")
         changed = {k for k in vars(base_cfg) if getattr(cfg, k) != getattr(base_cfg, k)}
-        assert changed == set(variant.engine), name
-        assert speed.prefill_s_per_token == cfg.prefill_us_per_token / 1e6
+        scale = variant.chars_per_token / 4
+        assert changed == set(variant.engine) | (units if scale != 1 else set()), name
+        assert speed.prefill_s_per_token == pytest.approx(cfg.prefill_us_per_token / scale / 1e6)
         assert speed.max_num_seqs == cfg.max_num_seqs
         assert speed.replicas == variant.replicas
+        if scale != 1:
+            assert speed == base_speed, name
+            assert cfg.kv_blocks * scale == pytest.approx(base_cfg.kv_blocks, rel=0.01)
     assert variant_engine(VARIANTS["8-replicas"], "low")[1].replicas == 2 * base_speed.replicas
+
+
+def test_an_engine_counting_its_own_tokens_is_calibrated_in_the_routers(
+    chat: PreparedWorkload,
+) -> None:
+    """The same fleet, its engines counting 6 characters a token (a third fewer tokens,
+    each costing 1.5x): the router reads 2/3 an engine token per token of its own, and the
+    per-token cost and typical prefill it uses are the base fleet's (within 10 %)."""
+    sparse = replace(ENGINE, prefill_us_per_token=300.0, kv_blocks=4096 * 4 // 6)
+    costs = {}
+    for label, workload in (("base", chat), ("sparse", prepare(chat.workload, [sparse] * 4, 6.0))):
+        contender = make_contender("llmgw:latency")
+        simulate(workload, contender, seed=1)
+        registry = getattr(contender, "scheduler").registry  # noqa: B009
+        costs[label] = pooled([s.calibration for s in registry.states(MODEL)])
+    base, sparse_costs = costs["base"], costs["sparse"]
+    assert base.engine_tokens == pytest.approx(1.0, rel=0.1)
+    assert sparse_costs.engine_tokens == pytest.approx(4 / 6, rel=0.1)
+    for field in ("per_token", "tokens_per_prefill"):
+        assert getattr(sparse_costs, field) == pytest.approx(getattr(base, field), rel=0.1), field
 
 
 def test_robust_cells_below_the_minimum_get_longer_windows() -> None:

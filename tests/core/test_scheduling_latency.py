@@ -209,11 +209,11 @@ def test_pooled_costs_are_the_tightest_upper_bound_and_tokens_a_pooled_mean() ->
     for cal, (seconds, tokens) in ((a, (1.0, 1000.0)), (b, (0.9, 9000.0))):
         cal.on_scrape(metrics())
         cal.on_scrape(metrics(prefill_s=seconds, tokens=tokens, prefills=4))
-    per_token, step, typical, service = pooled([a, b])
+    per_token, step, typical, service, engine_tokens = pooled([a, b])
     assert per_token == pytest.approx(1e-4) and step is None
     assert typical == pytest.approx(10000 / 8)
-    assert service is None
-    assert pooled([]) == (None, None, None, None)
+    assert service is None and engine_tokens == 1.0
+    assert pooled([]) == (None, None, None, None, 1.0)
 
 
 def metrics(
@@ -445,6 +445,80 @@ def test_engines_without_a_per_token_cost_get_the_one_this_router_sees() -> None
     assert a.calibration.observed.n == seen
     a.calibration.prefill.add(1.0, 10_000.0)  # the engine says 100 us
     assert pooled([a.calibration]).per_token == pytest.approx(100e-6)
+
+
+def test_an_engine_counting_tokens_unlike_this_router_is_priced_in_this_routers_tokens() -> None:
+    """The engine's tokenizer counts 1.5 tokens where this router estimates 1 (chars / 4):
+    its 100 us an engine token is 150 us a router token, its typical prefill of 1,500
+    engine tokens is 1,000 router tokens, and its KV cache of 96,000 engine tokens holds
+    64,000 router tokens (1,000 index blocks of 64). Nothing converts before 20 requests
+    on both sides."""
+    clock = FakeClock(NOW)
+    sched = Scheduler(
+        config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
+    )
+    a = sched.registry.get("m", "a:1")
+    scorer = sched.routers["m"].scorers[0][0]
+    assert a is not None and isinstance(scorer, LatencyScorer)
+
+    def scrape(n: int) -> None:
+        """The engine's counters after n finished requests of 1,500 of its tokens."""
+        clock.advance(0.1)
+        sched.registry.record_scrape(
+            "m",
+            "a:1",
+            replace(
+                metrics(prefill_s=n * 1500 * 100e-6, tokens=n * 1500.0, prefills=n),
+                prompt_tokens_total=n * 1500.0,
+                finished_total=float(n),
+                kv_tokens=96_000.0,
+            ),
+        )
+
+    def send(first: int, count: int) -> None:
+        for k in range(first, first + count):
+            sched.pick(request(f"{k:06d}" * 666 + "xxxx", rid=f"r{k}"))  # 4,000 chars
+
+    scrape(0)
+    send(0, 10)
+    scrape(10)
+    costs = pooled([a.calibration])
+    assert costs.engine_tokens == 1.0  # 10 requests a side: too few
+    assert costs.per_token == pytest.approx(100e-6)
+    send(10, 14)
+    scrape(24)
+    costs = pooled([a.calibration])
+    assert costs.engine_tokens == pytest.approx(1.5)
+    assert costs.per_token == pytest.approx(150e-6)
+    assert costs.tokens_per_prefill == pytest.approx(1000.0)
+    clock.advance(1.0)  # the scorer re-reads the costs, and the cache size, at most every 0.1 s
+    sched.pick(request(rid="last"))
+    assert scorer.costs_in_use.per_token == pytest.approx(150e-6)
+    assert scorer.index.room("a:1") == 1000 - scorer.index.size("a:1")
+
+
+def test_the_token_ratio_is_per_request_so_other_clients_traffic_does_not_move_it() -> None:
+    """Another router sends the engine twice as many requests of the same mix: the engine's
+    totals triple, its tokens per request do not."""
+    cal = Calibration()
+    cal.on_scrape(replace(metrics(), prompt_tokens_total=0.0, finished_total=0.0))
+    cal.sent_tokens, cal.sent_count = 30 * 400.0, 30.0  # this router's: 400 tokens each
+    cal.on_scrape(replace(metrics(), prompt_tokens_total=90 * 600.0, finished_total=90.0))
+    assert pooled([cal]).engine_tokens == pytest.approx(1.5)
+    assert cal.sent_tokens == 0.0 and cal.sent_count == 0.0  # folded in once
+
+
+def test_the_token_ratio_counts_requests_at_their_first_token_where_the_engine_says() -> None:
+    """vLLM counts prompt tokens at a request's first token: its TTFT histogram's count is
+    the matching request count (finished requests lag by their time in the batch)."""
+    cal = Calibration()
+    start = replace(metrics(), prompt_tokens_total=0.0, finished_total=0.0, ttft_count=0.0)
+    cal.on_scrape(start)
+    cal.sent_tokens, cal.sent_count = 30 * 400.0, 30.0
+    # 30 first tokens, of which 10 have finished: 600 engine tokens each.
+    cal.on_scrape(replace(start, prompt_tokens_total=30 * 600.0, finished_total=10.0,
+                          ttft_count=30.0))  # fmt: skip
+    assert pooled([cal]).engine_tokens == pytest.approx(1.5)
 
 
 def test_a_full_batch_queues_for_slots_not_for_prefill_work() -> None:
