@@ -30,6 +30,11 @@ class PrefixIndex:
         self._capacity: dict[str, int] = {}  # per endpoint, where it differs from `capacity`
         self._sharers: dict[int, int] = {}
         self._last_key: dict[int, str] = {}
+        # `room` per endpoint holding blocks or a capacity of its own (the others have
+        # `capacity`), kept current by every change: the latency scorer reads it for about
+        # half the endpoints on every pick, and a dict lookup instead of a call to `room`
+        # took 256-endpoint picks 4 % faster (A/B; within noise at 16). Read-only outside.
+        self.rooms: dict[str, int] = {}
 
     def hashes(self, prompt: str) -> list[int]:
         """Chained hashes of the prompt's full blocks (a partial tail block is not cached)."""
@@ -107,8 +112,10 @@ class PrefixIndex:
                 owners_of[h] = {endpoint_id}
             else:
                 owners.add(endpoint_id)
-        if len(lru) > self._capacity.get(endpoint_id, self.capacity):
+        limit = self._capacity.get(endpoint_id, self.capacity)
+        if len(lru) > limit:
             self._trim(endpoint_id, lru)
+        self.rooms[endpoint_id] = limit - len(lru)
 
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
         """Hold at most `blocks` for this endpoint (its engine's KV cache, in index blocks):
@@ -119,6 +126,7 @@ class PrefixIndex:
             lru = self._lru.get(endpoint_id)
             if lru is not None:
                 self._trim(endpoint_id, lru)
+            self.rooms[endpoint_id] = blocks - len(self._lru.get(endpoint_id, ()))
 
     def _trim(self, endpoint_id: str, lru: OrderedDict[int, None]) -> None:
         limit = self._capacity.get(endpoint_id, self.capacity)
@@ -137,6 +145,7 @@ class PrefixIndex:
 
     def forget(self, endpoint_id: str) -> None:
         self._capacity.pop(endpoint_id, None)
+        self.rooms.pop(endpoint_id, None)
         for h in self._lru.pop(endpoint_id, OrderedDict()):
             owners = self._owners.get(h)
             if owners is not None:
@@ -146,7 +155,7 @@ class PrefixIndex:
 
     def room(self, endpoint_id: str) -> int:
         """Blocks this endpoint's cache can still take before it must evict (as known here)."""
-        return self._capacity.get(endpoint_id, self.capacity) - len(self._lru.get(endpoint_id, ()))
+        return self.rooms.get(endpoint_id, self.capacity)
 
     def size(self, endpoint_id: str | None = None) -> int:
         if endpoint_id is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import repeat
-from operator import add, truediv
+from operator import truediv
 from typing import overload
 
 from llmgw.calibration import Costs, DecayedRatio, pooled
@@ -370,6 +370,8 @@ class LatencyScorer:
         self._candidates: list[EndpointState] = []
         self._uncached: list[int] = []
         self._prompt_tokens = 0
+        # The last score call's queue, prefill and step seconds per candidate.
+        self._rows: tuple[list[float], list[float], list[float]] = ([], [], [])
         self._terms = TermRows([], [], [], [], 0, None)
         self._positions = Positions()
 
@@ -512,8 +514,9 @@ class LatencyScorer:
         # fits without evicting, charge that queue instead. Sessionless shared prefixes
         # keep the fleet's charge (every request would see the same idle replica and herd
         # there: 6x worse TTFT p90 in the prefix cells with a per-destination charge).
-        room = self.index.room
-        per_room_block = per_token * block
+        room, empty = self.index.rooms.get, self.index.capacity  # `index.room`, without a call
+        per_block = per_token * block
+        smoothing = self.smoothing
         session_charge = (
             self.queue_weighting and per_waiting > 0 and request.session_key is not None
         )
@@ -564,22 +567,25 @@ class LatencyScorer:
             step = step0 + factor * load
             append_queue(queue)
             append_step(step)
-            # ttft + work_weight x prefill, where ttft = queue + prefill + step.
+            # ttft + work_weight x prefill, where ttft = queue + prefill + step; plus the
+            # score's smoothing here rather than in a second pass (the same sum; A/B:
+            # 16-endpoint picks ~1 % faster, 256-endpoint ones ~2 %).
             charge = work_weight
-            if session_charge and queue < mean_queue and room(s.id) * per_room_block >= prefill:
+            if session_charge and queue < mean_queue and room(s.id, empty) * per_block >= prefill:
                 charge = base_weight + queue / per_waiting  # this queue, not the fleet's
-            append_cost(queue + prefill + step + charge * prefill)
+            append_cost(queue + prefill + step + charge * prefill + smoothing)
         self._candidates = candidates
         self._uncached = uncached_tokens
         self._prompt_tokens = tokens
+        self._rows = (queues, prefills, steps)
         # New lists each pick: the Decision keeps the old ones.
         self._terms = TermRows(queues, prefills, steps, uncached_tokens, tokens, exact_flags)
         self._mean_queue = sum(queues) / n if n else 0.0
-        smoothing = self.smoothing
-        low = min(costs) + smoothing if costs else 0.0
-        # low / (cost + smoothing), in C-level maps (the same operations as a list
-        # comprehension, ~1.5x faster per endpoint).
-        return list(map(truediv, repeat(low, n), map(add, costs, repeat(smoothing, n))))
+        # low / (cost + smoothing), in a C-level map (the same operations as a list
+        # comprehension, ~1.5x faster per endpoint). Rounding is monotonic, so the least
+        # smoothed cost is the least cost, smoothed: `low` as before.
+        low = min(costs) if costs else 0.0
+        return list(map(truediv, repeat(low, n), costs))
 
     def term_rows(self) -> TermRows:
         return self._terms
@@ -592,18 +598,24 @@ class LatencyScorer:
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
         if self._hashes:
             self.index.insert(chosen.id, self._hashes, ctx.request.session_key)
-        i = self._positions(ctx, self._candidates).get(chosen.id)
-        if i is None or self._candidates[i] is not chosen:
+        candidates = self._candidates
+        i = self._positions(ctx, candidates).get(chosen.id)
+        if i is None or candidates[i] is not chosen:
             return
         now = ctx.now
-        ttft, _, prefill, *_ = self._terms[i]
-        self._own_typical.add(self._uncached[i], 1.0)
+        # The row's ttft as `TermRows` adds it, from the lists, without building the whole
+        # row (A/B: 16-endpoint picks ~1 % faster, 256-endpoint ones ~3 %).
+        queue, prefill, step = self._rows
+        prefill_s = prefill[i]
+        ttft = queue[i] + prefill_s + step[i]
+        uncached = self._uncached[i]
+        self._own_typical.add(uncached, 1.0)
         calibration = chosen.calibration  # prompt tokens sent there, in this router's tokens
         calibration.sent_tokens += self._prompt_tokens
         calibration.sent_count += 1.0
-        start = chosen.busy_until if chosen.busy_until > now else now
-        chosen.busy_until = ready_at = start + prefill
-        ctx.prediction = (ready_at, ttft, self._uncached[i])
+        busy = chosen.busy_until
+        chosen.busy_until = ready_at = (busy if busy > now else now) + prefill_s
+        ctx.prediction = (ready_at, ttft, uncached)
 
     def forget(self, endpoint_id: str) -> None:
         self.index.forget(endpoint_id)
