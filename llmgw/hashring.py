@@ -93,6 +93,10 @@ class HashRing:
         """Primary first, then up to `num_fallback_replicas` distinct replicas clockwise."""
         return list(self._walks(key))  # a new list: the cached tuple stays as computed
 
+    def candidate_tuple(self, key: str) -> tuple[str, ...]:
+        """`candidates` as the cached tuple itself, without a copy (the session scorer's)."""
+        return self._walks(key)
+
     def _candidates(self, key: str) -> tuple[str, ...]:
         # The same walk as `_walk`, without a generator.
         positions, owners = self._positions, self._owners

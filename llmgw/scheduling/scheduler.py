@@ -62,10 +62,9 @@ class ModelRouter:
         self.forgetters: list[ForgetsEndpoints] = [
             s for s, _ in self.scorers if isinstance(s, ForgetsEndpoints)
         ]
-        self.explainers: dict[int, ExplainsScores] = {
-            id(s): s for s, _ in self.scorers if isinstance(s, ExplainsScores)
-        }
+        self.scoring = self._scoring()
         self.picker: Picker = make_picker(strategy.picker.type, strategy.picker.params)
+        self.limit = 1 + spec.session.num_fallback_replicas  # the primary and its fallbacks
         self.ring = HashRing(
             [],
             num_virtual_nodes=spec.session.num_virtual_nodes,
@@ -85,8 +84,13 @@ class ModelRouter:
         twin.scorers = [(copy.copy(s), w) for s, w in self.scorers]
         twin.picker = copy.copy(self.picker)
         twin.observers, twin.forgetters = [], []
-        twin.explainers = {id(s): s for s, _ in twin.scorers if isinstance(s, ExplainsScores)}
+        twin.scoring = twin._scoring()
         return twin
+
+    def _scoring(self) -> list[tuple[Scorer, float, ExplainsScores | None]]:
+        """Each scorer, its weight and itself again if it explains its scores: found once,
+        not looked up by id per scorer on every pick."""
+        return [(s, w, s if isinstance(s, ExplainsScores) else None) for s, w in self.scorers]
 
     def ids_of(self, candidates: list[EndpointState]) -> tuple[str, ...]:
         if candidates is self._ids_states:
@@ -274,8 +278,8 @@ class Scheduler:
         )
         candidates = states
         drops: list[tuple[str, int]] = []
-        cap = self.registry.warmup_inflight
-        if cap is not None and self.registry.warming(request.model):
+        cap = registry.warmup_inflight
+        if cap is not None and registry.warming(request.model):
             # New replicas not scraped yet take a bounded share (their ring arcs overflow
             # to the next replica), unless nothing else is left.
             kept = [s for s in states if not (s.warming and s.inflight >= cap)]
@@ -295,19 +299,18 @@ class Scheduler:
         columns: list[ScorerColumn] = []
         n = len(candidates)
         totals: list[float] | None = None
-        for scorer, weight in router.scorers:
+        for scorer, weight, explainer in router.scoring:
             raw = scorer.score(ctx, candidates)
             if len(raw) != n:
                 raise ValueError(f"scorer {scorer.name!r} returned {len(raw)} scores for {n}")
-            explainer = router.explainers.get(id(scorer)) if router.explainers else None
-            if explainer is not None:
+            if explainer is None:
+                columns.append(new_scorer_column(scorer.name, weight, tuple(raw), (), ()))
+            else:
                 columns.append(
                     new_scorer_column(
                         scorer.name, weight, tuple(raw), explainer.term_names, explainer.term_rows()
                     )
                 )
-            else:
-                columns.append(new_scorer_column(scorer.name, weight, tuple(raw), (), ()))
             if weight:  # C-level maps: this runs per endpoint per scorer on every pick
                 # 1.0 * x is x, and the first column needs no sum (x rather than 0.0 + x:
                 # equal under ==, -0.0 would stay -0.0), so one pass less per pick.
@@ -316,8 +319,7 @@ class Scheduler:
         if totals is None:
             totals = [0.0] * n
 
-        limit = 1 + router.spec.session.num_fallback_replicas
-        order = router.picker.order(ctx, totals, limit)
+        order = router.picker.order(ctx, totals, router.limit)
         chosen = candidates[order[0]]
         if dropped is None:
             for observer in router.observers:

@@ -172,15 +172,19 @@ class SessionScorer:
         self._positions = Positions()
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
-        if self.abstain_without_session and ctx.request.session_key is None:
-            return [0.0] * len(candidates)
-        key = ctx.request.routing_key
+        request = ctx.request
+        key = request.session_key
+        if key is None:
+            if self.abstain_without_session:
+                return [0.0] * len(candidates)
+            key = request.request_id  # (`routing_key`, without the property's call)
         c = self.bounded_load or ctx.spec.session.bounded_load or 0.0
+        ring_order: Sequence[str]
         if c >= 1.0:
             loads = {s.id: s.inflight for s in ctx.all_states}
             ring_order = ctx.ring.bounded_candidates(key, loads, c)
         else:
-            ring_order = ctx.ring.candidates(key)
+            ring_order = ctx.ring.candidate_tuple(key)
         out = [0.0] * len(candidates)
         if ring_order:
             step = 1.0 / (len(ring_order) + 1)
