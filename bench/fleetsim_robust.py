@@ -86,6 +86,19 @@ class Variant:
     # per-token costs and sizes scale with it, so a character costs the same time and
     # cache as on the base engine: only the unit the engine counts in differs.
     chars_per_token: float = 4.0
+    # Replicas (the last ones) that run this many times slower, prefill and decode alike:
+    # a fleet of two hardware generations, or a noisy neighbour.
+    slow_replicas: int = 0
+    slow_factor: float = 2.0
+
+    def engines(self, cfg: EngineConfig) -> list[EngineConfig]:
+        slow = replace(
+            cfg,
+            prefill_us_per_token=cfg.prefill_us_per_token * self.slow_factor,
+            decode_ms=cfg.decode_ms * self.slow_factor,
+        )
+        fast = self.replicas - self.slow_replicas
+        return [cfg] * fast + [slow] * self.slow_replicas
 
 
 # bench/routing.py's engine (its sim_args), from the constants it imports, so the two
@@ -157,6 +170,7 @@ VARIANTS: dict[str, Variant] = {
     # simulator counting words, ~6.
     "dense-tokens": Variant("its tokenizer counts 2 characters a token", {}, chars_per_token=2.0),
     "sparse-tokens": Variant("its tokenizer counts 6 characters a token", {}, chars_per_token=6.0),
+    "mixed-speed": Variant("2 of the 4 replicas 2x slower", {}, slow_replicas=2),
 }
 
 
@@ -174,11 +188,15 @@ def variant_engine(variant: Variant, level: str) -> tuple[EngineConfig, EngineSp
             max_model_len=round(cfg.max_model_len / scale),
         )
     base = engine_speed(level)
+    # Capacity adds up over replicas (1 / cost each): the fleet's as if every replica ran
+    # at n / sum(1 / cost).
+    slow = variant.slow_replicas
+    slower = variant.replicas / (variant.replicas - slow + slow / variant.slow_factor)
     speed = replace(
         base,
         replicas=variant.replicas,
-        prefill_s_per_token=cfg.prefill_us_per_token / scale / 1e6,
-        decode_step_s=cfg.decode_ms / 1e3,
+        prefill_s_per_token=cfg.prefill_us_per_token / scale / 1e6 * slower,
+        decode_step_s=cfg.decode_ms / 1e3 * slower,
         decode_batch_factor=cfg.decode_batch_factor,
         max_num_seqs=cfg.max_num_seqs,
     )
@@ -211,7 +229,7 @@ def run_cell(
         regime = replace(regime, window_s=regime.window_s * min_requests / wl.requests)
         wl = regime_workload(regime, speed, seed=seed)
         below = 0.9 * min_requests  # requests are not proportional to the window: near is enough
-    prepared = prepare(wl, [cfg] * variant.replicas, variant.chars_per_token)
+    prepared = prepare(wl, variant.engines(cfg), variant.chars_per_token)
     runs = []
     for name in contenders:
         result = simulate(

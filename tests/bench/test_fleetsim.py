@@ -221,13 +221,24 @@ def test_robust_variants_change_one_thing_of_the_base_engine() -> None:
         changed = {k for k in vars(base_cfg) if getattr(cfg, k) != getattr(base_cfg, k)}
         scale = variant.chars_per_token / 4
         assert changed == set(variant.engine) | (units if scale != 1 else set()), name
-        assert speed.prefill_s_per_token == pytest.approx(cfg.prefill_us_per_token / scale / 1e6)
+        if not variant.slow_replicas:
+            assert speed.prefill_s_per_token == pytest.approx(
+                cfg.prefill_us_per_token / scale / 1e6
+            )
         assert speed.max_num_seqs == cfg.max_num_seqs
         assert speed.replicas == variant.replicas
         if scale != 1:
             assert speed == base_speed, name
             assert cfg.kv_blocks * scale == pytest.approx(base_cfg.kv_blocks, rel=0.01)
     assert variant_engine(VARIANTS["8-replicas"], "low")[1].replicas == 2 * base_speed.replicas
+    # Two replicas 2x slower: the fleet has 3 base replicas' capacity, sized as 4 at 4/3.
+    mixed = VARIANTS["mixed-speed"]
+    cfg, speed = variant_engine(mixed, "low")
+    engines = mixed.engines(cfg)
+    assert [e.prefill_us_per_token / cfg.prefill_us_per_token for e in engines] == [1, 1, 2, 2]
+    assert [e.decode_ms / cfg.decode_ms for e in engines] == [1, 1, 2, 2]
+    assert speed.prefill_s_per_token == pytest.approx(base_speed.prefill_s_per_token * 4 / 3)
+    assert speed.decode_step_s == pytest.approx(base_speed.decode_step_s * 4 / 3)
 
 
 def test_an_engine_counting_its_own_tokens_is_calibrated_in_the_routers(

@@ -508,16 +508,27 @@ def test_the_token_ratio_is_per_request_so_other_clients_traffic_does_not_move_i
     assert cal.sent_tokens == 0.0 and cal.sent_count == 0.0  # folded in once
 
 
-def test_the_token_ratio_counts_requests_at_their_first_token_where_the_engine_says() -> None:
-    """vLLM counts prompt tokens at a request's first token: its TTFT histogram's count is
-    the matching request count (finished requests lag by their time in the batch)."""
+def test_a_token_ratio_near_one_is_left_at_one() -> None:
+    """An engine counting 5 % more tokens than this router estimates (a chat template's
+    markers) keeps its published costs; 20 % more converts."""
+    for engine_tokens, used in ((420.0, 1.0), (480.0, 1.2)):
+        cal = Calibration()
+        cal.on_scrape(replace(metrics(), prompt_tokens_total=0.0, finished_total=0.0))
+        cal.sent_tokens, cal.sent_count = 30 * 400.0, 30.0
+        total = 30 * engine_tokens
+        cal.on_scrape(replace(metrics(), prompt_tokens_total=total, finished_total=30.0))
+        assert pooled([cal]).engine_tokens == pytest.approx(used)
+
+
+def test_the_token_ratio_counts_the_requests_that_entered_the_batch() -> None:
+    """Engines count prompt tokens as requests enter the batch: 30 did in this window, of
+    which 10 finished and 20 still run (the batch grew by 20), 600 engine tokens each."""
     cal = Calibration()
-    start = replace(metrics(), prompt_tokens_total=0.0, finished_total=0.0, ttft_count=0.0)
+    start = replace(metrics(), prompt_tokens_total=0.0, finished_total=0.0)
     cal.on_scrape(start)
     cal.sent_tokens, cal.sent_count = 30 * 400.0, 30.0
-    # 30 first tokens, of which 10 have finished: 600 engine tokens each.
     cal.on_scrape(replace(start, prompt_tokens_total=30 * 600.0, finished_total=10.0,
-                          ttft_count=30.0))  # fmt: skip
+                          running=20.0))  # fmt: skip
     assert pooled([cal]).engine_tokens == pytest.approx(1.5)
 
 
