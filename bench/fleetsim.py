@@ -677,6 +677,8 @@ def simulate(
             engine = engines[a]
             result = engine.complete(now)
             for seq in result.emitted:
+                if seq.output_tokens == 1:
+                    observations[a].first_token(seq)
                 flight = flights.get((a, seq.seq_id))
                 if flight is not None and not flight.first_seen:
                     flight.first_seen = True

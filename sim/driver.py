@@ -62,7 +62,8 @@ class SeqHandle:
 
 
 class EngineDriver:
-    """Owns the stepping task of one engine model; `on_finish` sees every ended sequence."""
+    """Owns the stepping task of one engine model; `on_finish` sees every ended sequence,
+    `on_first_token` every sequence whose first token a step just produced."""
 
     def __init__(
         self,
@@ -71,11 +72,13 @@ class EngineDriver:
         clock: Callable[[], float] = time.monotonic,
         signal: ChangeSignal | None = None,
         on_schedule: Callable[[], None] | None = None,
+        on_first_token: Callable[[Sequence], None] | None = None,
     ) -> None:
         self.model = model
         self._on_schedule = on_schedule  # after each step is scheduled (KV events publish)
         self.signal = signal or ChangeSignal()
         self._on_finish = on_finish
+        self._on_first_token = on_first_token
         self._clock = clock
         self._handles: dict[int, SeqHandle] = {}
         self._wake = asyncio.Event()
@@ -139,7 +142,10 @@ class EngineDriver:
                     await asyncio.sleep(0)
             result = model.complete(end)
             handles = self._handles
+            on_first = self._on_first_token
             for seq in result.emitted:
+                if on_first is not None and seq.output_tokens == 1:
+                    on_first(seq)
                 handle = handles.get(seq.seq_id)
                 if handle is not None and not seq.finished:
                     handle._notify(False)

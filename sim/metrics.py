@@ -98,9 +98,11 @@ class LatencyHistogram:
 
 
 class ModelObservations:
-    """Per-model latency histograms, fed when a sequence finishes (vLLM's definitions:
-    queue = scheduled - arrival, prefill = first token - scheduled, decode = last token -
-    first token, inference = last token - scheduled)."""
+    """Per-model latency histograms, fed as vLLM feeds them: time to first token when the
+    first token comes (`first_token`), the rest when a sequence finishes (`observe`; queue =
+    scheduled - arrival, prefill = first token - scheduled, decode = last token - first
+    token, inference = last token - scheduled). A scrape in between sees a request's time
+    to first token and not yet its prefill or queue time, as on vLLM."""
 
     def __init__(self, engine: str = "vllm") -> None:
         ttft, e2e, itl = BUCKETS[engine]
@@ -114,10 +116,12 @@ class ModelObservations:
         self.tpot = LatencyHistogram(itl)
         self.created = time.time()
 
+    def first_token(self, seq: Sequence) -> None:
+        if seq.first_token_time is not None:
+            self.ttft.observe(seq.first_token_time - seq.arrival_time)
+
     def observe(self, seq: Sequence) -> None:
         scheduled, first, last = seq.scheduled_time, seq.first_token_time, seq.last_token_time
-        if first is not None:
-            self.ttft.observe(first - seq.arrival_time)
         if scheduled is not None:
             self.queue.observe(scheduled - seq.arrival_time)
         if seq.finished_time is not None:

@@ -106,6 +106,7 @@ class Replica:
         driver = EngineDriver(
             model,
             on_finish=observations.observe,
+            on_first_token=observations.first_token,
             signal=self.signal,
             on_schedule=(lambda: self._publish(model)) if events else None,
         )

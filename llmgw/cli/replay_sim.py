@@ -274,6 +274,8 @@ def simulate(
         elif kind == _STEP_END:
             step = engines[a].complete(now)
             for seq in step.emitted:
+                if seq.output_tokens == 1:  # vLLM observes time to first token now
+                    observations[a][model_of_flight[(a, seq.seq_id)]].first_token(seq)
                 flight = flights.get((a, seq.seq_id))
                 if flight is not None and not flight.first_seen:
                     flight.first_seen = True

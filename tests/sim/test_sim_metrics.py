@@ -151,3 +151,36 @@ async def test_vllm_phase_histograms_add_up_for_a_long_prefill() -> None:
     assert samples[("vllm:prompt_tokens_total", None)] == 4000
     assert samples[("vllm:generation_tokens_total", None)] == 3
     assert samples[("vllm:prefix_cache_queries_total", None)] == 4000
+
+
+async def test_vllm_time_to_first_token_is_observed_at_the_first_token() -> None:
+    """As on vLLM: a scrape while a request decodes already counts its time to first token,
+    and its prefill, queue and end-to-end times only once it has finished."""
+
+    def counts(text: str) -> dict[str, float]:
+        return {
+            s.name: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name.endswith("_count")
+        }
+
+    ttft, prefill, e2e = (
+        f"vllm:{name}_count"
+        for name in ("time_to_first_token_seconds", "request_prefill_time_seconds",
+                     "e2e_request_latency_seconds")
+    )  # fmt: skip
+    fleet = SimFleet(replicas=1, model="m1", decode_ms=20)
+    async with fleet, httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client:
+        body = {"model": "m1", "prompt": "x" * 400, "max_tokens": 100, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: ") and '"text"' in line:
+                    break  # the first token: 99 more steps of 20 ms to go
+            during = counts((await client.get("/metrics")).text)
+            async for _ in lines:
+                pass
+        after = counts((await client.get("/metrics")).text)
+    assert (during[ttft], during[prefill], during[e2e]) == (1, 0, 0)
+    assert (after[ttft], after[prefill], after[e2e]) == (1, 1, 1)
