@@ -108,7 +108,6 @@ class Calibration:
         "kv_tokens",
         "observed",
         "prefill",
-        "queue_in_prefill",
         "router_prompt",
         "sent_count",
         "sent_tokens",
@@ -134,8 +133,6 @@ class Calibration:
         # of and in the request (its own estimate, in its own tokens), where the edge sees
         # first tokens. Its slope is seconds per token for engines that publish none.
         self.observed = DecayedSlope()
-        # `prefill` is time to first token with the queue still in it (no queue histogram).
-        self.queue_in_prefill = False
         # Prompt tokens per request as the engine counts them (its prompt-token counter over
         # the requests that entered its batch) and as this router estimated the ones it sent
         # there (picks add to `sent_*`, each scrape folds them in): their ratio converts the
@@ -194,7 +191,6 @@ class Calibration:
             prefill = _delta(m.ttft_seconds_sum, prev.ttft_seconds_sum)
             prefills = _delta(m.ttft_count, prev.ttft_count)
             queued = _delta(m.queue_seconds_sum, prev.queue_seconds_sum)
-            self.queue_in_prefill = queued is None
             if prefill is not None and queued is not None:
                 prefill -= queued  # each window's may go negative; the pending sum pairs up
         elif untimed:
@@ -286,12 +282,6 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     per_token = min((v for c in cals if (v := c.prefill.value) is not None), default=None)
     if per_token is not None:
         per_token *= ratio
-        if any(c.queue_in_prefill for c in cals):
-            # Time to first token with the queue in it is an upper bound; this router's own
-            # fit (its tokens ahead of each request taken out) is the tighter one, if any.
-            fit = _slope(c.observed for c in cals)
-            if fit is not None and fit < per_token:
-                per_token = fit
     else:  # no engine publishes it: what this router saw (its own tokens), if it sees tokens
         per_token = _slope(c.observed for c in cals)
     step = min((v for c in cals if (v := c.step.value) is not None), default=None)
