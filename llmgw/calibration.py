@@ -155,10 +155,11 @@ class Calibration:
         prev_at, self._prev_at = self._prev_at, at
         if m.kv_tokens is not None:
             self.kv_tokens = m.kv_tokens
+        sent_tokens, sent_count = self.sent_tokens, self.sent_count
+        self.sent_tokens = self.sent_count = 0.0  # folded in below (dropped before a first page)
         if prev is None:
-            self.sent_tokens = self.sent_count = 0.0
             return
-        prompt_all = _delta(m.prompt_tokens_total, prev.prompt_tokens_total)
+        prompt = _delta(m.prompt_tokens_total, prev.prompt_tokens_total)
         # Engines count a request's prompt tokens when it enters the batch (vLLM: at its
         # first token), long before it finishes: the requests counted in a window are the
         # ones that finished plus the batch's growth. Finished requests alone read 1.3-2.1x
@@ -166,14 +167,12 @@ class Calibration:
         started = _delta(m.finished_total, prev.finished_total)
         if started is not None:
             started += m.running - prev.running
-        if prompt_all is not None and started is not None:
+        if prompt is not None and started is not None:
             # Both sides decay together, once a scrape: the same window of traffic.
-            self.engine_prompt.add(prompt_all, started)
-            self.router_prompt.add(self.sent_tokens, self.sent_count)
-        self.sent_tokens = self.sent_count = 0.0
+            self.engine_prompt.add(prompt, started)
+            self.router_prompt.add(sent_tokens, sent_count)
         tokens = _delta(m.computed_tokens_sum, prev.computed_tokens_sum)
         if tokens is None:
-            prompt = _delta(m.prompt_tokens_total, prev.prompt_tokens_total)
             cached = _delta(m.cached_tokens_total, prev.cached_tokens_total)
             if prompt is not None:
                 tokens = prompt - (cached or 0.0)
