@@ -8,7 +8,8 @@ A router tuned to one simulator can lose on another (issue 13: the old default w
 worse than consistent hashing on a simulator that was not ours). Each variant changes one
 thing of the base engine (4 replicas, 60 us a prefill token, 25 ms decode steps, 8
 sequences, chunked prefill at 2,048 tokens, every vLLM metric): prefill 4x faster or
-slower, big batches, small prefill chunks, 8 replicas, an engine that publishes only the
+slower, big batches (48 sequences, or vLLM's default 256), small prefill chunks, 8
+replicas, an engine that publishes only the
 load gauges (no histograms, counters or cache config: llmgw's calibration falls back to
 the first tokens and picks it sees itself, else its params), or one that adds only the
 token and request counters (no histograms, like SGLang). A few change two things, because
@@ -145,6 +146,12 @@ VARIANTS: dict[str, Variant] = {
     "big-batch": Variant(
         "48 sequences a replica, +1 % step per sequence",
         {"max_num_seqs": 48, "decode_batch_factor": 0.01},
+    ),
+    # vLLM's default batch (max_num_seqs 256): slots never bind, so requests queue only for
+    # the prefill budget and KV memory, and every prefill chunk stalls a large decode batch.
+    "vllm-batch": Variant(
+        "256 sequences a replica, +0.5 % step per sequence",
+        {"max_num_seqs": 256, "decode_batch_factor": 0.005},
     ),
     "small-chunk": Variant("chunked prefill at 512 tokens", {"max_num_batched_tokens": 512}),
     "8-replicas": Variant("8 replicas", {}, replicas=8),
