@@ -9,10 +9,9 @@ worse than consistent hashing on a simulator that was not ours). Each variant ch
 thing of the base engine (4 replicas, 60 us a prefill token, 25 ms decode steps, 8
 sequences, chunked prefill at 2,048 tokens, every vLLM metric): prefill 4x faster or
 slower, big batches (48 sequences, or vLLM's default 256), small prefill chunks, 8
-replicas, an engine that publishes only the
-load gauges (no histograms, counters or cache config: llmgw's calibration falls back to
-the first tokens and picks it sees itself, else its params), or one that adds only the
-token and request counters (no histograms, like SGLang). A few change two things, because
+replicas, an engine that publishes only the load gauges (no histograms, counters or cache
+config: llmgw's calibration falls back to the first tokens and picks it sees itself, else
+its params), or one that adds only the token and request counters (no histograms, like SGLang). A few change two things, because
 a router's params are right for nobody's engine: a prefill speed 4x off the params on an
 engine that publishes only the gauges (`gauges-fast`, `gauges-slow`) or counters plus time
 to first token, time between tokens and end to end, no prefill or queue histogram
