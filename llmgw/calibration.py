@@ -123,7 +123,9 @@ class Calibration:
         # Deltas not yet folded in: engines count prompt tokens when a request is admitted
         # but observe its prefill time when it finishes, so one scrape window can hold one
         # without the other; folding only windows with both would drop seconds (a bias).
-        self._pending = [0.0, 0.0, 0.0]  # prefill seconds, computed tokens, prefills
+        # Prefill seconds, computed tokens, prefills, requests the tokens belong to, and the
+        # batch's growth in running requests meanwhile.
+        self._pending = [0.0, 0.0, 0.0, 0.0, 0.0]
         self.prefill = DecayedRatio()  # seconds per computed prompt token
         self.tokens = DecayedRatio()  # computed prompt tokens per request
         self.step = DecayedRatio()  # seconds per engine step, normalised to a batch of one
@@ -196,19 +198,43 @@ class Calibration:
             # No histogram at all: the token counters over finished requests still give the
             # typical prefill in tokens, though not its seconds.
             prefill, prefills = 0.0, _delta(m.finished_total, prev.finished_total)
+        # Token counters (prompt - cached) count a request when it enters the batch; the
+        # prefill histogram counts it when it finishes. While the batch fills, a window's
+        # tokens include those of requests still running: dividing the finished prefills'
+        # seconds by them read 6-40 us a token for the first seconds of a run on an engine
+        # whose misses cost 60-115 (bench/fleetsim_robust.py, vllm-batch), and moves of
+        # cached documents looked cheap. So the tokens of the batch's growth (its change
+        # in running requests x tokens per request) wait for their finish; in a steady
+        # state the growth sums to nothing. The computed-tokens histogram, and time to
+        # first token, count at the same moment as their tokens.
+        lead = m.computed_tokens_sum is None and not untimed and m.prefill_count is not None
+        owners = prefills if m.computed_tokens_sum is not None or started is None else started
         pending = self._pending
         if tokens is not None and prefill is not None and prefills is not None:
             pending[0] += prefill
             pending[1] += tokens
             pending[2] += prefills
+            pending[3] += prefills if owners is None else owners
+            pending[4] += m.running - prev.running if lead else 0.0
         else:  # a counter went missing or was reset: what is pending no longer pairs up
-            pending[:] = [0.0, 0.0, 0.0]
-        seconds, tokens_in, count = pending
-        if tokens_in >= _MIN_TOKENS and (seconds > 0 or untimed) and count >= 1:
-            pending[:] = [0.0, 0.0, 0.0]
-            if seconds > 0:
-                self.prefill.add(seconds, tokens_in)
-            self.tokens.add(tokens_in, count)
+            pending[:] = [0.0, 0.0, 0.0, 0.0, 0.0]
+        seconds, tokens_in, count, owners_in, growth = pending
+        if (seconds > 0 or untimed) and count >= 1:
+            typical = self.tokens
+            started_some = tokens_in > 0 and owners_in >= 1
+            if started_some:  # tokens per request, this window's included
+                per_request = (typical.num * typical.decay + tokens_in) / (
+                    typical.den * typical.decay + owners_in
+                )
+            else:
+                per_request = typical.value or 0.0
+            finished_tokens = tokens_in - growth * per_request
+            if finished_tokens >= _MIN_TOKENS:
+                pending[:] = [0.0, 0.0, 0.0, 0.0, 0.0]
+                if seconds > 0:
+                    self.prefill.add(seconds, finished_tokens)
+                if started_some:
+                    typical.add(tokens_in, owners_in)
         steps = _delta(m.step_count, prev.step_count)
         step_time = _delta(m.step_seconds_sum, prev.step_seconds_sum)
         if steps and step_time is not None:

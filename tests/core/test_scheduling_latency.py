@@ -267,6 +267,42 @@ def test_calibration_pairs_seconds_and_tokens_seen_in_different_windows() -> Non
     assert cal.prefill.value == pytest.approx(2e-4)
 
 
+def test_token_counters_pair_with_the_requests_that_started_not_those_that_finished() -> None:
+    """Prompt and cached token counters count a request when it enters the batch, the
+    prefill histogram when it finishes: while the batch fills, a window's tokens belong
+    to more requests than finished in it. 8 requests of 1000 computed tokens start, 2 of
+    them finish (0.1 s of prefill each): 100 us a token and 1000 tokens a request, not
+    8000 / 2 tokens a prefill (25 us a token)."""
+
+    def page(prompt: float, finished: float, running: float, seconds: float) -> EngineMetrics:
+        return EngineMetrics(
+            waiting=0.0,
+            running=running,
+            kv_usage=0.0,
+            finished_total=finished,
+            prompt_tokens_total=prompt,
+            cached_tokens_total=0.0,
+            prefill_seconds_sum=seconds,
+            prefill_count=finished,
+        )
+
+    cal = Calibration()
+    cal.on_scrape(page(0, 0, 0, 0.0))
+    cal.on_scrape(page(8000, 2, 6, 0.2))
+    assert cal.prefill.value == pytest.approx(1e-4)
+    assert cal.tokens.value == pytest.approx(1000)
+    cal.on_scrape(page(8000, 8, 0, 0.8))  # the other 6 finish; nothing new starts
+    assert cal.prefill.value == pytest.approx(1e-4)
+    # With the computed-tokens histogram (counted at the finish, like the seconds) the
+    # finished prefills own the tokens.
+    finish = Calibration()
+    finish.on_scrape(replace(metrics(), finished_total=0.0))
+    done = metrics(prefill_s=0.2, tokens=2000, prefills=2)
+    finish.on_scrape(replace(done, running=6, finished_total=2.0))
+    assert finish.prefill.value == pytest.approx(1e-4)
+    assert finish.tokens.value == pytest.approx(1000)
+
+
 def test_without_a_prefill_histogram_token_counters_over_finished_requests_give_typical() -> None:
     """SGLang and TRT-LLM publish no prefill-time histogram: prompt and cached token
     counters over finished requests still give the typical computed tokens per request,
