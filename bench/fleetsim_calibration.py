@@ -81,8 +81,10 @@ def trace(
         raise SystemExit(f"{contender}: not an llmgw contender (no latency model to read)")
     recording = _Recording(made)
     result = simulate(prepared, made, seed=seed, metrics=variant.metrics, scrape_interval=scrape)
+    if not recording.samples:
+        raise SystemExit(f"{contender}: its strategy has no latency scorer (no price to read)")
     engine_s = speed.prefill_s_per_token  # in the workload's tokens, as the router counts
-    start = recording.samples[0][0] if recording.samples else 0.0
+    start = recording.samples[0][0]
     ratios: dict[str, float | None] = {}
     for name, (low, high) in zip(_windows(), itertools.pairwise(EDGES), strict=True):
         inside = [v for t, v in recording.samples if low <= t - start < high]

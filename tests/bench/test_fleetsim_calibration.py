@@ -26,8 +26,10 @@ def test_a_filling_batch_does_not_price_prefill_tokens_below_the_engines_cost() 
     assert row["model_over_engine"]["0-1s"] == pytest.approx(100 / 60, abs=0.01)
 
 
-def test_the_bench_refuses_a_contender_without_a_latency_model_and_unknown_variants() -> None:
+def test_the_bench_refuses_contenders_without_a_latency_model_and_unknown_variants() -> None:
     with pytest.raises(SystemExit, match="not an llmgw contender"):
         trace("base", "docs-shared", "round-robin", seed=1, window=0.2)
+    with pytest.raises(SystemExit, match="no latency scorer"):
+        trace("base", "docs-shared", "llmgw:chat", seed=1, window=0.2)
     with pytest.raises(SystemExit):
         main(["--variants", "no-such-engine"])
