@@ -55,6 +55,11 @@ class DecayedRatio:
         self.den = self.den * decay + den
         self.value = self.num / self.den if self.den > 0 else None
 
+    def after(self, num: float, den: float) -> float | None:
+        """The value `add(num, den)` would leave, without adding."""
+        den = self.den * self.decay + den
+        return (self.num * self.decay + num) / den if den > 0 else None
+
 
 class DecayedSlope:
     """The least-squares slope of y on x over recent samples, older ones weighing `decay`
@@ -207,14 +212,14 @@ class Calibration:
         # in running requests x tokens per request) wait for their finish; in a steady
         # state the growth sums to nothing. The computed-tokens histogram, and time to
         # first token, count at the same moment as their tokens.
-        lead = m.computed_tokens_sum is None and not untimed and m.prefill_count is not None
-        owners = prefills if m.computed_tokens_sum is not None or started is None else started
+        at_start = m.computed_tokens_sum is None
+        lead = at_start and m.prefill_count is not None  # seconds from the prefill histogram
         pending = self._pending
         if tokens is not None and prefill is not None and prefills is not None:
             pending[0] += prefill
             pending[1] += tokens
             pending[2] += prefills
-            pending[3] += prefills if owners is None else owners
+            pending[3] += started if at_start and started is not None else prefills
             pending[4] += m.running - prev.running if lead else 0.0
         else:  # a counter went missing or was reset: what is pending no longer pairs up
             pending[:] = [0.0, 0.0, 0.0, 0.0, 0.0]
@@ -223,9 +228,7 @@ class Calibration:
             typical = self.tokens
             started_some = tokens_in > 0 and owners_in >= 1
             if started_some:  # tokens per request, this window's included
-                per_request = (typical.num * typical.decay + tokens_in) / (
-                    typical.den * typical.decay + owners_in
-                )
+                per_request = typical.after(tokens_in, owners_in) or 0.0
             else:
                 per_request = typical.value or 0.0
             finished_tokens = tokens_in - growth * per_request
