@@ -19,7 +19,6 @@ import argparse
 import itertools
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench._tools import write_results  # noqa: E402
-from bench.fleetsim import MODEL, LlmgwContender, Prepared, make_contender, prepare, simulate  # noqa: E402
-from bench.fleetsim_robust import ALL_REGIMES, VARIANTS, variant_engine  # noqa: E402
-from bench.routing import pressure_level  # noqa: E402
-from bench.workloads.grid import regime_workload  # noqa: E402
+from bench.fleetsim import MODEL, LlmgwContender, Prepared, make_contender, simulate  # noqa: E402
+from bench.fleetsim_robust import ALL_REGIMES, VARIANTS, cell_workload  # noqa: E402
 from llmgw.config import ScrapeSpec  # noqa: E402
 from llmgw.scheduling.scorers import LatencyScorer  # noqa: E402
 
@@ -70,11 +67,7 @@ def trace(
 ) -> dict[str, Any]:
     """One run: the engine's cost per token and the model's, by window of virtual time."""
     variant = VARIANTS[variant_name]
-    regime = ALL_REGIMES[cell]
-    regime = replace(regime, window_s=regime.window_s * window)
-    cfg, speed = variant_engine(variant, pressure_level(regime))
-    wl = regime_workload(regime, speed, seed=seed)
-    prepared = prepare(wl, variant.engines(cfg), variant.chars_per_token)
+    _, prepared, speed = cell_workload(variant_name, cell, seed, window)
     scrape = ScrapeSpec().interval
     made = make_contender(contender, scrape)
     if not isinstance(made, LlmgwContender):

@@ -44,7 +44,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench._tools import format_table, write_results  # noqa: E402
-from bench.fleetsim import COUNTERS_ONLY, GAUGES_ONLY, TTFT_ONLY, make_contender, prepare, simulate  # noqa: E402
+from bench.fleetsim import (  # noqa: E402
+    COUNTERS_ONLY,
+    GAUGES_ONLY,
+    TTFT_ONLY,
+    PreparedWorkload,
+    make_contender,
+    prepare,
+    simulate,
+)
 from bench.fleetsim_grid import _ratios, load_strategy_file  # noqa: E402
 from bench.routing import (  # noqa: E402
     BATCH_FACTOR,
@@ -57,6 +65,7 @@ from bench.routing import (  # noqa: E402
     engine_speed,
     pressure_level,
 )
+from bench.workloads import Workload  # noqa: E402
 from bench.workloads.grid import EXTRA_REGIMES, REGIMES, EngineSpeed, regime_workload  # noqa: E402
 from llmgw.config import ScrapeSpec  # noqa: E402
 from llmgw.sim.model import EngineConfig  # noqa: E402
@@ -210,20 +219,13 @@ def variant_engine(variant: Variant, level: str) -> tuple[EngineConfig, EngineSp
     return cfg, speed
 
 
-def run_cell(
-    variant_name: str,
-    cell: str,
-    contenders: list[str],
-    seed: int,
-    window: float,
-    custom: dict[str, dict[str, Any]],
-    min_requests: int = 0,
-    scrape_interval: float = ScrapeSpec().interval,
-) -> dict[str, Any]:
-    """One cell on one engine variant for every contender. `window` scales the real grid's
-    window. A cell that would still hold fewer than `min_requests` requests gets a longer
-    window, rescaled until it holds at least 90 % of them: a p90 over ~180 requests is the
-    18th-slowest one."""
+def cell_workload(
+    variant_name: str, cell: str, seed: int, window: float, min_requests: int = 0
+) -> tuple[Workload, PreparedWorkload, EngineSpeed]:
+    """One cell's workload on one engine variant, prepared for `simulate`, and the engine's
+    speed in the workload's tokens. `window` scales the real grid's window. A cell that
+    would still hold fewer than `min_requests` requests gets a longer window, rescaled until
+    it holds at least 90 % of them: a p90 over ~180 requests is the 18th-slowest one."""
     variant = VARIANTS[variant_name]
     regime = ALL_REGIMES[cell]
     regime = replace(regime, window_s=regime.window_s * window)
@@ -236,7 +238,22 @@ def run_cell(
         regime = replace(regime, window_s=regime.window_s * min_requests / wl.requests)
         wl = regime_workload(regime, speed, seed=seed)
         below = 0.9 * min_requests  # requests are not proportional to the window: near is enough
-    prepared = prepare(wl, variant.engines(cfg), variant.chars_per_token)
+    return wl, prepare(wl, variant.engines(cfg), variant.chars_per_token), speed
+
+
+def run_cell(
+    variant_name: str,
+    cell: str,
+    contenders: list[str],
+    seed: int,
+    window: float,
+    custom: dict[str, dict[str, Any]],
+    min_requests: int = 0,
+    scrape_interval: float = ScrapeSpec().interval,
+) -> dict[str, Any]:
+    """One cell on one engine variant for every contender (`cell_workload`)."""
+    variant = VARIANTS[variant_name]
+    wl, prepared, _ = cell_workload(variant_name, cell, seed, window, min_requests)
     runs = []
     for name in contenders:
         result = simulate(
