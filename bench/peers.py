@@ -14,7 +14,6 @@ answers 200, and stops it (SIGTERM, then SIGKILL) on exit.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+
+from llmgw.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = ROOT / ".venv-peers"
@@ -39,12 +40,6 @@ PEER_POLICIES: dict[str, tuple[str, ...]] = {
     ),
     "sglang-router": ("cache_aware", "round_robin", "power_of_two"),
 }
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ensure_peers(install: bool = True) -> dict[str, str]:

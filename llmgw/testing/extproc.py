@@ -4,7 +4,7 @@ Fake Envoy messages (`request_headers`, `request_body`, `response_headers`, read
 the answers) for unit tests, and end-to-end building blocks, usable outside pytest
 (`tests/e2e/conftest.py` wraps them in fixtures):
 
-- `free_port()`: an unused loopback TCP port.
+- `free_port()`: an unused loopback TCP port (`llmgw.ports`: outside the ephemeral range).
 - `loopback_bootstrap(config, extproc_address, **options)`: an Envoy bootstrap listening on
   loopback (free listener and admin ports); options go to `envoyconfig.build`.
 - `wait_for(condition, timeout)`: poll a condition with a deadline (never a bare sleep).
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,16 +46,11 @@ from llmgw.config import Config, load_dict
 from llmgw.extproc.envoyconfig import build, render
 from llmgw.extproc.server import ExtProcServer
 from llmgw.extproc.tls import ServerTls
+from llmgw.ports import free_port
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim import SimFleet, ThreadedFleet
 
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class BootstrapOptions(TypedDict, total=False):

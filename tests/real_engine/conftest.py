@@ -10,7 +10,6 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "vllm-cpu.sh"
 START_TIMEOUT = 240.0
@@ -27,12 +28,6 @@ START_TIMEOUT = 240.0
 PAIR_ARGS = ("--max-num-seqs", "2", "--num-gpu-blocks-override", "64", "--max-model-len", "2048")
 
 pytestmark = pytest.mark.real_engine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_command(port: int | str, core: int, *extra: str) -> str:

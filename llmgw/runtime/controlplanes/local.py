@@ -12,21 +12,15 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 from llmgw.config import Config, LaunchSpec
+from llmgw.ports import free_port
 from llmgw.runtime.controlplanes import CrashCallback, StartError
 from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
 from llmgw.types import Endpoint
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class _Replica:
