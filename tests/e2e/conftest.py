@@ -1,7 +1,8 @@
 """Reusable end-to-end fixtures (real Envoy, the sim fleet, the ext_proc server).
 
-Helpers (`free_port`, `loopback_bootstrap`, `wait_for`, `EnvoyProcess`, `ExtProcThread`,
-`fleet_config`, `Stack`) live in `llmgw.testing.extproc`, importable from any test.
+Helpers (`loopback_bootstrap`, `wait_for`, `EnvoyProcess`, `ExtProcThread`, `fleet_config`,
+`Stack`) live in `llmgw.testing.extproc`, importable from any test; `free_port` in
+`llmgw.ports`.
 Fixtures:
 
 - `sim_fleet` (module): 4 simulated vLLM replicas serving `m1`, fast and deterministic.

@@ -20,9 +20,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from llmgw.extproc.server import ExtProcServer, build_parser
+from llmgw.ports import free_port
 from llmgw.testing.extproc import (
     chat_headers,
-    free_port,
     make_config,
     request_headers,
     response_headers,

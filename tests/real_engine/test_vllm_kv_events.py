@@ -14,11 +14,12 @@ import pytest
 
 from llmgw.config import KvEventsSpec
 from llmgw.kvindex import KvState
+from llmgw.ports import free_port
 from llmgw.promtext import parse
 from llmgw.registry import Registry
 from llmgw.runtime.kvevents import KvEventSubscriber
 from llmgw.tokenize import hf_tokenizer
-from tests.real_engine.conftest import ROOT, free_port, start_instance, wait_healthy
+from tests.real_engine.conftest import ROOT, start_instance, wait_healthy
 
 pytestmark = pytest.mark.real_engine
 

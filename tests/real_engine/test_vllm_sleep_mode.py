@@ -12,7 +12,8 @@ import subprocess
 
 import pytest
 
-from tests.real_engine.conftest import free_port, serve_command
+from llmgw.ports import free_port
+from tests.real_engine.conftest import serve_command
 
 pytestmark = pytest.mark.real_engine
 

@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 import yaml
 
+from llmgw.ports import free_port
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import free_port, quick_fleet, wait_for
+from llmgw.testing.extproc import quick_fleet, wait_for
 
 
 @dataclass

@@ -14,8 +14,9 @@ import pytest
 from llmgw.config import load_dict
 from llmgw.extproc.envoyconfig import EXTPROC_CLUSTER
 from llmgw.hashring import HashRing
+from llmgw.ports import free_port
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import EnvoyProcess, free_port, loopback_bootstrap, wait_for
+from llmgw.testing.extproc import EnvoyProcess, loopback_bootstrap, wait_for
 
 from .conftest import Child, SpawnFn
 
