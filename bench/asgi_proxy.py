@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._tools import find_load_tool, format_table, write_results  # noqa: E402
 from bench.peers import ensure_peers  # noqa: E402
-from llmgw.ports import free_port  # noqa: E402
+from llmgw.runtime.ports import free_port  # noqa: E402
 
 MODEL = "m1"
 BODIES = {

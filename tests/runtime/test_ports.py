@@ -1,4 +1,4 @@
-"""`llmgw.ports.free_port`: ports a child process can bind after we close the probe."""
+"""`llmgw.runtime.ports.free_port`: ports a child process can bind after we close the probe."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw import ports
+from llmgw.runtime import ports
 
 
 def test_ports_come_from_below_the_ephemeral_range_and_bind_and_are_not_reused() -> None:

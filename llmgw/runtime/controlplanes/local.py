@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from llmgw.config import Config, LaunchSpec
-from llmgw.ports import free_port
 from llmgw.runtime.controlplanes import CrashCallback, StartError
 from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
+from llmgw.runtime.ports import free_port
 from llmgw.types import Endpoint
 
 
