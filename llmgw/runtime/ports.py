@@ -17,7 +17,10 @@ from pathlib import Path
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default; also below macOS's 49152-65535
 _LOWEST = 10000  # stay clear of the well-known and registered ports most services use
-_given: set[int] = set()
+# Its own generator: a test or a simulation that seeds the global one must not make two
+# processes draw the same ports.
+_rng = random.Random()
+_given: set[int] = set()  # handed out by this process (cleared when it holds 1,000)
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -45,8 +48,10 @@ def free_port(host: str = "127.0.0.1", *, attempts: int = 200) -> int:
     low, _ = ephemeral_range()
     if low - _LOWEST >= 1000:
         for _ in range(attempts):
-            port = random.randrange(_LOWEST, low)
+            port = _rng.randrange(_LOWEST, low)
             if port not in _given and _binds(host, port):
+                if len(_given) >= 1000:  # a long-lived gateway starting replicas for days
+                    _given.clear()
                 _given.add(port)
                 return port
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

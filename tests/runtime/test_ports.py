@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import socket
 from pathlib import Path
 
@@ -32,7 +31,7 @@ def test_a_taken_port_and_one_handed_out_before_are_skipped(
         holder.bind(("127.0.0.1", held))  # another socket holds this one
         free = next(candidates)
         draws = iter([first, held, free])
-        monkeypatch.setattr(random, "randrange", lambda a, b: next(draws))
+        monkeypatch.setattr(ports._rng, "randrange", lambda a, b: next(draws))
         assert ports.free_port() == free
 
 
