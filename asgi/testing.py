@@ -15,6 +15,7 @@ import uvicorn
 
 from llmgw.asgi.types import ASGIApp
 from llmgw.config import Config, load_dict
+from llmgw.runtime.ports import free_port
 
 if TYPE_CHECKING:
     from llmgw.runtime.telemetry import Telemetry
@@ -36,11 +37,9 @@ def address_of(url: str) -> str:
 
 
 def refused_address() -> str:
-    """A loopback host:port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"127.0.0.1:{port}"
+    """A loopback host:port nothing listens on (`free_port`: outside the ephemeral range,
+    where another test's `bind(0)` listener cannot take it meanwhile; never one twice)."""
+    return f"127.0.0.1:{free_port()}"
 
 
 @contextlib.asynccontextmanager
