@@ -25,7 +25,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench._tools import write_results  # noqa: E402
+from bench._tools import format_table, write_results  # noqa: E402
 from bench.fleetsim import MODEL, LlmgwContender, Prepared, make_contender, simulate  # noqa: E402
 from bench.fleetsim_robust import ALL_REGIMES, VARIANTS, cell_workload  # noqa: E402
 from llmgw.config import ScrapeSpec  # noqa: E402
@@ -97,23 +97,18 @@ def trace(
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    heads = ["variant", "seed", "engine us/token", *_windows(), "< half", "TTFT p90 ms"]
-    lines = [heads]
-    for r in rows:
-        cells = [r["model_over_engine"][w] for w in _windows()]
-        lines.append(
-            [
-                r["variant"],
-                str(r["seed"]),
-                str(r["engine_us_per_token"]),
-                *("-" if c is None else f"{c:.2f}" for c in cells),
-                f"{r['picks_below_half']}/{r['picks']}",
-                str(r["ttft_p90_ms"]),
-            ]
-        )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(heads))]
-    return "\n".join(
-        "  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines
+    return format_table(
+        [
+            {
+                "variant": r["variant"],
+                "seed": r["seed"],
+                "engine us/token": r["engine_us_per_token"],
+                **{w: r["model_over_engine"][w] for w in _windows()},
+                "< half": f"{r['picks_below_half']}/{r['picks']}",
+                "TTFT p90 ms": r["ttft_p90_ms"],
+            }
+            for r in rows
+        ]
     )
 
 
