@@ -32,8 +32,7 @@ def ephemeral_range() -> tuple[int, int]:
     return low, high
 
 
-def _binds(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def _binds(family: socket.AddressFamily, host: str, port: int) -> bool:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
@@ -45,16 +44,16 @@ def _binds(host: str, port: int) -> bool:
 def free_port(host: str = "127.0.0.1", *, attempts: int = 200) -> int:
     """An unused TCP port on `host`, outside the ephemeral range, not handed out before by
     this process. Falls back to a `bind(0)` port if the range below is too small or full."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low, _ = ephemeral_range()
     if low - _LOWEST >= 1000:
         for _ in range(attempts):
             port = _rng.randrange(_LOWEST, low)
-            if port not in _given and _binds(host, port):
+            if port not in _given and _binds(family, host, port):
                 if len(_given) >= 1000:  # a long-lived gateway starting replicas for days
                     _given.clear()
                 _given.add(port)
                 return port
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
