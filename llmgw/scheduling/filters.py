@@ -116,3 +116,41 @@ class BoundedLoadFilter:
         capacity = math.ceil(c * (total + 1) / len(states))
         kept = [s for s in candidates if s.inflight < capacity]
         return _kept(candidates, kept) if kept else candidates
+
+
+class BlindImbalanceFilter:
+    """A guard where the router cannot see load: when no candidate has fresh metrics and
+    the edge reports no first tokens there (Envoy without response bodies, engines that
+    publish nothing), this router's in-flight counts are all it knows. Imbalanced, as
+    sglang-router's cache-aware policy defines it (most - least in flight > `absolute`,
+    and most > `relative` x least), it keeps the endpoints near the least loaded; else
+    all. `absolute` is at least the mean in flight per endpoint, so bigger batches need a
+    bigger gap. Where any candidate shows its load the latency model prices the queue
+    itself and this filter keeps all."""
+
+    name = "blind-imbalance"
+    when_empty = NoCapacity  # never raised: the least loaded always stays
+    empty_message = "every endpoint of model {model!r} is overloaded"
+    absolute = 8
+    relative = 1.5
+
+    def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
+        now, staleness = ctx.now, ctx.staleness
+        low = high = candidates[0].inflight if candidates else 0
+        total = 0
+        for s in candidates:  # returns at the first one that shows its load (nearly always)
+            if s.reports_first_token or (
+                s.metrics is not None and s.scrape_error is None and now - s.scraped_at <= staleness
+            ):
+                return candidates
+            load = s.inflight
+            total += load
+            if load < low:
+                low = load
+            elif load > high:
+                high = load
+        gap = max(self.absolute, total / len(candidates)) if candidates else 0.0
+        if high - low <= gap or high <= self.relative * low:
+            return candidates
+        near = low + gap / 2
+        return [s for s in candidates if s.inflight <= near or s.inflight <= self.relative * low]

@@ -19,6 +19,7 @@ FILTERS: dict[str, Callable[[], Filter]] = {
     "not-saturated": filters.NotSaturatedFilter,
     "staleness": filters.FreshMetricsFilter,
     "bounded-load": filters.BoundedLoadFilter,
+    "blind-imbalance": filters.BlindImbalanceFilter,
 }
 
 SCORERS: dict[str, Callable[..., Scorer]] = {

@@ -32,13 +32,16 @@ PRESETS: dict[str, StrategySpec] = {
     # No `not-saturated` filter: the model prices a full engine's queue in seconds, and
     # engines queue rather than fail (add the filter to shed with 429 instead). Measured
     # with bench/fleetsim_grid.py (12 regimes x 2 engine shapes) and bench/routing.py.
+    # `blind-imbalance` acts only where the router sees no load at all (no metrics, no
+    # first tokens): through Envoy on an engine that publishes nothing, hot sessions piled
+    # on their homes (hot-zipf TTFT p90 3.96x the best -> 1.06x; bench/fleetsim_robust.py).
     "latency": StrategySpec(
         name="latency",
         scorers={
             "latency": _s(1.0),
             "session": _s(0.05, abstain_without_session=True),
         },
-        filters=("healthy", "model-serves"),
+        filters=("healthy", "model-serves", "blind-imbalance"),
     ),
     # Throughput jobs: no affinity, spread by queue, local inflight and KV room.
     "batch": StrategySpec(

@@ -30,4 +30,8 @@ def test_decision_is_logged_as_one_json_line_with_its_rationale() -> None:
     entry = orjson.loads(lines[0])
     assert entry["request_id"] == "r1" and entry["endpoint"] == decision.endpoint.address
     assert set(entry["rationale"]["scores"]) == {"127.0.0.1:1", "127.0.0.1:2"}
-    assert entry["rationale"]["filter_drops"] == {"healthy": 0, "model-serves": 0}
+    assert entry["rationale"]["filter_drops"] == {
+        "healthy": 0,
+        "model-serves": 0,
+        "blind-imbalance": 0,
+    }

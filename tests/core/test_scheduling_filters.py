@@ -10,6 +10,7 @@ from llmgw.breaker import BreakerSettings
 from llmgw.errors import LlmgwError, NoCapacity, NoHealthyEndpoint
 from llmgw.registry import EndpointState
 from llmgw.scheduling.filters import (
+    BlindImbalanceFilter,
     FreshMetricsFilter,
     HealthyFilter,
     ModelServesFilter,
@@ -22,6 +23,19 @@ from .helpers import context, model_spec, state
 
 NOW = 10.0
 TRIP = BreakerSettings(failure_threshold=1, base_cooldown=5.0, half_open_probes=1)
+
+
+def loaded(
+    *inflight: int, fresh: int | None = None, first_tokens: int | None = None
+) -> list[EndpointState]:
+    """Endpoints with these in-flight counts; `fresh` has fresh metrics, `first_tokens`'s
+    edge reports first tokens."""
+    states = []
+    for i, n in enumerate(inflight):
+        s = state(f"e{i}:1", inflight=n, waiting=0 if i == fresh else None, scraped_at=NOW)
+        s.reports_first_token = i == first_tokens
+        states.append(s)
+    return states
 
 
 def closed() -> EndpointState:
@@ -114,6 +128,44 @@ CASES = [
         [state("a:1", waiting=0, scraped_at=NOW - 3), state("b:1")],
         [0, 1],
     ),
+    # Imbalanced: 20 - 2 > max(8, mean 7.75) and 20 > 1.5 x 2; kept: within half the gap
+    # (4) of the least loaded, or up to 1.5x it.
+    Case(
+        "blind-imbalance/herd-leaves-the-hot-one",
+        BlindImbalanceFilter(),
+        loaded(20, 2, 3, 6),
+        [1, 2, 3],
+    ),
+    Case(
+        "blind-imbalance/gap-below-absolute-keeps-all",
+        BlindImbalanceFilter(),
+        loaded(10, 3, 3, 3),
+        [0, 1, 2, 3],
+    ),
+    Case(
+        "blind-imbalance/big-batches-need-a-bigger-gap",
+        BlindImbalanceFilter(),
+        loaded(60, 30, 30, 30),
+        [0, 1, 2, 3],
+    ),
+    Case(
+        "blind-imbalance/within-the-relative-keeps-all",
+        BlindImbalanceFilter(),
+        loaded(40, 30, 30, 30),
+        [0, 1, 2, 3],
+    ),
+    Case(
+        "blind-imbalance/one-fresh-scrape-keeps-all",
+        BlindImbalanceFilter(),
+        loaded(20, 2, 3, 6, fresh=3),
+        [0, 1, 2, 3],
+    ),
+    Case(
+        "blind-imbalance/first-tokens-keep-all",
+        BlindImbalanceFilter(),
+        loaded(20, 2, 3, 6, first_tokens=0),
+        [0, 1, 2, 3],
+    ),
 ]
 
 
@@ -131,6 +183,7 @@ def test_filter(case: Case) -> None:
         ("model-serves", NoHealthyEndpoint, "no endpoint currently serves model 'm'"),
         ("not-saturated", NoCapacity, "every endpoint of model 'm' is saturated"),
         ("staleness", NoHealthyEndpoint, "no endpoint of model 'm' has fresh metrics"),
+        ("blind-imbalance", NoCapacity, "every endpoint of model 'm' is overloaded"),
     ],
 )
 def test_filter_carries_the_error_its_emptying_the_set_means(
