@@ -122,21 +122,23 @@ class BlindImbalanceFilter:
     """A guard where the router cannot see load: when no candidate has fresh metrics and
     the edge reports no first tokens there (Envoy without response bodies, engines that
     publish nothing), this router's in-flight counts are all it knows. Imbalanced, as
-    sglang-router's cache-aware policy defines it (most - least in flight > `absolute`,
-    and most > `relative` x least), it keeps the endpoints near the least loaded; else
-    all. `absolute` is at least the mean in flight per endpoint, so bigger batches need a
-    bigger gap. Where any candidate shows its load the latency model prices the queue
+    sglang-router's cache-aware policy defines it (most - least in flight > an absolute
+    gap, and most > 1.5x least), it keeps the endpoints within half that gap of the least
+    loaded; else all. The gap is at least the mean in flight per endpoint, so bigger
+    batches need a bigger one (and 1.5x then always holds: most > least + mean >= 2x
+    least). Where any candidate shows its load the latency model prices the queue
     itself and this filter keeps all."""
 
     name = "blind-imbalance"
     when_empty = NoCapacity  # never raised: the least loaded always stays
     empty_message = "every endpoint of model {model!r} is overloaded"
-    absolute = 8
-    relative = 1.5
+    min_gap = 8
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
+        if not candidates:
+            return candidates
         now, staleness = ctx.now, ctx.staleness
-        low = high = candidates[0].inflight if candidates else 0
+        low = high = candidates[0].inflight
         total = 0
         for s in candidates:  # returns at the first one that shows its load (nearly always)
             if s.reports_first_token or (
@@ -149,8 +151,8 @@ class BlindImbalanceFilter:
                 low = load
             elif load > high:
                 high = load
-        gap = max(self.absolute, total / len(candidates)) if candidates else 0.0
-        if high - low <= gap or high <= self.relative * low:
+        gap = max(self.min_gap, total / len(candidates))
+        if high - low <= gap:
             return candidates
         near = low + gap / 2
-        return [s for s in candidates if s.inflight <= near or s.inflight <= self.relative * low]
+        return [s for s in candidates if s.inflight <= near]

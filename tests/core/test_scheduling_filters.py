@@ -128,43 +128,16 @@ CASES = [
         [state("a:1", waiting=0, scraped_at=NOW - 3), state("b:1")],
         [0, 1],
     ),
-    # Imbalanced: 20 - 2 > max(8, mean 7.75) and 20 > 1.5 x 2; kept: within half the gap
-    # (4) of the least loaded, or up to 1.5x it.
-    Case(
-        "blind-imbalance/herd-leaves-the-hot-one",
-        BlindImbalanceFilter(),
-        loaded(20, 2, 3, 6),
-        [1, 2, 3],
-    ),
-    Case(
-        "blind-imbalance/gap-below-absolute-keeps-all",
-        BlindImbalanceFilter(),
-        loaded(10, 3, 3, 3),
-        [0, 1, 2, 3],
-    ),
-    Case(
-        "blind-imbalance/big-batches-need-a-bigger-gap",
-        BlindImbalanceFilter(),
-        loaded(60, 30, 30, 30),
-        [0, 1, 2, 3],
-    ),
-    Case(
-        "blind-imbalance/within-the-relative-keeps-all",
-        BlindImbalanceFilter(),
-        loaded(40, 30, 30, 30),
-        [0, 1, 2, 3],
-    ),
-    Case(
-        "blind-imbalance/one-fresh-scrape-keeps-all",
-        BlindImbalanceFilter(),
-        loaded(20, 2, 3, 6, fresh=3),
-        [0, 1, 2, 3],
-    ),
-    Case(
-        "blind-imbalance/first-tokens-keep-all",
-        BlindImbalanceFilter(),
-        loaded(20, 2, 3, 6, first_tokens=0),
-        [0, 1, 2, 3],
+    # Imbalanced: 20 - 2 > max(8, mean 7.75); kept: within half the gap (4) of the least.
+    Case("blind-imbalance/herd-leaves", BlindImbalanceFilter(), loaded(20, 2, 3, 6), [1, 2, 3]),
+    *(
+        Case(f"blind-imbalance/{name}-keeps-all", BlindImbalanceFilter(), states, [0, 1, 2, 3])
+        for name, states in (
+            ("gap-below-8", loaded(10, 3, 3, 3)),
+            ("big-batches-need-a-gap-over-the-mean", loaded(60, 30, 30, 30)),
+            ("one-fresh-scrape", loaded(20, 2, 3, 6, fresh=3)),
+            ("first-tokens-seen", loaded(20, 2, 3, 6, first_tokens=0)),
+        )
     ),
 ]
 
