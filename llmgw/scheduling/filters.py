@@ -124,15 +124,18 @@ class BlindImbalanceFilter:
     publish nothing), this router's in-flight counts are all it knows. Imbalanced, as
     sglang-router's cache-aware policy defines it (most - least in flight > an absolute
     gap, and most > 1.5x least), it keeps the endpoints within half that gap of the least
-    loaded; else all. The gap is at least the mean in flight per endpoint, so bigger
-    batches need a bigger one (and 1.5x then always holds: most > least + mean >= 2x
-    least). Where any candidate shows its load the latency model prices the queue
-    itself and this filter keeps all."""
+    loaded; else all. The gap is at least twice the mean in flight per endpoint, so
+    bigger batches need a bigger one (and 1.5x then always holds: most > least + 2 x mean
+    >= 3x least): at the mean alone it moved requests off engines of 48 and 256
+    sequences whose batches had room (docs-shared, prefill-heavy 1.3-2x worse;
+    bench/fleetsim_robust.py). Where any candidate shows its load the latency model
+    prices the queue itself and this filter keeps all."""
 
     name = "blind-imbalance"
     when_empty = NoCapacity  # never raised: the least loaded always stays
     empty_message = "every endpoint of model {model!r} is overloaded"
     min_gap = 8
+    mean_factor = 2.0
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         if not candidates:
@@ -151,7 +154,7 @@ class BlindImbalanceFilter:
                 low = load
             elif load > high:
                 high = load
-        gap = max(self.min_gap, total / len(candidates))
+        gap = max(self.min_gap, self.mean_factor * total / len(candidates))
         if high - low <= gap:
             return candidates
         near = low + gap / 2

@@ -33,8 +33,9 @@ PRESETS: dict[str, StrategySpec] = {
     # engines queue rather than fail (add the filter to shed with 429 instead). Measured
     # with bench/fleetsim_grid.py (12 regimes x 2 engine shapes) and bench/routing.py.
     # `blind-imbalance` acts only where the router sees no load at all (no metrics, no
-    # first tokens): through Envoy on an engine that publishes nothing, hot sessions piled
-    # on their homes (hot-zipf TTFT p90 3.96x the best -> 1.06x; bench/fleetsim_robust.py).
+    # first tokens): through Envoy on engines that publish nothing, hot sessions piled on
+    # their homes (hot-zipf TTFT p90 0.33x without it; the other cells 0.78-1.05x on
+    # engines of 8, 48 and 256 sequences; bench/fleetsim_robust.py).
     "latency": StrategySpec(
         name="latency",
         scorers={

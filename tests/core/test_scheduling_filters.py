@@ -128,13 +128,14 @@ CASES = [
         [state("a:1", waiting=0, scraped_at=NOW - 3), state("b:1")],
         [0, 1],
     ),
-    # Imbalanced: 20 - 2 > max(8, mean 7.75); kept: within half the gap (4) of the least.
-    Case("blind-imbalance/herd-leaves", BlindImbalanceFilter(), loaded(20, 2, 3, 6), [1, 2, 3]),
+    # Imbalanced: 30 - 2 > max(8, 2 x mean 12.5); kept: within half the gap (12.5) of the
+    # least loaded, so 15 goes too.
+    Case("blind-imbalance/herd-leaves", BlindImbalanceFilter(), loaded(30, 2, 3, 15), [1, 2]),
     *(
         Case(f"blind-imbalance/{name}-keeps-all", BlindImbalanceFilter(), states, [0, 1, 2, 3])
         for name, states in (
             ("gap-below-8", loaded(10, 3, 3, 3)),
-            ("big-batches-need-a-gap-over-the-mean", loaded(60, 30, 30, 30)),
+            ("big-batches-need-a-gap-over-twice-the-mean", loaded(40, 10, 10, 10)),
             ("one-fresh-scrape", loaded(20, 2, 3, 6, fresh=3)),
             ("first-tokens-seen", loaded(20, 2, 3, 6, first_tokens=0)),
         )
