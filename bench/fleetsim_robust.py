@@ -16,8 +16,8 @@ SGLang). A few change two things, because a router's params are right for nobody
 a prefill speed 4x off the params on an engine that publishes only the gauges
 (`gauges-fast`, `gauges-slow`) or counters plus time to first token, time between tokens
 and end to end, no prefill or queue histogram (`ttft-*`, what most vLLM look-alikes
-publish); and an engine that publishes no metrics at all (`no-metrics`).
-`bench/fleetsim_regimes.py` runs the base engine's cells. `--cells` also takes the regimes
+publish); and an engine that publishes no metrics at all (`no-metrics`, also with 48
+or 256 sequences a replica). `bench/fleetsim_regimes.py` runs the base engine's cells. `--cells` also takes the regimes
 outside the real grid (`system-shared`, `-heavy`, `-pressure`: short chat sharing system
 prompts, no session header). Workloads are sized to each variant's capacity, so load 0.6
 means 0.6 of that engine's capacity. Windows are `--window` x the real grid's (more
@@ -171,6 +171,19 @@ VARIANTS: dict[str, Variant] = {
         "gauges only, prefill 240 us a token", {"prefill_us_per_token": 240.0}, metrics=GAUGES_ONLY
     ),
     "no-metrics": Variant("publishes no metrics", {}, metrics=frozenset()),
+    # Blind big batches: in-flight counts are all a router sees, and an imbalance that
+    # fills an 8-sequence batch leaves a 48- or 256-sequence one with room (the
+    # `blind-imbalance` guard's gap scales with the load for these).
+    "no-metrics-48": Variant(
+        "no metrics, 48 sequences a replica",
+        {"max_num_seqs": 48, "decode_batch_factor": 0.01},
+        metrics=frozenset(),
+    ),
+    "no-metrics-256": Variant(
+        "no metrics, 256 sequences a replica",
+        {"max_num_seqs": 256, "decode_batch_factor": 0.005},
+        metrics=frozenset(),
+    ),
     "ttft-fast": Variant(
         "counters + TTFT/ITL/e2e histograms, prefill 15 us a token",
         {"prefill_us_per_token": 15.0},
