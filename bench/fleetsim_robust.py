@@ -16,16 +16,16 @@ SGLang). A few change two things, because a router's params are right for nobody
 a prefill speed 4x off the params on an engine that publishes only the gauges
 (`gauges-fast`, `gauges-slow`) or counters plus time to first token, time between tokens
 and end to end, no prefill or queue histogram (`ttft-*`, what most vLLM look-alikes
-publish); and an engine that publishes no metrics at all (`no-metrics`, also with 48
-or 256 sequences a replica). `bench/fleetsim_regimes.py` runs the base engine's cells. `--cells` also takes the regimes
-outside the real grid (`system-shared`, `-heavy`, `-pressure`: short chat sharing system
-prompts, no session header). Workloads are sized to each variant's capacity, so load 0.6
-means 0.6 of that engine's capacity. Windows are `--window` x the real grid's (more
-requests: p90 of a few hundred moves 20-40 % between seeds), and longer where a cell would
-still hold fewer than `--min-requests` (500). The router scrapes each replica every
-`--scrape` seconds, llmgw's own default (0.1) unless told. Prints per variant the TTFT p90
-over the best contender of each cell (geometric mean over seeds) and writes JSON + a heat
-map.
+publish); and an engine that publishes no metrics at all (`no-metrics`, also with 48 or
+256 sequences a replica). `bench/fleetsim_regimes.py` runs the base engine's cells.
+`--cells` also takes the regimes outside the real grid (`system-shared`, `-heavy`,
+`-pressure`: short chat sharing system prompts, no session header). Workloads are sized to
+each variant's capacity, so load 0.6 means 0.6 of that engine's capacity. Windows are
+`--window` x the real grid's (more requests: p90 of a few hundred moves 20-40 % between
+seeds), and longer where a cell would still hold fewer than `--min-requests` (500). The
+router scrapes each replica every `--scrape` seconds, llmgw's own default (0.1) unless
+told. Prints per variant the TTFT p90 over the best contender of each cell (geometric mean
+over seeds) and writes JSON + a heat map.
 """
 
 from __future__ import annotations
