@@ -127,7 +127,7 @@ class BlindImbalanceFilter:
     loaded; else all. The gap is at least twice the mean in flight per endpoint, so
     bigger batches need a bigger one (and 1.5x then always holds: most > least + 2 x mean
     >= 3x least): at the mean alone it moved requests off engines of 48 and 256
-    sequences whose batches had room (docs-shared, prefill-heavy 1.3-2x worse;
+    sequences whose batches had room (docs-shared, prefill-heavy 1.45-1.67x worse;
     bench/fleetsim_robust.py). Where any candidate shows its load the latency model
     prices the queue itself and this filter keeps all."""
 
