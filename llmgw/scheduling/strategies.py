@@ -34,8 +34,8 @@ PRESETS: dict[str, StrategySpec] = {
     # with bench/fleetsim_grid.py (12 regimes x 2 engine shapes) and bench/routing.py.
     # `blind-imbalance` acts only where the router sees no load at all (no metrics, no
     # first tokens): through Envoy on engines that publish nothing, hot sessions piled on
-    # their homes (hot-zipf TTFT p90 0.33x without it; the other cells 0.78-1.05x on
-    # engines of 8, 48 and 256 sequences; bench/fleetsim_robust.py).
+    # their homes (with it, hot-zipf TTFT p90 is 0.33x the preset's without it, the other
+    # cells 0.78-1.05x, on engines of 8, 48 and 256 sequences; bench/fleetsim_robust.py).
     "latency": StrategySpec(
         name="latency",
         scorers={
