@@ -144,9 +144,7 @@ class BlindImbalanceFilter:
         low = high = candidates[0].inflight
         total = 0
         for s in candidates:  # returns at the first one that shows its load (nearly always)
-            if s.reports_first_token or (
-                s.metrics is not None and s.scrape_error is None and now - s.scraped_at <= staleness
-            ):
+            if s.reports_first_token or s.fresh_metrics(now, staleness) is not None:
                 return candidates
             load = s.inflight
             total += load
