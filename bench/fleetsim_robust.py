@@ -142,6 +142,11 @@ def mean_ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float | No
     }
 
 
+# Engine changes several variants share (EngineConfig fields).
+FAST = {"prefill_us_per_token": 15.0}  # 4x faster prefill than the base engine
+SLOW = {"prefill_us_per_token": 240.0}  # 4x slower
+BATCH_48 = {"max_num_seqs": 48, "decode_batch_factor": 0.01}
+BATCH_256 = {"max_num_seqs": 256, "decode_batch_factor": 0.005}  # vLLM's default batch
 VARIANTS: dict[str, Variant] = {
     "base": Variant("the real grid's engine", {}),
     "gauges-only": Variant("publishes running/waiting/KV use only", {}, metrics=GAUGES_ONLY),
@@ -150,49 +155,29 @@ VARIANTS: dict[str, Variant] = {
         {},
         metrics=COUNTERS_ONLY,
     ),
-    "fast-prefill": Variant("prefill 15 us a token (4x faster)", {"prefill_us_per_token": 15.0}),
-    "slow-prefill": Variant("prefill 240 us a token (4x slower)", {"prefill_us_per_token": 240.0}),
-    "big-batch": Variant(
-        "48 sequences a replica, +1 % step per sequence",
-        {"max_num_seqs": 48, "decode_batch_factor": 0.01},
-    ),
+    "fast-prefill": Variant("prefill 15 us a token (4x faster)", FAST),
+    "slow-prefill": Variant("prefill 240 us a token (4x slower)", SLOW),
+    "big-batch": Variant("48 sequences a replica, +1 % step per sequence", BATCH_48),
     # vLLM's default batch (max_num_seqs 256): slots never bind, so requests queue only for
     # the prefill budget and KV memory, and every prefill chunk stalls a large decode batch.
-    "vllm-batch": Variant(
-        "256 sequences a replica, +0.5 % step per sequence",
-        {"max_num_seqs": 256, "decode_batch_factor": 0.005},
-    ),
+    "vllm-batch": Variant("256 sequences a replica, +0.5 % step per sequence", BATCH_256),
     "small-chunk": Variant("chunked prefill at 512 tokens", {"max_num_batched_tokens": 512}),
     "8-replicas": Variant("8 replicas", {}, replicas=8),
-    "gauges-fast": Variant(
-        "gauges only, prefill 15 us a token", {"prefill_us_per_token": 15.0}, metrics=GAUGES_ONLY
-    ),
-    "gauges-slow": Variant(
-        "gauges only, prefill 240 us a token", {"prefill_us_per_token": 240.0}, metrics=GAUGES_ONLY
-    ),
+    "gauges-fast": Variant("gauges only, prefill 15 us a token", FAST, metrics=GAUGES_ONLY),
+    "gauges-slow": Variant("gauges only, prefill 240 us a token", SLOW, metrics=GAUGES_ONLY),
     "no-metrics": Variant("publishes no metrics", {}, metrics=frozenset()),
     # Blind big batches: in-flight counts are all a router sees, and an imbalance that
     # fills an 8-sequence batch leaves a 48- or 256-sequence one with room (the
     # `blind-imbalance` guard's gap scales with the load for these).
-    "no-metrics-48": Variant(
-        "no metrics, 48 sequences a replica",
-        {"max_num_seqs": 48, "decode_batch_factor": 0.01},
-        metrics=frozenset(),
-    ),
+    "no-metrics-48": Variant("no metrics, 48 sequences a replica", BATCH_48, metrics=frozenset()),
     "no-metrics-256": Variant(
-        "no metrics, 256 sequences a replica",
-        {"max_num_seqs": 256, "decode_batch_factor": 0.005},
-        metrics=frozenset(),
+        "no metrics, 256 sequences a replica", BATCH_256, metrics=frozenset()
     ),
     "ttft-fast": Variant(
-        "counters + TTFT/ITL/e2e histograms, prefill 15 us a token",
-        {"prefill_us_per_token": 15.0},
-        metrics=TTFT_ONLY,
+        "counters + TTFT/ITL/e2e histograms, prefill 15 us a token", FAST, metrics=TTFT_ONLY
     ),
     "ttft-slow": Variant(
-        "counters + TTFT/ITL/e2e histograms, prefill 240 us a token",
-        {"prefill_us_per_token": 240.0},
-        metrics=TTFT_ONLY,
+        "counters + TTFT/ITL/e2e histograms, prefill 240 us a token", SLOW, metrics=TTFT_ONLY
     ),
     "ttft-base": Variant("counters + TTFT/ITL/e2e histograms", {}, metrics=TTFT_ONLY),
     # A real tokenizer on a benchmark's random text counts 2-3 characters a token; a
