@@ -277,6 +277,9 @@ class Costs(NamedTuple):
     # Engine tokens per token of this router's (1.0 until both sides counted enough): an
     # engine's KV size in tokens divides by it.
     engine_tokens: float = 1.0
+    # Seconds per token as this router saw them drain: its first tokens' slope (None where
+    # the edge sees no first tokens, or too few yet).
+    observed: float | None = None
 
 
 def token_ratio(cals: Iterable[Calibration]) -> float:
@@ -308,10 +311,11 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     cals = list(cals)
     ratio = token_ratio(cals)
     per_token = min((v for c in cals if (v := c.prefill.value) is not None), default=None)
+    observed = _slope(c.observed for c in cals)
     if per_token is not None:
         per_token *= ratio
     else:  # no engine publishes it: what this router saw (its own tokens), if it sees tokens
-        per_token = _slope(c.observed for c in cals)
+        per_token = observed
     step = min((v for c in cals if (v := c.step.value) is not None), default=None)
     tokens = _pooled(c.tokens for c in cals)
     return Costs(
@@ -320,4 +324,5 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
         None if tokens is None else tokens / ratio,
         _pooled(c.service for c in cals),
         ratio,
+        observed,
     )

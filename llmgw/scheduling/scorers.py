@@ -414,6 +414,7 @@ class LatencyScorer:
                 measured.tokens_per_prefill,
                 measured.service,
                 measured.engine_tokens,
+                measured.observed,
             )
         self._costs_at, self._costs = ctx.now, costs
         return costs
@@ -460,6 +461,16 @@ class LatencyScorer:
         staleness = ctx.staleness
         costs_now = self.costs(ctx)
         per_token = costs_now.per_token or self.prefill_s
+        # A request without a session, where this router sees first tokens: the seconds a
+        # token of prefill took to drain here (its first tokens' slope), if below the
+        # engines' ratio. The ratio carries each prefill's share of a whole engine step: on an
+        # engine whose misses cost 15 us a token it read 30-394, which kept shared documents
+        # and system prompts on busy replicas (fast-prefill docs-shared 1.40x the best, 0.64x
+        # of that with this; bench/fleetsim_robust.py). Sessions keep the ratio: priced at the
+        # true cost, a history's move looks cheap and its later turns pay (README, session 12).
+        seen = costs_now.observed
+        if seen is not None and seen < per_token and request.session_key is None:
+            per_token = seen
         step0 = costs_now.step or self.step_s
         typical, service = costs_now.tokens_per_prefill, costs_now.service
         if typical is None:

@@ -209,11 +209,11 @@ def test_pooled_costs_are_the_tightest_upper_bound_and_tokens_a_pooled_mean() ->
     for cal, (seconds, tokens) in ((a, (1.0, 1000.0)), (b, (0.9, 9000.0))):
         cal.on_scrape(metrics())
         cal.on_scrape(metrics(prefill_s=seconds, tokens=tokens, prefills=4))
-    per_token, step, typical, service, engine_tokens = pooled([a, b])
+    per_token, step, typical, service, engine_tokens, observed = pooled([a, b])
     assert per_token == pytest.approx(1e-4) and step is None
     assert typical == pytest.approx(10000 / 8)
-    assert service is None and engine_tokens == 1.0
-    assert pooled([]) == (None, None, None, None, 1.0)
+    assert service is None and engine_tokens == 1.0 and observed is None
+    assert pooled([]) == (None, None, None, None, 1.0, None)
 
 
 def metrics(
@@ -697,3 +697,35 @@ def test_without_engine_counters_the_typical_prefill_is_this_routers_own() -> No
         scorer.score(ctx, other)
         scorer.observe(ctx, other[0])
     assert best() == "a:1"
+
+
+def test_without_a_session_a_token_costs_what_first_tokens_show_it_drains_in() -> None:
+    """The engines' ratio says 200 us a prefill token (each prefill carries a whole step);
+    the first tokens this router saw drained 20 us a token. The 4,000-token prompt is
+    cached on a:1, whose batch is full with 4 more requests waiting for slots (0.5 s);
+    b:1 has room. Without a session the copy costs 4,000 x 20 us = 0.08 s (and as much
+    again charged for the work): it moves. A session's history is priced at the ratio,
+    0.8 s: its later turns would pay for a move, so it stays."""
+
+    def pick(session: str | None) -> tuple[str, float]:
+        scorer = LatencyScorer()
+        home = state("a:1", waiting=0, running=8, inflight=12, scraped_at=NOW)
+        room = state("b:1", waiting=0, running=4, inflight=4, scraped_at=NOW)
+        for s in (home, room):
+            s.peak_running = 8
+            s.calibration.service.add(1.0, 1.0)
+            s.calibration.prefill.add(0.2, 1000.0)
+        for k in range(30):  # (tokens ahead + own, seconds to the first token)
+            tokens = 500.0 + 100.0 * k
+            home.calibration.observed.add(tokens, 0.005 + 20e-6 * tokens)
+        req = request(session=session)
+        scorer.index.insert(home.id, scorer.index.hashes(req.prompt), session)
+        states = [home, room]
+        scores = scorer.score(context(states, request=req, now=NOW), states)
+        return states[scores.index(max(scores))].id, scorer.terms()["prefill_s"][1]
+
+    assert pooled([]).observed is None
+    best, copy = pick(session=None)
+    assert best == "b:1" and copy == pytest.approx(4000 * 20e-6)
+    best, copy = pick(session="alice")
+    assert best == "a:1" and copy == pytest.approx(4000 * 200e-6)
