@@ -590,6 +590,17 @@ def test_a_full_batch_queues_for_slots_not_for_prefill_work() -> None:
     assert scores.index(max(scores)) == 2
 
 
+def full_home_and_room(*, service: float, room_running: int) -> tuple[EndpointState, EndpointState]:
+    """a:1 runs all 8 of its (peak) slots and this router has sent it 4 more since the
+    scrape; b:1 runs `room_running`. A running request holds its slot `service` seconds."""
+    home = state("a:1", waiting=0, running=8, inflight=12, scraped_at=NOW)
+    room = state("b:1", waiting=0, running=room_running, inflight=room_running, scraped_at=NOW)
+    for s in (home, room):
+        s.peak_running = 8
+        s.calibration.service.add(service, 1.0)
+    return home, room
+
+
 def test_requests_beyond_the_batch_wait_for_slots_before_the_engine_shows_them() -> None:
     """The last scrape says a:1 runs 8 of its 8 (peak) slots with none waiting, but this
     router has since sent it 4 more; the history is cached there. Those 4 wait for slots
@@ -597,11 +608,7 @@ def test_requests_beyond_the_batch_wait_for_slots_before_the_engine_shows_them()
     history on b:1, which has a slot free (0.4 s, and as much again charged for the
     duplicated work). Without the excess, the cached home wins."""
     scorer = LatencyScorer()
-    home = state("a:1", waiting=0, running=8, inflight=12, scraped_at=NOW)
-    other = state("b:1", waiting=0, running=7, inflight=7, scraped_at=NOW)
-    for s in (home, other):
-        s.peak_running = 8
-        s.calibration.service.add(2.0, 1.0)
+    home, other = full_home_and_room(service=2.0, room_running=7)
     req = request()
     scorer.index.insert(home.id, scorer.index.hashes(req.prompt))
     states = [home, other]
@@ -709,11 +716,8 @@ def test_without_a_session_a_token_costs_what_first_tokens_show_it_drains_in() -
 
     def pick(session: str | None) -> tuple[str, float]:
         scorer = LatencyScorer()
-        home = state("a:1", waiting=0, running=8, inflight=12, scraped_at=NOW)
-        room = state("b:1", waiting=0, running=4, inflight=4, scraped_at=NOW)
+        home, room = full_home_and_room(service=1.0, room_running=4)
         for s in (home, room):
-            s.peak_running = 8
-            s.calibration.service.add(1.0, 1.0)
             s.calibration.prefill.add(0.2, 1000.0)
         for k in range(30):  # (tokens ahead + own, seconds to the first token)
             tokens = 500.0 + 100.0 * k
