@@ -294,7 +294,9 @@ class LatencyScorer:
                 time drains it, an early first token cuts it), or the engine's own waiting
                 count x the prefill of a typical request, or the requests beyond the
                 batch's slots (this router's count too) x the time one slot takes to free,
-                whichever is longest;
+                or, where the prompts ahead and this one need more KV memory than the
+                engine has free, the running requests that must end first x the time one
+                takes, whichever is longest;
       prefill = (prompt tokens - tokens probably cached there) x seconds per prefill token;
       step    = one engine step at that endpoint's batch size (waiting + running).
     Seconds per token and per step come from the model's engines' published histograms
@@ -537,6 +539,9 @@ class LatencyScorer:
         )
         # This loop runs per endpoint per pick: no calls on its common path (no max(), no
         # properties, no `ctx.fresh` dict), three appends, term rows built only when read.
+        # KV memory in the engine's tokens: this prompt's, and a typical waiting request's.
+        kv_per_request = tokens * costs_now.engine_tokens
+        kv_per_waiting = (typical or tokens) * costs_now.engine_tokens
         queues: list[float] = []
         append_queue = queues.append
         steps: list[float] = []
@@ -569,6 +574,23 @@ class LatencyScorer:
                             engine_queue = waiting * freed
                     if engine_queue > queue:  # noqa: PLR1730
                         queue = engine_queue
+                # Admission needs KV memory for the prompt: when this request and those
+                # ahead of it (the engine's waiting, this router's sent since the scrape;
+                # a typical prefill each) need more than the engine has free, they wait for
+                # running requests to end and free theirs, one every service / running
+                # seconds. At 85 % KV usage the rule above does not see it, yet one
+                # 2,000-token prompt may need a third of the cache (hot-D at 15x in
+                # `bench/kv_exact.py`: waits were 5x the predicted queue).
+                kv_tokens = s.calibration.kv_tokens
+                if kv_tokens and service is not None and running >= 1:
+                    used = m.kv_usage * kv_tokens
+                    ahead = waiting + load - engine_load if load > engine_load else waiting
+                    deficit = ahead * kv_per_waiting + kv_per_request - kv_tokens + used
+                    if deficit > 0 and used > 0:
+                        # Running requests each hold used / running tokens: whole ones end.
+                        memory_queue = -(-deficit * running // used) * service / running
+                        if memory_queue > queue:  # noqa: PLR1730
+                            queue = memory_queue
             # More requests here than the engine was ever seen running at once, counting
             # this router's own ahead of the next scrape: the excess waits for batch slots,
             # one freed every service / slots seconds. Without this the engine's waiting

@@ -733,3 +733,38 @@ def test_without_a_session_a_token_costs_what_first_tokens_show_it_drains_in() -
     assert best == "b:1" and copy == pytest.approx(4000 * 20e-6)
     best, copy = pick(session="alice")
     assert best == "a:1" and copy == pytest.approx(4000 * 200e-6)
+
+
+def test_a_prompt_that_does_not_fit_in_free_kv_memory_waits_for_running_requests_to_end() -> None:
+    """a:1 holds alice's 4,000-token history but 85 % of its 12,000-token KV cache is
+    taken by 3 running requests (3,400 tokens each; below the 90 % "full" mark and below
+    its peak batch, so neither older rule sees a wait). Admission needs 4,000 tokens of
+    the 1,800 free: one running request must end first, one every 3 s / 3 = 1 s, more than
+    prefilling the history on b:1 (0.4 s, and as much again charged for the work), so she
+    moves. One request waiting ahead needs a typical prefill's memory too (this one's, none
+    being published): two must end (2 s). With half the cache free the prompt fits and she
+    stays home."""
+    scorer = LatencyScorer()
+    home = state("a:1", waiting=0, running=3, kv=0.85, inflight=3, scraped_at=NOW)
+    room = state("b:1", waiting=0, running=1, kv=0.2, inflight=1, scraped_at=NOW)
+    for s in (home, room):
+        s.peak_running = 8
+        s.calibration.service.add(3.0, 1.0)
+        s.calibration.kv_tokens = 12_000.0
+    alice = request(session="alice")
+    scorer.index.insert(home.id, scorer.index.hashes(alice.prompt), "alice")
+    states = [home, room]
+
+    def best() -> str:
+        scores = scorer.score(context(states, request=alice, now=NOW), states)
+        return states[scores.index(max(scores))].id
+
+    assert best() == "b:1"
+    assert scorer.terms()["queue_s"] == (pytest.approx(1.0), 0.0)
+    assert home.metrics is not None
+    home.metrics = replace(home.metrics, waiting=1.0)
+    best()
+    assert scorer.terms()["queue_s"][0] == pytest.approx(2.0)
+    home.metrics = replace(home.metrics, waiting=0.0, kv_usage=0.5)
+    assert best() == "a:1"
+    assert scorer.terms()["queue_s"][0] == 0.0
