@@ -3,6 +3,9 @@ the one `bench/routing.py` simulates, in virtual time (`bench/fleetsim.py`).
 
     .venv/bin/python bench/fleetsim_robust.py --seeds 1,2 --jobs 2
     .venv/bin/python bench/fleetsim_robust.py --variants base,gauges-only --cells chat-history
+    # after a change to llmgw:latency, rerun it alone, the other contenders from the last run:
+    .venv/bin/python bench/fleetsim_robust.py --contenders llmgw:latency,llmgw:latency@envoy \
+        --reuse bench/results/fleetsim_robust.json
 
 A router tuned to one simulator can lose on another (issue 13: the old default was 2-2.5x
 worse than consistent hashing on a simulator that was not ours). Each variant changes one
@@ -31,6 +34,7 @@ over seeds) and writes JSON + a heat map.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -292,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds between two scrapes of a replica (default: llmgw's own default)",
     )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--reuse",
+        help="a results JSON: take the other contenders' runs from it (runs are deterministic;"
+        " rerun only what changed)",
+    )
     parser.add_argument("--out", default="fleetsim_robust")
     parser.add_argument("--plot", default=str(RESULTS / "fleetsim_robust.png"))
     args = parser.parse_args(argv)
@@ -318,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         results = [f.result() for f in futures]
     wall = time.perf_counter() - started
+    if args.reuse:
+        contenders = reuse_runs(results, contenders, Path(args.reuse))
 
     summary: dict[str, dict[str, dict[str, float | None]]] = {}
     worst_rows = []
@@ -337,6 +348,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(summary, contenders, cells, Path(args.plot))
     return 0
+
+
+def reuse_runs(results: list[dict[str, Any]], contenders: list[str], path: Path) -> list[str]:
+    """Add to each cell the runs of the contenders `path` holds and this run did not (same
+    variant, cell and seed; the same requests, as runs are deterministic); all contenders."""
+    old = json.loads(path.read_text())
+    by_key = {(c["variant"], c["cell"], c["seed"]): c for c in old["cells"]}
+    names = list(contenders)
+    for cell in results:
+        kept = by_key.get((cell["variant"], cell["cell"], cell["seed"]))
+        if kept is None:
+            raise SystemExit(f"{path} has no {cell['variant']}/{cell['cell']}/{cell['seed']}")
+        if kept["requests"] != cell["requests"]:
+            raise SystemExit(f"{path}: {cell['cell']} ran other requests; rerun every contender")
+        for run in kept["runs"]:
+            if run["contender"] not in contenders:
+                cell["runs"].append(run)
+                if run["contender"] not in names:
+                    names.append(run["contender"])
+    order = [run["contender"] for run in old["cells"][0]["runs"]] if old["cells"] else []
+    return sorted(names, key=lambda n: order.index(n) if n in order else len(order))
 
 
 def plot(

@@ -295,3 +295,26 @@ def test_robust_cells_scrape_at_llmgws_default_unless_told() -> None:
     fast, slow = (runs[i]["runs"] for i in (0.05, 1.0))
     assert fast[1]["ttft_p90_ms"] == slow[1]["ttft_p90_ms"]
     assert fast[0]["per_replica"] != slow[0]["per_replica"]
+
+
+def test_robust_reuse_reruns_one_contender_and_keeps_the_others_runs(tmp_path: Path) -> None:
+    """`--reuse`: a rerun of one contender takes the others' runs from the old file (runs
+    are deterministic), so the merged cell equals a run of all of them; a cell the old file
+    ran with other requests (another window) is refused rather than mixed."""
+    import json  # noqa: PLC0415
+
+    from bench.fleetsim_robust import reuse_runs, run_cell  # noqa: PLC0415
+
+    names = ["round-robin", "least-requests"]
+    both = run_cell("base", "decode-heavy", names, 1, 0.3, {})
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"cells": [both]}))
+    fresh = run_cell("base", "decode-heavy", ["least-requests"], 1, 0.3, {})
+    merged = reuse_runs([fresh], ["least-requests"], old)
+    assert merged == names
+    assert sorted(fresh["runs"], key=lambda r: r["contender"]) == sorted(
+        both["runs"], key=lambda r: r["contender"]
+    )
+    other = run_cell("base", "decode-heavy", ["least-requests"], 1, 0.6, {})
+    with pytest.raises(SystemExit, match="other requests"):
+        reuse_runs([other], ["least-requests"], old)
