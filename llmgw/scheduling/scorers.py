@@ -584,7 +584,7 @@ class LatencyScorer:
                 kv_tokens = s.calibration.kv_tokens
                 if kv_tokens and service is not None and running >= 1:
                     used = m.kv_usage * kv_tokens
-                    ahead = waiting + load - engine_load if load > engine_load else waiting
+                    ahead = waiting + load - engine_load  # load >= engine_load (above)
                     deficit = ahead * kv_per_waiting + kv_per_request - kv_tokens + used
                     if deficit > 0 and used > 0:
                         # Running requests each hold used / running tokens: whole ones end.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -301,8 +302,6 @@ def test_robust_reuse_reruns_one_contender_and_keeps_the_others_runs(tmp_path: P
     """`--reuse`: a rerun of one contender takes the others' runs from the old file (runs
     are deterministic), so the merged cell equals a run of all of them; a cell the old file
     ran with other requests (another window) is refused rather than mixed."""
-    import json  # noqa: PLC0415
-
     from bench.fleetsim_robust import reuse_runs, run_cell  # noqa: PLC0415
 
     names = ["round-robin", "least-requests"]
