@@ -531,7 +531,7 @@ class LatencyScorer:
         # fits without evicting, charge that queue instead. Sessionless shared prefixes
         # keep the fleet's charge (every request would see the same idle replica and herd
         # there: 6x worse TTFT p90 in the prefix cells with a per-destination charge).
-        room, empty = self.index.rooms.get, self.index.capacity  # `index.room`, without a call
+        fits = self.index.fits
         per_block = per_token * block
         smoothing = self.smoothing
         session_charge = (
@@ -608,7 +608,7 @@ class LatencyScorer:
             # score's smoothing here rather than in a second pass (the same sum; A/B:
             # 16-endpoint picks ~1 % faster, 256-endpoint ones ~2 %).
             charge = work_weight
-            if session_charge and queue < mean_queue and room(s.id, empty) * per_block >= prefill:
+            if session_charge and queue < mean_queue and fits(s.id, prefill / per_block, now):
                 charge = base_weight + queue / per_waiting  # this queue, not the fleet's
             append_cost(queue + prefill + step + charge * prefill + smoothing)
         self._candidates = candidates
@@ -634,7 +634,7 @@ class LatencyScorer:
 
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
         if self._hashes:
-            self.index.insert(chosen.id, self._hashes, ctx.request.session_key)
+            self.index.insert(chosen.id, self._hashes, ctx.request.session_key, ctx.now)
         candidates = self._candidates
         i = self._positions(ctx, candidates).get(chosen.id)
         if i is None or candidates[i] is not chosen:

@@ -630,20 +630,28 @@ def home_or_idle(
     idle_room: int | None,
     typical: float | None = None,
     owner: str | None = None,
+    idle_touched: float = NOW,
+    reuse: float | None = None,
 ) -> str:
     """The prompt is cached on a:1 (its home, `home_queue` s queued); b:1 is idle, its cache
-    full of `idle_room` blocks of others (None: no capacity known). The fleet's mean queue at
-    the last pick is `mean_queue`; `typical`: computed tokens per prefill, if published.
-    Which one the scorer picks."""
+    full of `idle_room` blocks of others (None: no capacity known), last touched at
+    `idle_touched`. The fleet's mean queue at the last pick is `mean_queue`; `typical`:
+    computed tokens per prefill, if published; `reuse`: seconds after which earlier prompts
+    came back to their blocks, if any did. Which one the scorer picks."""
     scorer = LatencyScorer()
     home, idle = state("a:1"), state("b:1")
     if typical is not None:
         for s in (home, idle):
             s.calibration.tokens.add(typical, 1.0)
-    scorer.index.insert(home.id, scorer.index.hashes(req.prompt), owner)
+    if reuse is not None:
+        earlier = [-1, -2]  # another prompt's blocks, hit again `reuse` seconds later
+        scorer.index.insert("c:1", earlier, now=NOW - 5 - reuse)
+        scorer.index.insert("c:1", earlier, now=NOW - 5)
+    scorer.index.insert(home.id, scorer.index.hashes(req.prompt), owner, now=NOW)
     if idle_room is not None:
         scorer.index.set_capacity(idle.id, idle_room)
-        scorer.index.insert(idle.id, list(range(idle_room)))  # full of other blocks
+        # Full of other blocks.
+        scorer.index.insert(idle.id, list(range(idle_room)), now=idle_touched)
     home.busy_until, idle.busy_until = NOW + home_queue, NOW
     scorer._mean_queue = mean_queue
     states = [home, idle]
@@ -660,6 +668,25 @@ def test_a_session_moves_off_a_queued_home_when_its_history_fits_in_an_idle_cach
     req = request(session="alice")
     assert home_or_idle(req, home_queue=1.2, mean_queue=0.6, idle_room=None) == "b:1"
     assert home_or_idle(req, home_queue=1.2, mean_queue=0.6, idle_room=40) == "a:1"
+
+
+def test_a_session_moves_into_an_idle_cache_full_of_blocks_long_unused() -> None:
+    """A router that has run a while holds a full index for every replica, mostly of
+    traffic long gone. Prompts have come back to their blocks within 2 s; b:1's cache is
+    full of blocks last touched 60 s ago: cold, so alice's history takes their place as it
+    would free room, and she moves off her queued home. Touched 1 s ago they are in use and
+    she stays; with no prompt seen coming back yet, nothing counts as cold."""
+    req = request(session="alice")
+
+    def best(touched: float, reuse: float | None = 2.0) -> str:
+        return home_or_idle(
+            req, home_queue=1.2, mean_queue=0.6, idle_room=200, idle_touched=touched, reuse=reuse
+        )
+
+    assert best(touched=NOW - 60) == "b:1"
+    assert best(touched=NOW - 1) == "a:1"
+    assert best(touched=NOW - 60, reuse=None) == "a:1"
+    assert best(touched=NOW - 60, reuse=40.0) == "a:1"  # 60 s is within twice 40
 
 
 def test_a_shared_document_leaves_a_busy_replica_when_typical_prefills_are_cache_hits() -> None:
