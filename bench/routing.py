@@ -76,6 +76,7 @@ from bench.workloads.grid import (  # noqa: E402
     Regime,
     regime_workload,
 )
+from llmgw.extproc.envoyconfig import BODY_MODES  # noqa: E402
 from llmgw.runtime.ports import free_port  # noqa: E402
 from llmgw.scheduling.strategies import PRESETS  # noqa: E402
 from llmgw.sim.fleet import spawn  # noqa: E402
@@ -146,6 +147,7 @@ class Contender:
     edge: str  # envoy | asgi | vllm-router | sglang-router | client
     strategy: str | dict[str, Any] | None = None
     policy: str | None = None
+    body_mode: str = "override"  # envoy: `llmgw envoy-config --body-mode`
 
 
 # Presets that are not routing policies for this traffic (throughput / long-context
@@ -181,8 +183,11 @@ QUICK_CONTENDERS = (
 # -- the llmgw side ------------------------------------------------------------------------
 
 
-def llmgw_config(upstreams: list[str], strategy: str | dict[str, Any] | None) -> dict[str, Any]:
-    """The config a new user writes; `strategy` None = the default strategy."""
+def llmgw_config(
+    upstreams: list[str], strategy: str | dict[str, Any] | None, trace: Path | None = None
+) -> dict[str, Any]:
+    """The config a new user writes; `strategy` None = the default strategy; `trace`: write
+    llmgw's decision trace (JSONL, every request) there."""
     model: dict[str, Any] = {
         "engine": "vllm",
         "endpoints": [u.removeprefix("http://") for u in upstreams],
@@ -197,6 +202,7 @@ def llmgw_config(upstreams: list[str], strategy: str | dict[str, Any] | None) ->
         "debug_headers": True,
         "seed": 7,
         "destination_fallbacks": True,  # override-host: Envoy retries down the list
+        **({"trace": {"path": str(trace)}} if trace is not None else {}),
     }
 
 
@@ -212,17 +218,24 @@ def _envoy() -> str:
 
 @contextlib.contextmanager
 def start_contender(
-    contender: Contender, upstreams: list[str], peers: dict[str, str], scratch: Path
+    contender: Contender,
+    upstreams: list[str],
+    peers: dict[str, str],
+    scratch: Path,
+    trace_dir: Path | None = None,
 ) -> Iterator[str]:
-    """Run the contender; yield its base URL (no trailing slash; "" = client-side)."""
+    """Run the contender; yield its base URL (no trailing slash; "" = client-side). llmgw
+    contenders write their decision trace to `trace_dir`/<contender>.jsonl if given."""
     python = _python()
     port = free_port()
     if contender.edge == "client":
         yield ""
         return
     if contender.edge in ("envoy", "asgi"):
-        config = scratch / f"{contender.name.replace(':', '-')}.yaml"
-        config.write_text(yaml.safe_dump(llmgw_config(upstreams, contender.strategy)))
+        stem = re.sub(r"[:/]", "-", contender.name)
+        config = scratch / f"{stem}.yaml"
+        trace = trace_dir / f"{stem}.jsonl" if trace_dir is not None else None
+        config.write_text(yaml.safe_dump(llmgw_config(upstreams, contender.strategy, trace)))
         if contender.edge == "asgi":
             cmd = [python, "-m", "llmgw.cli", "proxy", "--config", str(config)]
             cmd += ["--port", str(port)]
@@ -239,7 +252,7 @@ def start_contender(
             [python, "-m", "llmgw.cli", "envoy-config", "--config", str(config),
              "--shape", "override-host", "--listen", f"127.0.0.1:{port}",
              "--admin", f"127.0.0.1:{admin}", "--extproc", f"127.0.0.1:{grpc}",
-             "--out", str(envoy_yaml)],
+             "--body-mode", contender.body_mode, "--out", str(envoy_yaml)],
             check=True, cwd=ROOT,
         )  # fmt: skip
         envoy = [_envoy(), "-c", str(envoy_yaml), "--disable-hot-restart"]
@@ -549,8 +562,11 @@ def _run_group(
     peers: dict[str, str],
     timeout_s: float,
     results: dict[str, dict[str, dict[str, Any]]],
+    trace_dir: Path | None = None,
 ) -> None:
-    """All `cells` of one pressure level on one fleet; each contender started once."""
+    """All `cells` of one pressure level on one fleet; each contender started once (its
+    state, calibration and prefix index carry from one cell to the next, as in a router
+    that has run a while)."""
     port = base_port()
     with (
         tempfile.TemporaryDirectory(prefix="bench-routing-") as scratch_dir,
@@ -561,7 +577,7 @@ def _run_group(
         for contender in contenders:
             t = time.monotonic()
             try:
-                with start_contender(contender, upstreams, peers, scratch) as base:
+                with start_contender(contender, upstreams, peers, scratch, trace_dir) as base:
                     if base:
                         asyncio.run(warm_up(base))
                     for name, (_, workload) in cells.items():
@@ -604,7 +620,25 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=JSON",
         help='extra Envoy contender with an explicit strategy, e.g. x={"scorers": {"load": 1}}',
     )
+    parser.add_argument(
+        "--body-mode",
+        dest="body_modes",
+        action="append",
+        default=[],
+        choices=[m for m in BODY_MODES if m != "override"],
+        help="extra contender: the default strategy through Envoy with this ext_proc body "
+        "mode (`envoy:latency/MODE`; the others use `override`)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="write each llmgw contender's decision trace to DIR/<contender>.jsonl "
+        "(appended: one file per contender, both pressure levels)",
+    )
     args = parser.parse_args(argv)
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
 
     contenders = all_contenders()
     if args.list:
@@ -627,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.tries:
         label, _, strategy = spec.partition("=")
         contenders.append(Contender(f"envoy:{label}", "envoy", json.loads(strategy)))
+    for mode in args.body_modes:
+        contenders.append(Contender(f"envoy:latency/{mode}", "envoy", "latency", body_mode=mode))
 
     peers = ensure_peers(install=not args.no_install)
     for c in list(contenders):
@@ -659,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
     for level, cells in groups.items():
         print(f"== fleet with {KV_BLOCKS[level]} KV blocks a replica ({level} pressure) ==")
-        _run_group(level, cells, contenders, peers, args.timeout, results)
+        _run_group(level, cells, contenders, peers, args.timeout, results, args.trace)
 
     print()
     every = {n: w for cells in groups.values() for n, w in cells.items()}
