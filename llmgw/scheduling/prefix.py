@@ -40,9 +40,9 @@ class PrefixIndex:
         self._sharers: dict[int, int] = {}
         self._last_key: dict[int, str] = {}
         # `room` per endpoint holding blocks or a capacity of its own (the others have
-        # `capacity`), kept current by every change: the latency scorer reads it for about
-        # half the endpoints on every pick, and a dict lookup instead of a call to `room`
-        # took 256-endpoint picks 4 % faster (A/B; within noise at 16). Read-only outside.
+        # `capacity`), kept current by every change: `fits` reads it first, for about half
+        # the endpoints on every pick (a dict lookup rather than counting the LRU took
+        # 256-endpoint picks 4 % faster, A/B; within noise at 16). Read-only outside.
         self.rooms: dict[str, int] = {}
         # The longest recent age of a block when a prompt hit it again (seconds, decaying);
         # None until a hit.
