@@ -18,12 +18,15 @@ from tests.real_engine.conftest import VllmInstance
 pytestmark = pytest.mark.real_engine
 
 
-def chat(url: str, content: str, max_tokens: int = 32) -> dict[str, Any]:
+def chat(url: str, content: str, max_tokens: int = 32, ignore_eos: bool = False) -> dict[str, Any]:
     body = json.dumps(
         {
             "model": "tiny",
             "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens,
+            # vLLM's extension: generate max_tokens even past end-of-sequence, so a
+            # request's length does not depend on what the tiny model happens to say.
+            "ignore_eos": ignore_eos,
         }
     ).encode()
     req = urllib.request.Request(
@@ -42,19 +45,25 @@ def test_contract_parses_live_metrics_and_queue_and_kv_move_under_load(
     idle = extract(inst.metrics(), CONTRACTS[Engine.VLLM], model="tiny")
     assert idle.waiting == 0 and idle.running == 0
     seen_waiting = seen_kv = 0.0
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(chat, inst.url, f"hello {i} " * 20, 64) for i in range(8)]
-        deadline = time.monotonic() + 60
+    # 12 requests of 256 forced tokens on 2 seats: the queue lasts several decode
+    # rounds, far longer than one /metrics poll (a run with 64 tokens that could stop
+    # at EOS once finished before a poll saw anything waiting).
+    requests = 12
+    with concurrent.futures.ThreadPoolExecutor(requests) as pool:
+        futures = [
+            pool.submit(chat, inst.url, f"hello {i} " * 20, 256, True) for i in range(requests)
+        ]
+        deadline = time.monotonic() + 90
         while not all(f.done() for f in futures) and time.monotonic() < deadline:
             m = extract(inst.metrics(), CONTRACTS[Engine.VLLM], model="tiny")
             seen_waiting = max(seen_waiting, m.waiting)
             seen_kv = max(seen_kv, m.kv_usage)
         for f in futures:
             f.result()
-    assert seen_waiting > 0, "max-num-seqs 2 with 8 concurrent requests must queue"
+    assert seen_waiting > 0, "max-num-seqs 2 with 12 concurrent requests must queue"
     assert seen_kv > 0
     after = extract(inst.metrics(), CONTRACTS[Engine.VLLM], model="tiny")
-    assert after.finished_total is not None and after.finished_total >= 8
+    assert after.finished_total is not None and after.finished_total >= requests
 
 
 def test_simulator_serves_the_families_and_labels_routing_reads(
