@@ -147,8 +147,9 @@ class EngineDriver:
             if duration > 0:
                 end = start + duration
                 delay = end - clock()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                # Catching up (delay <= 0) still yields once a step: HTTP handlers and the
+                # other replicas run between steps, however short the steps are.
+                await asyncio.sleep(delay if delay > 0 else 0)
                 ended = end
             else:
                 end = start
