@@ -16,7 +16,6 @@ import contextlib
 import itertools
 import json
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,14 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._tools import format_table, write_results  # noqa: E402
+from bench.peers import Service  # noqa: E402
+from llmgw.runtime.ports import free_port  # noqa: E402
 
 RATES_HZ = (0, 4, 10, 20, 0)  # the idle rate twice: first and last, to see drift
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -56,24 +51,9 @@ def engine(kind: str) -> Iterator[tuple[str, str]]:
         cmd = [sys.executable, "-m", "llmgw.sim", "--replicas", "1", "--base-port", str(port)]
         cmd += ["--model", "m1", "--time-scale", "1", "--decode-ms", "10"]
         model = "m1"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{kind} did not start ({shlex.join(cmd)})")
-            time.sleep(0.5)  # polling another process's health under a deadline
-        yield url, model
-    finally:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        if proc.poll() is None:
-            proc.kill()
+    # vLLM loads and compiles its model first: minutes on a cold cache.
+    with Service(cmd, f"http://127.0.0.1:{port}/health", name=kind, timeout=300):
+        yield f"http://127.0.0.1:{port}", model
 
 
 def get_ms(url: str) -> float:
