@@ -21,6 +21,9 @@ from llmgw.types import EngineMetrics
 _DECAY = 0.9  # per scrape that carried new data: ~10 scrapes of memory
 _MIN_TOKENS = 16.0  # a window with fewer computed tokens says little about per-token cost
 _MIN_SAMPLES = 20.0  # first tokens seen before the router's own fit is trusted
+# The decode step's floor follows a slower window up by this share of the gap a scrape (~100
+# windows of memory), and a faster one down at once.
+_FLOOR_RISE = 0.01
 # The engines' tokenizer against this router's estimate: a constant of the model, so a long
 # memory (~200 scrapes, 20 s at the default interval) over enough requests on both sides.
 _RATIO_DECAY = 0.995
@@ -110,7 +113,9 @@ class Calibration:
         "_prev",
         "_prev_at",
         "engine_prompt",
+        "floor",
         "kv_tokens",
+        "net",
         "observed",
         "prefill",
         "router_prompt",
@@ -140,6 +145,17 @@ class Calibration:
         # of and in the request (its own estimate, in its own tokens), where the edge sees
         # first tokens. Its slope is seconds per token for engines that publish none.
         self.observed = DecayedSlope()
+        # Seconds per computed prompt token net of the engine step each prefill shares
+        # (`floor` at the window's batch): what a token adds, where `prefill` is what a token
+        # costs on average. A prefill of a few uncached tokens still waits out a whole step,
+        # so where most prompts are cache hits the ratio read 3-15x the engine's marginal
+        # cost (`bench/fleetsim_robust.py`, docs-shared). May be negative while noisy.
+        self.net = DecayedRatio()
+        # The step a prefill shares, for a batch of one: the fastest recent window's. The
+        # mean (`step`) carries the prefill chunks that stall decodes: on prefill-bound
+        # engines it read 2-8x the decode step, and taking that out of each prefill left
+        # 15-40 % of a token's true cost (bench/fleetsim_robust.py, prefill-heavy).
+        self.floor: float | None = None
         # Prompt tokens per request as the engine counts them (its prompt-token counter over
         # the requests that entered its batch) and as this router estimated the ones it sent
         # there (picks add to `sent_*`, each scrape folds them in): their ratio converts the
@@ -236,13 +252,26 @@ class Calibration:
                 pending[:] = [0.0, 0.0, 0.0, 0.0, 0.0]
                 if seconds > 0:
                     self.prefill.add(seconds, finished_tokens)
+                    one = self.floor
+                    if one is not None:
+                        batch = max(1.0, (m.running + prev.running) / 2)
+                        shared = count * one * (1 + batch_factor * (batch - 1))
+                        self.net.add(seconds - shared, finished_tokens)
                 if started_some:
                     typical.add(tokens_in, owners_in)
         steps = _delta(m.step_count, prev.step_count)
         step_time = _delta(m.step_seconds_sum, prev.step_seconds_sum)
         if steps and step_time is not None:
             batch = max(1.0, (m.running + prev.running) / 2)
-            self.step.add(step_time / (1 + batch_factor * (batch - 1)), steps)
+            one = step_time / (1 + batch_factor * (batch - 1))
+            self.step.add(one, steps)
+            floor, window = self.floor, one / steps
+            if steps < 2:  # one step says little: it may have been a light one
+                pass
+            elif floor is None or window < floor:
+                self.floor = window
+            else:
+                self.floor = floor + (window - floor) * _FLOOR_RISE
         served = _delta(m.service_count, prev.service_count)
         service = _delta(m.service_seconds_sum, prev.service_seconds_sum)
         if served and service is not None:
@@ -280,6 +309,9 @@ class Costs(NamedTuple):
     # Seconds per token as this router saw them drain: its first tokens' slope (None where
     # the edge sees no first tokens, or too few yet).
     observed: float | None = None
+    # Seconds a computed token adds to an engine's prefill, net of the step it shares
+    # (None: no prefill seconds and step published, or not positive yet).
+    marginal: float | None = None
 
 
 def token_ratio(cals: Iterable[Calibration]) -> float:
@@ -319,6 +351,7 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
         per_token = observed
     step = min((v for c in cals if (v := c.step.value) is not None), default=None)
     tokens = _pooled(c.tokens for c in cals)
+    marginal = _pooled(c.net for c in cals)
     return Costs(
         per_token,
         step,
@@ -326,4 +359,5 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
         _pooled(c.service for c in cals),
         ratio,
         observed,
+        marginal * ratio if marginal is not None and marginal > 0 else None,
     )

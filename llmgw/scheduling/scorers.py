@@ -417,6 +417,7 @@ class LatencyScorer:
                 measured.service,
                 measured.engine_tokens,
                 measured.observed,
+                measured.marginal,
             )
         self._costs_at, self._costs = ctx.now, costs
         return costs
@@ -463,14 +464,20 @@ class LatencyScorer:
         staleness = ctx.staleness
         costs_now = self.costs(ctx)
         per_token = costs_now.per_token or self.prefill_s
-        # A request without a session, where this router sees first tokens: the seconds a
-        # token of prefill took to drain here (its first tokens' slope), if below the
-        # engines' ratio. The ratio carries each prefill's share of a whole engine step: on an
-        # engine whose misses cost 15 us a token it read 30-394, which kept shared documents
-        # and system prompts on busy replicas (fast-prefill docs-shared 1.40x the best, 0.64x
-        # of that with this; bench/fleetsim_robust.py). Sessions keep the ratio: priced at the
-        # true cost, a history's move looks cheap and its later turns pay (README, session 12).
+        # A request without a session: the seconds a token of prefill takes, where known and
+        # below the engines' ratio: this router's first tokens' slope, else (behind Envoy
+        # without response bodies) the engines' prefill seconds net of the step each shares.
+        # The ratio carries each prefill's share of a whole engine step: on an engine whose
+        # misses cost 15 us a token it read 30-394, which kept shared documents and system
+        # prompts on busy replicas (fast-prefill docs-shared 1.40x the best, 0.64x of that
+        # with the slope; through Envoy 1.90x, 0.71x of that with the net cost;
+        # bench/fleetsim_robust.py). Sessions keep the ratio: priced at the true cost, a
+        # history's move looks cheap and its later turns pay (README, session 12). Pricing
+        # only this request's prefill so, and the queue ahead at the ratio, lost up to 18x
+        # in process on engines with no prefill histogram (session 16).
         seen = costs_now.observed
+        if seen is None:
+            seen = costs_now.marginal
         if seen is not None and seen < per_token and request.session_key is None:
             per_token = seen
         step0 = costs_now.step or self.step_s

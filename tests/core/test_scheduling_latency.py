@@ -209,11 +209,35 @@ def test_pooled_costs_are_the_tightest_upper_bound_and_tokens_a_pooled_mean() ->
     for cal, (seconds, tokens) in ((a, (1.0, 1000.0)), (b, (0.9, 9000.0))):
         cal.on_scrape(metrics())
         cal.on_scrape(metrics(prefill_s=seconds, tokens=tokens, prefills=4))
-    per_token, step, typical, service, engine_tokens, observed = pooled([a, b])
+    per_token, step, typical, service, engine_tokens, observed, marginal = pooled([a, b])
     assert per_token == pytest.approx(1e-4) and step is None
     assert typical == pytest.approx(10000 / 8)
     assert service is None and engine_tokens == 1.0 and observed is None
-    assert pooled([]) == (None, None, None, None, 1.0, None)
+    assert marginal is None  # no step published: nothing to take out
+    assert pooled([]) == (None, None, None, None, 1.0, None, None)
+
+
+def test_the_marginal_cost_of_a_token_leaves_out_the_step_each_prefill_shares() -> None:
+    """A step of 20 ms at a batch of one, 26 ms at a batch of four (batch factor 0.1): 10
+    prefills of 100 tokens each wait out a step and add 10 us a token: 0.27 s for 1,000
+    tokens. The ratio says 270 us a token; the marginal cost is the 10 us a token adds."""
+    cal = Calibration()
+    cal.on_scrape(metrics(running=4.0), batch_factor=0.1)
+    cal.on_scrape(metrics(steps=100, step_s=2.6, running=4.0), batch_factor=0.1)
+    assert cal.step.value == pytest.approx(0.02)
+    cal.on_scrape(
+        metrics(steps=100, step_s=2.6, prefill_s=0.27, tokens=1000, prefills=10, running=4.0),
+        batch_factor=0.1,
+    )
+    costs = pooled([cal])
+    assert costs.per_token == pytest.approx(2.7e-4)
+    assert costs.marginal == pytest.approx(10e-6)
+    # A window whose step is all the prefills took (no token adds anything): no marginal.
+    flat = Calibration()
+    flat.on_scrape(metrics())
+    flat.on_scrape(metrics(steps=100, step_s=2.0))
+    flat.on_scrape(metrics(steps=100, step_s=2.0, prefill_s=0.2, tokens=1000, prefills=10))
+    assert flat.net.value == pytest.approx(0.0) and pooled([flat]).marginal is None
 
 
 def metrics(
@@ -762,6 +786,32 @@ def test_without_a_session_a_token_costs_what_first_tokens_show_it_drains_in() -
     assert best == "a:1" and copy == pytest.approx(4000 * 200e-6)
 
 
+def test_without_first_tokens_a_token_costs_what_it_adds_to_the_engines_prefills() -> None:
+    """Behind Envoy without response bodies there are no first tokens to fit; the engines'
+    own prefill seconds net of the step each shares say 20 us a token where their ratio
+    says 200 (most prefills there were cache hits that still waited out a step). The case
+    of the test above: the sessionless copy is priced at 20 us a token and moves; a
+    session's history keeps the ratio and stays."""
+
+    def pick(session: str | None) -> tuple[str, float]:
+        scorer = LatencyScorer()
+        home, room = full_home_and_room(service=1.0, room_running=4)
+        for s in (home, room):
+            s.calibration.prefill.add(0.2, 1000.0)
+            s.calibration.net.add(0.02, 1000.0)
+        req = request(session=session)
+        scorer.index.insert(home.id, scorer.index.hashes(req.prompt), session)
+        states = [home, room]
+        scores = scorer.score(context(states, request=req, now=NOW), states)
+        assert scorer.costs_in_use.observed is None
+        return states[scores.index(max(scores))].id, scorer.terms()["prefill_s"][1]
+
+    best, copy = pick(session=None)
+    assert best == "b:1" and copy == pytest.approx(4000 * 20e-6)
+    best, copy = pick(session="alice")
+    assert best == "a:1" and copy == pytest.approx(4000 * 200e-6)
+
+
 def test_a_prompt_that_does_not_fit_in_free_kv_memory_waits_for_running_requests_to_end() -> None:
     """a:1 holds alice's 4,000-token history but 85 % of its 12,000-token KV cache is
     taken by 3 running requests (3,400 tokens each; below the 90 % "full" mark and below
@@ -796,3 +846,22 @@ def test_a_prompt_that_does_not_fit_in_free_kv_memory_waits_for_running_requests
     home.metrics = replace(home.metrics, waiting=0.0, kv_usage=0.5)
     assert best() == "a:1"
     assert scorer.terms()["queue_s"][0] == 0.0
+
+
+def test_the_step_taken_out_of_each_prefill_is_the_decode_step_not_the_stalled_mean() -> None:
+    """Windows where prefill chunks stalled the decodes read 100 ms a step; the decode step
+    is 20 ms. The mean step follows the stalls; the step taken out of each prefill follows
+    the fastest window down at once and a slower one up by 1 % of the gap a scrape."""
+    cal = Calibration()
+    cal.on_scrape(metrics())
+    total = 0.0
+    for k, per_step in enumerate((0.02, 0.1, 0.1, 0.1), start=1):
+        total += 100 * per_step
+        cal.on_scrape(metrics(steps=100 * k, step_s=total))
+    assert cal.step.value is not None and cal.step.value > 0.05
+    assert cal.floor == pytest.approx(0.02 + 0.08 * (1 - 0.99**3))
+    total += 100 * 0.01
+    cal.on_scrape(metrics(steps=500, step_s=total))
+    assert cal.floor == pytest.approx(0.01)
+    cal.on_scrape(metrics(steps=501, step_s=total + 0.001))  # a lone step: ignored
+    assert cal.floor == pytest.approx(0.01)
