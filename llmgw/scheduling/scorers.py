@@ -470,7 +470,7 @@ class LatencyScorer:
         # The ratio carries each prefill's share of a whole engine step: on an engine whose
         # misses cost 15 us a token it read 30-394, which kept shared documents and system
         # prompts on busy replicas (fast-prefill docs-shared 1.40x the best, 0.64x of that
-        # with the slope; through Envoy 1.90x, 0.71x of that with the net cost;
+        # with the slope; through Envoy 1.90x, 0.72x of that with the net cost;
         # bench/fleetsim_robust.py). Sessions keep the ratio: priced at the true cost, a
         # history's move looks cheap and its later turns pay (README, session 12). Pricing
         # only this request's prefill so, and the queue ahead at the ratio, lost up to 18x
