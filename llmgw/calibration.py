@@ -182,6 +182,8 @@ class Calibration:
         self.sent_tokens = self.sent_count = 0.0  # folded in below (dropped before a first page)
         if prev is None:
             return
+        # An engine step at the window's mean batch over one at a batch of one.
+        batch_scale = 1 + batch_factor * (max(1.0, (m.running + prev.running) / 2) - 1)
         prompt = _delta(m.prompt_tokens_total, prev.prompt_tokens_total)
         # Engines count a request's prompt tokens when it enters the batch (vLLM: at its
         # first token), long before it finishes: the requests counted in a window are the
@@ -254,24 +256,20 @@ class Calibration:
                     self.prefill.add(seconds, finished_tokens)
                     one = self.floor
                     if one is not None:
-                        batch = max(1.0, (m.running + prev.running) / 2)
-                        shared = count * one * (1 + batch_factor * (batch - 1))
-                        self.net.add(seconds - shared, finished_tokens)
+                        self.net.add(seconds - count * one * batch_scale, finished_tokens)
                 if started_some:
                     typical.add(tokens_in, owners_in)
         steps = _delta(m.step_count, prev.step_count)
         step_time = _delta(m.step_seconds_sum, prev.step_seconds_sum)
         if steps and step_time is not None:
-            batch = max(1.0, (m.running + prev.running) / 2)
-            one = step_time / (1 + batch_factor * (batch - 1))
+            one = step_time / batch_scale
             self.step.add(one, steps)
-            floor, window = self.floor, one / steps
-            if steps < 2:  # one step says little: it may have been a light one
-                pass
-            elif floor is None or window < floor:
-                self.floor = window
-            else:
-                self.floor = floor + (window - floor) * _FLOOR_RISE
+            if steps >= 2:  # one step says little: it may have been a light one
+                floor, window = self.floor, one / steps
+                if floor is None or window < floor:
+                    self.floor = window
+                else:
+                    self.floor = floor + (window - floor) * _FLOOR_RISE
         served = _delta(m.service_count, prev.service_count)
         service = _delta(m.service_seconds_sum, prev.service_seconds_sum)
         if served and service is not None:

@@ -410,14 +410,10 @@ class LatencyScorer:
                 kv = s.calibration.kv_tokens
                 if kv is not None:
                     self.index.set_capacity(s.id, int(kv // block))
-            costs = Costs(
-                measured.per_token or self.prefill_s,
-                measured.step or self.step_s,
-                measured.tokens_per_prefill,
-                measured.service,
-                measured.engine_tokens,
-                measured.observed,
-                measured.marginal,
+            # The params fill in what the engines do not publish; every other field as pooled.
+            costs = measured._replace(
+                per_token=measured.per_token or self.prefill_s,
+                step=measured.step or self.step_s,
             )
         self._costs_at, self._costs = ctx.now, costs
         return costs
