@@ -24,6 +24,9 @@ from llmgw.scheduling.scorers import LatencyScorer
 # endpoint -> (waiting, running, kv, released, peak running); older traces lack the peak
 View = Mapping[str, tuple[float, ...] | None]
 Speed = tuple[float | None, ...]  # per_token s, step s, tokens per prefill, service s
+# A pick's costs: `Speed`, then engine tokens per router token, observed s/token, marginal
+# s/token (older traces: `Speed` alone).
+Recorded = tuple[float | None, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +35,7 @@ class Correction:
     recorded pick used, and the simulated fleet's speed then (to scale them by)."""
 
     engines: Mapping[str, tuple[float, float, float, float]]
-    costs: Speed | None
+    costs: Recorded | None
     speed: Speed
     stale: frozenset[str] = frozenset()  # the recorded pick had no fresh metrics there
     fresh: frozenset[str] = frozenset()  # it had; the simulated ones had gone stale
@@ -61,7 +64,7 @@ def _speed(states: Sequence[EndpointState]) -> Speed:
     return (c.per_token, c.step, c.tokens_per_prefill, c.service)
 
 
-def correction(recorded: View, costs: Speed | None, simulated: View, speed: Speed) -> Correction:
+def correction(recorded: View, costs: Recorded | None, simulated: View, speed: Speed) -> Correction:
     engines: dict[str, tuple[float, float, float, float]] = {}
     stale, fresh = set(), set()
     peaks: dict[str, float] = {}
@@ -108,11 +111,23 @@ def apply(
             s.released_since_scrape = max(0, s.released_since_scrape + round(d[3]))
     if fix.costs is not None:
         now = _speed(states)
+        scales = [a / b if a and b else 1.0 for a, b in zip(now, fix.speed, strict=True)]
         per_token, step, tokens, service = [
-            None if rec is None else rec * (a / b if a and b else 1.0)
-            for rec, a, b in zip(fix.costs, now, fix.speed, strict=True)
+            None if rec is None else rec * scale
+            for rec, scale in zip(fix.costs[:4], scales, strict=True)
         ]
-        wanted = Costs(per_token, step, tokens, service)
+        # Traces since session 17 add the engine tokens per router token and the two
+        # sessionless prices (the first tokens' slope, the net cost), per token like the first.
+        engine_tokens, observed, marginal = (*fix.costs[4:7], None, None, None)[:3]
+        wanted = Costs(
+            per_token,
+            step,
+            tokens,
+            service,
+            engine_tokens or 1.0,
+            None if observed is None else observed * scales[0],
+            None if marginal is None else marginal * scales[0],
+        )
         for scorer in scorers:
             if isinstance(scorer, LatencyScorer):
                 undo.append(_use_costs(scorer, wanted))

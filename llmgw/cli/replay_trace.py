@@ -46,7 +46,10 @@ class Arrival:
     # tokens, s).
     engines: Mapping[str, tuple[float, ...] | None] | None = None
     speed: tuple[float | None, ...] | None = None
-    costs: tuple[float | None, ...] | None = None  # what its latency scorer used, if any
+    # What its latency scorer used, if any: the speed's four, then the engines' tokens per
+    # one of the router's, its first tokens' slope and the net cost (s/token), None where a
+    # trace predates them.
+    costs: tuple[float | None, ...] | None = None
     # On the recording router's own clock, seconds after the pick: its first token (if the
     # edge saw it) and its end; None for traces without `clock` (then ttft/duration).
     first_s: float | None = None
@@ -121,7 +124,7 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 predicted_ms=_number((row.get("decision") or {}).get("predicted_ttft_ms")),
                 engines=_engines(row.get("engines")),
                 speed=_speed(fleet) if fleet else None,
-                costs=_speed(row["costs"]) if isinstance(row.get("costs"), dict) else None,
+                costs=_costs(row["costs"]) if isinstance(row.get("costs"), dict) else None,
                 first_s=float(first_at) - row["t"] if isinstance(first_at, int | float) else None,
                 held_s=float(clock["end"]) - row["t"] if clocked else None,
             )
@@ -151,6 +154,18 @@ def _speed(fleet: dict[str, Any]) -> tuple[float | None, ...]:
         None if step is None else step / 1e3,
         tokens,
         None if service is None else service / 1e3,
+    )
+
+
+def _costs(costs: dict[str, Any]) -> tuple[float | None, ...]:
+    """The trace's `costs` in the router's units: `_speed`'s four, then engine tokens per
+    router token, the first tokens' slope and the net cost per token (seconds)."""
+    observed, marginal = (_number(costs.get(f"{k}_us_per_token")) for k in ("observed", "marginal"))
+    return (
+        *_speed(costs),
+        _number(costs.get("engine_tokens")),
+        None if observed is None else observed / 1e6,
+        None if marginal is None else marginal / 1e6,
     )
 
 

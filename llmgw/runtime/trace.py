@@ -62,16 +62,32 @@ def _fleet(lifecycle: Lifecycle, model: str) -> dict[str, float | None] | None:
     lease = lifecycle.lease
     if lease is None:
         return None
-    return _costs(pooled(s.calibration for s in lease.registry.states(model)))
+    return _speed(pooled(s.calibration for s in lease.registry.states(model)))
 
 
-def _costs(costs: Costs) -> dict[str, float | None]:
+def _speed(costs: Costs) -> dict[str, float | None]:
     return {
-        "prefill_us_per_token": None if costs.per_token is None else costs.per_token * 1e6,
+        "prefill_us_per_token": _us(costs.per_token),
         "step_ms": None if costs.step is None else costs.step * 1e3,
         "tokens_per_prefill": costs.tokens_per_prefill,
         "service_ms": None if costs.service is None else costs.service * 1e3,
     }
+
+
+def _costs(costs: Costs) -> dict[str, float | None]:
+    """Every field of the costs a pick used, so a replay prices it as the recorded one did:
+    without the first tokens' slope and the net cost, a sessionless prompt is priced at the
+    engines' ratio (3-15x a token's cost on cache-hit traffic: `llmgw.calibration`)."""
+    return {
+        **_speed(costs),
+        "engine_tokens": costs.engine_tokens,
+        "observed_us_per_token": _us(costs.observed),
+        "marginal_us_per_token": _us(costs.marginal),
+    }
+
+
+def _us(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e6
 
 
 _FLEET_EVERY = 0.1  # seconds: the speed moves slowly; pooling it per request cost ~5 us

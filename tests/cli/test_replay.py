@@ -11,12 +11,20 @@ import pytest
 from llmgw.cli.replay import engine_args, main
 from llmgw.cli.replay_mirror import apply, correction
 from llmgw.cli.replay_sim import mirror_corrections, replay_config, simulate
-from llmgw.cli.replay_trace import Arrival, TraceRing, fit_engine, prompt_text, read_trace
+from llmgw.cli.replay_trace import (
+    Arrival,
+    TraceRing,
+    _costs,
+    fit_engine,
+    prompt_text,
+    read_trace,
+)
 from llmgw.hashring import HashRing, ring_position
 from llmgw.registry import Registry, fresh_metrics_of
 from llmgw.runtime.trace import session_hash
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scheduler import Scheduler
+from llmgw.scheduling.scorers import LatencyScorer
 from llmgw.sim.model import EngineConfig
 from llmgw.types import EngineMetrics, Outcome, RequestInfo
 
@@ -247,3 +255,42 @@ def test_a_mirrored_pick_sees_metrics_as_stale_or_fresh_as_the_recorded_pick_did
     restored = seen[states[1]]
     assert seen[states[0]] is not None and restored is not None and restored.waiting == 0.0
     assert seen[states[3]] is None
+
+
+def test_a_mirrored_pick_prices_a_sessionless_prompt_at_the_recorded_net_cost() -> None:
+    # Recorded behind Envoy: the engines' ratio said 200 us a token, the net cost 20, and a
+    # sessionless prompt was priced at 20. A replay that kept only the ratio priced it 10x
+    # higher; old traces (the speed's four alone) still replay at the ratio.
+    now = 10.0
+    registry = Registry(clock=lambda: now)
+    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    states = registry.states("m1")
+    scorers = [sc for sc, _ in scheduler.routers["m1"].scorers]
+    latency = next(sc for sc in scorers if isinstance(sc, LatencyScorer))
+    speed = (None, None, None, None)
+    prompt = "x" * 4000  # 1,000 tokens, none cached anywhere
+    uncached = 1000
+
+    def priced(costs: tuple[float | None, ...]) -> float:
+        undo = apply(correction({}, costs, {}, speed), states, scorers)
+        try:
+            request = RequestInfo(model="m1", request_id="r", prompt=prompt, prompt_tokens=1000)
+            scheduler.pick(request)
+        finally:
+            undo()
+        return max(latency.terms()["prefill_s"]) / uncached
+
+    recorded = (200e-6, 0.02, 500.0, 1.0, 1.0, None, 20e-6)
+    assert priced(recorded) == pytest.approx(20e-6)
+    assert priced(recorded[:4]) == pytest.approx(200e-6)
+    # The first tokens' slope, where the recorded edge saw first tokens, wins over the net.
+    assert priced((*recorded[:5], 30e-6, 20e-6)) == pytest.approx(30e-6)
+
+
+def test_a_trace_costs_line_reads_back_every_price() -> None:
+    row = {"prefill_us_per_token": 200.0, "step_ms": 20.0, "tokens_per_prefill": 500.0,
+           "service_ms": 1000.0, "engine_tokens": 1.25, "observed_us_per_token": None,
+           "marginal_us_per_token": 20.0}  # fmt: skip
+    assert _costs(row) == pytest.approx((200e-6, 0.02, 500.0, 1.0, 1.25, None, 20e-6))
+    old = {k: row[k] for k in ("prefill_us_per_token", "step_ms", "tokens_per_prefill")}
+    assert _costs(old)[4:] == (None, None, None)

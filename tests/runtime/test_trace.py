@@ -240,6 +240,7 @@ def test_a_trace_line_carries_the_latency_terms_and_the_fleet_speed_the_router_m
     for state in scheduler.registry.states("m1"):  # as if engines published 200 us, 8 ms
         state.calibration.prefill.add(0.02, 100.0)
         state.calibration.step.add(0.08, 10.0)
+        state.calibration.net.add(0.002, 100.0)  # net of the step each prefill shared: 20 us
     hooks = tracing(cfg, "test")
     run_lifecycle(Gateway(scheduler), hooks, 0)
     close_trace(hooks)
@@ -255,6 +256,11 @@ def test_a_trace_line_carries_the_latency_terms_and_the_fleet_speed_the_router_m
     assert record["t"] <= record["t_pick"] <= record["t"] + record["outcome"]["duration_ms"] / 1e3
     assert record["engines"] == dict.fromkeys(decision["totals"])
     assert record["costs"]["prefill_us_per_token"] == pytest.approx(200.0)
+    # ... all of them: a replay prices a sessionless prompt at the net cost as this pick did.
+    assert record["costs"]["marginal_us_per_token"] == pytest.approx(20.0)
+    assert record["costs"]["observed_us_per_token"] is None  # no first tokens seen yet
+    assert record["costs"]["engine_tokens"] == 1.0
+    assert "marginal_us_per_token" not in record["fleet"]  # the speed alone there
 
 
 def test_a_trace_line_times_the_pick_first_token_and_end_on_the_routers_own_clock(
