@@ -233,7 +233,7 @@ class LlmgwContender:
                 for scorer, _ in scheduler.router(MODEL).scorers:
                     if isinstance(scorer, LatencyScorer):
                         # The index's per-endpoint capacity stays its default (16,384 blocks).
-                        setattr(scorer.index, "set_capacity", _ignore_capacity)  # noqa: B010
+                        scorer.kv_sized = False
         self._balancer = random.Random(seed * 31 + 7)
         self._index = {address(i): i for i in range(n)}
 
@@ -251,10 +251,6 @@ class LlmgwContender:
 
     def done(self, index: int) -> None:
         pass
-
-
-def _ignore_capacity(endpoint_id: str, blocks: int) -> None:
-    """`PrefixIndex.set_capacity` for an index that does not model the engines' KV size."""
 
 
 class _Local:

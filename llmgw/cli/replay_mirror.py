@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 
 from llmgw.calibration import Costs, pooled
 from llmgw.registry import EndpointState, Registry, fresh_metrics_of
-from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.scorers import LatencyScorer
 
 # endpoint -> (waiting, running, kv, released, peak running); older traces lack the peak
@@ -140,16 +139,11 @@ def apply(
 
 
 def _use_costs(scorer: LatencyScorer, costs: Costs) -> Callable[[], None]:
-    own = scorer.costs
-
-    def recorded(ctx: PickContext) -> Costs:
-        own(ctx)  # its side effects (KV capacities), not its answer
-        return costs
-
-    scorer.costs = recorded  # type: ignore[method-assign]
+    before = scorer.costs_override
+    scorer.costs_override = costs
 
     def restore() -> None:
-        del scorer.costs
+        scorer.costs_override = before
 
     return restore
 

@@ -330,6 +330,7 @@ class LatencyScorer:
         queue_weighting: bool = True,
         kv_full: float = 0.9,
         tokenizer: str = "",
+        kv_sized: bool = True,
     ) -> None:
         # Built at config load: a missing optional package or file fails there, with a message.
         self.tokenizer: PromptTokenizer | None = make_tokenizer(tokenizer) if tokenizer else None
@@ -363,6 +364,12 @@ class LatencyScorer:
         self.work_weight = work_weight
         self.block_tokens = block_tokens
         self.calibrate = calibrate
+        # The approximate index holds at most each engine's published KV cache (its
+        # `cache_config_info`) per endpoint; False keeps `capacity` blocks everywhere.
+        self.kv_sized = kv_sized
+        # Costs to answer instead of the calibration's (`llmgw replay --mirror` sets the
+        # recorded pick's); the calibration still runs for its side effects.
+        self.costs_override: Costs | None = None
         self.smoothing = smoothing_ms / 1e3
         self.index = PrefixIndex(
             block_chars=int(block_tokens * CHARS_PER_TOKEN),
@@ -398,7 +405,7 @@ class LatencyScorer:
         """The model's costs: its endpoints' calibration (`pooled`, refreshed at most every
         0.1 s) where they publish it, else the params."""
         if ctx.now - self._costs_at < 0.1:
-            return self._costs
+            return self.costs_override or self._costs
         measured = pooled([s.calibration for s in ctx.all_states]) if self.calibrate else None
         if measured is None:
             costs = Costs(self.prefill_s, self.step_s, None, None)
@@ -408,7 +415,7 @@ class LatencyScorer:
             block = self.block_tokens * measured.engine_tokens
             for s in ctx.all_states:
                 kv = s.calibration.kv_tokens
-                if kv is not None:
+                if kv is not None and self.kv_sized:
                     self.index.set_capacity(s.id, int(kv // block))
             # The params fill in what the engines do not publish; every other field as pooled.
             costs = measured._replace(
@@ -416,7 +423,7 @@ class LatencyScorer:
                 step=measured.step or self.step_s,
             )
         self._costs_at, self._costs = ctx.now, costs
-        return costs
+        return self.costs_override or costs
 
     @property
     def costs_in_use(self) -> Costs:
@@ -552,7 +559,7 @@ class LatencyScorer:
         costs: list[float] = []
         append_cost = costs.append
         for s, prefill in zip(candidates, prefills, strict=True):
-            load: float = s.inflight
+            load = s.inflight + 0.0  # a float: compiled (mypyc), an int is another type
             if s.reports_first_token:  # the edge sees first tokens: exact pending work
                 queue = s.pending_prefill * per_token
             else:  # it does not (Envoy without body events): time drains the work

@@ -17,7 +17,8 @@ from llmgw.errors import (
     NoHealthyEndpoint,
 )
 from llmgw.hashring import HashRing
-from llmgw.registry import Registry
+from llmgw.registry import EndpointState, Registry
+from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.strategies import PRESETS
 from llmgw.types import EngineMetrics, Outcome, RequestInfo
@@ -269,7 +270,14 @@ def test_lease_on_a_half_open_endpoint_is_a_probe() -> None:
 
 def test_a_scorer_returning_the_wrong_number_of_scores_is_an_error() -> None:
     sched, _, _ = scheduler({"chat": static_model(3, strategy="batch")})
-    scorer, _ = sched.routers["chat"].scorers[0]
-    scorer.score = lambda ctx, candidates: [1.0]  # type: ignore[method-assign]
+    router = sched.routers["chat"]
+
+    class OneScore:  # a plugin's bug: one score whatever the candidates
+        name = "one"
+
+        def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
+            return [1.0]
+
+    router.scoring = [(OneScore(), 1.0, None)]
     with pytest.raises(ValueError, match="1 scores for 3"):
         sched.pick(req())
