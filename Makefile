@@ -4,18 +4,29 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint demo bench bench-quick bench-grid soak clean
+.PHONY: test test-fast lint demo native bench bench-quick bench-grid soak clean
+
+# The scheduler's hot modules, compiled with mypyc (llmgw/native.py); rebuilt when one changes.
+NATIVE_SRC := llmgw/registry.py llmgw/scheduling/blockhash.py llmgw/scheduling/prefix.py \
+	llmgw/scheduling/scorers.py
+NATIVE := llmgw/native.json
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[extproc,asgi,sim,k8s,exact,dev]'
+	$(PY) -m pip install -q -e '.[extproc,asgi,sim,k8s,exact,native,dev]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# Without a C compiler this says so and leaves the Python sources to run.
+$(NATIVE): $(STAMP) $(NATIVE_SRC) llmgw/native.py scripts/build_native.py
+	$(PY) scripts/build_native.py > build-native.log || (cat build-native.log; exit 1)
+
+native: $(NATIVE)
+
+test: $(STAMP) $(NATIVE)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(NATIVE)
 	$(PY) -m pytest -q -m "not e2e and not real_engine and not slow"
 
 lint: $(STAMP)
@@ -23,10 +34,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-demo: $(STAMP)
+demo: $(STAMP) $(NATIVE)
 	$(PY) -m llmgw.cli demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(NATIVE)
 	$(PY) bench/pick_latency.py
 	$(PY) bench/fleetsim_grid.py --jobs 2
 	$(PY) bench/routing.py
@@ -36,14 +47,15 @@ bench: $(STAMP)
 	$(PY) -m bench.trace_cost
 	$(PY) bench/replay_fidelity.py
 
-bench-grid: $(STAMP)  # routing strategies over 12 regimes in virtual time, ~4 min
+bench-grid: $(STAMP) $(NATIVE)  # routing strategies over 12 regimes in virtual time, ~4 min
 	$(PY) bench/fleetsim_grid.py --jobs 2
 
-bench-quick: $(STAMP)  # routing grid: 3 cells, 8 contenders, < 5 min
+bench-quick: $(STAMP) $(NATIVE)  # routing grid: 3 cells, 8 contenders, < 5 min
 	$(PY) bench/routing.py --quick
 
-soak: $(STAMP)
+soak: $(STAMP) $(NATIVE)
 	$(PY) bench/soak.py
 
 clean:
+	rm -f $(NATIVE) build-native.log llmgw/*.so llmgw/scheduling/*.so
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -12,9 +12,12 @@ prompts that share a few system prefixes. Prints a table and writes JSON.
 
 `--baseline REV` compares against the code of a git revision in the same run (A/B, one
 process per measurement, alternating, so both see the same machine load): a shared
-machine moves absolute numbers by tens of percent, the ratio far less.
+machine moves absolute numbers by tens of percent, the ratio far less. A revision runs its
+Python sources (git holds no compiled modules); `--baseline python` is this checkout with
+`LLMGW_NATIVE=0`, against its compiled modules (`make native`, `llmgw/native.py`).
 
     python bench/pick_latency.py --baseline HEAD~3 --strategies latency
+    python bench/pick_latency.py --baseline python --strategies latency
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parent
 # The checkout's own `llmgw` (or a baseline's, for --baseline), not an installed one.
 sys.path.insert(0, os.environ.get("PICK_LATENCY_CODE", str(ROOT.parent)))
 
+from llmgw import native  # noqa: E402
 from llmgw.config import load_dict  # noqa: E402
 from llmgw.kvevents import BlockStored, EventBatch  # noqa: E402
 from llmgw.registry import Registry  # noqa: E402
@@ -201,9 +205,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _measure_in(code: Path, n: int, name: str, picks: int, seed: int) -> dict[str, float]:
-    """One measurement in a fresh process importing `llmgw` from `code`."""
+def _measure_in(
+    code: Path, n: int, name: str, picks: int, seed: int, python: bool = False
+) -> dict[str, float]:
+    """One measurement in a fresh process importing `llmgw` from `code` (with `python`,
+    its sources even where compiled modules are built)."""
     env = {**os.environ, "PICK_LATENCY_CODE": str(code)}
+    if python:
+        env["LLMGW_NATIVE"] = "0"
     argv = [
         sys.executable,
         __file__,
@@ -220,19 +229,26 @@ def _measure_in(code: Path, n: int, name: str, picks: int, seed: int) -> dict[st
 def compare(rev: str, picks: int, repeat: int, names: tuple[str, ...]) -> list[dict[str, Any]]:
     """p50 of the checkout vs `rev`, measured alternately (best of `repeat` each)."""
     rows = []
+    python = rev == "python"  # this checkout's sources, not a revision
     with tempfile.TemporaryDirectory(prefix="pick-baseline-") as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(ROOT.parent), "archive", rev, "llmgw"],
-            check=True,
-            capture_output=True,
-        ).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        base_code = ROOT.parent if python else Path(tmp)
+        archive = (
+            b""
+            if python
+            else subprocess.run(
+                ["git", "-C", str(ROOT.parent), "archive", rev, "llmgw"],
+                check=True,
+                capture_output=True,
+            ).stdout
+        )
+        if not python:
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         for name in names:
             for n in SIZES:
                 base: list[float] = []
                 new: list[float] = []
                 for k in range(repeat):
-                    base.append(_measure_in(Path(tmp), n, name, picks, k)["p50_us"])
+                    base.append(_measure_in(base_code, n, name, picks, k, python)["p50_us"])
                     new.append(_measure_in(ROOT.parent, n, name, picks, k)["p50_us"])
                 rows.append(
                     {
@@ -277,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.baseline:
         rows = compare(args.baseline, args.picks, args.repeat, names)
-        print(f"Scheduler.pick p50, this checkout vs {args.baseline} (same run, alternating)")
+        print(
+            f"Scheduler.pick p50, this checkout ({native.STATUS.reason}) vs {args.baseline} "
+            "(same run, alternating)"
+        )
         print(compare_table(rows))
         out = args.out.with_name(args.out.stem + "_ab.json")
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -285,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
     rows = run(args.picks, args.repeat, names)
-    print("Scheduler.pick latency (2 KB prompts, fresh metrics)")
+    print(f"Scheduler.pick latency (2 KB prompts, fresh metrics; {native.STATUS.reason})")
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
@@ -293,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "machine": platform.machine(),
         "prompt_bytes": PROMPT_BYTES,
+        "compiled": native.STATUS.active,
         "repeat": args.repeat,
         "results": rows,
     }
