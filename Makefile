@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 .PHONY: test test-fast lint demo native bench bench-quick bench-grid soak clean
 
 # The scheduler's hot modules, compiled with mypyc (llmgw/native.py); rebuilt when one changes.
-NATIVE_SRC := llmgw/registry.py llmgw/scheduling/blockhash.py llmgw/scheduling/prefix.py \
-	llmgw/scheduling/scorers.py
+NATIVE_SRC := llmgw/kvindex.py llmgw/registry.py llmgw/scheduling/blockhash.py \
+	llmgw/scheduling/prefix.py llmgw/scheduling/scorers.py llmgw/tokenize.py
 NATIVE := llmgw/native.json
 
 $(STAMP): pyproject.toml
