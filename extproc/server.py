@@ -30,6 +30,7 @@ import grpc
 from aiohttp import web
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
+from llmgw import native
 from llmgw.catalog import catalog_answer
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
@@ -262,7 +263,10 @@ class ExtProcServer:
             self._ports["metrics"] = await self._serve_http(
                 [web.get("/metrics", self._metrics)], self._ports["metrics"]
             )
-        log.info("ext_proc listening", extra={"ports": self.ports})
+        # Which scheduler code runs: the compiled modules or the Python sources (and why).
+        log.info(
+            "ext_proc listening", extra={"ports": self.ports, "scheduler": native.STATUS.reason}
+        )
 
     def _bind(self, server: grpc.aio.Server, port: int | None, *, tls: ServerTls | None) -> int:
         address = f"{self.host}:{port}"
