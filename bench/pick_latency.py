@@ -232,16 +232,12 @@ def compare(rev: str, picks: int, repeat: int, names: tuple[str, ...]) -> list[d
     python = rev == "python"  # this checkout's sources, not a revision
     with tempfile.TemporaryDirectory(prefix="pick-baseline-") as tmp:
         base_code = ROOT.parent if python else Path(tmp)
-        archive = (
-            b""
-            if python
-            else subprocess.run(
+        if not python:
+            archive = subprocess.run(
                 ["git", "-C", str(ROOT.parent), "archive", rev, "llmgw"],
                 check=True,
                 capture_output=True,
             ).stdout
-        )
-        if not python:
             subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         for name in names:
             for n in SIZES:

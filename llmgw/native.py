@@ -43,6 +43,7 @@ class Status:
     active: bool  # the extensions run
     reason: str  # why (or why not), for logs and benchmarks
     stale: bool = False  # extensions are there but do not match their sources
+    built: bool = False  # some extension is there (so the sources need a finder to load)
 
 
 def source_of(package: Path, module: str) -> Path:
@@ -78,21 +79,24 @@ def check(
     env = {} if env is None else env
     built = [m for m in modules if extension_of(package, m) is not None]
     if env.get("LLMGW_NATIVE", "") == "0":
-        return Status(False, "LLMGW_NATIVE=0: Python sources")
+        return Status(False, "LLMGW_NATIVE=0: Python sources", built=bool(built))
     if not built:
         return Status(False, "not compiled (`make native` builds the extensions)")
     try:
         recorded = json.loads((package / MANIFEST).read_text())
     except FileNotFoundError:
-        return Status(False, f"extensions without {MANIFEST}: rebuild with `make native`", True)
+        return _stale(f"extensions without {MANIFEST}: rebuild with `make native`")
     except (OSError, ValueError) as exc:
-        return Status(False, f"{MANIFEST} unreadable ({exc}): rebuild with `make native`", True)
+        return _stale(f"{MANIFEST} unreadable ({exc}): rebuild with `make native`")
     if len(built) < len(modules):
-        missing = sorted(set(modules) - set(built))
-        return Status(False, f"extensions missing for {', '.join(missing)}", True)
+        return _stale(f"extensions missing for {', '.join(sorted(set(modules) - set(built)))}")
     if recorded != manifest_for(package, modules):
-        return Status(False, "sources changed since the build: rebuild with `make native`", True)
-    return Status(True, "compiled (mypyc)")
+        return _stale("sources changed since the build: rebuild with `make native`")
+    return Status(True, "compiled (mypyc)", built=True)
+
+
+def _stale(reason: str) -> Status:
+    return Status(False, reason, stale=True, built=True)
 
 
 class SourcesFirst(MetaPathFinder):
@@ -114,7 +118,7 @@ def install(
     package: Path = PACKAGE, env: Mapping[str, str] | None = None, modules: Sequence[str] = MODULES
 ) -> Status:
     status = check(package, env, modules)
-    if not status.active and any(extension_of(package, m) is not None for m in modules):
+    if not status.active and status.built:
         if not any(isinstance(f, SourcesFirst) for f in sys.meta_path):
             sys.meta_path.insert(0, SourcesFirst(package, modules))
         if status.stale:
