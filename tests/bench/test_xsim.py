@@ -1,0 +1,135 @@
+"""The cross-check engine (`bench/xsim/engine.py`): vLLM's streaming order, prefix hits
+only after prefill, LRU eviction, and the workloads' promised shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.xsim.engine import Engine, EngineParams, Request, block_hashes, make_app, tokenize
+from bench.xsim.workloads import SPECS, build
+
+
+async def _serve(params: EngineParams) -> AsyncIterator[tuple[str, Engine]]:
+    engine = Engine("r0", params)
+    loop_task = asyncio.create_task(engine.run())
+    runner = web.AppRunner(make_app(engine, "m1", 0), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}", engine
+    finally:
+        loop_task.cancel()
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def replica() -> AsyncIterator[tuple[str, Engine]]:
+    async for pair in _serve(EngineParams(kv_blocks=64)):
+        yield pair
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def _stream(
+    http: aiohttp.ClientSession, url: str, content: str, max_tokens: int
+) -> list[str]:
+    """Events in arrival order: 'headers', then each data payload."""
+    body = {"model": "m1", "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "stream": True}  # fmt: skip
+    events = []
+    async with http.post(url + "/v1/chat/completions", json=body) as response:
+        assert response.status == 200
+        events.append("headers")
+        async for raw in response.content:
+            line = raw.strip()
+            if line.startswith(b"data:"):
+                events.append(line[5:].strip().decode())
+    return events
+
+
+async def test_streams_like_vllm_and_a_repeated_prompt_hits_the_cache(
+    replica: tuple[str, Engine],
+) -> None:
+    url, _ = replica
+    prompt = "alpha beta gamma delta " * 30  # ~120 tokens: several full blocks
+    async with aiohttp.ClientSession() as http:
+        first = await _stream(http, url, prompt, 5)
+        assert first[0] == "headers"
+        assert '"role": "assistant"' in first[1] and '"content": " tok"' in first[1]
+        assert len(first) == 1 + 5 + 1 and first[-1] == "[DONE]"
+        async with http.get(url + "/metrics") as r:
+            before = _metric(await r.text(), "vllm:prefix_cache_hits_total")
+        assert before == 0
+        await _stream(http, url, prompt, 3)
+        async with http.get(url + "/metrics") as r:
+            text = await r.text()
+        assert _metric(text, "vllm:prefix_cache_hits_total") >= 96
+        assert _metric(text, "vllm:request_success_total") == 2
+        assert "vllm:cache_config_info" not in text  # only with --cache-info
+
+
+async def test_a_prompt_larger_than_the_cache_is_refused_not_queued_forever(
+    replica: tuple[str, Engine],
+) -> None:
+    url, _ = replica
+    body = {"model": "m1", "messages": [{"role": "user", "content": "word " * 2000}]}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status == 400
+        assert "KV cache" in (await response.json())["error"]["message"]
+
+
+def _request(text: str, max_tokens: int = 16) -> Request:
+    tokens = tokenize(text)
+    return Request(block_hashes(tokens), len(tokens), max_tokens, 0.0)
+
+
+def test_blocks_become_hits_only_after_prefill_and_are_evicted_least_recently_used() -> None:
+    engine = Engine("r0", EngineParams(kv_blocks=20))
+    a, b = _request("aaa " * 96), _request("bbb " * 96)  # 6 full blocks + 1 for decode each
+    assert engine._try_admit(a)
+    again = _request("aaa " * 96)
+    assert engine._try_admit(again) and again.cached == 0  # a has not prefilled yet
+    engine._release(again)
+    engine._publish_prefix(a)
+    engine._release(a)
+    assert engine._try_admit(b)
+    engine._publish_prefix(b)
+    engine._release(b)
+    hit = _request("aaa " * 96)
+    assert engine._try_admit(hit) and hit.cached == 95  # all but the last token
+    engine._publish_prefix(hit)
+    engine._release(hit)
+    # 20 blocks hold a's and b's 6 each; a third prompt evicts b's, the least recent.
+    assert engine._try_admit(_request("ccc " * 96, max_tokens=80))
+    assert engine._try_admit(later := _request("aaa " * 96)) and later.cached == 95
+
+
+def test_tokens_are_not_four_characters() -> None:
+    text = "conversation about a considerably longer sentence, with punctuation."
+    assert len(text) / len(tokenize(text)) < 3.5
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_workloads_are_seeded(name: str) -> None:
+    assert build(name, 1).fingerprint() == build(name, 1).fingerprint()
+    assert build(name, 1).fingerprint() != build(name, 2).fingerprint()
+    assert build(name, 1).requests >= 150
