@@ -1,0 +1,161 @@
+"""Workloads for the cross-check (`bench/crosscheck.py`), generated apart from
+`bench/workloads/grid.py`: their own text, lengths, think times and rates.
+
+Lengths are in the cross-check engine's tokens (`bench.xsim.engine.tokenize`, ~3.3
+characters a token). Every conversation draws its own words, so only what the workload
+means to share (a system prompt, a user's context, earlier turns) is a common prefix.
+
+- `chat-moderate`: multi-turn chat, `x-session-id` per conversation, 4-8 turns, one shared
+  ~300-token system prompt, user turns 50-300 tokens, scripted replies 100-400, lognormal
+  think time with mean ~1 s, Poisson conversation starts; replicas about half busy.
+- `chat-busy`: the same shape at ~1.8x the rate.
+- `hot-sessions`: 30 users with Zipf(1.2) popularity, each with a 2-6k-token personal
+  context; 2-5 turn conversations keyed by the user id.
+- `shared-system`: no session header; single requests opening with one of 8 system
+  prompts of 1-3k tokens, then a unique 30-150-token question; Poisson arrivals; on the
+  small-cache fleet, where a replica holds about half of the prompts.
+- `pressure-chat`: `chat-moderate`'s traffic on a fleet whose KV cache holds about half
+  of the histories that are live at once (run on the small-cache fleet).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from bench.workloads import Conversation, Turn, Workload
+from bench.xsim.engine import tokenize
+
+_CONSONANTS = "bcdfghjklmnprstvwz"
+_VOWELS = "aeiou"
+
+
+class Words:
+    """Seeded pseudo-words of 2-11 letters (word pieces split them unevenly)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def word(self) -> str:
+        n = self.rng.choice((1, 1, 2, 2, 2, 3, 3, 4, 5))
+        return "".join(self.rng.choice(_CONSONANTS) + self.rng.choice(_VOWELS) for _ in range(n))
+
+    def text(self, tokens: int) -> str:
+        out: list[str] = []
+        count = 0
+        while count < tokens:
+            w = self.word()
+            if self.rng.random() < 0.08:
+                w += self.rng.choice(".,;?")
+            out.append(w)
+            count += len(tokenize(w))
+        return " ".join(out)
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    fleet: str  # "roomy" | "small": which KV size the driver runs it on
+    window_s: float
+    note: str
+
+
+SPECS = {
+    "chat-moderate": Spec("chat-moderate", "roomy", 45, "multi-turn chat, moderate load"),
+    "chat-busy": Spec("chat-busy", "roomy", 40, "multi-turn chat, busy"),
+    "hot-sessions": Spec("hot-sessions", "roomy", 45, "few hot users, long contexts"),
+    "shared-system": Spec("shared-system", "small", 35, "8 long system prompts, no session"),
+    "pressure-chat": Spec("pressure-chat", "small", 45, "chat, KV cache < live histories"),
+}
+
+# KV blocks (16 tokens) a replica on each fleet.
+FLEET_KV_BLOCKS = {"roomy": 6000, "small": 700}
+
+
+def _poisson_starts(rng: random.Random, rate: float, window: float) -> list[float]:
+    out, t = [], rng.expovariate(rate)
+    while t < window:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _think(rng: random.Random) -> float:
+    # Lognormal, median 0.8 s, mean ~1.0 s.
+    return rng.lognormvariate(math.log(0.8), 0.65)
+
+
+def _chat(name: str, seed: int, rate: float, window: float) -> Workload:
+    rng = random.Random(f"xsim-{name}-{seed}")
+    system = Words(random.Random(f"xsim-system-{seed}")).text(300)
+    convs = []
+    for i, start in enumerate(_poisson_starts(rng, rate, window)):
+        words = Words(random.Random(f"xsim-{name}-{seed}-{i}"))
+        turns = tuple(
+            Turn(
+                user=words.text(rng.randint(50, 300)),
+                reply=words.text(rng.randint(100, 400)),
+                max_tokens=rng.randint(16, 48),
+                think_s=_think(rng),
+            )
+            for _ in range(rng.randint(4, 8))
+        )
+        convs.append(Conversation(i, f"chat-{seed}-{i}", start, system, turns))
+    return _workload(name, seed, convs, rate)
+
+
+def _hot(seed: int, rate: float, window: float) -> Workload:
+    rng = random.Random(f"xsim-hot-{seed}")
+    users = 30
+    contexts = [
+        Words(random.Random(f"xsim-user-{seed}-{u}")).text(rng.randint(2000, 6000))
+        for u in range(users)
+    ]
+    weights = [1 / (k + 1) ** 1.2 for k in range(users)]
+    convs = []
+    for i, start in enumerate(_poisson_starts(rng, rate, window)):
+        user = rng.choices(range(users), weights)[0]
+        words = Words(random.Random(f"xsim-hot-{seed}-{i}"))
+        turns = tuple(
+            Turn(words.text(rng.randint(30, 150)), words.text(rng.randint(80, 250)),
+                 rng.randint(16, 40), _think(rng))
+            for _ in range(rng.randint(2, 5))
+        )  # fmt: skip
+        convs.append(Conversation(i, f"user-{user}", start, contexts[user], turns))
+    return _workload("hot-sessions", seed, convs, rate)
+
+
+def _shared(seed: int, rate: float, window: float) -> Workload:
+    rng = random.Random(f"xsim-shared-{seed}")
+    systems = [
+        Words(random.Random(f"xsim-sys-{seed}-{k}")).text(rng.randint(1000, 3000)) for k in range(8)
+    ]
+    convs = []
+    for i, start in enumerate(_poisson_starts(rng, rate, window)):
+        words = Words(random.Random(f"xsim-q-{seed}-{i}"))
+        turn = Turn(words.text(rng.randint(30, 150)), "", rng.randint(16, 32), 0.0)
+        convs.append(Conversation(i, None, start, rng.choice(systems), (turn,)))
+    return _workload("shared-system", seed, convs, rate)
+
+
+def _workload(name: str, seed: int, convs: list[Conversation], rate: float) -> Workload:
+    spec = SPECS[name]
+    wl = Workload(name, seed, spec.note, tuple(convs), rate)
+    wl.params["offered_req_s"] = round(wl.offered_request_rate(), 2)
+    return wl
+
+
+def build(name: str, seed: int = 1) -> Workload:
+    spec = SPECS[name]
+    if name == "chat-moderate":
+        return _chat(name, seed, 1.6, spec.window_s)
+    if name == "chat-busy":
+        return _chat(name, seed, 2.9, spec.window_s)
+    if name == "pressure-chat":
+        return _chat(name, seed, 1.2, spec.window_s)
+    if name == "hot-sessions":
+        return _hot(seed, 1.3, spec.window_s)
+    if name == "shared-system":
+        return _shared(seed, 12.0, spec.window_s)
+    raise KeyError(name)
