@@ -1,0 +1,154 @@
+"""Routers on an engine and workloads that llmgw was not tuned on (`bench/xsim/`).
+
+    .venv/bin/python bench/crosscheck.py                       # 5 workloads, 5 contenders
+    .venv/bin/python bench/crosscheck.py --workloads chat-moderate --only envoy:latency
+    .venv/bin/python bench/crosscheck.py --metrics minimal     # engines publish gauges only
+    .venv/bin/python bench/crosscheck.py --cache-info          # engines say their KV size
+
+`bench/routing.py` ranks routers on llmgw's own simulator and regime grid; this runs the
+same contenders (started by routing.py's own code: llmgw through a real Envoy, `llmgw
+proxy`, the peer routers, client-side hashing and round-robin) on
+`bench/xsim/engine.py` (its own tokenizer, scheduler, costs and metrics subset) with
+`bench/xsim/workloads.py`. TTFT is timed at the client's first content chunk. Prints TTFT
+p90 per contender x workload with the ratio to the best, writes
+bench/results/<out>.json and <out>.txt. One run: compare within it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from bench._tools import format_table, write_results  # noqa: E402
+from bench.peers import PEER_POLICIES, ensure_peers  # noqa: E402
+from bench.routing import (  # noqa: E402
+    _picker,
+    _python,
+    all_contenders,
+    base_port,
+    run_one,
+    start_contender,
+    warm_up,
+)
+from bench.xsim.workloads import FLEET_KV_BLOCKS, SPECS, build  # noqa: E402
+
+DEFAULT_CONTENDERS = (
+    "envoy:latency",
+    "asgi:default",
+    "sglang-router:cache_aware",
+    "client:ring",
+    "client:round-robin",
+)
+
+
+class Fleet:
+    """`bench/xsim/engine.py` in a child process; `urls` once it says READY."""
+
+    def __init__(self, kv_blocks: int, metrics: str, cache_info: bool) -> None:
+        cmd = [_python(), "-m", "bench.xsim.engine", "--replicas", "4"]
+        cmd += ["--base-port", str(base_port() or 18600), "--kv-blocks", str(kv_blocks)]
+        cmd += ["--metrics", metrics] + (["--cache-info"] if cache_info else [])
+        self.proc = subprocess.Popen(cmd, cwd=HERE.parent, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("READY "):
+            self.proc.kill()
+            raise RuntimeError(f"xsim engine did not start: {line!r}")
+        self.urls = line.split()[1:]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--workloads", default=",".join(SPECS))
+    parser.add_argument("--only", default=",".join(DEFAULT_CONTENDERS))
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--metrics", choices=("full", "minimal"), default="full")
+    parser.add_argument("--cache-info", action="store_true")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--out", default="crosscheck")
+    args = parser.parse_args(argv)
+    names = args.workloads.split(",")
+    unknown = [n for n in names if n not in SPECS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown} (known: {', '.join(SPECS)})")
+    by_name = {c.name: c for c in all_contenders()}
+    wanted = args.only.split(",")
+    missing = [n for n in wanted if n not in by_name]
+    if missing:
+        parser.error(f"unknown contenders {missing} (known: {', '.join(by_name)})")
+    peers = ensure_peers(install=False)
+    contenders = [
+        by_name[n]
+        for n in wanted
+        if by_name[n].edge not in PEER_POLICIES or by_name[n].edge in peers
+    ]
+    workloads = {n: build(n, args.seed) for n in names}
+    for n, wl in workloads.items():
+        print(f"{n}: {wl.description}, {wl.requests} requests, {wl.params['offered_req_s']} req/s")
+    results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in names}
+    started = time.monotonic()
+    for fleet_name, kv in FLEET_KV_BLOCKS.items():
+        group = [n for n in names if SPECS[n].fleet == fleet_name]
+        if not group:
+            continue
+        fleet = Fleet(kv, args.metrics, args.cache_info)
+        try:
+            with tempfile.TemporaryDirectory(prefix="crosscheck-") as scratch:
+                for contender in contenders:
+                    with start_contender(contender, fleet.urls, peers, Path(scratch)) as base:
+                        if base:
+                            asyncio.run(warm_up(base))
+                        for n in group:
+                            summary = asyncio.run(
+                                run_one(base, fleet.urls, workloads[n], args.timeout,
+                                        _picker(contender, fleet.urls))
+                            )  # fmt: skip
+                            summary.pop("load_samples", None)
+                            results[n][contender.name] = summary
+                            print(
+                                f"  {contender.name:28s} {n:15s} TTFT p50/p90 "
+                                f"{summary['ttft_p50_ms']}/{summary['ttft_p90_ms']} ms, hit "
+                                f"{summary['prefix_hit_rate']}, busy {summary['busy_max_mean']}"
+                                f", errors {summary['errors']}",
+                                flush=True,
+                            )
+        finally:
+            fleet.close()
+    rows = []
+    for c in contenders:
+        row: dict[str, Any] = {"contender": c.name}
+        for n in names:
+            s = results[n].get(c.name)
+            p90s = [r["ttft_p90_ms"] for r in results[n].values() if r.get("ttft_p90_ms")]
+            if s is None or not s.get("ttft_p90_ms") or not p90s:
+                row[n] = None
+                continue
+            row[n] = f"{s['ttft_p90_ms']:.0f} ({s['ttft_p90_ms'] / min(p90s):.2f}x)"
+        rows.append(row)
+    command = "python bench/crosscheck.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = (
+        f"# {command.strip()}\n# engines: bench/xsim (metrics {args.metrics}, cache info "
+        f"{args.cache_info}); TTFT p90 ms (x the best in the column); "
+        f"{time.monotonic() - started:.0f} s\n" + format_table(rows)
+    )
+    print(text)
+    (HERE / "results" / f"{args.out}.txt").write_text(text + "\n")
+    write_results(args.out, {"args": vars(args), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
