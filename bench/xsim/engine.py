@@ -6,8 +6,8 @@ choices wherever `llmgw/sim/` made one, so a ranking that holds on both is less 
 be an artefact of either:
 
 - **Tokens**: a word-piece stand-in, not 4 characters a token. Text splits into words and
-  punctuation; a word is one token per 4 characters or part (`"conversation"` = 3), so
-  English-like text runs ~3.3 characters a token. llmgw estimates 4 and must convert.
+  punctuation; a word is one token per 3 characters or part (`"conversation"` = 4), so
+  the workloads' text runs ~3 characters a token. llmgw estimates 4 and must convert.
   Chat requests are rendered with a role-marker template first.
 - **Scheduler** (vLLM v1-like): one loop per replica. A step's token budget
   (`--max-batched-tokens`, 1,024) first goes to running decodes (one token each), then
@@ -352,7 +352,8 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
             return web.json_response({"error": {"message": "unknown model"}}, status=404)
         text = render_chat(body["messages"]) if "messages" in body else str(body.get("prompt", ""))
         tokens = tokenize(text)
-        max_tokens = max(1, int(body.get("max_tokens") or 16))
+        # vLLM reads OpenAI's newer name first (sglang-router rewrites to it).
+        max_tokens = max(1, int(body.get("max_completion_tokens") or body.get("max_tokens") or 16))
         if -(-(len(tokens) + max_tokens) // BLOCK) > engine.p.kv_blocks:
             message = f"prompt of {len(tokens)} tokens + max_tokens does not fit the KV cache"
             return web.json_response({"error": {"message": message}}, status=400)

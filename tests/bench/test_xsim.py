@@ -47,11 +47,11 @@ def _metric(text: str, name: str) -> float:
 
 
 async def _stream(
-    http: aiohttp.ClientSession, url: str, content: str, max_tokens: int
+    http: aiohttp.ClientSession, url: str, content: str, max_tokens: int, **extra: object
 ) -> list[str]:
     """Events in arrival order: 'headers', then each data payload."""
     body = {"model": "m1", "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "stream": True}  # fmt: skip
+            "max_tokens": max_tokens, "stream": True, **extra}  # fmt: skip
     events = []
     async with http.post(url + "/v1/chat/completions", json=body) as response:
         assert response.status == 200
@@ -82,6 +82,19 @@ async def test_streams_like_vllm_and_a_repeated_prompt_hits_the_cache(
         assert _metric(text, "vllm:prefix_cache_hits_total") >= 96
         assert _metric(text, "vllm:request_success_total") == 2
         assert "vllm:cache_config_info" not in text  # only with --cache-info
+
+
+async def test_max_completion_tokens_wins_over_max_tokens_as_in_vllm(
+    replica: tuple[str, Engine],
+) -> None:
+    # sglang-router forwards `max_tokens` as `max_completion_tokens`: an engine that read
+    # only the old name would answer its requests with the default length.
+    url, _ = replica
+    async with aiohttp.ClientSession() as http:
+        events = await _stream(http, url, "one two three", 2, max_completion_tokens=7)
+        assert len(events) == 1 + 7 + 1
+        events = await _stream(http, url, "one two three", 4)
+        assert len(events) == 1 + 4 + 1
 
 
 async def test_a_prompt_larger_than_the_cache_is_refused_not_queued_forever(
