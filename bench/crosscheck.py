@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-info", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--out", default="crosscheck")
+    parser.add_argument("--no-install", action="store_true", help="do not pip-install peers")
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in SPECS]
@@ -89,12 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     missing = [n for n in wanted if n not in by_name]
     if missing:
         parser.error(f"unknown contenders {missing} (known: {', '.join(by_name)})")
-    peers = ensure_peers(install=False)
-    contenders = [
-        by_name[n]
-        for n in wanted
-        if by_name[n].edge not in PEER_POLICIES or by_name[n].edge in peers
-    ]
+    peers = ensure_peers(install=not args.no_install)
+    contenders = []
+    for n in wanted:
+        if by_name[n].edge in PEER_POLICIES and by_name[n].edge not in peers:
+            print(f"skipping {n}: not installed (run without --no-install to pip-install it)")
+        else:
+            contenders.append(by_name[n])
     workloads = {n: build(n, args.seed) for n in names}
     for n, wl in workloads.items():
         print(f"{n}: {wl.description}, {wl.requests} requests, {wl.params['offered_req_s']} req/s")

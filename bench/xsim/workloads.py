@@ -1,7 +1,7 @@
 """Workloads for the cross-check (`bench/crosscheck.py`), generated apart from
 `bench/workloads/grid.py`: their own text, lengths, think times and rates.
 
-Lengths are in the cross-check engine's tokens (`bench.xsim.engine.tokenize`, ~3.3
+Lengths are in the cross-check engine's tokens (`bench.xsim.engine.tokenize`, ~3
 characters a token). Every conversation draws its own words, so only what the workload
 means to share (a system prompt, a user's context, earlier turns) is a common prefix.
 
@@ -16,6 +16,11 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
   small-cache fleet, where a replica holds about half of the prompts.
 - `pressure-chat`: `chat-moderate`'s traffic on a fleet whose KV cache holds about half
   of the histories that are live at once (run on the small-cache fleet).
+- `chat-anonymous`: `chat-moderate` without the session header (clients that send none):
+  only the growing prompt says which replica holds a conversation.
+- `decode-long`: no session, no shared text, short prompts (100-400 tokens) and long
+  answers (`max_tokens` 150-400) at about half the fleet's decode capacity: batch slots and
+  decode load decide, not caching.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ SPECS = {
     "hot-sessions": Spec("hot-sessions", "roomy", 45, "few hot users, long contexts"),
     "shared-system": Spec("shared-system", "small", 35, "8 long system prompts, no session"),
     "pressure-chat": Spec("pressure-chat", "small", 45, "chat, KV cache < live histories"),
+    "chat-anonymous": Spec("chat-anonymous", "roomy", 45, "multi-turn chat, no session header"),
+    "decode-long": Spec("decode-long", "roomy", 36, "short prompts, long answers"),
 }
 
 # KV blocks (16 tokens) a replica on each fleet.
@@ -86,7 +93,7 @@ def _think(rng: random.Random) -> float:
     return rng.lognormvariate(math.log(0.8), 0.65)
 
 
-def _chat(name: str, seed: int, rate: float, window: float) -> Workload:
+def _chat(name: str, seed: int, rate: float, window: float, sessions: bool = True) -> Workload:
     rng = random.Random(f"xsim-{name}-{seed}")
     system = Words(random.Random(f"xsim-system-{seed}")).text(300)
     convs = []
@@ -101,7 +108,8 @@ def _chat(name: str, seed: int, rate: float, window: float) -> Workload:
             )
             for _ in range(rng.randint(4, 8))
         )
-        convs.append(Conversation(i, f"chat-{seed}-{i}", start, system, turns))
+        session = f"chat-{seed}-{i}" if sessions else None
+        convs.append(Conversation(i, session, start, system, turns))
     return _workload(name, seed, convs, rate)
 
 
@@ -139,6 +147,16 @@ def _shared(seed: int, rate: float, window: float) -> Workload:
     return _workload("shared-system", seed, convs, rate)
 
 
+def _decode(seed: int, rate: float, window: float) -> Workload:
+    rng = random.Random(f"xsim-decode-{seed}")
+    convs = []
+    for i, start in enumerate(_poisson_starts(rng, rate, window)):
+        words = Words(random.Random(f"xsim-decode-{seed}-{i}"))
+        turn = Turn(words.text(rng.randint(100, 400)), "", rng.randint(150, 400), 0.0)
+        convs.append(Conversation(i, None, start, "", (turn,)))
+    return _workload("decode-long", seed, convs, rate)
+
+
 def _workload(name: str, seed: int, convs: list[Conversation], rate: float) -> Workload:
     spec = SPECS[name]
     wl = Workload(name, seed, spec.note, tuple(convs), rate)
@@ -156,6 +174,12 @@ def build(name: str, seed: int = 1) -> Workload:
         return _chat(name, seed, 1.2, spec.window_s)
     if name == "hot-sessions":
         return _hot(seed, 1.3, spec.window_s)
+    if name == "chat-anonymous":
+        return _chat(name, seed, 1.6, spec.window_s, sessions=False)
+    if name == "decode-long":
+        # ~640 decode tokens/s a replica at 12 sequences (8 ms + 0.9 ms x 12 a step):
+        # 4 replicas / 275 tokens a request = ~9 req/s; offer about half.
+        return _decode(seed, 4.5, spec.window_s)
     if name == "shared-system":
         return _shared(seed, 12.0, spec.window_s)
     raise KeyError(name)
