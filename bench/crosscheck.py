@@ -4,6 +4,7 @@
     .venv/bin/python bench/crosscheck.py --workloads chat-moderate --only envoy:latency
     .venv/bin/python bench/crosscheck.py --metrics minimal     # engines publish gauges only
     .venv/bin/python bench/crosscheck.py --cache-info          # engines say their KV size
+    .venv/bin/python bench/crosscheck.py --replicas 8          # 8 replicas, rates x 2
 
 `bench/routing.py` ranks routers on llmgw's own simulator and regime grid; this runs the
 same contenders (started by routing.py's own code: llmgw through a real Envoy, `llmgw
@@ -53,8 +54,8 @@ DEFAULT_CONTENDERS = (
 class Fleet:
     """`bench/xsim/engine.py` in a child process; `urls` once it says READY."""
 
-    def __init__(self, kv_blocks: int, metrics: str, cache_info: bool) -> None:
-        cmd = [_python(), "-m", "bench.xsim.engine", "--replicas", "4"]
+    def __init__(self, replicas: int, kv_blocks: int, metrics: str, cache_info: bool) -> None:
+        cmd = [_python(), "-m", "bench.xsim.engine", "--replicas", str(replicas)]
         cmd += ["--base-port", str(base_port() or 18600), "--kv-blocks", str(kv_blocks)]
         cmd += ["--metrics", metrics] + (["--cache-info"] if cache_info else [])
         self.proc = subprocess.Popen(cmd, cwd=HERE.parent, stdout=subprocess.PIPE, text=True)
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(SPECS))
     parser.add_argument("--only", default=",".join(DEFAULT_CONTENDERS))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument(
+        "--scale", type=float, default=None, help="arrival rates x this (default replicas / 4)"
+    )
     parser.add_argument("--metrics", choices=("full", "minimal"), default="full")
     parser.add_argument("--cache-info", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
@@ -97,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {n}: not installed (run without --no-install to pip-install it)")
         else:
             contenders.append(by_name[n])
-    workloads = {n: build(n, args.seed) for n in names}
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
+    scale = args.scale if args.scale is not None else args.replicas / 4
+    workloads = {n: build(n, args.seed, scale) for n in names}
     for n, wl in workloads.items():
         print(f"{n}: {wl.description}, {wl.requests} requests, {wl.params['offered_req_s']} req/s")
     results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in names}
@@ -106,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         group = [n for n in names if SPECS[n].fleet == fleet_name]
         if not group:
             continue
-        fleet = Fleet(kv, args.metrics, args.cache_info)
+        fleet = Fleet(args.replicas, kv, args.metrics, args.cache_info)
         try:
             with tempfile.TemporaryDirectory(prefix="crosscheck-") as scratch:
                 for contender in contenders:
@@ -142,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     command = "python bench/crosscheck.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (
-        f"# {command.strip()}\n# engines: bench/xsim (metrics {args.metrics}, cache info "
+        f"# {command.strip()}\n# engines: bench/xsim, {args.replicas} replicas, rates x {scale:g} "
+        f"(metrics {args.metrics}, cache info "
         f"{args.cache_info}); TTFT p90 ms (x the best in the column); "
         f"{time.monotonic() - started:.0f} s\n" + format_table(rows)
     )

@@ -164,22 +164,23 @@ def _workload(name: str, seed: int, convs: list[Conversation], rate: float) -> W
     return wl
 
 
-def build(name: str, seed: int = 1) -> Workload:
+def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
+    """Workload `name`; `scale` multiplies its arrival rate (2 for a fleet of 8)."""
     spec = SPECS[name]
     if name == "chat-moderate":
-        return _chat(name, seed, 1.6, spec.window_s)
+        return _chat(name, seed, 1.6 * scale, spec.window_s)
     if name == "chat-busy":
-        return _chat(name, seed, 2.9, spec.window_s)
+        return _chat(name, seed, 2.9 * scale, spec.window_s)
     if name == "pressure-chat":
-        return _chat(name, seed, 1.2, spec.window_s)
-    if name == "hot-sessions":
-        return _hot(seed, 1.3, spec.window_s)
+        return _chat(name, seed, 1.2 * scale, spec.window_s)
     if name == "chat-anonymous":
-        return _chat(name, seed, 1.6, spec.window_s, sessions=False)
+        return _chat(name, seed, 1.6 * scale, spec.window_s, sessions=False)
     if name == "decode-long":
         # ~640 decode tokens/s a replica at 12 sequences (8 ms + 0.9 ms x 12 a step):
         # 4 replicas / 275 tokens a request = ~9 req/s; offer about half.
-        return _decode(seed, 4.5, spec.window_s)
+        return _decode(seed, 4.5 * scale, spec.window_s)
+    if name == "hot-sessions":
+        return _hot(seed, 1.3 * scale, spec.window_s)
     if name == "shared-system":
-        return _shared(seed, 12.0, spec.window_s)
+        return _shared(seed, 12.0 * scale, spec.window_s)
     raise KeyError(name)
