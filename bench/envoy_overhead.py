@@ -161,7 +161,6 @@ def llmgw_config(upstreams: list[str], strategy: str, exact: bool = False) -> Co
             "name": "latency-exact",
             "scorers": {
                 "latency": {"weight": 1.0, "params": {"tokenizer": "sim"}},
-                "session": {"weight": 0.05, "params": {"abstain_without_session": True}},
             },
             "filters": ["healthy", "model-serves"],
         }

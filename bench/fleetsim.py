@@ -402,7 +402,6 @@ LATENCY_EXACT: dict[str, Any] = {
     "name": "latency-exact",
     "scorers": {
         "latency": {"weight": 1.0, "params": {"tokenizer": "sim"}},
-        "session": {"weight": 0.05, "params": {"abstain_without_session": True}},
     },
     "filters": ["healthy", "model-serves"],
 }

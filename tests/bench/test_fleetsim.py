@@ -193,10 +193,15 @@ def test_engines_publishing_less_calibrate_what_their_metrics_allow(
     full = pooled([s.calibration for s in runs["full"]])
     assert full.per_token is not None
     # Gauges only, but the edge sees first tokens: the router's own fit of time to first
-    # token against prefill tokens (149 us a token here; the engine's true cost is 200).
-    assert pooled([s.calibration for s in gauges]).per_token == pytest.approx(
-        full.per_token, rel=0.3
-    )
+    # token against prefill tokens. A least-squares slope over the router's predicted
+    # tokens ahead, which carry its errors, so it reads low: 0.66-0.73x the engine's cost
+    # over seeds 1-4 with 36 conversations; 0.53-0.70x over the 72 first tokens of the
+    # 12 above (too few to assert on).
+    longer = make_contender("llmgw:latency")
+    simulate(_chat(conversations=36), longer, seed=1, metrics=GAUGES_ONLY)
+    registry = getattr(longer, "scheduler").registry  # noqa: B009
+    fit = pooled([s.calibration for s in registry.states(MODEL)]).per_token
+    assert fit is not None and 0.6 * full.per_token < fit < 1.1 * full.per_token
     assert pooled([s.calibration for s in runs["ttft"]]).per_token == pytest.approx(
         full.per_token, rel=0.25
     )

@@ -241,6 +241,8 @@ def test_a_first_token_inferred_at_finish_does_not_claim_the_edge_reports_them()
     state = scheduler.registry.get(decision.model, decision.endpoint.id)
     assert state is not None and not state.reports_first_token
     streamed = Lifecycle(gw)
-    assert isinstance(streamed.route(HEADERS, CHAT, None), Decision)
+    second = streamed.route(HEADERS, CHAT, None)
+    assert isinstance(second, Decision)
     streamed.first_byte()
-    assert state.reports_first_token
+    seen = scheduler.registry.get(second.model, second.endpoint.id)
+    assert seen is not None and seen.reports_first_token
