@@ -33,11 +33,11 @@ PRESETS: dict[str, StrategySpec] = {
     # 0.05 (until session 21) it placed new sessions by hash whenever the predictions were
     # within ~5 %, nearly always, since a first turn's prefill is most of its cost; sessions
     # then landed as consistent hashing lands them (served max/mean 1.26 vs 1.17 without it)
-    # and cold-session chat ran 1.08-1.24x the best TTFT p90. Without it, through Envoy on
+    # and cold-session chat ran up to 1.20x the best TTFT p90. Without it, through Envoy on
     # the real grid's 9 session cells x 2 seeds: 0.935x (14 of 18 better); in virtual time
     # (8 engines x 8 cells x 4 seeds) within 1.05x of the best in 50 of 64 cells, not 35.
     # What the ring alone gave: two routers without KV events agree on a new session's
-    # replica (1.33x -> 1.375x the best, geo); KV events fix that case (1.02x).
+    # replica (1.34x the best with it, 1.38x without, geo); with KV events 1.03x.
     # No `not-saturated` filter: the model prices a full engine's queue in seconds, and
     # engines queue rather than fail (add the filter to shed with 429 instead). Measured
     # with bench/fleetsim_grid.py (12 regimes x 2 engine shapes) and bench/routing.py.
