@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     missing = [n for n in wanted if n not in by_name]
     if missing:
         parser.error(f"unknown contenders {missing} (known: {', '.join(by_name)})")
+    if args.replicas < 1:
+        parser.error("--replicas must be at least 1")
+    if args.scale is not None and not args.scale > 0:
+        parser.error("--scale must be > 0")
     peers = ensure_peers(install=not args.no_install)
     contenders = []
     for n in wanted:
@@ -102,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {n}: not installed (run without --no-install to pip-install it)")
         else:
             contenders.append(by_name[n])
-    if args.replicas < 1:
-        parser.error("--replicas must be at least 1")
     scale = args.scale if args.scale is not None else args.replicas / 4
     workloads = {n: build(n, args.seed, scale) for n in names}
     for n, wl in workloads.items():
