@@ -76,10 +76,12 @@ class RequestRecord:
     replica: str | None = None
     decision: str | None = None
     error: str | None = None
+    stream: bool = True
 
     @property
     def ok(self) -> bool:
-        return self.status == 200 and self.error is None and self.ttft_s is not None
+        first = self.ttft_s is not None or not self.stream  # unstreamed: no first token
+        return self.status == 200 and self.error is None and first
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,15 +115,10 @@ async def send_one(
 ) -> RequestRecord:
     spec = conv.turns[turn]
     messages = conv.messages(turn)
-    body = orjson.dumps(
-        {
-            "model": model,
-            "messages": messages,
-            "max_tokens": spec.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
+    payload: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": spec.max_tokens}
+    if spec.stream:
+        payload |= {"stream": True, "stream_options": {"include_usage": True}}
+    body = orjson.dumps(payload)
     headers = {"content-type": "application/json"}
     if conv.session_id is not None:
         headers[session_header] = conv.session_id
@@ -136,6 +133,7 @@ async def send_one(
         status=0,
         output_tokens=0,
         prompt_chars=sum(len(m["content"]) for m in messages),
+        stream=spec.stream,
     )
     chunks = 0
     try:
@@ -146,6 +144,13 @@ async def send_one(
                 record.decision = response.headers.get("x-llmgw-decision")
                 if response.status != 200:
                     record.error = (await response.read())[:200].decode("utf-8", "replace")
+                    return record
+                if not spec.stream:
+                    answer = orjson.loads(await response.read())
+                    record.e2e_s = time.perf_counter() - start
+                    record.output_tokens = int(
+                        (answer.get("usage") or {}).get("completion_tokens", 0)
+                    )
                     return record
                 async for raw in response.content:
                     line = raw.strip()
@@ -168,7 +173,7 @@ async def send_one(
             record.error = "no content chunk"
     except TimeoutError:
         record.error = f"timeout after {timeout_s} s"
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, orjson.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
     return record
 

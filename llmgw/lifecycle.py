@@ -42,6 +42,20 @@ UPSTREAM_HEADER = "x-llmgw-upstream"
 INTERNAL_HEADERS = frozenset({DESTINATION_HEADER, DECISION_HEADER, UPSTREAM_HEADER})
 
 
+# Paths whose answer is generated token by token: without `"stream": true` in the body
+# the whole answer comes at once. (An embedding's first byte does follow its prefill.)
+GENERATING_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
+def _unstreamed(request: RequestInfo) -> bool:
+    """The body was read and asks for the whole answer at once."""
+    return (
+        request.body_size > 0
+        and not request.stream
+        and request.path.split("?", 1)[0].startswith(GENERATING_PATHS)
+    )
+
+
 @dataclass(slots=True)
 class Hooks:
     """What a lifecycle reports (metrics); all optional. `edge` names it in decision logs."""
@@ -195,9 +209,16 @@ class Lifecycle:
         return self.lease is None or self.lease.done
 
     def first_byte(self) -> None:
-        """The first response byte arrived (idempotent)."""
+        """The first response byte arrived (idempotent). For a generation asked not to
+        stream it is the last token: its prefill is over, but it is no time to first token
+        (no TTFT observation, no calibration point, and it does not mean the edge sees first
+        tokens)."""
         lease = self.lease
         if lease is None or lease.first_token_seen or lease.done:
+            return
+        request = self.request
+        if request is not None and _unstreamed(request):
+            lease.first_token(observed=False)
             return
         lease.first_token()
         hook, decision = self.hooks.ttft, self.decision

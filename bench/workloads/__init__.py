@@ -52,6 +52,9 @@ class Turn:
     max_tokens: int
     # Pause after this turn's response ends, before the next turn is sent.
     think_s: float
+    # False: `"stream": false` (a batch or agent client); the whole answer comes at once,
+    # so the request has no time to first token, only its end-to-end time.
+    stream: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,10 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
   of the histories that are live at once (run on the small-cache fleet).
 - `chat-anonymous`: `chat-moderate` without the session header (clients that send none):
   only the growing prompt says which replica holds a conversation.
+- `chat-unstreamed`: `chat-moderate`'s traffic where 40 % of the conversations ask for
+  `"stream": false` and long answers (`max_tokens` 150-400: batch jobs, agents): their
+  first response byte is their last token, so a router that takes it for the first token
+  counts their prefill as queued until the answer ends. TTFT is the streamed ones'.
 - `decode-long`: no session, no shared text, short prompts (100-400 tokens) and long
   answers (`max_tokens` 150-400) at about half the fleet's decode capacity: batch slots and
   decode load decide, not caching.
@@ -74,6 +78,7 @@ SPECS = {
     "pressure-chat": Spec("pressure-chat", "small", 45, "chat, KV cache < live histories"),
     "chat-anonymous": Spec("chat-anonymous", "roomy", 45, "multi-turn chat, no session header"),
     "decode-long": Spec("decode-long", "roomy", 36, "short prompts, long answers"),
+    "chat-unstreamed": Spec("chat-unstreamed", "roomy", 45, "chat, 40 % not streamed"),
 }
 
 # KV blocks (16 tokens) a replica on each fleet.
@@ -93,18 +98,28 @@ def _think(rng: random.Random) -> float:
     return rng.lognormvariate(math.log(0.8), 0.65)
 
 
-def _chat(name: str, seed: int, rate: float, window: float, sessions: bool = True) -> Workload:
+def _chat(
+    name: str,
+    seed: int,
+    rate: float,
+    window: float,
+    sessions: bool = True,
+    unstreamed: float = 0.0,
+) -> Workload:
     rng = random.Random(f"xsim-{name}-{seed}")
+    streams = random.Random(f"xsim-{name}-{seed}-stream")
     system = Words(random.Random(f"xsim-system-{seed}")).text(300)
     convs = []
     for i, start in enumerate(_poisson_starts(rng, rate, window)):
         words = Words(random.Random(f"xsim-{name}-{seed}-{i}"))
+        stream = streams.random() >= unstreamed
         turns = tuple(
             Turn(
                 user=words.text(rng.randint(50, 300)),
                 reply=words.text(rng.randint(100, 400)),
-                max_tokens=rng.randint(16, 48),
+                max_tokens=rng.randint(16, 48) if stream else streams.randint(150, 400),
                 think_s=_think(rng),
+                stream=stream,
             )
             for _ in range(rng.randint(4, 8))
         )
@@ -171,6 +186,8 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         return _chat(name, seed, 1.6 * scale, spec.window_s)
     if name == "chat-busy":
         return _chat(name, seed, 2.9 * scale, spec.window_s)
+    if name == "chat-unstreamed":
+        return _chat(name, seed, 1.6 * scale, spec.window_s, unstreamed=0.4)
     if name == "pressure-chat":
         return _chat(name, seed, 1.2 * scale, spec.window_s)
     if name == "chat-anonymous":

@@ -14,6 +14,8 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.loadclient import send_one
+from bench.workloads import Conversation, Turn
 from bench.xsim.engine import Engine, EngineParams, Request, block_hashes, make_app, tokenize
 from bench.xsim.workloads import SPECS, build
 
@@ -146,3 +148,20 @@ def test_workloads_are_seeded(name: str) -> None:
     assert build(name, 1).fingerprint() == build(name, 1).fingerprint()
     assert build(name, 1).fingerprint() != build(name, 2).fingerprint()
     assert build(name, 1).requests >= 150
+
+
+async def test_an_unstreamed_turn_is_sent_and_timed_whole(replica: tuple[str, Engine]) -> None:
+    """`chat-unstreamed`'s batch clients: `"stream": false`, so an end-to-end time but no
+    TTFT, and still a success (the summaries time TTFT over the streamed requests)."""
+    url, _ = replica
+    turns = (Turn("hello there", "", 6, 0.0, stream=False), Turn("again", "", 3, 0.0))
+    conv = Conversation(0, None, 0.0, "", turns)
+    async with aiohttp.ClientSession() as http:
+        whole = await send_one(http, url + "/v1/chat/completions", "m1", conv, 0, 0.0)
+        streamed = await send_one(http, url + "/v1/chat/completions", "m1", conv, 1, 0.0)
+    assert whole.ok and whole.ttft_s is None and whole.e2e_s is not None
+    assert whole.output_tokens == 6 and not whole.stream
+    assert streamed.ok and streamed.ttft_s is not None and streamed.output_tokens == 3
+    unstreamed = [t for c in build("chat-unstreamed", 1).conversations for t in c.turns]
+    share = sum(not t.stream for t in unstreamed) / len(unstreamed)
+    assert 0.25 < share < 0.55

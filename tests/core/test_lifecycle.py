@@ -216,7 +216,11 @@ def test_first_byte_reports_observed_and_predicted_ttft_once() -> None:
     gw = Gateway(Scheduler(cfg, registry, seed=1))
     hooks = Hooks(ttft=lambda model, observed, predicted: seen.append((model, observed, predicted)))
     lifecycle = Lifecycle(gw, hooks)
-    body = b'{"model": "chat", "messages": [{"role": "user", "content": "' + b"x" * 4000 + b'"}]}'
+    body = (
+        b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "'
+        + b"x" * 4000
+        + b'"}]}'
+    )
     decision = lifecycle.route({}, CHAT, body)
     assert isinstance(decision, Decision) and decision.predicted_ttft is not None
     clock.advance(0.25)
@@ -246,3 +250,34 @@ def test_a_first_token_inferred_at_finish_does_not_claim_the_edge_reports_them()
     streamed.first_byte()
     seen = scheduler.registry.get(second.model, second.endpoint.id)
     assert seen is not None and seen.reports_first_token
+
+
+def test_an_unstreamed_answers_first_byte_is_its_end_not_a_first_token() -> None:
+    """`"stream": false` (or no `stream`): the first byte comes with the last token. Timed
+    as a first token it would report the whole generation as TTFT, feed it to the per-token
+    fit, and switch the endpoint to counting prefill as pending until first tokens."""
+    clock = FakeClock()
+    registry = Registry(clock=clock)
+    cfg = config({"chat": {**static_model(1), "strategy": "latency"}})
+    seen: list[float] = []
+    gw = Gateway(Scheduler(cfg, registry, seed=1))
+    hooks = Hooks(ttft=lambda model, observed, predicted: seen.append(observed))
+    prompt = b'"messages": [{"role": "user", "content": "' + b"x" * 4000 + b'"}]}'
+    whole = Lifecycle(gw, hooks)
+    decision = whole.route({}, CHAT, b'{"model": "chat", "stream": false, ' + prompt)
+    assert isinstance(decision, Decision)
+    state = registry.get("chat", decision.endpoint.id)
+    assert state is not None and state.pending_prefill > 0
+    clock.advance(3.0)  # prefill and a long decode, then the whole JSON answer
+    whole.first_byte()
+    assert (seen, state.reports_first_token, state.pending_prefill) == ([], False, 0.0)
+    assert state.calibration.observed.n == 0
+    whole.finish(Outcome.SUCCESS)
+    streamed = Lifecycle(gw, hooks)  # the same prompt, streamed: a first token
+    assert isinstance(
+        streamed.route({}, CHAT, b'{"model": "chat", "stream": true, ' + prompt), Decision
+    )
+    clock.advance(0.2)
+    streamed.first_byte()
+    assert seen == [pytest.approx(0.2)] and state.reports_first_token
+    assert state.calibration.observed.n == 1

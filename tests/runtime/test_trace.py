@@ -48,7 +48,8 @@ def config(addresses: list[str], **trace: Any) -> Config:
 
 def body(turn: int) -> bytes:
     content = SECRET * 40 + f" turn {turn}"  # ~1,600 characters: several 64-token blocks
-    return orjson.dumps({"model": "m1", "messages": [{"role": "user", "content": content}]})
+    message = {"role": "user", "content": content}
+    return orjson.dumps({"model": "m1", "stream": True, "messages": [message]})
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
