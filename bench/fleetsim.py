@@ -511,6 +511,23 @@ COUNTERS_ONLY = GAUGES_ONLY | {
     "vllm:prefix_cache_hits",
     "vllm:request_success",
 }
+# Everything the simulator publishes but its KV size (`vllm:cache_config_info`): an engine
+# whose cache capacity a router can only infer from what the cache does.
+ALL_BUT_KV_SIZE = frozenset(
+    {
+        *COUNTERS_ONLY,
+        "vllm:prefix_cache_queries",
+        "vllm:generation_tokens",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_time_per_output_token_seconds",
+        "vllm:time_to_first_token_seconds",
+    }
+)
 # ... plus the latency histograms most vLLM look-alikes publish (time to first token, time
 # between tokens, end to end), none of the ones that split a request's time (queue,
 # prefill, inference).

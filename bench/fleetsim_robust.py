@@ -20,7 +20,9 @@ a prefill speed 4x off the params on an engine that publishes only the gauges
 (`gauges-fast`, `gauges-slow`) or counters plus time to first token, time between tokens
 and end to end, no prefill or queue histogram (`ttft-*`, what most vLLM look-alikes
 publish); and an engine that publishes no metrics at all (`no-metrics`, also with 48 or
-256 sequences a replica). `bench/fleetsim_regimes.py` runs the base engine's cells.
+256 sequences a replica), and one that publishes everything but its KV size (`no-kv-size`,
+no `cache_config_info`: the prefix index fits itself to the engine's hit counter).
+`bench/fleetsim_regimes.py` runs the base engine's cells.
 `--cells` also takes the regimes outside the real grid (`system-shared`, `-heavy`,
 `-pressure`: short chat sharing system prompts, no session header). Workloads are sized to
 each variant's capacity, so load 0.6 means 0.6 of that engine's capacity. Windows are
@@ -49,6 +51,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from bench._tools import format_table, write_results  # noqa: E402
 from bench.fleetsim import (  # noqa: E402
+    ALL_BUT_KV_SIZE,
     COUNTERS_ONLY,
     GAUGES_ONLY,
     TTFT_ONLY,
@@ -189,6 +192,9 @@ VARIANTS: dict[str, Variant] = {
     "dense-tokens": Variant("its tokenizer counts 2 characters a token", {}, chars_per_token=2.0),
     "sparse-tokens": Variant("its tokenizer counts 6 characters a token", {}, chars_per_token=6.0),
     "mixed-speed": Variant("2 of the 4 replicas 2x slower", {}, slow_replicas=2),
+    "no-kv-size": Variant(
+        "every metric but the KV size (cache_config_info)", {}, metrics=ALL_BUT_KV_SIZE
+    ),
 }
 
 

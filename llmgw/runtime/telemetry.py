@@ -20,7 +20,9 @@ Series (prefix `llmgw_`):
   `kv_event_gaps_total{endpoint}`, `kv_event_lag_seconds{endpoint}`: the exact prefix
   index, for endpoints whose engines publish KV events.
 - `inflight{model,endpoint}`, `breaker_state{model,endpoint,state}` (1 for the current
-  state), `metrics_age_seconds{model,endpoint}`, `scrape_errors_total{endpoint}`: read
+  state), `metrics_age_seconds{model,endpoint}`, `prefix_hits_confirmed{model,endpoint}`
+  (the engine's share of prompt tokens found cached over the one the latency scorer's
+  index predicted there), `scrape_errors_total{endpoint}`: read
   from the Registry (and the Scraper, if bound) when /metrics is scraped, so the hot
   path pays nothing for them.
 - `discovery_stale_seconds{model}`: seconds a Kubernetes-discovered model has been routed
@@ -45,6 +47,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from llmgw.breaker import BreakerState
+from llmgw.calibration import hits_confirmed
 from llmgw.errors import LlmgwError
 from llmgw.lifecycle import Hooks
 from llmgw.registry import Registry
@@ -148,6 +151,13 @@ class _RegistryCollector(Collector):
             "Seconds since the endpoint's last good /metrics scrape (+Inf: never)",
             labels=["model", "endpoint"],
         )
+        confirmed = GaugeMetricFamily(
+            f"{p}_prefix_hits_confirmed",
+            "The engine's share of prompt tokens found cached over the share this router's "
+            "index predicted there (recent requests; below 1: the index counts blocks the "
+            "engine evicted)",
+            labels=["model", "endpoint"],
+        )
         now = self.registry.clock()
         states = self.registry.breaker_states()
         for state in self.registry.all_states():
@@ -158,9 +168,13 @@ class _RegistryCollector(Collector):
                 breaker.add_metric([model, eid, s.value], 1.0 if s is current else 0.0)
             scraped = state.scraped_at
             age.add_metric([model, eid], now - scraped if math.isfinite(scraped) else math.inf)
+            confirmed_share = hits_confirmed(state.calibration)
+            if confirmed_share is not None:
+                confirmed.add_metric([model, eid], confirmed_share)
         yield inflight
         yield breaker
         yield age
+        yield confirmed
         errors = CounterMetricFamily(
             f"{p}_scrape_errors",
             "Failed /metrics scrapes per endpoint address",

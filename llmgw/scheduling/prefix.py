@@ -93,6 +93,18 @@ class PrefixIndex:
             matched.update(dict.fromkeys(alive, depth))
         return matched
 
+    def held(self, endpoint_id: str, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` this endpoint holds (as known here)."""
+        lru = self._lru.get(endpoint_id)
+        if not lru:
+            return 0
+        depth = 0
+        for h in hashes:
+            if h not in lru:
+                break
+            depth += 1
+        return depth
+
     def shared_depth(self, hashes: list[int], min_sharers: int) -> int:
         """How many leading blocks several sessions use (a system prompt, not a history)."""
         sharers = self._sharers
@@ -151,6 +163,10 @@ class PrefixIndex:
             if lru is not None:
                 self._trim(endpoint_id, lru)
             self.rooms[endpoint_id] = blocks - len(self._lru.get(endpoint_id, ()))
+
+    def limit(self, endpoint_id: str) -> int:
+        """The most blocks this endpoint may hold here (`set_capacity`, else `capacity`)."""
+        return self._capacity.get(endpoint_id, self.capacity)
 
     def _trim(self, endpoint_id: str, lru: OrderedDict[int, float]) -> None:
         limit = self._capacity.get(endpoint_id, self.capacity)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.calibration import Calibration, pooled
+from llmgw.calibration import Calibration, hits_confirmed, pooled
 from llmgw.promtext import CONTRACTS, extract
 from llmgw.registry import EndpointState, Registry
 from llmgw.scheduling.scheduler import Scheduler
@@ -441,6 +441,89 @@ def test_an_engine_smaller_than_the_index_forgets_what_it_must_have_evicted() ->
     scorer.score(context(states, request=new, now=NOW), states)  # syncs the capacity
     assert scorer.index.size("a:1") == 2
     assert scorer.index.match(scorer.index.hashes(old.prompt)) == {}
+
+
+def test_the_engines_hit_counter_checks_the_share_the_index_predicted_for_the_same_prompts() -> (
+    None
+):
+    """Picks wait until the engine's prompt counter has counted their tokens (it counts at
+    admission, a queue later); then its cached-token counter says what it found of them."""
+
+    def page(prompt: float, cached: float) -> EngineMetrics:
+        return EngineMetrics(
+            waiting=0, running=0, kv_usage=0.0, prompt_tokens_total=prompt,
+            cached_tokens_total=cached,
+        )  # fmt: skip
+
+    cal = Calibration()
+    cal.on_scrape(page(0.0, 0.0))
+    cal.picked(1000.0, 800.0)
+    cal.picked(1000.0, 800.0)
+    cal.on_scrape(page(0.0, 0.0))  # queued: nothing admitted, nothing compared
+    assert hits_confirmed(cal) is None and len(cal.sent) == 2
+    cal.on_scrape(page(1000.0, 200.0))  # the first admitted: a fifth found, 0.8 predicted
+    assert hits_confirmed(cal) == pytest.approx(0.25) and len(cal.sent) == 1
+    cal.on_scrape(page(1500.0, 600.0))  # half the second (a chunk): the rest waits
+    assert cal.predicted_hits.den == pytest.approx(1000 * 0.98 + 500) and cal.sent[0] == [500, 400]
+    cal.on_scrape(page(0.0, 0.0))  # a restart: the counters fell, nothing is paired
+    assert len(cal.sent) == 1
+
+
+def _filled(scorer: LatencyScorer, endpoint: str, prompts: int) -> list[list[int]]:
+    """`prompts` distinct 4-block prompts routed to `endpoint`, oldest first."""
+    chains = [scorer.index.hashes(f"doc{i} " * 205) for i in range(prompts)]  # 1,025+ chars
+    for k, hashes in enumerate(chains):
+        scorer.index.insert(endpoint, hashes, now=float(k))
+    return chains
+
+
+def test_an_engine_hiding_its_kv_size_keeps_the_share_of_the_index_its_hits_confirm() -> None:
+    """No KV size published (no `cache_config_info`): where the engine's hit counter found
+    half the tokens the index predicted, the index forgets its oldest blocks (at most a
+    quarter of them a step); where it found them all and the index is full, it may hold
+    more. Each step waits for a new count (shares of
+    the same prompts: the engine's found, the index's predicted)."""
+    scorer = LatencyScorer()
+    states = [state("a:1")]
+    chains = _filled(scorer, "a:1", 20)
+    assert scorer.index.size("a:1") == 80
+    cal = states[0].calibration
+    cal.hits.add(8_000.0, 20_000.0)  # the engine found 40 % of the prompts' tokens ...
+    cal.predicted_hits.add(16_000.0, 20_000.0)  # ... where the index predicted 80 %
+    scorer.score(context(states, request=request("new " * 100), now=NOW), states)
+    assert scorer.index.size("a:1") == scorer.index.limit("a:1") == 60
+    assert scorer.index.held("a:1", chains[0]) == 0 and scorer.index.held("a:1", chains[-1]) == 4
+    assert cal.hits.den == cal.predicted_hits.den == 0.0  # a new count starts
+    scorer.score(context(states, request=request("new " * 100), now=NOW + 1), states)
+    assert scorer.index.limit("a:1") == 60  # nothing new counted: no step
+    cal.hits.add(16_000.0, 20_000.0)  # all found, the index full: room for more
+    cal.predicted_hits.add(16_000.0, 20_000.0)
+    scorer.score(context(states, request=request("new " * 100), now=NOW + 2), states)
+    assert scorer.index.limit("a:1") == 81 and scorer.index.size("a:1") == 60
+
+
+def test_an_engine_publishing_its_kv_size_is_not_fitted_from_its_hits() -> None:
+    scorer = LatencyScorer()
+    states = [state("a:1")]
+    states[0].calibration.kv_tokens = 64.0 * 50  # 50 index blocks
+    _filled(scorer, "a:1", 20)
+    states[0].calibration.hits.add(1_000.0, 20_000.0)
+    states[0].calibration.predicted_hits.add(16_000.0, 20_000.0)
+    scorer.score(context(states, request=request("new " * 100), now=NOW), states)
+    assert scorer.index.limit("a:1") == 50
+
+
+def test_an_engine_that_caches_nothing_empties_the_index_there() -> None:
+    """Prefix caching off: the counter stays at 0 however much the index predicts, so the
+    index there shrinks step by step and a session's home stops being a reason to stay."""
+    scorer = LatencyScorer()
+    states = [state("a:1")]
+    _filled(scorer, "a:1", 20)
+    for k in range(20):
+        states[0].calibration.hits.add(0.0, 20_000.0)
+        states[0].calibration.predicted_hits.add(16_000.0, 20_000.0)
+        scorer.score(context(states, request=request("new " * 100), now=NOW + k), states)
+    assert scorer.index.size("a:1") <= 1
 
 
 def test_the_kv_cache_size_comes_from_the_cache_config_info_labels() -> None:

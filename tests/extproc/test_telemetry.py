@@ -81,3 +81,18 @@ def test_kv_index_series_per_endpoint_only_when_events_are_fed() -> None:
     assert 'llmgw_kv_events_live{endpoint="b:1"} 0.0' in page
     assert 'llmgw_kv_event_gaps_total{endpoint="a:1"} 0.0' in page
     assert 'llmgw_kv_event_lag_seconds{endpoint="a:1"}' in page
+
+
+def test_prefix_hits_confirmed_per_endpoint_once_the_engine_counted_hits() -> None:
+    registry = Registry()
+    registry.set_endpoints("m1", [Endpoint("a:1", "m1"), Endpoint("b:1", "m1")])
+    telemetry = Telemetry()
+    telemetry.bind(registry)
+    sample = telemetry.registry.get_sample_value
+    assert sample("llmgw_prefix_hits_confirmed", {"model": "m1", "endpoint": "a:1"}) is None
+    state = registry.get("m1", "a:1")
+    assert state is not None
+    state.calibration.hits.add(300.0, 1200.0)  # the engine found a quarter of the tokens
+    state.calibration.predicted_hits.add(600.0, 1200.0)  # where the index predicted half
+    assert sample("llmgw_prefix_hits_confirmed", {"model": "m1", "endpoint": "a:1"}) == 0.5
+    assert sample("llmgw_prefix_hits_confirmed", {"model": "m1", "endpoint": "b:1"}) is None
