@@ -184,8 +184,15 @@ class Calibration:
         self.sent: deque[list[float]] = deque(maxlen=_SENT_MAX)
 
     def picked(self, tokens: float, cached: float) -> None:
-        """A prompt of `tokens` sent here, `cached` of them cached as this router believes."""
-        self.sent.append([tokens, cached])
+        """A prompt of `tokens` sent here, `cached` of them cached as this router believes
+        (kept only while the engine publishes both counters to pair it with)."""
+        last = self._prev  # the last page scraped
+        if (
+            last is not None
+            and last.cached_tokens_total is not None
+            and last.prompt_tokens_total is not None
+        ):
+            self.sent.append([tokens, cached])
 
     def _match_sent(self, cached: float, prompt: float) -> None:
         """The engine counted `prompt` tokens admitted, `cached` of them found cached: pair

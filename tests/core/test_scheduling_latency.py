@@ -467,6 +467,10 @@ def test_the_engines_hit_counter_checks_the_share_the_index_predicted_for_the_sa
     assert cal.predicted_hits.den == pytest.approx(1000 * 0.98 + 500) and cal.sent[0] == [500, 400]
     cal.on_scrape(page(0.0, 0.0))  # a restart: the counters fell, nothing is paired
     assert len(cal.sent) == 1
+    gauges = Calibration()  # an engine without the counters: nothing to pair picks with
+    gauges.on_scrape(EngineMetrics(waiting=0, running=0, kv_usage=0.0))
+    gauges.picked(1000.0, 800.0)
+    assert not gauges.sent
 
 
 def _filled(scorer: LatencyScorer, endpoint: str, prompts: int) -> list[list[int]]:
