@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 from bench._tools import format_table, write_results  # noqa: E402
 from bench.peers import PEER_POLICIES, ensure_peers  # noqa: E402
 from bench.routing import (  # noqa: E402
+    Contender,
     _picker,
     _python,
     all_contenders,
@@ -41,6 +42,7 @@ from bench.routing import (  # noqa: E402
     warm_up,
 )
 from bench.xsim.workloads import FLEET_KV_BLOCKS, SPECS, build  # noqa: E402
+from llmgw.extproc.envoyconfig import BODY_MODES  # noqa: E402
 
 DEFAULT_CONTENDERS = (
     "envoy:latency",
@@ -85,13 +87,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--out", default="crosscheck")
     parser.add_argument("--no-install", action="store_true", help="do not pip-install peers")
+    parser.add_argument(
+        "--body-mode",
+        dest="body_modes",
+        action="append",
+        default=[],
+        choices=[m for m in BODY_MODES if m != "override"],
+        help="extra contender: the default strategy through Envoy with this ext_proc body "
+        "mode (`envoy:latency/MODE`)",
+    )
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in SPECS]
     if unknown:
         parser.error(f"unknown workloads {unknown} (known: {', '.join(SPECS)})")
-    by_name = {c.name: c for c in all_contenders()}
-    wanted = args.only.split(",")
+    extra = [
+        Contender(f"envoy:latency/{m}", "envoy", "latency", body_mode=m) for m in args.body_modes
+    ]
+    by_name = {c.name: c for c in all_contenders() + extra}
+    wanted = args.only.split(",") + [c.name for c in extra]
     missing = [n for n in wanted if n not in by_name]
     if missing:
         parser.error(f"unknown contenders {missing} (known: {', '.join(by_name)})")

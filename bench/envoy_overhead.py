@@ -208,12 +208,13 @@ SCENARIOS = [
     Scenario("4", "+ llmgw body (chat)", "llmgw", "chat"),
     Scenario("2f", "+ bare ext_proc (full duplex)", "bare-fdx", body_mode="gie"),
     Scenario("5", "+ llmgw body (chat, full duplex)", "llmgw", "chat", body_mode="gie"),
+    Scenario("4e", "+ llmgw body (chat, req body fdx)", "llmgw", "chat", body_mode="envoy-gateway"),
     Scenario("6", "+ llmgw body (latency), sim engines", "llmgw", "latency", sim=True),
     Scenario("7", "+ llmgw body (latency exact), sim", "llmgw", "latency", sim=True, exact=True),
 ]
 # The floor each scenario is compared with (the bare ext_proc in the same mode; for exact
 # matching, the same router without it).
-FLOORS = {"2b": "2b", "4": "2b", "2f": "2f", "5": "2f", "6": "2b", "7": "6"}
+FLOORS = {"2b": "2b", "4": "2b", "4e": "2b", "2f": "2f", "5": "2f", "6": "2b", "7": "6"}
 
 
 def h2load(

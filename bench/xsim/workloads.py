@@ -22,6 +22,10 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
   `"stream": false` and long answers (`max_tokens` 150-400: batch jobs, agents): their
   first response byte is their last token, so a router that takes it for the first token
   counts their prefill as queued until the answer ends. TTFT is the streamed ones'.
+- `chat-bursty` / `shared-bursty`: `chat-moderate` / `shared-system` at the same mean
+  rate, but starts come in bursts (Poisson bursts of a geometric number of arrivals, mean
+  6, within 250 ms), as in production traces: several new sessions land between two
+  metric scrapes, so a router must count what it just sent.
 - `decode-long`: no session, no shared text, short prompts (100-400 tokens) and long
   answers (`max_tokens` 150-400) at about half the fleet's decode capacity: batch slots and
   decode load decide, not caching.
@@ -79,6 +83,8 @@ SPECS = {
     "chat-anonymous": Spec("chat-anonymous", "roomy", 45, "multi-turn chat, no session header"),
     "decode-long": Spec("decode-long", "roomy", 36, "short prompts, long answers"),
     "chat-unstreamed": Spec("chat-unstreamed", "roomy", 45, "chat, 40 % not streamed"),
+    "chat-bursty": Spec("chat-bursty", "roomy", 45, "multi-turn chat, starts in bursts"),
+    "shared-bursty": Spec("shared-bursty", "small", 35, "shared system prompts in bursts"),
 }
 
 # KV blocks (16 tokens) a replica on each fleet.
@@ -93,6 +99,20 @@ def _poisson_starts(rng: random.Random, rate: float, window: float) -> list[floa
     return out
 
 
+def _bursty_starts(
+    rng: random.Random, rate: float, window: float, mean_burst: float = 6.0, spread: float = 0.25
+) -> list[float]:
+    """`rate` on average, in bursts: Poisson burst times at rate / mean_burst, each bringing
+    a geometric number of arrivals (mean `mean_burst`) spread uniformly over `spread` s."""
+    out: list[float] = []
+    for t in _poisson_starts(rng, rate / mean_burst, window):
+        n = 1
+        while rng.random() > 1 / mean_burst:
+            n += 1
+        out += (min(window, t + rng.uniform(0, spread)) for _ in range(n))
+    return sorted(out)
+
+
 def _think(rng: random.Random) -> float:
     # Lognormal, median 0.8 s, mean ~1.0 s.
     return rng.lognormvariate(math.log(0.8), 0.65)
@@ -105,12 +125,14 @@ def _chat(
     window: float,
     sessions: bool = True,
     unstreamed: float = 0.0,
+    bursty: bool = False,
 ) -> Workload:
     rng = random.Random(f"xsim-{name}-{seed}")
     streams = random.Random(f"xsim-{name}-{seed}-stream")
     system = Words(random.Random(f"xsim-system-{seed}")).text(300)
     convs = []
-    for i, start in enumerate(_poisson_starts(rng, rate, window)):
+    starts = (_bursty_starts if bursty else _poisson_starts)(rng, rate, window)
+    for i, start in enumerate(starts):
         words = Words(random.Random(f"xsim-{name}-{seed}-{i}"))
         stream = streams.random() >= unstreamed
         turns = tuple(
@@ -149,17 +171,18 @@ def _hot(seed: int, rate: float, window: float) -> Workload:
     return _workload("hot-sessions", seed, convs, rate)
 
 
-def _shared(seed: int, rate: float, window: float) -> Workload:
+def _shared(seed: int, rate: float, window: float, bursty: bool = False) -> Workload:
     rng = random.Random(f"xsim-shared-{seed}")
     systems = [
         Words(random.Random(f"xsim-sys-{seed}-{k}")).text(rng.randint(1000, 3000)) for k in range(8)
     ]
     convs = []
-    for i, start in enumerate(_poisson_starts(rng, rate, window)):
+    starts = (_bursty_starts if bursty else _poisson_starts)(rng, rate, window)
+    for i, start in enumerate(starts):
         words = Words(random.Random(f"xsim-q-{seed}-{i}"))
         turn = Turn(words.text(rng.randint(30, 150)), "", rng.randint(16, 32), 0.0)
         convs.append(Conversation(i, None, start, rng.choice(systems), (turn,)))
-    return _workload("shared-system", seed, convs, rate)
+    return _workload("shared-bursty" if bursty else "shared-system", seed, convs, rate)
 
 
 def _decode(seed: int, rate: float, window: float) -> Workload:
@@ -188,6 +211,8 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         return _chat(name, seed, 2.9 * scale, spec.window_s)
     if name == "chat-unstreamed":
         return _chat(name, seed, 1.6 * scale, spec.window_s, unstreamed=0.4)
+    if name == "chat-bursty":
+        return _chat(name, seed, 1.6 * scale, spec.window_s, bursty=True)
     if name == "pressure-chat":
         return _chat(name, seed, 1.2 * scale, spec.window_s)
     if name == "chat-anonymous":
@@ -200,4 +225,6 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         return _hot(seed, 1.3 * scale, spec.window_s)
     if name == "shared-system":
         return _shared(seed, 12.0 * scale, spec.window_s)
+    if name == "shared-bursty":
+        return _shared(seed, 12.0 * scale, spec.window_s, bursty=True)
     raise KeyError(name)

@@ -4,6 +4,8 @@ only after prefill, LRU eviction, and the workloads' promised shapes."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import statistics
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -165,3 +167,20 @@ async def test_an_unstreamed_turn_is_sent_and_timed_whole(replica: tuple[str, En
     unstreamed = [t for c in build("chat-unstreamed", 1).conversations for t in c.turns]
     share = sum(not t.stream for t in unstreamed) / len(unstreamed)
     assert 0.25 < share < 0.55
+
+
+def test_bursty_workloads_keep_the_mean_rate_but_clump_their_starts() -> None:
+    """`chat-bursty` / `shared-bursty`: the Poisson twin's rate, but clumped starts (a scrape
+    interval sees several new sessions at once): gaps vary far more than a Poisson
+    process's (coefficient of variation 1)."""
+    for bursty, steady in (("chat-bursty", "chat-moderate"), ("shared-bursty", "shared-system")):
+        stats = {}
+        for name in (bursty, steady):
+            count, gaps = 0, []
+            for seed in (1, 2, 3):
+                starts = [c.start_s for c in build(name, seed).conversations]
+                count += len(starts)
+                gaps += [b - a for a, b in itertools.pairwise(starts)]
+            stats[name] = (count, statistics.pstdev(gaps) / statistics.fmean(gaps))
+        assert 0.75 < stats[bursty][0] / stats[steady][0] < 1.33  # about the same mean rate
+        assert stats[steady][1] < 1.3 < 2.0 < stats[bursty][1]
