@@ -32,17 +32,17 @@ sys.path.insert(0, str(HERE.parent))
 from bench._tools import format_table, write_results  # noqa: E402
 from bench.peers import PEER_POLICIES, ensure_peers  # noqa: E402
 from bench.routing import (  # noqa: E402
-    Contender,
     _picker,
     _python,
+    add_body_mode_option,
     all_contenders,
     base_port,
+    body_mode_contenders,
     run_one,
     start_contender,
     warm_up,
 )
 from bench.xsim.workloads import FLEET_KV_BLOCKS, SPECS, build  # noqa: E402
-from llmgw.extproc.envoyconfig import BODY_MODES  # noqa: E402
 
 DEFAULT_CONTENDERS = (
     "envoy:latency",
@@ -87,23 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--out", default="crosscheck")
     parser.add_argument("--no-install", action="store_true", help="do not pip-install peers")
-    parser.add_argument(
-        "--body-mode",
-        dest="body_modes",
-        action="append",
-        default=[],
-        choices=[m for m in BODY_MODES if m != "override"],
-        help="extra contender: the default strategy through Envoy with this ext_proc body "
-        "mode (`envoy:latency/MODE`)",
-    )
+    add_body_mode_option(parser)
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in SPECS]
     if unknown:
         parser.error(f"unknown workloads {unknown} (known: {', '.join(SPECS)})")
-    extra = [
-        Contender(f"envoy:latency/{m}", "envoy", "latency", body_mode=m) for m in args.body_modes
-    ]
+    extra = body_mode_contenders(args.body_modes)
     by_name = {c.name: c for c in all_contenders() + extra}
     wanted = args.only.split(",") + [c.name for c in extra]
     missing = [n for n in wanted if n not in by_name]

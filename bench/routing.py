@@ -155,6 +155,23 @@ class Contender:
 SKIPPED_PRESETS = frozenset({"batch", "long-context", "random"})
 
 
+def add_body_mode_option(parser: argparse.ArgumentParser) -> None:
+    """`--body-mode MODE` (repeatable): extra `envoy:latency/MODE` contenders."""
+    parser.add_argument(
+        "--body-mode",
+        dest="body_modes",
+        action="append",
+        default=[],
+        choices=[m for m in BODY_MODES if m != "override"],
+        help="extra contender: the default strategy through Envoy with this ext_proc body "
+        "mode (`envoy:latency/MODE`; the others use `override`)",
+    )
+
+
+def body_mode_contenders(modes: list[str]) -> list[Contender]:
+    return [Contender(f"envoy:latency/{m}", "envoy", "latency", body_mode=m) for m in modes]
+
+
 def all_contenders() -> list[Contender]:
     out = [
         Contender(f"envoy:{name}", "envoy", name) for name in PRESETS if name not in SKIPPED_PRESETS
@@ -620,15 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=JSON",
         help='extra Envoy contender with an explicit strategy, e.g. x={"scorers": {"load": 1}}',
     )
-    parser.add_argument(
-        "--body-mode",
-        dest="body_modes",
-        action="append",
-        default=[],
-        choices=[m for m in BODY_MODES if m != "override"],
-        help="extra contender: the default strategy through Envoy with this ext_proc body "
-        "mode (`envoy:latency/MODE`; the others use `override`)",
-    )
+    add_body_mode_option(parser)
     parser.add_argument(
         "--trace",
         type=Path,
@@ -661,8 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.tries:
         label, _, strategy = spec.partition("=")
         contenders.append(Contender(f"envoy:{label}", "envoy", json.loads(strategy)))
-    for mode in args.body_modes:
-        contenders.append(Contender(f"envoy:latency/{mode}", "envoy", "latency", body_mode=mode))
+    contenders += body_mode_contenders(args.body_modes)
 
     peers = ensure_peers(install=not args.no_install)
     for c in list(contenders):
