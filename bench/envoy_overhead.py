@@ -9,6 +9,8 @@ One run, one machine, one load tool (h2load, HTTP/1.1, `-c` clients), one fast u
   2b bare+body       the same, asking for the buffered body first (the floor for 4)
   3 llmgw headers    llmgw ext_proc, model + session from headers (`ring` strategy)
   4 llmgw body       llmgw ext_proc, model + prompt from the JSON body (`chat` strategy)
+  4e llmgw body fdx  the same with the request body FULL_DUPLEX_STREAMED (`--body-mode
+                     envoy-gateway`): sent without waiting for the headers answer
   2f bare fdx        the bare ext_proc in GIE's FULL_DUPLEX_STREAMED mode (bodies both ways
                      streamed through ext_proc, trailers sent): the floor for 5
   5 llmgw body fdx   llmgw ext_proc (`chat`) in that mode (`envoy-config --body-mode gie`)
