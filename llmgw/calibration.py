@@ -62,6 +62,11 @@ class DecayedRatio:
         self.den = self.den * decay + den
         self.value = self.num / self.den if self.den > 0 else None
 
+    def reset(self) -> None:
+        """Forget every update (a new count starts)."""
+        self.num = self.den = 0.0
+        self.value = None
+
     def after(self, num: float, den: float) -> float | None:
         """The value `add(num, den)` would leave, without adding."""
         den = self.den * self.decay + den

@@ -169,7 +169,7 @@ class PrefixIndex:
         return self._capacity.get(endpoint_id, self.capacity)
 
     def _trim(self, endpoint_id: str, lru: OrderedDict[int, float]) -> None:
-        limit = self._capacity.get(endpoint_id, self.capacity)
+        limit = self.limit(endpoint_id)
         while len(lru) > limit:
             old, _ = lru.popitem(last=False)
             owners = self._owners.get(old)

@@ -464,9 +464,8 @@ class LatencyScorer:
         else:
             return
         index.set_capacity(endpoint_id, blocks)
-        for ratio_sums in (engine, predicted):
-            ratio_sums.num = ratio_sums.den = 0.0
-            ratio_sums.value = None
+        engine.reset()
+        predicted.reset()
 
     @property
     def costs_in_use(self) -> Costs:
