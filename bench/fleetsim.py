@@ -511,23 +511,6 @@ COUNTERS_ONLY = GAUGES_ONLY | {
     "vllm:prefix_cache_hits",
     "vllm:request_success",
 }
-# Everything the simulator publishes but its KV size (`vllm:cache_config_info`): an engine
-# whose cache capacity a router can only infer from what the cache does.
-ALL_BUT_KV_SIZE = frozenset(
-    {
-        *COUNTERS_ONLY,
-        "vllm:prefix_cache_queries",
-        "vllm:generation_tokens",
-        "vllm:e2e_request_latency_seconds",
-        "vllm:inter_token_latency_seconds",
-        "vllm:request_decode_time_seconds",
-        "vllm:request_inference_time_seconds",
-        "vllm:request_prefill_time_seconds",
-        "vllm:request_queue_time_seconds",
-        "vllm:request_time_per_output_token_seconds",
-        "vllm:time_to_first_token_seconds",
-    }
-)
 # ... plus the latency histograms most vLLM look-alikes publish (time to first token, time
 # between tokens, end to end), none of the ones that split a request's time (queue,
 # prefill, inference).
@@ -538,8 +521,20 @@ TTFT_ONLY = COUNTERS_ONLY | {
 }
 
 
+class AllBut(frozenset[str]):
+    """Metric families as an exclusion: every family the simulator publishes but these,
+    so a family it adds later is published too (`only` keeps what is not listed)."""
+
+
+# Everything the simulator publishes but its KV size (`vllm:cache_config_info`): an engine
+# whose cache capacity a router can only infer from what the cache does.
+ALL_BUT_KV_SIZE = AllBut({"vllm:cache_config_info"})
+
+
 def only(page: str, families: frozenset[str]) -> str:
-    """The exposition `page` with only the samples of `families` (and their comments)."""
+    """The exposition `page` with only the samples of `families` (and their comments); with
+    `AllBut` families, every sample but theirs."""
+    keep_listed = not isinstance(families, AllBut)
     kept = []
     for line in page.splitlines():
         if line.startswith("#"):
@@ -547,10 +542,11 @@ def only(page: str, families: frozenset[str]) -> str:
             name = parts[2] if len(parts) > 2 else ""
         else:
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            for suffix in ("_bucket", "_sum", "_count", "_total", "_created"):
-                if name.endswith(suffix) and name[: -len(suffix)] in families:
-                    name = name[: -len(suffix)]
-        if name in families:
+        # Samples and a counter's comments carry a suffix the family name does not.
+        for suffix in ("_bucket", "_sum", "_count", "_total", "_created"):
+            if name.endswith(suffix) and name[: -len(suffix)] in families:
+                name = name[: -len(suffix)]
+        if (name in families) == keep_listed:
             kept.append(line)
     return "\n".join(kept) + "\n"
 

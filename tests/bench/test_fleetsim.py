@@ -12,12 +12,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.fleetsim import (
+    ALL_BUT_KV_SIZE,
     COUNTERS_ONLY,
     GAUGES_ONLY,
     MODEL,
     TTFT_ONLY,
     PreparedWorkload,
     make_contender,
+    only,
     prepare,
     simulate,
 )
@@ -27,7 +29,8 @@ from llmgw.calibration import pooled
 from llmgw.registry import Registry
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scorers import LatencyScorer
-from llmgw.sim.model import EngineConfig
+from llmgw.sim.metrics import ModelObservations, ServedModel, make_registry, render
+from llmgw.sim.model import EngineConfig, EngineModel
 
 ENGINE = EngineConfig(
     max_num_seqs=8,
@@ -154,6 +157,32 @@ def test_approximate_index_without_kv_size_keeps_its_default_capacity(
     ]
     free = _latency_index(unbounded)
     assert free.room("10.0.0.1:8000") + free.size("10.0.0.1:8000") == free.capacity == 16384
+
+
+def _families(page: str) -> set[str]:
+    """The families a page declares (`# TYPE` lines; a counter's is `<family>_total`)."""
+    names = {line.split()[2] for line in page.splitlines() if line.startswith("# TYPE")}
+    return {n.removesuffix("_total") for n in names if not n.endswith("_created")}
+
+
+def test_the_no_kv_size_page_is_the_full_page_without_the_cache_config() -> None:
+    """`ALL_BUT_KV_SIZE` names what to drop, so a family the simulator adds later is still
+    published in that variant; the listed sets keep their families, comments included (a
+    counter's `# TYPE` line names `<family>_total`), and nothing else."""
+    engine = EngineModel(EngineConfig())
+    page = render(make_registry("vllm", [ServedModel(MODEL, engine, ModelObservations())]))
+    full = page.decode()
+    assert "vllm:cache_config_info" in _families(full)
+    no_size = only(full, ALL_BUT_KV_SIZE)
+    assert _families(no_size) == _families(full) - {"vllm:cache_config_info"}
+    assert "vllm:cache_config_info" not in no_size
+    kept = [line for line in full.splitlines() if "cache_config_info" not in line]
+    assert no_size.splitlines() == kept
+    assert _families(only(full, GAUGES_ONLY)) == set(GAUGES_ONLY)
+    assert _families(only(full, TTFT_ONLY)) == set(TTFT_ONLY)
+    counters = only(full, COUNTERS_ONLY)
+    assert "# TYPE vllm:prompt_tokens_total counter" in counters
+    assert "# TYPE vllm:prompt_tokens_created gauge" in counters
 
 
 def test_engines_publishing_less_calibrate_what_their_metrics_allow(
