@@ -188,15 +188,21 @@ class Calibration:
         self.predicted_hits = DecayedRatio(_HITS_DECAY)
         self.sent: deque[list[float]] = deque(maxlen=_SENT_MAX)
 
-    def picked(self, tokens: float, cached: float) -> None:
-        """A prompt of `tokens` sent here, `cached` of them cached as this router believes
-        (kept only while the engine publishes both counters to pair it with)."""
+    @property
+    def pairs_picks(self) -> bool:
+        """Whether `picked` keeps a pick: the engine's last page had both counters to pair
+        it with (so a caller can skip working out what it would have passed)."""
         last = self._prev  # the last page scraped
-        if (
+        return (
             last is not None
             and last.cached_tokens_total is not None
             and last.prompt_tokens_total is not None
-        ):
+        )
+
+    def picked(self, tokens: float, cached: float) -> None:
+        """A prompt of `tokens` sent here, `cached` of them cached as this router believes
+        (kept only while the engine publishes both counters to pair it with)."""
+        if self.pairs_picks:
             self.sent.append([tokens, cached])
 
     def _match_sent(self, cached: float, prompt: float) -> None:

@@ -687,10 +687,12 @@ class LatencyScorer:
     def observe(self, ctx: PickContext, chosen: EndpointState) -> None:
         hashes = self._hashes
         if hashes:
-            # What the index believes cached there, for the engine's hit counter to check.
-            held = self.index.held(chosen.id, hashes) * self.block_tokens
-            tokens = self._prompt_tokens
-            chosen.calibration.picked(tokens, held if held < tokens else tokens)
+            if chosen.calibration.pairs_picks:
+                # What the index believes cached there, for the engine's hit counter to check
+                # (walked only where the engine publishes it).
+                held = self.index.held(chosen.id, hashes) * self.block_tokens
+                tokens = self._prompt_tokens
+                chosen.calibration.picked(tokens, held if held < tokens else tokens)
             self.index.insert(chosen.id, hashes, ctx.request.session_key, ctx.now)
         candidates = self._candidates
         i = self._positions(ctx, candidates).get(chosen.id)

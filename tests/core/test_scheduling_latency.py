@@ -469,6 +469,7 @@ def test_the_engines_hit_counter_checks_the_share_the_index_predicted_for_the_sa
     assert len(cal.sent) == 1
     gauges = Calibration()  # an engine without the counters: nothing to pair picks with
     gauges.on_scrape(EngineMetrics(waiting=0, running=0, kv_usage=0.0))
+    assert not gauges.pairs_picks and cal.pairs_picks
     gauges.picked(1000.0, 800.0)
     assert not gauges.sent
 
