@@ -32,6 +32,7 @@ What is real and what is modelled:
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import math
@@ -388,6 +389,52 @@ class SglangCacheAwareLib(SglangCacheAware):
         super().__init__(cache_threshold=0.5, abs_threshold=32, rel_threshold=1.1)
 
 
+class GreedyOracle(_Local):
+    """Not a router: a reference with perfect information. For each request it copies
+    every engine as it is at that instant (queue, batch, the step in progress, the KV
+    cache), runs each copy forward until the request's first token, with no later arrivals,
+    and picks the soonest (ties to the lowest index). No router sees that much: it measures
+    how close a router's predictions come to greedy routing on the true times. Greedy is
+    not optimal: it does not price what a pick costs the requests after it."""
+
+    name = "oracle-greedy"
+
+    def watch(
+        self, engines: list[EngineModel], step_end: list[float], clock: Callable[[], float]
+    ) -> None:
+        self.engines, self.step_end, self.clock = engines, step_end, clock
+
+    def pick(self, p: Prepared) -> int:
+        now = self.clock()
+        best, best_ttft = 0, math.inf
+        for i, engine in enumerate(self.engines):
+            ttft = self._first_token(engine, self.step_end[i], p.seq, now) - now
+            if ttft < best_ttft:
+                best, best_ttft = i, ttft
+        return best
+
+    @staticmethod
+    def _first_token(
+        engine: EngineModel, step_end: float, request: SeqRequest, now: float
+    ) -> float:
+        fork = copy.deepcopy(engine)
+        try:
+            seq = fork.submit(request, now)
+        except (QueueFullError, RequestTooLargeError):
+            return math.inf
+        at = now
+        if fork.in_step:  # the step in progress ends first
+            at = step_end
+            fork.complete(at)
+        while seq.first_token_time is None:
+            at += fork.schedule(at)
+            fork.complete(at)
+        return at
+
+
+ORACLES: dict[str, Callable[[], Contender]] = {"oracle-greedy": GreedyOracle}
+
+
 REFERENCES: dict[str, Callable[[], Contender]] = {
     "consistent-hash": ConsistentHash,
     "round-robin": RoundRobin,
@@ -446,7 +493,10 @@ def make_contender(
         return LlmgwContender(name, name[6:], scrape_interval)
     if name in REFERENCES:
         return REFERENCES[name]()
-    raise ValueError(f"unknown contender {name!r}; known: {', '.join(contender_names())}")
+    if name in ORACLES:
+        return ORACLES[name]()
+    known = ", ".join([*contender_names(), *ORACLES])
+    raise ValueError(f"unknown contender {name!r}; known: {known}")
 
 
 # -- the simulation -----------------------------------------------------------------------
@@ -600,6 +650,10 @@ def simulate(
         make_registry("vllm", [ServedModel(MODEL, engines[i], observations[i])]) for i in range(n)
     ]
     stepping = [False] * n
+    step_end = [0.0] * n  # when each engine's step in progress ends
+    watch = getattr(contender, "watch", None)
+    if watch is not None:  # an oracle: it reads the engines themselves
+        watch(engines, step_end, lambda: now)
     flights: dict[tuple[int, int], _Flight] = {}  # (engine, seq_id) -> flight
     rng = random.Random(seed * 7919 + 17)
     events: list[tuple[float, int, int, int, int]] = []
@@ -678,7 +732,8 @@ def simulate(
                 push(now, _WAKE, index)
         elif kind == _WAKE:
             engine = engines[a]
-            push(now + engine.schedule(now), _STEP_END, a)
+            step_end[a] = now + engine.schedule(now)
+            push(step_end[a], _STEP_END, a)
             if kv_events:
                 publish(a)
         elif kind == _STEP_END:
@@ -703,7 +758,8 @@ def simulate(
                 contender.done(a)
                 end_request(flight.conv, flight.turn)
             if engine.has_work:
-                push(now + engine.schedule(now), _STEP_END, a)
+                step_end[a] = now + engine.schedule(now)
+                push(step_end[a], _STEP_END, a)
             else:
                 stepping[a] = False
             if kv_events:

@@ -170,6 +170,11 @@ class EngineModel:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def in_step(self) -> bool:
+        """A step was scheduled and has not completed yet."""
+        return self._step_open
+
     def blocks_needed(self, request: SeqRequest) -> int:
         total_tokens = request.prompt_tokens + request.max_tokens
         return -(-total_tokens // self.config.block_size)

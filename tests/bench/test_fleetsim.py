@@ -17,6 +17,7 @@ from bench.fleetsim import (
     GAUGES_ONLY,
     MODEL,
     TTFT_ONLY,
+    GreedyOracle,
     PreparedWorkload,
     make_contender,
     only,
@@ -30,7 +31,7 @@ from llmgw.registry import Registry
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scorers import LatencyScorer
 from llmgw.sim.metrics import ModelObservations, ServedModel, make_registry, render
-from llmgw.sim.model import EngineConfig, EngineModel
+from llmgw.sim.model import EngineConfig, EngineModel, SeqRequest
 
 ENGINE = EngineConfig(
     max_num_seqs=8,
@@ -128,6 +129,39 @@ def test_strategy_file_adds_a_custom_contender(tmp_path: Path, chat: PreparedWor
     assert list(custom) == ["custom:mine"]
     result = simulate(chat, make_contender("custom:mine", custom=custom), seed=1)
     assert result.finished_once and result.errors == 0
+
+
+def test_the_greedy_oracle_forecasts_the_first_token_exactly_and_touches_nothing() -> None:
+    """The oracle's forecast for a request is the time the engine, left alone, gives its
+    first token: mid-step (the step in progress ends first), behind a queue, under chunked
+    prefill; the engine itself is not changed by the forecast."""
+    engine = EngineModel(replace(ENGINE, max_num_seqs=4, max_num_batched_tokens=512))
+    prompt = tuple(bytes([k]) * 8 for k in range(40))
+    for k in range(6):  # the token budget admits one, five queue
+        engine.submit(SeqRequest(600 + 50 * k, 20, prompt[: 10 + k]), 0.0)
+    step_end = engine.schedule(0.0)
+    assert engine.in_step and len(engine.waiting) == 5
+    request = SeqRequest(900, 5, prompt[:30])
+    now = step_end / 2
+    forecast = GreedyOracle._first_token(engine, step_end, request, now)
+    assert engine.in_step and len(engine.waiting) == 5  # untouched
+    seq = engine.submit(request, now)
+    at = step_end
+    engine.complete(at)
+    while seq.first_token_time is None:
+        at += engine.schedule(at)
+        engine.complete(at)
+    assert forecast == pytest.approx(at) and at > step_end
+    idle = EngineModel(ENGINE)  # no step in progress: prefill starts now
+    assert GreedyOracle._first_token(idle, 0.0, request, 1.0) == pytest.approx(
+        1.0 + 900 * ENGINE.prefill_us_per_token / 1e6
+    )
+
+
+def test_the_greedy_oracle_routes_every_request_once(chat: PreparedWorkload) -> None:
+    result = simulate(chat, make_contender("oracle-greedy"), seed=1)
+    assert result.finished_once and result.errors == 0
+    assert sum(result.per_replica) == chat.total
 
 
 def test_unknown_contender_is_refused() -> None:
