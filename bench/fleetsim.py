@@ -395,20 +395,31 @@ class GreedyOracle(_Local):
     cache), runs each copy forward until the request's first token, with no later arrivals,
     and picks the soonest (ties to the lowest index). No router sees that much: it measures
     how close a router's predictions come to greedy routing on the true times. Greedy is
-    not optimal: it does not price what a pick costs the requests after it."""
+    not optimal: it does not price what a pick costs the requests after it.
+
+    `blind`: it does not know how far the step in progress has got (no router does: a
+    step lasts tens of ms, a scrape is older) and takes it as half done."""
 
     name = "oracle-greedy"
 
+    def __init__(self, blind: bool = False) -> None:
+        self.blind = blind
+        self.name = "oracle-greedy-blind" if blind else "oracle-greedy"
+
     def watch(
-        self, engines: list[EngineModel], step_end: list[float], clock: Callable[[], float]
+        self, engines: list[EngineModel], steps: list[list[float]], clock: Callable[[], float]
     ) -> None:
-        self.engines, self.step_end, self.clock = engines, step_end, clock
+        """`steps[i]`: [start, end] of engine i's last step (in progress while `in_step`)."""
+        self.engines, self.steps, self.clock = engines, steps, clock
 
     def pick(self, p: Prepared) -> int:
         now = self.clock()
         best, best_ttft = 0, math.inf
         for i, engine in enumerate(self.engines):
-            ttft = self._first_token(engine, self.step_end[i], p.seq, now) - now
+            start, end = self.steps[i]
+            if self.blind:
+                end = now + (end - start) / 2
+            ttft = self._first_token(engine, end, p.seq, now) - now
             if ttft < best_ttft:
                 best, best_ttft = i, ttft
         return best
@@ -432,7 +443,10 @@ class GreedyOracle(_Local):
         return at
 
 
-ORACLES: dict[str, Callable[[], Contender]] = {"oracle-greedy": GreedyOracle}
+ORACLES: dict[str, Callable[[], Contender]] = {
+    "oracle-greedy": GreedyOracle,
+    "oracle-greedy-blind": lambda: GreedyOracle(blind=True),
+}
 
 
 REFERENCES: dict[str, Callable[[], Contender]] = {
@@ -650,10 +664,10 @@ def simulate(
         make_registry("vllm", [ServedModel(MODEL, engines[i], observations[i])]) for i in range(n)
     ]
     stepping = [False] * n
-    step_end = [0.0] * n  # when each engine's step in progress ends
+    steps = [[0.0, 0.0] for _ in range(n)]  # each engine's last step: [start, end]
     watch = getattr(contender, "watch", None)
     if watch is not None:  # an oracle: it reads the engines themselves
-        watch(engines, step_end, lambda: now)
+        watch(engines, steps, lambda: now)
     flights: dict[tuple[int, int], _Flight] = {}  # (engine, seq_id) -> flight
     rng = random.Random(seed * 7919 + 17)
     events: list[tuple[float, int, int, int, int]] = []
@@ -732,8 +746,8 @@ def simulate(
                 push(now, _WAKE, index)
         elif kind == _WAKE:
             engine = engines[a]
-            step_end[a] = now + engine.schedule(now)
-            push(step_end[a], _STEP_END, a)
+            steps[a] = [now, now + engine.schedule(now)]
+            push(steps[a][1], _STEP_END, a)
             if kv_events:
                 publish(a)
         elif kind == _STEP_END:
@@ -758,8 +772,8 @@ def simulate(
                 contender.done(a)
                 end_request(flight.conv, flight.turn)
             if engine.has_work:
-                step_end[a] = now + engine.schedule(now)
-                push(step_end[a], _STEP_END, a)
+                steps[a] = [now, now + engine.schedule(now)]
+                push(steps[a][1], _STEP_END, a)
             else:
                 stepping[a] = False
             if kv_events:

@@ -158,8 +158,10 @@ def test_the_greedy_oracle_forecasts_the_first_token_exactly_and_touches_nothing
     )
 
 
-def test_the_greedy_oracle_routes_every_request_once(chat: PreparedWorkload) -> None:
-    result = simulate(chat, make_contender("oracle-greedy"), seed=1)
+@pytest.mark.parametrize("name", ["oracle-greedy", "oracle-greedy-blind"])
+def test_the_greedy_oracles_route_every_request_once(chat: PreparedWorkload, name: str) -> None:
+    result = simulate(chat, make_contender(name), seed=1)
+    assert result.contender == name
     assert result.finished_once and result.errors == 0
     assert sum(result.per_replica) == chat.total
 
