@@ -64,7 +64,7 @@ from llmgw.sim.model import (
     SeqRequest,
 )
 from llmgw.sim.tokens import block_hashes, chat_prompt, count_tokens, token_ids
-from llmgw.types import Outcome, RequestInfo
+from llmgw.types import Decision, Outcome, RequestInfo
 
 MODEL = "m1"
 SESSION_HEADER = "x-session-id"
@@ -222,6 +222,7 @@ class LlmgwContender:
         # tokens, so the router drains its own queue estimate with time.
         self.first_tokens = first_tokens
         self.scheduler: Scheduler | None = None
+        self.last_decision: Decision | None = None  # the last pick's (for probes)
         self._index: dict[str, int] = {}
 
     def bind(self, n: int, registry: Registry | None, seed: int) -> None:
@@ -248,10 +249,15 @@ class LlmgwContender:
         except LlmgwError as exc:
             raise RouteError(f"{exc.status} {exc.code}") from None
         lease = scheduler.acquire(decision)
+        self.last_decision = decision
         return self._index[decision.endpoint.address], lease
 
     def done(self, index: int) -> None:
         pass
+
+    def index_of(self, endpoint_id: str) -> int:
+        """The replica an endpoint id (its address) stands for."""
+        return self._index[endpoint_id]
 
 
 class _Local:
@@ -419,15 +425,15 @@ class GreedyOracle(_Local):
             start, end = self.steps[i]
             if self.blind:
                 end = now + (end - start) / 2
-            ttft = self._first_token(engine, end, p.seq, now) - now
+            ttft = self.first_token(engine, end, p.seq, now) - now
             if ttft < best_ttft:
                 best, best_ttft = i, ttft
         return best
 
     @staticmethod
-    def _first_token(
-        engine: EngineModel, step_end: float, request: SeqRequest, now: float
-    ) -> float:
+    def first_token(engine: EngineModel, step_end: float, request: SeqRequest, now: float) -> float:
+        """When `request`, sent to `engine` at `now` and nothing after it, gets its first
+        token (`step_end`: when the step in progress ends); the engine is not changed."""
         fork = copy.deepcopy(engine)
         try:
             seq = fork.submit(request, now)

@@ -143,7 +143,7 @@ def test_the_greedy_oracle_forecasts_the_first_token_exactly_and_touches_nothing
     assert engine.in_step and len(engine.waiting) == 5
     request = SeqRequest(900, 5, prompt[:30])
     now = step_end / 2
-    forecast = GreedyOracle._first_token(engine, step_end, request, now)
+    forecast = GreedyOracle.first_token(engine, step_end, request, now)
     assert engine.in_step and len(engine.waiting) == 5  # untouched
     seq = engine.submit(request, now)
     at = step_end
@@ -153,7 +153,7 @@ def test_the_greedy_oracle_forecasts_the_first_token_exactly_and_touches_nothing
         engine.complete(at)
     assert forecast == pytest.approx(at) and at > step_end
     idle = EngineModel(ENGINE)  # no step in progress: prefill starts now
-    assert GreedyOracle._first_token(idle, 0.0, request, 1.0) == pytest.approx(
+    assert GreedyOracle.first_token(idle, 0.0, request, 1.0) == pytest.approx(
         1.0 + 900 * ENGINE.prefill_us_per_token / 1e6
     )
 
