@@ -418,17 +418,18 @@ class GreedyOracle(_Local):
         """`steps[i]`: [start, end] of engine i's last step (in progress while `in_step`)."""
         self.engines, self.steps, self.clock = engines, steps, clock
 
-    def pick(self, p: Prepared) -> int:
+    def forecasts(self, request: SeqRequest) -> list[float]:
+        """The request's time to first token on each engine, sent now (inf: refused)."""
         now = self.clock()
-        best, best_ttft = 0, math.inf
-        for i, engine in enumerate(self.engines):
-            start, end = self.steps[i]
-            if self.blind:
-                end = now + (end - start) / 2
-            ttft = self.first_token(engine, end, p.seq, now) - now
-            if ttft < best_ttft:
-                best, best_ttft = i, ttft
-        return best
+        out = []
+        for engine, (start, end) in zip(self.engines, self.steps, strict=True):
+            step_end = now + (end - start) / 2 if self.blind else end
+            out.append(self.first_token(engine, step_end, request, now) - now)
+        return out
+
+    def pick(self, p: Prepared) -> int:
+        ttft = self.forecasts(p.seq)
+        return min(range(len(ttft)), key=ttft.__getitem__)  # the first of equals
 
     @staticmethod
     def first_token(engine: EngineModel, step_end: float, request: SeqRequest, now: float) -> float:

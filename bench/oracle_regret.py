@@ -18,6 +18,7 @@ terms; writes JSON.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -39,7 +40,6 @@ from bench.fleetsim_robust import ALL_REGIMES, VARIANTS, cell_workload  # noqa: 
 from bench.workloads import percentile  # noqa: E402
 from llmgw.config import ScrapeSpec  # noqa: E402
 from llmgw.scheduling.scheduler import Lease  # noqa: E402
-from llmgw.sim.model import EngineModel  # noqa: E402
 
 REGRET_MS = 5.0  # a pick this much slower than the best counts as a miss
 
@@ -67,24 +67,18 @@ class Probe:
 
     def __init__(self, contender: LlmgwContender, blind: bool) -> None:
         self.contender = contender
-        self.blind = blind
+        self.oracle = GreedyOracle(blind)  # the truth: its forecasts, not its picks
         self.picks: list[Pick] = []
         self._route = contender.route
         contender.route = self.route  # type: ignore[method-assign]
-        contender.watch = self.watch  # type: ignore[attr-defined]
-
-    def watch(self, engines: list[EngineModel], steps: list[list[float]], clock: Any) -> None:
-        self.engines, self.steps, self.clock = engines, steps, clock
+        contender.watch = self.oracle.watch  # type: ignore[attr-defined]
 
     def route(self, p: Prepared) -> tuple[int, Lease | None]:
-        now = self.clock()
-        true = []
-        for engine, (start, end) in zip(self.engines, self.steps, strict=True):
-            step_end = now + (end - start) / 2 if self.blind else end
-            true.append(GreedyOracle.first_token(engine, step_end, p.seq, now) - now)
+        true = self.oracle.forecasts(p.seq)
         index, lease = self._route(p)
+        engines = self.oracle.engines
         decision = self.contender.last_decision
-        predicted: list[dict[str, float] | None] = [None] * len(self.engines)
+        predicted: list[dict[str, float] | None] = [None] * len(engines)
         if decision is not None:
             column = next((c for c in decision.rationale.columns if c.name == "latency"), None)
             if column is not None:
@@ -97,8 +91,8 @@ class Probe:
                 p.seq.prompt_tokens,
                 true,
                 predicted,
-                [len(e.waiting) for e in self.engines],
-                [len(e.running) for e in self.engines],
+                [len(e.waiting) for e in engines],
+                [len(e.running) for e in engines],
             )
         )
         return index, lease
@@ -121,7 +115,7 @@ def run(
         (pred["ttft_s"] - true) * 1e3
         for p in picks
         for pred, true in zip(p.predicted, p.true, strict=True)
-        if pred is not None and true < 1e9
+        if pred is not None and math.isfinite(true)
     ]
     row = {
         "variant": variant_name,
