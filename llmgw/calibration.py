@@ -32,6 +32,7 @@ _RATIO_DECAY = 0.995
 _HITS_DECAY = 0.98
 _SENT_MAX = 4096  # picks waiting for the engine to count them (the oldest drop first)
 _MIN_REQUESTS = 20.0
+_LONG_DECAY = 0.99
 # Ratios this near 1 are left at 1: engines that count about as this router estimates (a
 # chat template's markers add a few percent) keep their costs as published. The estimate
 # reads within 1 % of the true ratio (p5-p95 per engine over bench/fleetsim_robust.py runs).
@@ -129,6 +130,7 @@ class Calibration:
         "observed",
         "predicted_hits",
         "prefill",
+        "prefill_long",
         "router_prompt",
         "sent",
         "sent_count",
@@ -149,6 +151,9 @@ class Calibration:
         # batch's growth in running requests meanwhile.
         self._pending = [0.0, 0.0, 0.0, 0.0, 0.0]
         self.prefill = DecayedRatio()  # seconds per computed prompt token
+        # The same over ~100 scrapes (10 s at the default interval): one endpoint's speed
+        # against the others' (`speed_of`), where a window's load would swing it.
+        self.prefill_long = DecayedRatio(_LONG_DECAY)
         self.tokens = DecayedRatio()  # computed prompt tokens per request
         self.step = DecayedRatio()  # seconds per engine step, normalised to a batch of one
         self.service = DecayedRatio()  # seconds a request holds its batch slot
@@ -320,6 +325,7 @@ class Calibration:
                 pending[:] = [0.0, 0.0, 0.0, 0.0, 0.0]
                 if seconds > 0:
                     self.prefill.add(seconds, finished_tokens)
+                    self.prefill_long.add(seconds, finished_tokens)
                     one = self.floor
                     if one is not None:
                         self.net.add(seconds - count * one * batch_scale, finished_tokens)
@@ -385,6 +391,32 @@ class Costs(NamedTuple):
     # Seconds a computed token adds to an engine's prefill, net of the step it shares
     # (None: no prefill seconds and step published, or not positive yet).
     marginal: float | None = None
+
+
+def slowdowns(cals: Iterable[tuple[str, Calibration]]) -> dict[str, float]:
+    """How many times slower each endpoint of a model runs than its fastest, by two signals
+    that must agree: the engine step (its fastest recent window, `floor`) and the seconds a
+    prefill token takes over ~10 s (`prefill_long`), each over the fastest endpoint's; the
+    lesser of the two. Either alone differs between equal replicas: on prefill-bound engines
+    every step carries a prefill chunk (floors read 1.3-6x apart), and a busier replica's
+    prefills share more steps (1.2-1.9x); the lesser stayed within 1.45x on equal replicas
+    and read 1.7-2.3x on replicas 2x slower (`bench/fleetsim_robust.py`, prefill-heavy).
+    Endpoints without both signals are left out; empty while fewer than two have them."""
+    floors: dict[str, float] = {}
+    prefills: dict[str, float] = {}
+    for eid, cal in cals:
+        floor, prefill = cal.floor, cal.prefill_long.value
+        if floor is not None and floor > 0 and prefill is not None and prefill > 0:
+            floors[eid] = floor
+            prefills[eid] = prefill
+    if len(floors) < 2:
+        return {}
+    fastest_floor = min(floors.values())
+    fastest_prefill = min(prefills.values())
+    return {
+        eid: min(floor / fastest_floor, prefills[eid] / fastest_prefill)
+        for eid, floor in floors.items()
+    }
 
 
 def token_ratio(cals: Iterable[Calibration]) -> float:

@@ -22,7 +22,9 @@ Series (prefix `llmgw_`):
 - `inflight{model,endpoint}`, `breaker_state{model,endpoint,state}` (1 for the current
   state), `metrics_age_seconds{model,endpoint}`, `prefix_hits_confirmed{model,endpoint}`
   (the engine's share of prompt tokens found cached over the one the latency scorer's
-  index predicted there), `scrape_errors_total{endpoint}`: read
+  index predicted there), `endpoint_slowdown{model,endpoint}` (how many times slower the
+  engine runs than the model's fastest, `llmgw.calibration.slowdowns`; the latency scorer
+  prices it so from its `speed_band`, 1.5), `scrape_errors_total{endpoint}`: read
   from the Registry (and the Scraper, if bound) when /metrics is scraped, so the hot
   path pays nothing for them.
 - `discovery_stale_seconds{model}`: seconds a Kubernetes-discovered model has been routed
@@ -47,7 +49,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from llmgw.breaker import BreakerState
-from llmgw.calibration import hits_confirmed
+from llmgw.calibration import hits_confirmed, slowdowns
 from llmgw.errors import LlmgwError
 from llmgw.lifecycle import Hooks
 from llmgw.registry import Registry
@@ -158,8 +160,18 @@ class _RegistryCollector(Collector):
             "engine evicted)",
             labels=["model", "endpoint"],
         )
+        slowdown = GaugeMetricFamily(
+            f"{p}_endpoint_slowdown",
+            "How many times slower the endpoint's engine runs than the model's fastest (its "
+            "step and its prefill seconds per token, the lesser)",
+            labels=["model", "endpoint"],
+        )
         now = self.registry.clock()
         states = self.registry.breaker_states()
+        for model in self.registry.models():
+            found = slowdowns((s.id, s.calibration) for s in self.registry.states(model))
+            for eid, slow in sorted(found.items()):
+                slowdown.add_metric([model, eid], slow)
         for state in self.registry.all_states():
             model, eid = state.endpoint.model, state.id
             inflight.add_metric([model, eid], state.inflight)
@@ -175,6 +187,7 @@ class _RegistryCollector(Collector):
         yield breaker
         yield age
         yield confirmed
+        yield slowdown
         errors = CounterMetricFamily(
             f"{p}_scrape_errors",
             "Failed /metrics scrapes per endpoint address",

@@ -8,7 +8,7 @@ from itertools import repeat
 from operator import truediv
 from typing import overload
 
-from llmgw.calibration import Calibration, Costs, DecayedRatio, pooled
+from llmgw.calibration import Calibration, Costs, DecayedRatio, pooled, slowdowns
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.prefix import PrefixIndex
@@ -244,6 +244,13 @@ class PrefixScorer:
         self.index.forget(endpoint_id)
 
 
+def slower_endpoints(states: Sequence[EndpointState], band: float) -> dict[str, float]:
+    """Endpoints at least `band` x slower than the model's fastest (`slowdowns`): id -> the
+    multiple."""
+    found = slowdowns((s.id, s.calibration) for s in states)
+    return {eid: slow for eid, slow in found.items() if slow >= band}
+
+
 def softmax_weights(scores: list[float], temperature: float) -> list[float]:
     top = max(scores)
     return [math.exp((s - top) / temperature) for s in scores]
@@ -311,7 +318,10 @@ class LatencyScorer:
       prefill = (prompt tokens - tokens probably cached there) x seconds per prefill token;
       step    = one engine step at that endpoint's batch size (waiting + running).
     Seconds per token and per step come from the model's engines' published histograms
-    and counters, pooled over its endpoints (`llmgw.calibration`), else from the params.
+    and counters, pooled over its endpoints (`llmgw.calibration`), else from the params;
+    an endpoint whose engine runs `speed_band` x slower or more than the fastest (by its
+    step and its prefill seconds per token, `slower_endpoints`) takes that multiple of
+    them, and its own time in batch for slot and memory waits (0 turns this off).
     Tokens cached: with a `tokenizer` (`sim` or a tokenizer.json) and an endpoint whose
     engine publishes KV-cache events (`ctx.kv` live there), exactly what the engine holds
     for this prompt's tokens; elsewhere the approximate index (blocks routed there). The
@@ -342,6 +352,7 @@ class LatencyScorer:
         kv_full: float = 0.9,
         tokenizer: str = "",
         kv_sized: bool = True,
+        speed_band: float = 1.5,
     ) -> None:
         # Built at config load: a missing optional package or file fails there, with a message.
         self.tokenizer: PromptTokenizer | None = make_tokenizer(tokenizer) if tokenizer else None
@@ -353,6 +364,12 @@ class LatencyScorer:
         if not 0 < kv_full <= 1:
             raise ValueError(f"kv_full must be in (0, 1], got {kv_full!r}")
         self.kv_full = kv_full
+        if speed_band != 0 and speed_band < 1:
+            raise ValueError(f"speed_band must be 0 (off) or >= 1, got {speed_band!r}")
+        self.speed_band = speed_band
+        # Endpoint id -> how many times slower than the model's fastest endpoint (only
+        # those at or past `speed_band`), refreshed with the costs.
+        self._speeds: dict[str, float] = {}
         self._mean_queue = 0.0  # mean queue over the last pick's candidates (seconds)
         # Uncached tokens per pick as predicted here (~50 picks of memory): the typical
         # prefill where engines publish no counters to calibrate it from.
@@ -437,6 +454,8 @@ class LatencyScorer:
                 per_token=measured.per_token or self.prefill_s,
                 step=measured.step or self.step_s,
             )
+            if self.speed_band:
+                self._speeds = slower_endpoints(ctx.all_states, self.speed_band)
         self._costs_at, self._costs = ctx.now, costs
         return self.costs_override or costs
 
@@ -600,10 +619,26 @@ class LatencyScorer:
         append_step = steps.append
         costs: list[float] = []
         append_cost = costs.append
-        for s, prefill in zip(candidates, prefills, strict=True):
+        # Replicas of unequal speed (`slower_endpoints`): a slower one's prefill, step and
+        # queued work take its multiple, and its batch slots free at its own pace (its
+        # own time in batch). The work a prefill imposes on the requests queued behind it
+        # stays in the fastest's seconds: the charge counts those requests as the fleet's
+        # queue over a typical prefill, and a slower replica's seconds hold fewer of them
+        # (priced at its multiple too, slower replicas went short of work and the rest
+        # queued: prefill-heavy 1.13x the TTFT p90 without speeds, 1.01x with this).
+        speeds = self._speeds
+        for i, s in enumerate(candidates):
+            work = prefill = prefills[i]
+            slow = speeds.get(s.id, 1.0) if speeds else 1.0
+            serv = service
+            if slow != 1.0:
+                prefill = prefills[i] = work * slow
+                if serv is not None:
+                    own = s.calibration.service.value
+                    serv = own if own is not None else serv * slow
             load = s.inflight + 0.0  # a float: compiled (mypyc), an int is another type
             if s.reports_first_token:  # the edge sees first tokens: exact pending work
-                queue = s.pending_prefill * per_token
+                queue = s.pending_prefill * per_token * slow
             else:  # it does not (Envoy without body events): time drains the work
                 queue = s.busy_until - now
                 if queue < 0:
@@ -616,12 +651,12 @@ class LatencyScorer:
                 if engine_load > load:  # noqa: PLR1730 (no call per endpoint)
                     load = engine_load
                 if waiting >= 1:  # others' work too (other routers, direct clients)
-                    engine_queue = waiting * per_waiting
-                    if service is not None and (m.kv_usage >= kv_full or running >= s.peak_running):
+                    engine_queue = waiting * per_waiting * slow
+                    if serv is not None and (m.kv_usage >= kv_full or running >= s.peak_running):
                         # Admission waits for memory or a batch slot (as many running as
                         # ever seen): one running request ends every service / running
                         # seconds, on average, and admits the next.
-                        freed = service / (running if running >= 1 else 1)
+                        freed = serv / (running if running >= 1 else 1)
                         if freed > per_waiting:
                             engine_queue = waiting * freed
                     if engine_queue > queue:  # noqa: PLR1730
@@ -634,13 +669,13 @@ class LatencyScorer:
                 # 2,000-token prompt may need a third of the cache (hot-D at 15x in
                 # `bench/kv_exact.py`: waits were 5x the predicted queue).
                 kv_tokens = s.calibration.kv_tokens
-                if kv_tokens and service is not None and running >= 1:
+                if kv_tokens and serv is not None and running >= 1:
                     used = m.kv_usage * kv_tokens
                     ahead = waiting + load - engine_load  # load >= engine_load (above)
                     deficit = ahead * kv_per_waiting + kv_per_request - kv_tokens + used
                     if deficit > 0 and used > 0:
                         # Running requests each hold used / running tokens: whole ones end.
-                        memory_queue = -(-deficit * running // used) * service / running
+                        memory_queue = -(-deficit * running // used) * serv / running
                         if memory_queue > queue:  # noqa: PLR1730
                             queue = memory_queue
             # More requests here than the engine was ever seen running at once, counting
@@ -649,20 +684,20 @@ class LatencyScorer:
             # count showed it a scrape late (fast-prefill docs-shared TTFT p90 170 -> 111
             # ms, big-batch 202 -> 162 ms in process; bench/fleetsim_robust.py).
             slots = s.peak_running
-            if service is not None and load > slots >= 1:
-                slot_queue = (load - slots) * service / slots
+            if serv is not None and load > slots >= 1:
+                slot_queue = (load - slots) * serv / slots
                 if slot_queue > queue:  # noqa: PLR1730
                     queue = slot_queue
-            step = step0 + factor * load
+            step = (step0 + factor * load) * slow
             append_queue(queue)
             append_step(step)
             # ttft + work_weight x prefill, where ttft = queue + prefill + step; plus the
             # score's smoothing here rather than in a second pass (the same sum; A/B:
             # 16-endpoint picks ~1 % faster, 256-endpoint ones ~2 %).
             charge = work_weight
-            if session_charge and queue < mean_queue and fits(s.id, prefill / per_block, now):
-                charge = base_weight + queue / per_waiting  # this queue, not the fleet's
-            append_cost(queue + prefill + step + charge * prefill + smoothing)
+            if session_charge and queue < mean_queue and fits(s.id, work / per_block, now):
+                charge = base_weight + queue / slow / per_waiting  # this queue, not the fleet's
+            append_cost(queue + prefill + step + charge * work + smoothing)
         self._candidates = candidates
         self._uncached = uncached_tokens
         self._prompt_tokens = tokens

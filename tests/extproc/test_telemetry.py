@@ -96,3 +96,19 @@ def test_prefix_hits_confirmed_per_endpoint_once_the_engine_counted_hits() -> No
     state.calibration.predicted_hits.add(600.0, 1200.0)  # where the index predicted half
     assert sample("llmgw_prefix_hits_confirmed", {"model": "m1", "endpoint": "a:1"}) == 0.5
     assert sample("llmgw_prefix_hits_confirmed", {"model": "m1", "endpoint": "b:1"}) is None
+
+
+def test_endpoint_slowdown_once_two_endpoints_show_their_speed() -> None:
+    registry = Registry()
+    registry.set_endpoints("m1", [Endpoint("a:1", "m1"), Endpoint("b:1", "m1")])
+    telemetry = Telemetry()
+    telemetry.bind(registry)
+    sample = telemetry.registry.get_sample_value
+    a, b = registry.get("m1", "a:1"), registry.get("m1", "b:1")
+    assert a is not None and b is not None
+    a.calibration.floor, b.calibration.floor = 0.02, 0.05
+    a.calibration.prefill_long.add(1.0, 10_000.0)
+    assert sample("llmgw_endpoint_slowdown", {"model": "m1", "endpoint": "b:1"}) is None
+    b.calibration.prefill_long.add(2.0, 10_000.0)  # 2x the prefill, 2.5x the step: 2x
+    assert sample("llmgw_endpoint_slowdown", {"model": "m1", "endpoint": "b:1"}) == 2.0
+    assert sample("llmgw_endpoint_slowdown", {"model": "m1", "endpoint": "a:1"}) == 1.0

@@ -1,0 +1,97 @@
+"""The latency scorer on replicas of unequal speed: an endpoint whose engine runs slower than
+the fastest's is priced at that multiple."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.registry import EndpointState
+from llmgw.scheduling.scorers import LatencyScorer, slower_endpoints
+from llmgw.types import RequestInfo
+
+from .helpers import context, state
+
+NOW = 10.0
+PROMPT = "word " * 800  # 4,000 chars: 1,000 tokens
+
+
+def request(session: str | None = None) -> RequestInfo:
+    return RequestInfo("m", "r", session_key=session, prompt=PROMPT, prompt_tokens=1000)
+
+
+def with_speed(address: str, step: float | None, per_token: float = 100e-6) -> EndpointState:
+    """An endpoint whose engine steps `step` s at best and prefills at `per_token` s a token."""
+    s = state(address)
+    s.calibration.floor = step
+    s.calibration.prefill_long.add(per_token * 10_000, 10_000)
+    return s
+
+
+def test_only_endpoints_slower_by_both_signals_count_as_slower() -> None:
+    states = [
+        with_speed("a:1", 0.020),
+        with_speed("b:1", 0.026, per_token=130e-6),  # 1.3x: within the band
+        with_speed("c:1", 0.045, per_token=200e-6),
+        with_speed("d:1", None),  # publishes no time between tokens
+        with_speed("e:1", 0.080, per_token=110e-6),  # stalled steps, prefill at full speed
+    ]
+    # The lesser of the two multiples: c's step 2.25x, its prefill 2x.
+    assert slower_endpoints(states, 1.5) == {"c:1": pytest.approx(2.0)}
+    assert slower_endpoints(states, 1.25) == {"b:1": pytest.approx(1.3), "c:1": pytest.approx(2.0)}
+    assert slower_endpoints(states[:1], 1.5) == {}  # nothing to compare with
+    assert slower_endpoints(states[3:4], 1.5) == {}
+
+
+def _scores(scorer: LatencyScorer, states: list[EndpointState], req: RequestInfo) -> list[float]:
+    return scorer.score(context(states, request=req, now=NOW), states)
+
+
+def test_a_slower_endpoint_is_priced_at_its_multiple() -> None:
+    states = [with_speed("a:1", 0.02), with_speed("b:1", 0.04, per_token=200e-6)]
+    scorer = LatencyScorer(speed_band=1.5)
+    scores = _scores(scorer, states, request())
+    terms = scorer.terms()
+    assert terms["prefill_s"][1] == pytest.approx(2 * terms["prefill_s"][0])
+    assert terms["step_s"][1] == pytest.approx(2 * terms["step_s"][0])
+    assert scores[0] == 1.0 and scores[1] < 1.0
+    # Off: both priced alike.
+    same = LatencyScorer(speed_band=0)
+    _scores(same, states, request())
+    assert same.terms()["prefill_s"][0] == same.terms()["prefill_s"][1]
+
+
+def test_a_history_stays_on_a_slower_home_when_moving_costs_more() -> None:
+    home, other = with_speed("b:1", 0.04, per_token=200e-6), with_speed("a:1", 0.02)
+    states = [other, home]
+    scorer = LatencyScorer(speed_band=1.5)
+    req = request(session="alice")
+    scorer.index.insert(home.id, scorer.index.hashes(req.prompt), "alice")
+    scores = _scores(scorer, states, req)
+    assert scores[1] == 1.0  # 2x the step of a cached prompt < the whole prefill elsewhere
+
+
+def test_work_queued_on_a_slower_endpoint_drains_at_its_speed() -> None:
+    states = [with_speed("a:1", 0.02), with_speed("b:1", 0.04, per_token=200e-6)]
+    for s in states:
+        s.reports_first_token = True
+        s.pending_prefill = 2000.0  # tokens sent there, no first token yet
+    scorer = LatencyScorer(speed_band=1.5)
+    _scores(scorer, states, request())
+    queue = scorer.terms()["queue_s"]
+    assert queue[1] == pytest.approx(2 * queue[0]) and queue[0] > 0
+
+
+def test_a_slower_endpoints_slots_free_at_its_own_pace() -> None:
+    """More requests than its batch holds: the excess waits for slots, one freed every time
+    in batch / slots seconds; a slower replica's own time in batch, not the model's."""
+    fast, slow = with_speed("a:1", 0.02), with_speed("b:1", 0.04, per_token=200e-6)
+    fast.calibration.service.add(1.6, 1.0)
+    slow.calibration.service.add(3.2, 1.0)
+    states = [fast, slow]
+    for s in states:
+        s.inflight, s.peak_running = 10, 8.0
+    scorer = LatencyScorer(speed_band=1.5)
+    _scores(scorer, states, request())
+    queue = scorer.terms()["queue_s"]
+    assert queue[1] == pytest.approx(2 * 3.2 / 8)
+    assert queue[0] == pytest.approx(2 * 2.4 / 8)  # the model's: both endpoints' pooled
