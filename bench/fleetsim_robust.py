@@ -192,6 +192,8 @@ VARIANTS: dict[str, Variant] = {
     "dense-tokens": Variant("its tokenizer counts 2 characters a token", {}, chars_per_token=2.0),
     "sparse-tokens": Variant("its tokenizer counts 6 characters a token", {}, chars_per_token=6.0),
     "mixed-speed": Variant("2 of the 4 replicas 2x slower", {}, slow_replicas=2),
+    "mixed-1.5x": Variant("2 of the 4 replicas 1.5x slower", {}, slow_replicas=2, slow_factor=1.5),
+    "one-slow-3x": Variant("1 of the 4 replicas 3x slower", {}, slow_replicas=1, slow_factor=3.0),
     "no-kv-size": Variant(
         "every metric but the KV size (cache_config_info)", {}, metrics=ALL_BUT_KV_SIZE
     ),
