@@ -657,7 +657,7 @@ class LatencyScorer:
                         # ever seen): one running request ends every service / running
                         # seconds, on average, and admits the next.
                         freed = serv / (running if running >= 1 else 1)
-                        if freed > per_waiting:
+                        if freed > per_waiting * slow:
                             engine_queue = waiting * freed
                     if engine_queue > queue:  # noqa: PLR1730
                         queue = engine_queue

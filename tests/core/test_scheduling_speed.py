@@ -7,7 +7,7 @@ import pytest
 
 from llmgw.registry import EndpointState
 from llmgw.scheduling.scorers import LatencyScorer, slower_endpoints
-from llmgw.types import RequestInfo
+from llmgw.types import EngineMetrics, RequestInfo
 
 from .helpers import context, state
 
@@ -95,3 +95,16 @@ def test_a_slower_endpoints_slots_free_at_its_own_pace() -> None:
     queue = scorer.terms()["queue_s"]
     assert queue[1] == pytest.approx(2 * 3.2 / 8)
     assert queue[0] == pytest.approx(2 * 2.4 / 8)  # the model's: both endpoints' pooled
+
+
+def test_a_slower_endpoints_waiting_queue_is_the_longer_of_its_two_estimates() -> None:
+    """Two waiting on a full engine: each a typical prefill at its multiple (2 x 0.1 s), or
+    one running request ending every 1.2 s / 8: the longer, 0.4 s."""
+    fast, slow = with_speed("a:1", 0.02), with_speed("b:1", 0.04, per_token=200e-6)
+    slow.calibration.service.add(1.2, 1.0)
+    for s in (fast, slow):
+        s.metrics = EngineMetrics(waiting=2.0, running=8.0, kv_usage=0.5)
+        s.scraped_at, s.peak_running = NOW, 8.0
+    scorer = LatencyScorer(speed_band=1.5)
+    _scores(scorer, [fast, slow], request())
+    assert scorer.terms()["queue_s"][1] == pytest.approx(2 * 2 * 1000 * 100e-6)
