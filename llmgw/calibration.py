@@ -152,7 +152,7 @@ class Calibration:
         self._pending = [0.0, 0.0, 0.0, 0.0, 0.0]
         self.prefill = DecayedRatio()  # seconds per computed prompt token
         # The same over ~100 scrapes (10 s at the default interval): one endpoint's speed
-        # against the others' (`speed_of`), where a window's load would swing it.
+        # against the others' (`slowdowns`), where a window's load would swing it.
         self.prefill_long = DecayedRatio(_LONG_DECAY)
         self.tokens = DecayedRatio()  # computed prompt tokens per request
         self.step = DecayedRatio()  # seconds per engine step, normalised to a batch of one
