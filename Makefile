@@ -8,6 +8,7 @@ STAMP := $(VENV)/.installed
 
 # The scheduler's hot modules, compiled with mypyc (llmgw/native.py); rebuilt when one changes.
 NATIVE_SRC := llmgw/kvindex.py llmgw/registry.py llmgw/scheduling/blockhash.py \
+	llmgw/scheduling/filters.py llmgw/scheduling/pickers.py llmgw/scheduling/picking.py \
 	llmgw/scheduling/prefix.py llmgw/scheduling/scorers.py llmgw/tokenize.py
 NATIVE := llmgw/native.json
 

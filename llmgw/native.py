@@ -1,9 +1,9 @@
 """The scheduler's hot modules, compiled with mypyc, or their Python sources.
 
 `scripts/build_native.py` (run by `make`) compiles `MODULES` into C extensions beside their
-sources (the latency scorer's per-endpoint loop, the prefix index, the registry's endpoint
-state, the KV-event index and the tokenizer's cache: a `latency` pick takes 0.60-0.65x the
-time, `bench/pick_latency.py --baseline python`) and writes `MANIFEST`, each
+sources (the pick path, its filters and pickers, the latency scorer's per-endpoint loop, the
+prefix index, the registry's endpoint state, the KV-event index and the tokenizer's cache: a
+`latency` pick takes ~0.55x the time, `bench/pick_latency.py --baseline python`) and writes `MANIFEST`, each
 source's digest. Python loads an extension in preference to a source of the same name, so
 a source edited after the build would silently not run: `install` (called by
 `llmgw/__init__.py`, before any of them is imported) compares the digests and, when one
@@ -30,6 +30,9 @@ MODULES = (
     "llmgw.kvindex",
     "llmgw.registry",
     "llmgw.scheduling.blockhash",
+    "llmgw.scheduling.filters",
+    "llmgw.scheduling.pickers",
+    "llmgw.scheduling.picking",
     "llmgw.scheduling.prefix",
     "llmgw.scheduling.scorers",
     "llmgw.tokenize",

@@ -7,6 +7,7 @@ their params as keyword arguments and reject bad ones with a ValueError.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -48,7 +49,29 @@ class PluginError(ValueError):
     """A plugin rejected its params (unknown name, wrong type or value)."""
 
 
+def _accepted(factory: Callable[..., Any]) -> list[str] | None:
+    """The param names a plugin takes, or None where its signature cannot be read."""
+    try:
+        return [
+            p.name
+            for p in inspect.signature(factory).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        return None
+
+
 def _build(factory: Callable[..., P], params: Mapping[str, Any]) -> P:
+    # Unknown names first, in one message of our own: Python and the compiled plugins
+    # (`llmgw/native.py`) word a bad keyword differently.
+    accepted = _accepted(factory)
+    if accepted is not None:
+        unknown = [name for name in params if name not in accepted]
+        if unknown:
+            raise PluginError(
+                f"unknown param{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(repr(u) for u in unknown)} (accepted: {', '.join(accepted) or 'none'})"
+            )
     try:
         return factory(**params)
     except (TypeError, ValueError) as exc:

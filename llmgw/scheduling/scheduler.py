@@ -6,17 +6,9 @@ import copy
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import repeat
-from operator import add, mul
 
 from llmgw.config import Config, ModelMode, ModelSpec, endpoints_of, model_mode
-from llmgw.errors import (
-    LlmgwError,
-    ModelDisabled,
-    ModelNotFound,
-    ModelNotReady,
-    NoHealthyEndpoint,
-)
+from llmgw.errors import LlmgwError, ModelNotFound
 from llmgw.hashring import HashRing
 from llmgw.registry import EndpointState, Registry
 from llmgw.scheduling.interfaces import (
@@ -24,22 +16,13 @@ from llmgw.scheduling.interfaces import (
     Filter,
     ForgetsEndpoints,
     LearnsFromChoice,
-    PickContext,
     Picker,
     Scorer,
 )
+from llmgw.scheduling.picking import run_pick
 from llmgw.scheduling.plugins import make_filter, make_picker, make_scorer
 from llmgw.scheduling.strategies import resolve
-from llmgw.types import (
-    Decision,
-    Endpoint,
-    Outcome,
-    RequestInfo,
-    ScorerColumn,
-    new_decision,
-    new_rationale,
-    new_scorer_column,
-)
+from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
 
 
 class ModelRouter:
@@ -246,104 +229,7 @@ class Scheduler:
     ) -> Decision:
         """`dropped` None: a real pick (the chosen endpoint is observed); else an
         explanation, which collects each filter's dropped ids and learns nothing."""
-        if router.mode is ModelMode.OFF:
-            raise ModelDisabled(
-                f"model {request.model!r} is configured but disabled (scaling max is 0 or no "
-                "scaling stanza); enable it in the config"
-            )
-        states = self.registry.states(request.model)
-        if request.subset is not None:
-            states = [s for s in states if s.endpoint.address in request.subset]
-            if not states:
-                raise NoHealthyEndpoint(
-                    f"none of the gateway's subset hint ({', '.join(sorted(request.subset))}) "
-                    f"is an endpoint of model {request.model!r}"
-                )
-        if not states:
-            if router.mode in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
-                raise ModelNotReady(f"model {request.model!r} has no ready replica yet")
-            raise NoHealthyEndpoint(f"model {request.model!r} has no endpoints")
-        registry = self.registry
-        # Positional: keywords cost a lookup each (this runs per pick).
-        ctx = PickContext(
-            request,
-            router.spec,
-            registry.clock(),
-            registry.staleness,
-            router.ring_for(states),
-            states,
-            rng,
-            None,  # fresh metrics: computed on first use
-            registry.kv_index,
-        )
-        candidates = states
-        drops: list[tuple[str, int]] = []
-        cap = registry.warmup_inflight
-        if cap is not None and registry.warming(request.model):
-            # New replicas not scraped yet take a bounded share (their ring arcs overflow
-            # to the next replica), unless nothing else is left.
-            kept = [s for s in states if not (s.warming and s.inflight >= cap)]
-            if kept and len(kept) < len(states):
-                drops.append(("warmup", len(states) - len(kept)))
-                candidates = kept
-        for flt in router.filters:
-            kept = flt.filter(ctx, candidates)
-            drops.append((flt.name, len(candidates) - len(kept)))
-            if dropped is not None:
-                keep = {s.id for s in kept}
-                dropped.append((flt.name, tuple([s.id for s in candidates if s.id not in keep])))
-            if not kept:
-                raise flt.when_empty(flt.empty_message.format(model=request.model))
-            candidates = kept
-
-        columns: list[ScorerColumn] = []
-        n = len(candidates)
-        totals: list[float] | None = None
-        for scorer, weight, explainer in router.scoring:
-            raw = scorer.score(ctx, candidates)
-            if len(raw) != n:
-                raise ValueError(f"scorer {scorer.name!r} returned {len(raw)} scores for {n}")
-            if explainer is None:
-                columns.append(new_scorer_column(scorer.name, weight, tuple(raw), (), ()))
-            else:
-                columns.append(
-                    new_scorer_column(
-                        scorer.name, weight, tuple(raw), explainer.term_names, explainer.term_rows()
-                    )
-                )
-            if weight:  # C-level maps: this runs per endpoint per scorer on every pick
-                # 1.0 * x is x, and the first column needs no sum (x rather than 0.0 + x:
-                # equal under ==, -0.0 would stay -0.0), so one pass less per pick.
-                weighted = raw if weight == 1.0 else map(mul, repeat(weight, n), raw)
-                totals = list(weighted) if totals is None else list(map(add, totals, weighted))
-        if totals is None:
-            totals = [0.0] * n
-
-        order = router.picker.order(ctx, totals, router.limit)
-        chosen = candidates[order[0]]
-        if dropped is None:
-            for observer in router.observers:
-                observer.observe(ctx, chosen)
-        why = new_rationale(
-            router.strategy_name,
-            router.picker.name,
-            router.ids_of(candidates),
-            tuple(columns),
-            tuple(totals),
-            tuple(drops),
-            len(states),
-        )
-        ready_at, ttft, tokens = ctx.prediction or (None, None, None)
-        return new_decision(
-            request.model,
-            chosen.endpoint,
-            tuple([candidates[i].endpoint for i in order[1:]]),
-            why,
-            ready_at,
-            ttft,
-            tokens,
-            ctx.now,
-        )
+        return run_pick(self.registry, request, router, rng, dropped)
 
     def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> Lease:
         """Count the request as in flight on `endpoint` (default: the decision's primary)."""

@@ -403,6 +403,7 @@ class LatencyScorer:
             block_chars=int(block_tokens * CHARS_PER_TOKEN),
             max_blocks=max_blocks,
             capacity=capacity,
+            shared_at=shared_sessions,
         )
         self._request: RequestInfo | None = None
         self._hashes: list[int] = []
@@ -507,9 +508,7 @@ class LatencyScorer:
         # replicas that saw it first (they would herd there). Only what is this session's
         # own (its history) counts as a reason to stay. The same holds over exact hits.
         shared_blocks = (
-            self.index.shared_depth(hashes, self.shared_sessions)
-            if hashes and request.session_key is not None
-            else 0
+            self.index.shared_depth(hashes) if hashes and request.session_key is not None else 0
         )
         shared = shared_blocks * block
         if shared and exact:

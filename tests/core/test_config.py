@@ -127,7 +127,7 @@ INVALID: list[tuple[str, Any, str, str]] = [
         "picker-bad-param",
         one_model(endpoints=EP, strategy={"picker": {"type": "softmax", "params": {"t": 1}}}),
         "models.chat.strategy.picker.params",
-        "unexpected keyword argument 't'",
+        "unknown param 't' (accepted: temperature)",
     ),
     (
         "picker-negative-temperature",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -63,12 +64,12 @@ def test_picker(case: Case) -> None:
     ("name", "params", "phrase"),
     [
         ("softmax", {"temperature": -0.1}, "temperature must be >= 0"),
-        ("softmax", {"temp": 1.0}, "unexpected keyword argument 'temp'"),
-        ("max-score", {"temperature": 1.0}, "takes no arguments"),
+        ("softmax", {"temp": 1.0}, "unknown param 'temp' (accepted: temperature)"),
+        ("max-score", {"temperature": 1.0}, "unknown param 'temperature' (accepted: none)"),
     ],
 )
 def test_picker_rejects_bad_params(name: str, params: dict[str, float], phrase: str) -> None:
-    with pytest.raises(PluginError, match=phrase):
+    with pytest.raises(PluginError, match=re.escape(phrase)):
         make_picker(name, params)
 
 

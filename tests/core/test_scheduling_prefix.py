@@ -90,7 +90,27 @@ def test_forget_drops_an_endpoint() -> None:
     assert idx.size("e1") == 0
 
 
-@pytest.mark.parametrize("kw", [{"block_chars": 0}, {"max_blocks": 0}, {"capacity": 0}])
+def test_shared_depth_counts_the_leading_blocks_several_sessions_used() -> None:
+    idx = PrefixIndex(block_chars=8, shared_at=3)
+    system = "S" * 16  # two blocks every session opens with
+    prompts = {k: system + k * 8 + "x" * 8 for k in "abc"}
+    for turn in range(4):  # one session alone, however often, shares nothing
+        idx.insert("e1", idx.hashes(prompts["a"]), "a", float(turn))
+    assert idx.shared_depth(idx.hashes(prompts["a"])) == 0
+    idx.insert("e2", idx.hashes(prompts["b"]), "b", 5.0)
+    assert idx.shared_depth(idx.hashes(prompts["a"])) == 0  # two sessions: not yet
+    idx.insert("e1", idx.hashes(prompts["c"]), "c", 6.0)
+    for k in "abc":  # the system prompt's two blocks; each history stays its own
+        assert idx.shared_depth(idx.hashes(prompts[k])) == 2
+    for k in "abcab":  # sessions interleaving past the threshold change nothing
+        idx.insert("e2", idx.hashes(prompts[k]), k, 7.0)
+    assert idx.shared_depth(idx.hashes(prompts["c"])) == 2
+    assert idx.shared_depth(idx.hashes("T" * 32)) == 0
+
+
+@pytest.mark.parametrize(
+    "kw", [{"block_chars": 0}, {"max_blocks": 0}, {"capacity": 0}, {"shared_at": 0}]
+)
 def test_non_positive_sizes_are_rejected(kw: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         PrefixIndex(**kw)

@@ -1,0 +1,158 @@
+"""The pick itself (filter -> score -> pick -> Decision), apart from `Scheduler` so that it
+compiles (`llmgw/native.py`): `Scheduler` stays a Python class that tests and tools may
+patch, and calls this once per pick. Compiled, a 16-endpoint `latency` pick takes ~0.85x
+the time (`bench/pick_latency.py`: 35.6 -> 30 µs p50 on this machine, 182 -> 166 µs at 256).
+"""
+
+from __future__ import annotations
+
+import random
+from itertools import repeat
+from operator import add, mul
+from typing import Protocol
+
+from llmgw.config import ModelMode, ModelSpec
+from llmgw.errors import ModelDisabled, ModelNotReady, NoHealthyEndpoint
+from llmgw.hashring import HashRing
+from llmgw.registry import EndpointState, Registry
+from llmgw.scheduling.interfaces import (
+    ExplainsScores,
+    Filter,
+    LearnsFromChoice,
+    PickContext,
+    Picker,
+    Scorer,
+)
+from llmgw.types import (
+    Decision,
+    RequestInfo,
+    ScorerColumn,
+    new_decision,
+    new_rationale,
+    new_scorer_column,
+)
+
+
+class ModelRouter(Protocol):
+    """What a pick reads of `scheduler.ModelRouter` (which imports this module)."""
+
+    mode: ModelMode
+    spec: ModelSpec
+    strategy_name: str
+    filters: list[Filter]
+    scoring: list[tuple[Scorer, float, ExplainsScores | None]]
+    observers: list[LearnsFromChoice]
+    picker: Picker
+    limit: int
+
+    def ring_for(self, states: list[EndpointState]) -> HashRing: ...
+
+    def ids_of(self, candidates: list[EndpointState]) -> tuple[str, ...]: ...
+
+
+def run_pick(
+    registry: Registry,
+    request: RequestInfo,
+    router: ModelRouter,
+    rng: random.Random,
+    dropped: list[tuple[str, tuple[str, ...]]] | None,
+) -> Decision:
+    """`Scheduler._pick`: `dropped` None is a real pick (the chosen endpoint is observed);
+    else an explanation, which collects each filter's dropped ids and learns nothing."""
+    if router.mode is ModelMode.OFF:
+        raise ModelDisabled(
+            f"model {request.model!r} is configured but disabled (scaling max is 0 or no "
+            "scaling stanza); enable it in the config"
+        )
+    states = registry.states(request.model)
+    if request.subset is not None:
+        states = [s for s in states if s.endpoint.address in request.subset]
+        if not states:
+            raise NoHealthyEndpoint(
+                f"none of the gateway's subset hint ({', '.join(sorted(request.subset))}) "
+                f"is an endpoint of model {request.model!r}"
+            )
+    if not states:
+        if router.mode in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
+            raise ModelNotReady(f"model {request.model!r} has no ready replica yet")
+        raise NoHealthyEndpoint(f"model {request.model!r} has no endpoints")
+    # Positional: keywords cost a lookup each (this runs per pick).
+    ctx = PickContext(
+        request,
+        router.spec,
+        registry.clock(),
+        registry.staleness,
+        router.ring_for(states),
+        states,
+        rng,
+        None,  # fresh metrics: computed on first use
+        registry.kv_index,
+    )
+    candidates = states
+    drops: list[tuple[str, int]] = []
+    cap = registry.warmup_inflight
+    if cap is not None and registry.warming(request.model):
+        # New replicas not scraped yet take a bounded share (their ring arcs overflow
+        # to the next replica), unless nothing else is left.
+        kept = [s for s in states if not (s.warming and s.inflight >= cap)]
+        if kept and len(kept) < len(states):
+            drops.append(("warmup", len(states) - len(kept)))
+            candidates = kept
+    for flt in router.filters:
+        kept = flt.filter(ctx, candidates)
+        drops.append((flt.name, len(candidates) - len(kept)))
+        if dropped is not None:
+            keep = {s.id for s in kept}
+            dropped.append((flt.name, tuple([s.id for s in candidates if s.id not in keep])))
+        if not kept:
+            raise flt.when_empty(flt.empty_message.format(model=request.model))
+        candidates = kept
+
+    columns: list[ScorerColumn] = []
+    n = len(candidates)
+    totals: list[float] | None = None
+    for scorer, weight, explainer in router.scoring:
+        raw = scorer.score(ctx, candidates)
+        if len(raw) != n:
+            raise ValueError(f"scorer {scorer.name!r} returned {len(raw)} scores for {n}")
+        if explainer is None:
+            columns.append(new_scorer_column(scorer.name, weight, tuple(raw), (), ()))
+        else:
+            columns.append(
+                new_scorer_column(
+                    scorer.name, weight, tuple(raw), explainer.term_names, explainer.term_rows()
+                )
+            )
+        if weight:  # C-level maps: this runs per endpoint per scorer on every pick
+            # 1.0 * x is x, and the first column needs no sum (x rather than 0.0 + x:
+            # equal under ==, -0.0 would stay -0.0), so one pass less per pick.
+            weighted = raw if weight == 1.0 else map(mul, repeat(weight, n), raw)
+            totals = list(weighted) if totals is None else list(map(add, totals, weighted))
+    if totals is None:
+        totals = [0.0] * n
+
+    order = router.picker.order(ctx, totals, router.limit)
+    chosen = candidates[order[0]]
+    if dropped is None:
+        for observer in router.observers:
+            observer.observe(ctx, chosen)
+    why = new_rationale(
+        router.strategy_name,
+        router.picker.name,
+        router.ids_of(candidates),
+        tuple(columns),
+        tuple(totals),
+        tuple(drops),
+        len(states),
+    )
+    ready_at, ttft, tokens = ctx.prediction or (None, None, None)
+    return new_decision(
+        request.model,
+        chosen.endpoint,
+        tuple([candidates[i].endpoint for i in order[1:]]),
+        why,
+        ready_at,
+        ttft,
+        tokens,
+        ctx.now,
+    )
