@@ -7,6 +7,7 @@ in, the scheduler reads. Time comes from an injected clock.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from llmgw.breaker import Breaker, BreakerSettings, BreakerState
@@ -16,6 +17,22 @@ from llmgw.types import Endpoint, EngineMetrics, Outcome
 
 Clock = Callable[[], float]
 
+# How fast the share of an engine's first tokens that are this router's requests forgets
+# (per scrape; ~20 scrapes, 2 s at the default interval).
+_SHARE_DECAY = 0.95
+
+
+class PendingPrefill:
+    """One request this router sent whose prefill is not known to be over: open until its
+    first token is seen, the request ends, or a scrape counts it among the engine's first
+    tokens (`Registry.record_scrape`)."""
+
+    __slots__ = ("open", "tokens")
+
+    def __init__(self, tokens: float) -> None:
+        self.tokens = tokens
+        self.open = True
+
 
 class EndpointState:
     """Mutable live state of one endpoint (owned by the Registry)."""
@@ -24,17 +41,21 @@ class EndpointState:
         "breaker",
         "busy_until",
         "calibration",
+        "counts_first_tokens",
         "endpoint",
         "id",
         "inflight",
         "metrics",
         "peak_running",
         "pending_prefill",
+        "prefills",
         "released_since_scrape",
         "reports_first_token",
         "scrape_error",
         "scraped_at",
         "serves_model",
+        "share_engine",
+        "share_sent",
         "warming",
     )
 
@@ -62,6 +83,16 @@ class EndpointState:
         # of prefill work, where the edge reports first tokens (`reports_first_token`).
         self.pending_prefill = 0.0
         self.reports_first_token = False
+        # Where the edge does not see first tokens (Envoy without response bodies), the
+        # engine's time-to-first-token histogram counts them: each scrape closes as many of
+        # the oldest open prefills as first tokens came since the last one (this router's
+        # share of them), so `pending_prefill` is known as of the last scrape.
+        self.prefills: deque[PendingPrefill] = deque()
+        self.counts_first_tokens = False
+        # This router's requests and the engine's first tokens over recent scrapes (decayed):
+        # other routers and direct clients take their part of the count.
+        self.share_sent = 0.0
+        self.share_engine = 0.0
         # Added to a running model and not scraped yet: takes a bounded share until then.
         self.warming = False
 
@@ -201,15 +232,25 @@ class Registry:
             return
         state.breaker.record(outcome is Outcome.SUCCESS, now, probe=probe)
 
-    def add_prefill(self, model: str, endpoint_id: str, tokens: float) -> float:
+    def add_prefill(
+        self, model: str, endpoint_id: str, tokens: float
+    ) -> tuple[float, PendingPrefill | None]:
         """A request with `tokens` to prefill was sent there (released at its first token);
-        returns the prefill tokens that were pending there before it."""
+        returns the prefill tokens that were pending there before it, and its entry."""
         state = self._by_id.get((model, endpoint_id))
         if state is None:
-            return 0.0
+            return 0.0, None
         ahead = state.pending_prefill
         state.pending_prefill += tokens
-        return ahead
+        if state.reports_first_token:  # exact already: nothing for scrapes to count
+            return ahead, None
+        queue = state.prefills
+        while queue and not queue[0].open:  # ended ones, at the head: bounded by in-flight
+            queue.popleft()
+        entry = PendingPrefill(tokens)
+        queue.append(entry)
+        state.share_sent += 1.0
+        return ahead, entry
 
     def first_token(
         self,
@@ -220,6 +261,7 @@ class Registry:
         *,
         observed: bool = True,
         waited: tuple[float, float] | None = None,
+        prefill: PendingPrefill | None = None,
     ) -> None:
         """The request predicted to finish its prefill at `ready_at` produced its first token
         now: its tokens are no longer pending; if it is early, the modelled queue was long.
@@ -232,6 +274,10 @@ class Registry:
             state.reports_first_token = True
             if waited is not None:  # (prefill tokens ahead + its own, seconds to this token)
                 state.calibration.observed.add(*waited)
+        if prefill is not None:
+            if not prefill.open:  # a scrape counted it already
+                return
+            prefill.open = False
         state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
         now = self.clock()
         if ready_at > now:
@@ -243,6 +289,17 @@ class Registry:
         if state is None:
             return
         now = self.clock()
+        prev = state.metrics
+        count = metrics.ttft_count
+        if (
+            count is not None
+            and not state.reports_first_token
+            and prev is not None
+            and prev.ttft_count is not None
+            and count >= prev.ttft_count  # a restarted engine counts from 0 again
+        ):
+            state.counts_first_tokens = True
+            _count_first_tokens(state, count - prev.ttft_count)
         state.peak_running = max(state.peak_running, metrics.running)
         state.calibration.on_scrape(metrics, at=now, released=state.released_since_scrape)
         if state.warming:
@@ -272,3 +329,28 @@ class Registry:
             s.breaker.available(now)  # advance open -> half_open for reporting
             out[(model, eid)] = s.breaker.state
         return out
+
+
+def _count_first_tokens(state: EndpointState, first_tokens: float) -> None:
+    """The engine produced `first_tokens` first tokens since the last scrape: close this
+    router's share of them among its oldest open prefills there (engines schedule in
+    arrival order). The share is this router's requests over the engine's first tokens
+    in recent scrapes: 1 where it sends all the traffic (other routers', direct clients'
+    requests, or fallbacks sent without a prediction, count there too)."""
+    state.share_engine = state.share_engine * _SHARE_DECAY + first_tokens
+    sent = state.share_sent
+    state.share_sent = sent * _SHARE_DECAY
+    share = sent / state.share_engine if state.share_engine > sent else 1.0
+    close = int(first_tokens * share + 0.5)
+    queue = state.prefills
+    pending = state.pending_prefill
+    while queue:
+        entry = queue[0]
+        if entry.open:
+            if close <= 0:
+                break
+            entry.open = False
+            pending -= entry.tokens
+            close -= 1
+        queue.popleft()
+    state.pending_prefill = pending if queue and pending > 0.0 else 0.0

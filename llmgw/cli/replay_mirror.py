@@ -20,7 +20,8 @@ from llmgw.calibration import Costs, pooled
 from llmgw.registry import EndpointState, Registry, fresh_metrics_of
 from llmgw.scheduling.scorers import LatencyScorer
 
-# endpoint -> (waiting, running, kv, released, peak running); older traces lack the peak
+# endpoint -> (waiting, running, kv, released, peak running[, open prefill tokens, seconds
+# since the scrape that counted first tokens]); older traces lack the peak and the counts
 View = Mapping[str, tuple[float, ...] | None]
 Speed = tuple[float | None, ...]  # per_token s, step s, tokens per prefill, service s
 # A pick's costs: `Speed`, then engine tokens per router token, observed s/token, marginal
@@ -41,6 +42,11 @@ class Correction:
     # The most running the recorded router had scraped there (its own scrapes' history,
     # not the simulated one's): at it, the latency queue waits for a batch slot.
     peaks: Mapping[str, float] = field(default_factory=dict)
+    # Where the recorded router closed its prefills by the engine's first-token count:
+    # (prefill tokens open, seconds since that scrape), as it saw them. Endpoints in `blind`
+    # were fresh but not counted there (the time-drained queue; traces before session 27).
+    counted: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    blind: frozenset[str] = frozenset()
 
 
 def view_of(registry: Registry, model: str) -> tuple[View, Speed]:
@@ -65,12 +71,18 @@ def _speed(states: Sequence[EndpointState]) -> Speed:
 
 def correction(recorded: View, costs: Recorded | None, simulated: View, speed: Speed) -> Correction:
     engines: dict[str, tuple[float, float, float, float]] = {}
-    stale, fresh = set(), set()
+    stale, fresh, blind = set(), set(), set()
     peaks: dict[str, float] = {}
+    counted: dict[str, tuple[float, float]] = {}
     for endpoint, seen in recorded.items():
         mine = simulated.get(endpoint)
         if seen is not None and len(seen) > 4:
             peaks[endpoint] = seen[4]
+        if seen is not None:
+            if len(seen) > 6:
+                counted[endpoint] = (seen[5], seen[6])
+            else:
+                blind.add(endpoint)
         if seen is not None and mine is not None:
             w, r, k, x = (a - b for a, b in zip(seen[:4], mine[:4], strict=True))
             engines[endpoint] = (w, r, k, x)
@@ -78,24 +90,44 @@ def correction(recorded: View, costs: Recorded | None, simulated: View, speed: S
             stale.add(endpoint)
         elif seen is not None and endpoint in simulated:
             fresh.add(endpoint)
-    return Correction(engines, costs, speed, frozenset(stale), frozenset(fresh), peaks)
+    return Correction(
+        engines,
+        costs,
+        speed,
+        frozenset(stale),
+        frozenset(fresh),
+        peaks,
+        counted,
+        frozenset(blind),
+    )
 
 
 def apply(
-    fix: Correction, states: Sequence[EndpointState], scorers: Sequence[object]
+    fix: Correction, states: Sequence[EndpointState], scorers: Sequence[object], now: float
 ) -> Callable[[], None]:
     """Shift the states' engine view by `fix`, and give latency scorers the recorded costs
-    scaled by how the simulated fleet's speed moved since the first pass, for one pick;
-    returns the undo."""
+    scaled by how the simulated fleet's speed moved since the first pass, for one pick
+    (`now`: the registry clock); returns the undo."""
     undo: list[Callable[[], None]] = []
     for s in states:
         peak = fix.peaks.get(s.id)
         if peak is not None:
             undo.append(_restore_peak(s))
             s.peak_running = peak
+        counted = fix.counted.get(s.id)
+        if (counted is not None or s.id in fix.blind) and not s.reports_first_token:
+            # The queue the recorded router saw: what stayed open by its engine's count, as
+            # old as its scrape was (the simulated engines count their own first tokens).
+            undo.append(_restore_counted(s))
+            s.counts_first_tokens = counted is not None
+            if counted is not None:
+                s.pending_prefill, s.scraped_at = counted[0], now - counted[1]
         if s.id in fix.stale or (s.id in fix.fresh and s.metrics is not None):
             undo.append(_restore_metrics(s))  # as stale or as fresh as the recorded pick saw
-            s.scraped_at = float("-inf") if s.id in fix.stale else float("inf")
+            if s.id in fix.stale:
+                s.scraped_at = float("-inf")
+            elif counted is None:
+                s.scraped_at = float("inf")
             continue
         d = fix.engines.get(s.id)
         m = s.metrics
@@ -109,8 +141,8 @@ def apply(
             )
             s.released_since_scrape = max(0, s.released_since_scrape + round(d[3]))
     if fix.costs is not None:
-        now = _speed(states)
-        scales = [a / b if a and b else 1.0 for a, b in zip(now, fix.speed, strict=True)]
+        speed_now = _speed(states)
+        scales = [a / b if a and b else 1.0 for a, b in zip(speed_now, fix.speed, strict=True)]
         per_token, step, tokens, service = [
             None if rec is None else rec * scale
             for rec, scale in zip(fix.costs[:4], scales, strict=True)
@@ -153,6 +185,15 @@ def _restore_metrics(s: EndpointState) -> Callable[[], None]:
 
     def restore() -> None:
         s.metrics, s.released_since_scrape, s.scraped_at = metrics, released, scraped_at
+
+    return restore
+
+
+def _restore_counted(s: EndpointState) -> Callable[[], None]:
+    counts, pending, scraped_at = s.counts_first_tokens, s.pending_prefill, s.scraped_at
+
+    def restore() -> None:
+        s.counts_first_tokens, s.pending_prefill, s.scraped_at = counts, pending, scraped_at
 
     return restore
 

@@ -228,7 +228,7 @@ def simulate(
             undo = None
             if fix is not None:
                 scorers = [sc for sc, _ in scheduler.routers[arrival.model].scorers]
-                undo = apply(fix, registry.states(arrival.model), scorers)
+                undo = apply(fix, registry.states(arrival.model), scorers, registry.clock())
             try:
                 decision = scheduler.pick(info)
             except LlmgwError as exc:

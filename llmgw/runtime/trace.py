@@ -98,19 +98,24 @@ def engine_view(
 ) -> dict[str, Any] | None:
     """What the pick saw of the engines, beyond the router's own state: per endpoint
     [waiting, running, KV usage, requests released since its last scrape, most running
-    ever scraped] (null when its
-    metrics were stale), and the model's calibrated speed (`_fleet`). A replay corrects its
+    ever scraped] (null when its metrics were stale), and where the engine's first-token
+    count closes this router's prefills (an edge without first tokens) two more: the
+    prefill tokens left open and the seconds since that scrape (the latency queue's
+    inputs); and the model's calibrated speed (`_fleet`). A replay corrects its
     simulated engines by the difference (`llmgw replay --mirror`)."""
     lease, request = lifecycle.lease, lifecycle.request
     if lease is None or request is None:
         return None
     registry = lease.registry
     states = registry.states(request.model)
-    fresh = fresh_metrics_of(states, registry.clock(), registry.staleness)
+    # Unix seconds at the pick: the router's clock between picks drains its queue model, so
+    # a replay spaces picks by these, not by arrivals (parsing a body takes its own time).
+    now = registry.clock()
+    fresh = fresh_metrics_of(states, now, registry.staleness)
     engines: dict[str, list[float] | None] = {}
     for s in states:
         m = fresh[s]
-        engines[s.id] = (
+        view = (
             None
             if m is None
             else [
@@ -121,9 +126,12 @@ def engine_view(
                 s.peak_running,  # running >= its peak switches the queue estimate
             ]
         )
-    # Unix seconds at the pick: the router's clock between picks drains its queue model, so
-    # a replay spaces picks by these, not by arrivals (parsing a body takes its own time).
-    now = registry.clock()
+        if view is not None and s.counts_first_tokens and not s.reports_first_token:
+            pending = s.pending_prefill  # as the pick saw it: before this request's own
+            if s.id == lease.endpoint_id and lease.prefill is not None and lease.prefill.open:
+                pending = max(0.0, pending - lease.prefill.tokens)
+            view += [round(pending, 1), round(now - s.scraped_at, 4)]
+        engines[s.id] = view
     kept = cache.get(request.model) if cache is not None else None
     if kept is not None and now - kept[0] < _FLEET_EVERY:
         fleet = kept[1]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from llmgw.config import Config, ModelMode, ModelSpec, endpoints_of, model_mode
 from llmgw.errors import LlmgwError, ModelNotFound
 from llmgw.hashring import HashRing
-from llmgw.registry import EndpointState, Registry
+from llmgw.registry import EndpointState, PendingPrefill, Registry
 from llmgw.scheduling.interfaces import (
     ExplainsScores,
     Filter,
@@ -123,6 +123,9 @@ class Lease:
     # them so a replay orders them against picks as the router did (µs margins).
     first_at: float | None = None
     ended_at: float | None = None
+    # Its entry among the endpoint's open prefills (closed here, or by a scrape that counted
+    # its first token among the engine's: then its tokens are released already).
+    prefill: PendingPrefill | None = None
 
     def first_token(self, observed: bool = True) -> None:
         """The first response body byte arrived (the engine finished this prefill); with
@@ -144,6 +147,7 @@ class Lease:
                 tokens,
                 observed=observed,
                 waited=waited,
+                prefill=self.prefill,
             )
         if self.on_first_token is not None:
             self.on_first_token()
@@ -161,6 +165,11 @@ class Lease:
         self.done = True
         self.ended_at = self.registry.clock()
         pending = 0.0 if self.first_token_seen else self.prefill_tokens or 0.0
+        entry = self.prefill
+        if entry is not None:
+            if not entry.open:  # released by a scrape's count
+                pending = 0.0
+            entry.open = False
         self.registry.release(
             self.model, self.endpoint_id, outcome, probe=self.probe, prefill_tokens=pending
         )
@@ -238,7 +247,9 @@ class Scheduler:
         # The prediction holds for the primary only; a fallback's first token says nothing.
         primary = target is decision.endpoint
         tokens = decision.prefill_tokens if primary else None
-        ahead = self.registry.add_prefill(decision.model, target.id, tokens) if tokens else 0.0
+        ahead, prefill = (
+            self.registry.add_prefill(decision.model, target.id, tokens) if tokens else (0.0, None)
+        )
         return Lease(
             self.registry,
             decision.model,
@@ -248,4 +259,5 @@ class Scheduler:
             decision.ready_at if primary else None,
             tokens,
             ahead,
+            prefill=prefill,
         )

@@ -638,7 +638,15 @@ class LatencyScorer:
             load = s.inflight + 0.0  # a float: compiled (mypyc), an int is another type
             if s.reports_first_token:  # the edge sees first tokens: exact pending work
                 queue = s.pending_prefill * per_token * slow
-            else:  # it does not (Envoy without body events): time drains the work
+            elif s.counts_first_tokens:
+                # The engine's first-token count closed what was done by the last scrape;
+                # it has worked since: less that time. (Work sent since the scrape to an
+                # engine that ran out of work in between counts as drained for the time
+                # before it came: an understatement only where the queue is near empty.)
+                queue = s.pending_prefill * per_token * slow - (now - s.scraped_at)
+                if queue < 0:
+                    queue = 0.0
+            else:  # neither (Envoy without body events, no histogram): time drains the work
                 queue = s.busy_until - now
                 if queue < 0:
                     queue = 0.0

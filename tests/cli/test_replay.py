@@ -243,7 +243,7 @@ def test_a_mirrored_pick_sees_metrics_as_stale_or_fresh_as_the_recorded_pick_did
         {e: None if e == ENDPOINTS[3] else (0.0, 2.0, 0.1, 0.0) for e in ENDPOINTS},
         (None, None, None, None),
     )
-    undo = apply(fix, states, [sc for sc, _ in scheduler.routers["m1"].scorers])
+    undo = apply(fix, states, [sc for sc, _ in scheduler.routers["m1"].scorers], now)
     seen = fresh_metrics_of(states, now, registry.staleness)
     assert seen[states[0]] is None  # stale as recorded
     shifted = seen[states[1]]
@@ -255,6 +255,36 @@ def test_a_mirrored_pick_sees_metrics_as_stale_or_fresh_as_the_recorded_pick_did
     restored = seen[states[1]]
     assert seen[states[0]] is not None and restored is not None and restored.waiting == 0.0
     assert seen[states[3]] is None
+
+
+def test_a_mirrored_pick_sees_the_prefills_the_recorded_engines_count_left_open() -> None:
+    """Recorded behind Envoy without first tokens: endpoint 0's engine count had left 2,000
+    tokens open, its scrape 0.05 s old; endpoint 1 was fresh but not counted (the
+    time-drained queue). The replay's own counts differ; the pick sees the recorded ones."""
+    now = 10.0
+    registry = Registry(clock=lambda: now)
+    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    states = registry.states("m1")
+    for s in states:
+        registry.record_scrape("m1", s.id, EngineMetrics(waiting=0.0, running=2.0, kv_usage=0.1))
+        s.counts_first_tokens, s.pending_prefill = True, 500.0  # the simulated engines' view
+    view = (0.0, 2.0, 0.1, 0.0, 2.0)
+    recorded = {e: view for e in ENDPOINTS} | {ENDPOINTS[0]: (*view, 2000.0, 0.05)}
+    fix = correction(recorded, None, {e: view for e in ENDPOINTS}, (None, None, None, None))
+    scorers = [sc for sc, _ in scheduler.routers["m1"].scorers]
+    latency = next(sc for sc in scorers if isinstance(sc, LatencyScorer))
+    undo = apply(fix, states, scorers, now)
+    try:
+        assert states[0].pending_prefill == 2000.0 and states[0].scraped_at == now - 0.05
+        assert not states[1].counts_first_tokens  # as the recorded router saw it
+        scheduler.pick(RequestInfo(model="m1", request_id="r", prompt="x" * 400))
+        queue = latency.terms()["queue_s"]
+        assert queue[0] == pytest.approx(2000 * latency.prefill_s - 0.05)
+        assert queue[1] == 0.0  # busy_until never set: nothing sent there
+    finally:
+        undo()
+    assert states[0].pending_prefill == 500.0 and states[0].scraped_at == now
+    assert all(s.counts_first_tokens for s in states)
 
 
 def test_a_mirrored_pick_prices_a_sessionless_prompt_at_the_recorded_net_cost() -> None:
@@ -272,7 +302,7 @@ def test_a_mirrored_pick_prices_a_sessionless_prompt_at_the_recorded_net_cost() 
     uncached = 1000
 
     def priced(costs: tuple[float | None, ...]) -> float:
-        undo = apply(correction({}, costs, {}, speed), states, scorers)
+        undo = apply(correction({}, costs, {}, speed), states, scorers, now)
         try:
             request = RequestInfo(model="m1", request_id="r", prompt=prompt, prompt_tokens=1000)
             scheduler.pick(request)
