@@ -20,7 +20,7 @@ from llmgw.cli.replay_trace import (
     read_trace,
 )
 from llmgw.hashring import HashRing, ring_position
-from llmgw.registry import Registry, fresh_metrics_of
+from llmgw.registry import EndpointState, Registry, fresh_metrics_of
 from llmgw.runtime.trace import session_hash
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scheduler import Scheduler
@@ -229,13 +229,18 @@ def test_mirroring_needs_the_recorded_views_and_endpoints(tmp_path: Path) -> Non
     assert main([str(path), "--mirror"]) == 2  # an old trace: says why, exits 2
 
 
-def test_a_mirrored_pick_sees_metrics_as_stale_or_fresh_as_the_recorded_pick_did() -> None:
-    now = 10.0
+def scraped_fleet(now: float) -> tuple[Registry, Scheduler, list[EndpointState]]:
+    """A `latency` router over ENDPOINTS, each scraped at `now`: 2 running, none waiting."""
     registry = Registry(clock=lambda: now)
     scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
-    states = registry.states("m1")
-    for s in states:
+    for s in registry.states("m1"):
         registry.record_scrape("m1", s.id, EngineMetrics(waiting=0.0, running=2.0, kv_usage=0.1))
+    return registry, scheduler, registry.states("m1")
+
+
+def test_a_mirrored_pick_sees_metrics_as_stale_or_fresh_as_the_recorded_pick_did() -> None:
+    now = 10.0
+    registry, scheduler, states = scraped_fleet(now)
     states[3].scraped_at = now - 60  # the simulated scrape of the last went stale
     fix = correction(
         {e: None if e == ENDPOINTS[0] else (4.0, 2.0, 0.5, 0.0) for e in ENDPOINTS},
@@ -262,11 +267,8 @@ def test_a_mirrored_pick_sees_the_prefills_the_recorded_engines_count_left_open(
     tokens open, its scrape 0.05 s old; endpoint 1 was fresh but not counted (the
     time-drained queue). The replay's own counts differ; the pick sees the recorded ones."""
     now = 10.0
-    registry = Registry(clock=lambda: now)
-    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
-    states = registry.states("m1")
+    _, scheduler, states = scraped_fleet(now)
     for s in states:
-        registry.record_scrape("m1", s.id, EngineMetrics(waiting=0.0, running=2.0, kv_usage=0.1))
         s.counts_first_tokens, s.pending_prefill = True, 500.0  # the simulated engines' view
     view = (0.0, 2.0, 0.1, 0.0, 2.0)
     recorded = {e: view for e in ENDPOINTS} | {ENDPOINTS[0]: (*view, 2000.0, 0.05)}
