@@ -23,9 +23,9 @@ _SHARE_DECAY = 0.95
 
 
 class PendingPrefill:
-    """One request this router sent whose prefill is not known to be over: open until its
-    first token is seen, the request ends, or a scrape counts it among the engine's first
-    tokens (`Registry.record_scrape`)."""
+    """One request this router sent whose prefill is not known to be over: open until a
+    scrape counts it among the engine's first tokens (`Registry.record_scrape`), its first
+    token is seen, or the request ends."""
 
     __slots__ = ("open", "tokens")
 
@@ -41,11 +41,13 @@ class EndpointState:
         "breaker",
         "busy_until",
         "calibration",
+        "counted_prefill",
         "counts_first_tokens",
         "endpoint",
         "id",
         "inflight",
         "metrics",
+        "misses_first_tokens",
         "peak_running",
         "pending_prefill",
         "prefills",
@@ -86,9 +88,13 @@ class EndpointState:
         # Where the edge does not see first tokens (Envoy without response bodies), the
         # engine's time-to-first-token histogram counts them: each scrape closes as many of
         # the oldest open prefills as first tokens came since the last one (this router's
-        # share of them), so `pending_prefill` is known as of the last scrape.
+        # share of them); `counted_prefill` is the tokens left open, as of the last scrape.
+        # The latency scorer uses it (`counts_first_tokens`) once the engine published a
+        # count and a request here ended with no first token seen (`misses_first_tokens`).
         self.prefills: deque[PendingPrefill] = deque()
+        self.counted_prefill = 0.0
         self.counts_first_tokens = False
+        self.misses_first_tokens = False
         # This router's requests and the engine's first tokens over recent scrapes (decayed):
         # other routers and direct clients take their part of the count.
         self.share_sent = 0.0
@@ -212,6 +218,7 @@ class Registry:
         *,
         probe: bool = False,
         prefill_tokens: float = 0.0,
+        prefill: PendingPrefill | None = None,
     ) -> None:
         key = (model, endpoint_id)
         state = self._by_id.get(key)
@@ -223,6 +230,8 @@ class Registry:
                 del self._draining[key]
         if prefill_tokens:
             state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
+        if prefill is not None:
+            _close(state, prefill)
         now = self.clock()
         state.inflight = max(0, state.inflight - 1)
         state.released_since_scrape += 1
@@ -249,6 +258,7 @@ class Registry:
             queue.popleft()
         entry = PendingPrefill(tokens)
         queue.append(entry)
+        state.counted_prefill += tokens
         state.share_sent += 1.0
         return ahead, entry
 
@@ -274,10 +284,10 @@ class Registry:
             state.reports_first_token = True
             if waited is not None:  # (prefill tokens ahead + its own, seconds to this token)
                 state.calibration.observed.add(*waited)
+        else:
+            state.misses_first_tokens = True
         if prefill is not None:
-            if not prefill.open:  # a scrape counted it already
-                return
-            prefill.open = False
+            _close(state, prefill)
         state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
         now = self.clock()
         if ready_at > now:
@@ -298,8 +308,8 @@ class Registry:
             and prev.ttft_count is not None
             and count >= prev.ttft_count  # a restarted engine counts from 0 again
         ):
-            state.counts_first_tokens = True
             _count_first_tokens(state, count - prev.ttft_count)
+            state.counts_first_tokens = state.misses_first_tokens
         state.peak_running = max(state.peak_running, metrics.running)
         state.calibration.on_scrape(metrics, at=now, released=state.released_since_scrape)
         if state.warming:
@@ -343,7 +353,7 @@ def _count_first_tokens(state: EndpointState, first_tokens: float) -> None:
     share = sent / state.share_engine if state.share_engine > sent else 1.0
     close = int(first_tokens * share + 0.5)
     queue = state.prefills
-    pending = state.pending_prefill
+    pending = state.counted_prefill
     while queue:
         entry = queue[0]
         if entry.open:
@@ -353,4 +363,12 @@ def _count_first_tokens(state: EndpointState, first_tokens: float) -> None:
             pending -= entry.tokens
             close -= 1
         queue.popleft()
-    state.pending_prefill = pending if queue and pending > 0.0 else 0.0
+    state.counted_prefill = pending if queue and pending > 0.0 else 0.0
+
+
+def _close(state: EndpointState, entry: PendingPrefill) -> None:
+    """A prefill is over before a scrape counted it (its first token seen, or it ended)."""
+    if entry.open:
+        entry.open = False
+        left = state.counted_prefill - entry.tokens
+        state.counted_prefill = left if left > 0.0 else 0.0

@@ -121,7 +121,7 @@ def apply(
             undo.append(_restore_counted(s))
             s.counts_first_tokens = counted is not None
             if counted is not None:
-                s.pending_prefill, s.scraped_at = counted[0], now - counted[1]
+                s.counted_prefill, s.scraped_at = counted[0], now - counted[1]
         if s.id in fix.stale or (s.id in fix.fresh and s.metrics is not None):
             undo.append(_restore_metrics(s))  # as stale or as fresh as the recorded pick saw
             if s.id in fix.stale:
@@ -190,10 +190,10 @@ def _restore_metrics(s: EndpointState) -> Callable[[], None]:
 
 
 def _restore_counted(s: EndpointState) -> Callable[[], None]:
-    counts, pending, scraped_at = s.counts_first_tokens, s.pending_prefill, s.scraped_at
+    counts, pending, scraped_at = s.counts_first_tokens, s.counted_prefill, s.scraped_at
 
     def restore() -> None:
-        s.counts_first_tokens, s.pending_prefill, s.scraped_at = counts, pending, scraped_at
+        s.counts_first_tokens, s.counted_prefill, s.scraped_at = counts, pending, scraped_at
 
     return restore
 

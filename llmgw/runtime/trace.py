@@ -127,7 +127,7 @@ def engine_view(
             ]
         )
         if view is not None and s.counts_first_tokens and not s.reports_first_token:
-            pending = s.pending_prefill  # as the pick saw it: before this request's own
+            pending = s.counted_prefill  # as the pick saw it: before this request's own
             if s.id == lease.endpoint_id and lease.prefill is not None and lease.prefill.open:
                 pending = max(0.0, pending - lease.prefill.tokens)
             view += [round(pending, 1), round(now - s.scraped_at, 4)]

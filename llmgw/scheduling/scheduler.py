@@ -123,8 +123,8 @@ class Lease:
     # them so a replay orders them against picks as the router did (µs margins).
     first_at: float | None = None
     ended_at: float | None = None
-    # Its entry among the endpoint's open prefills (closed here, or by a scrape that counted
-    # its first token among the engine's: then its tokens are released already).
+    # Its entry among the endpoint's prefills that the engine's first-token count has not
+    # closed (`Registry.record_scrape`); closed here at the latest.
     prefill: PendingPrefill | None = None
 
     def first_token(self, observed: bool = True) -> None:
@@ -165,13 +165,13 @@ class Lease:
         self.done = True
         self.ended_at = self.registry.clock()
         pending = 0.0 if self.first_token_seen else self.prefill_tokens or 0.0
-        entry = self.prefill
-        if entry is not None:
-            if not entry.open:  # released by a scrape's count
-                pending = 0.0
-            entry.open = False
         self.registry.release(
-            self.model, self.endpoint_id, outcome, probe=self.probe, prefill_tokens=pending
+            self.model,
+            self.endpoint_id,
+            outcome,
+            probe=self.probe,
+            prefill_tokens=pending,
+            prefill=self.prefill,
         )
 
 

@@ -643,7 +643,7 @@ class LatencyScorer:
                 # it has worked since: less that time. (Work sent since the scrape to an
                 # engine that ran out of work in between counts as drained for the time
                 # before it came: an understatement only where the queue is near empty.)
-                queue = s.pending_prefill * per_token * slow - (now - s.scraped_at)
+                queue = s.counted_prefill * per_token * slow - (now - s.scraped_at)
                 if queue < 0:
                     queue = 0.0
             else:  # neither (Envoy without body events, no histogram): time drains the work

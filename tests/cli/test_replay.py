@@ -269,7 +269,7 @@ def test_a_mirrored_pick_sees_the_prefills_the_recorded_engines_count_left_open(
     now = 10.0
     _, scheduler, states = scraped_fleet(now)
     for s in states:
-        s.counts_first_tokens, s.pending_prefill = True, 500.0  # the simulated engines' view
+        s.counts_first_tokens, s.counted_prefill = True, 500.0  # the simulated engines' view
     view = (0.0, 2.0, 0.1, 0.0, 2.0)
     recorded = {e: view for e in ENDPOINTS} | {ENDPOINTS[0]: (*view, 2000.0, 0.05)}
     fix = correction(recorded, None, {e: view for e in ENDPOINTS}, (None, None, None, None))
@@ -277,7 +277,7 @@ def test_a_mirrored_pick_sees_the_prefills_the_recorded_engines_count_left_open(
     latency = next(sc for sc in scorers if isinstance(sc, LatencyScorer))
     undo = apply(fix, states, scorers, now)
     try:
-        assert states[0].pending_prefill == 2000.0 and states[0].scraped_at == now - 0.05
+        assert states[0].counted_prefill == 2000.0 and states[0].scraped_at == now - 0.05
         assert not states[1].counts_first_tokens  # as the recorded router saw it
         scheduler.pick(RequestInfo(model="m1", request_id="r", prompt="x" * 400))
         queue = latency.terms()["queue_s"]
@@ -285,7 +285,7 @@ def test_a_mirrored_pick_sees_the_prefills_the_recorded_engines_count_left_open(
         assert queue[1] == 0.0  # busy_until never set: nothing sent there
     finally:
         undo()
-    assert states[0].pending_prefill == 500.0 and states[0].scraped_at == now
+    assert states[0].counted_prefill == 500.0 and states[0].scraped_at == now
     assert all(s.counts_first_tokens for s in states)
 
 

@@ -561,65 +561,69 @@ def test_pending_prefill_is_the_queue_where_the_edge_reports_first_tokens() -> N
     assert a.pending_prefill == 0
 
 
-def _scrape_first_tokens(registry: Registry, count: float, waiting: float = 0.0) -> None:
+def _scrape_first_tokens(registry: Registry, count: float) -> None:
     registry.record_scrape(
-        "m", "a:1", EngineMetrics(waiting=waiting, running=1, kv_usage=0.1, ttft_count=count)
+        "m", "a:1", EngineMetrics(waiting=0.0, running=1, kv_usage=0.1, ttft_count=count)
     )
+
+
+def _one_endpoint(clock: FakeClock) -> tuple[Scheduler, EndpointState, LatencyScorer]:
+    sched = Scheduler(
+        config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
+    )
+    a = sched.registry.get("m", "a:1")
+    scorer = sched.routers["m"].scorers[0][0]
+    assert a is not None and isinstance(scorer, LatencyScorer)
+    return sched, a, scorer
 
 
 def test_the_engines_first_token_count_closes_the_oldest_prefills_where_the_edge_sees_none() -> (
     None
 ):
     """Behind Envoy without response bodies: each scrape's new first tokens (the engine's
-    TTFT histogram count) close this router's oldest open prefills; the queue is what is
-    left, less the time since that scrape; a request that ends later releases nothing
-    twice; an engine that restarted (its count went back) closes nothing."""
+    TTFT histogram count) close this router's oldest open prefills; once a request ended
+    with no first token seen, the queue is what is left open, less the time since that
+    scrape; a request that ends releases nothing twice; an engine that restarted (its
+    count went back) closes nothing."""
     clock = FakeClock(NOW)
-    sched = Scheduler(
-        config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
-    )
-    a = sched.registry.get("m", "a:1")
-    assert a is not None
-    scorer = sched.routers["m"].scorers[0][0]
-    assert isinstance(scorer, LatencyScorer)
+    sched, a, scorer = _one_endpoint(clock)
     _scrape_first_tokens(sched.registry, 10.0)  # before any request: a baseline only
     sizes = {"1": 4000, "2": 1500, "3": 500}
     leases = {
         rid: sched.acquire(sched.pick(request(rid * 4 * n, rid=rid))) for rid, n in sizes.items()
     }
-    assert a.pending_prefill == pytest.approx(6000, abs=3)
-    assert not a.counts_first_tokens  # one scrape: no count to compare yet
+    assert a.counted_prefill == pytest.approx(6000, abs=3)
     clock.advance(0.3)
     _scrape_first_tokens(sched.registry, 11.0)  # one first token: the oldest request's
-    assert a.counts_first_tokens and not a.reports_first_token
-    assert a.pending_prefill == pytest.approx(2000, abs=3)
+    assert a.counted_prefill == pytest.approx(2000, abs=3)
+    assert not a.counts_first_tokens  # the edge may still see first tokens: not yet used
+    leases["1"].end(Outcome.SUCCESS)  # no first token seen: this edge sees none
+    assert a.misses_first_tokens and not a.reports_first_token
+    assert a.counted_prefill == pytest.approx(2000, abs=3)  # "1" was closed by the count
+    _scrape_first_tokens(sched.registry, 11.0)
+    assert a.counts_first_tokens
     clock.advance(0.05)
     sched.pick(request(rid="probe"))
     assert scorer.terms()["queue_s"][0] == pytest.approx(2000 * PER_TOKEN - 0.05, abs=1e-3)
-    leases["1"].end(Outcome.SUCCESS)  # its tokens were released by the count
-    assert a.pending_prefill == pytest.approx(2000, abs=3)
-    leases["2"].end(Outcome.SUCCESS)  # ended before a scrape counted it: released here
-    assert a.pending_prefill == pytest.approx(500, abs=3)
+    leases["2"].end(Outcome.SUCCESS)  # ended before a scrape counted it: closed here
+    assert a.counted_prefill == pytest.approx(500, abs=3)
     _scrape_first_tokens(sched.registry, 3.0)  # restarted: counts from 0, closes nothing
-    assert a.pending_prefill == pytest.approx(500, abs=3)
+    assert a.counted_prefill == pytest.approx(500, abs=3)
     clock.advance(1.0)  # long past the scrape: the queue does not go below 0
     sched.pick(request(rid="probe2"))
     assert scorer.terms()["queue_s"][0] == 0.0
-    _scrape_first_tokens(sched.registry, 5.0)  # two more: one was "2" (ended), one "3"
-    assert a.pending_prefill == 0
+    _scrape_first_tokens(sched.registry, 5.0)  # two more: "2" (ended) and "3"
+    assert a.counted_prefill == 0
     leases["3"].finish(Outcome.FAILURE)
-    assert a.pending_prefill == 0 and not any(e.open for e in a.prefills)
+    assert a.counted_prefill == 0 and not any(e.open for e in a.prefills)
+    assert a.pending_prefill == 0  # the edge's own account, as before
 
 
 def test_first_tokens_of_other_traffic_close_only_this_routers_share() -> None:
     """Another router sends as many requests to the engine: its first tokens are half the
     count, so half of them close this router's prefills."""
     clock = FakeClock(NOW)
-    sched = Scheduler(
-        config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
-    )
-    a = sched.registry.get("m", "a:1")
-    assert a is not None
+    sched, a, _ = _one_endpoint(clock)
     count = 0.0
     _scrape_first_tokens(sched.registry, count)
     open_counts = []
@@ -631,21 +635,16 @@ def test_first_tokens_of_other_traffic_close_only_this_routers_share() -> None:
         _scrape_first_tokens(sched.registry, count)
         open_counts.append(sum(e.open for e in a.prefills))
     assert max(open_counts[-20:]) <= 2  # keeping up: at most the last scrape's two open
-    assert min(open_counts[-20:]) >= 0
-    assert a.pending_prefill <= 2 * 101
+    assert a.counted_prefill <= 2 * 101
 
 
 def test_an_edge_that_sees_first_tokens_ignores_the_engines_count() -> None:
     clock = FakeClock(NOW)
-    sched = Scheduler(
-        config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
-    )
-    a = sched.registry.get("m", "a:1")
-    assert a is not None
+    sched, a, _ = _one_endpoint(clock)
     _scrape_first_tokens(sched.registry, 0.0)
     sched.acquire(sched.pick(request(rid="1"))).first_token()  # the edge saw it
     waiting = sched.acquire(sched.pick(request("z" * 16000, rid="2")))
-    assert not any(e.open for e in a.prefills) and waiting.prefill is None
+    assert waiting.prefill is None  # nothing for scrapes to count
     _scrape_first_tokens(sched.registry, 2.0)
     assert a.pending_prefill == 4000 and not a.counts_first_tokens
 
