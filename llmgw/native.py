@@ -3,8 +3,8 @@
 `scripts/build_native.py` (run by `make`) compiles `MODULES` into C extensions beside their
 sources (the pick path, its filters and pickers, the latency scorer's per-endpoint loop, the
 prefix index, the registry's endpoint state, the KV-event index and the tokenizer's cache: a
-`latency` pick takes ~0.55x the time, `bench/pick_latency.py --baseline python`) and writes `MANIFEST`, each
-source's digest. Python loads an extension in preference to a source of the same name, so
+`latency` pick takes ~0.55x the time, `bench/pick_latency.py --baseline python`) and
+writes `MANIFEST`, each source's digest. Python loads an extension in preference to a source of the same name, so
 a source edited after the build would silently not run: `install` (called by
 `llmgw/__init__.py`, before any of them is imported) compares the digests and, when one
 differs, the manifest is missing or `LLMGW_NATIVE=0`, makes every module in the list load

@@ -1,7 +1,7 @@
 """The pick itself (filter -> score -> pick -> Decision), apart from `Scheduler` so that it
 compiles (`llmgw/native.py`): `Scheduler` stays a Python class that tests and tools may
-patch, and calls this once per pick. Compiled, a 16-endpoint `latency` pick takes ~0.85x
-the time (`bench/pick_latency.py`: 35.6 -> 30 µs p50 on this machine, 182 -> 166 µs at 256).
+patch, and calls this once per pick. Compiled with the filters and pickers, a 16-endpoint
+`latency` pick takes 0.82x the time (`bench/results/pick_latency_s27.txt`).
 """
 
 from __future__ import annotations

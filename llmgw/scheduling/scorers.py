@@ -359,7 +359,6 @@ class LatencyScorer:
         self._tokens: tuple[int, ...] | None = None
         if shared_sessions < 1:
             raise ValueError(f"shared_sessions must be >= 1, got {shared_sessions!r}")
-        self.shared_sessions = shared_sessions
         self.queue_weighting = queue_weighting
         if not 0 < kv_full <= 1:
             raise ValueError(f"kv_full must be in (0, 1], got {kv_full!r}")
