@@ -42,6 +42,8 @@ class Correction:
     # The most running the recorded router had scraped there (its own scrapes' history,
     # not the simulated one's): at it, the latency queue waits for a batch slot.
     peaks: Mapping[str, float] = field(default_factory=dict)
+    # Where that peak was known to be the batch (None: the trace predates it).
+    batches: frozenset[str] | None = None
     # Where the recorded router closed its prefills by the engine's first-token count:
     # (prefill tokens open, seconds since that scrape), as it saw them. Endpoints in `blind`
     # were fresh but not counted there (the time-drained queue; traces before session 27).
@@ -69,7 +71,13 @@ def _speed(states: Sequence[EndpointState]) -> Speed:
     return (c.per_token, c.step, c.tokens_per_prefill, c.service)
 
 
-def correction(recorded: View, costs: Recorded | None, simulated: View, speed: Speed) -> Correction:
+def correction(
+    recorded: View,
+    costs: Recorded | None,
+    simulated: View,
+    speed: Speed,
+    batches: frozenset[str] | None = None,
+) -> Correction:
     engines: dict[str, tuple[float, float, float, float]] = {}
     stale, fresh, blind = set(), set(), set()
     peaks: dict[str, float] = {}
@@ -97,6 +105,7 @@ def correction(recorded: View, costs: Recorded | None, simulated: View, speed: S
         frozenset(stale),
         frozenset(fresh),
         peaks,
+        batches,
         counted,
         frozenset(blind),
     )
@@ -114,6 +123,8 @@ def apply(
         if peak is not None:
             undo.append(_restore_peak(s))
             s.peak_running = peak
+            if fix.batches is not None:
+                s.peak_is_batch = s.id in fix.batches
         counted = fix.counted.get(s.id)
         if (counted is not None or s.id in fix.blind) and not s.reports_first_token:
             # The queue the recorded router saw: what stayed open by its engine's count, as
@@ -199,9 +210,9 @@ def _restore_counted(s: EndpointState) -> Callable[[], None]:
 
 
 def _restore_peak(s: EndpointState) -> Callable[[], None]:
-    peak = s.peak_running
+    peak, batch = s.peak_running, s.peak_is_batch
 
     def restore() -> None:
-        s.peak_running = peak
+        s.peak_running, s.peak_is_batch = peak, batch
 
     return restore

@@ -45,6 +45,7 @@ class Arrival:
     # since scrape[, peak running]) or None if stale; the model's speed (s/token, s/step,
     # tokens, s).
     engines: Mapping[str, tuple[float, ...] | None] | None = None
+    batches: frozenset[str] | None = None  # where that peak was the batch (None: not traced)
     speed: tuple[float | None, ...] | None = None
     # What its latency scorer used, if any: the speed's four, then the engines' tokens per
     # one of the router's, its first tokens' slope and the net cost (s/token), None where a
@@ -123,6 +124,11 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 step_ms=_number(fleet.get("step_ms")),
                 predicted_ms=_number((row.get("decision") or {}).get("predicted_ttft_ms")),
                 engines=_engines(row.get("engines")),
+                batches=(
+                    frozenset(str(e) for e in row["batches"])
+                    if isinstance(row.get("batches"), list)
+                    else None
+                ),
                 speed=_speed(fleet) if fleet else None,
                 costs=_costs(row["costs"]) if isinstance(row.get("costs"), dict) else None,
                 first_s=float(first_at) - row["t"] if isinstance(first_at, int | float) else None,

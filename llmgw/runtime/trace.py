@@ -98,11 +98,12 @@ def engine_view(
 ) -> dict[str, Any] | None:
     """What the pick saw of the engines, beyond the router's own state: per endpoint
     [waiting, running, KV usage, requests released since its last scrape, most running
-    ever scraped] (null when its metrics were stale), and where the engine's first-token
-    count closes this router's prefills (an edge without first tokens) two more: the
-    prefill tokens left open and the seconds since that scrape (the latency queue's
-    inputs); and the model's calibrated speed (`_fleet`). A replay corrects its
-    simulated engines by the difference (`llmgw replay --mirror`)."""
+    ever scraped] (null when its metrics were stale; `batches` names those where that peak
+    is known to be the batch size), and where the engine's first-token count closes this
+    router's prefills (an edge without first tokens) two more: the prefill tokens left
+    open and the seconds since that scrape (the latency queue's inputs); and the model's
+    calibrated speed (`_fleet`). A replay corrects its simulated engines by the difference
+    (`llmgw replay --mirror`)."""
     lease, request = lifecycle.lease, lifecycle.request
     if lease is None or request is None:
         return None
@@ -113,6 +114,7 @@ def engine_view(
     now = registry.clock()
     fresh = fresh_metrics_of(states, now, registry.staleness)
     engines: dict[str, list[float] | None] = {}
+    batches: list[str] = []  # where the peak is known to be the batch (`peak_is_batch`)
     for s in states:
         m = fresh[s]
         view = (
@@ -132,6 +134,8 @@ def engine_view(
                 pending = max(0.0, pending - lease.prefill.tokens)
             view += [round(pending, 1), round(now - s.scraped_at, 4)]
         engines[s.id] = view
+        if view is not None and s.peak_is_batch:
+            batches.append(s.id)
     kept = cache.get(request.model) if cache is not None else None
     if kept is not None and now - kept[0] < _FLEET_EVERY:
         fleet = kept[1]
@@ -157,6 +161,7 @@ def engine_view(
     return {
         "at": wall - (registry.clock() - picked),  # the pick's own clock, in Unix seconds
         "engines": engines,
+        "batches": batches,
         "fleet": fleet,
         "costs": used,
     }
@@ -203,6 +208,7 @@ def trace_record(
         # At the pick when the writer saw it (the `dispatched` hook), else at the end.
         "fleet": view["fleet"] if view is not None else _fleet(lifecycle, request.model),
         "engines": None if view is None else view["engines"],
+        "batches": None if view is None else view["batches"],
         "costs": None if view is None else view["costs"],
         "outcome": {
             "endpoint": answered,

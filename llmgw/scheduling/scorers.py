@@ -689,11 +689,17 @@ class LatencyScorer:
             # one freed every service / slots seconds. Without this the engine's waiting
             # count showed it a scrape late (fast-prefill docs-shared TTFT p90 170 -> 111
             # ms, big-batch 202 -> 162 ms in process; bench/fleetsim_robust.py).
+            # Once that peak is known to be the batch (seen full with requests waiting),
+            # this request needs a slot too: at a full batch it waits for one. On replicas
+            # of unequal speed a full fast one looked better than a slow one with room
+            # (2 of 4 replicas 2x slower, decode-heavy: TTFT p90 0.68-0.77x with this).
             slots = s.peak_running
-            if serv is not None and load > slots >= 1:
-                slot_queue = (load - slots) * serv / slots
-                if slot_queue > queue:  # noqa: PLR1730
-                    queue = slot_queue
+            if serv is not None and slots >= 1:
+                over = load - slots + 1.0 if s.peak_is_batch else load - slots
+                if over > 0:
+                    slot_queue = over * serv / slots
+                    if slot_queue > queue:  # noqa: PLR1730
+                        queue = slot_queue
             step = (step0 + factor * load) * slow
             append_queue(queue)
             append_step(step)

@@ -289,6 +289,26 @@ def test_a_mirrored_pick_sees_the_prefills_the_recorded_engines_count_left_open(
     assert all(s.counts_first_tokens for s in states)
 
 
+def test_a_mirrored_pick_knows_where_the_recorded_router_knew_the_batch() -> None:
+    """The recorded router had seen endpoint 0 full at its peak of 2 with requests waiting
+    (the peak is its batch), endpoint 1 not; the replay's own scrapes know neither. A trace
+    from before `batches` leaves the simulated knowledge alone."""
+    now = 10.0
+    _, _, states = scraped_fleet(now)
+    view = (0.0, 2.0, 0.1, 0.0, 2.0)
+    states[1].peak_is_batch = True  # the simulated scrapes' own conclusion
+    recorded = dict.fromkeys(ENDPOINTS, view)
+    none = (None, None, None, None)
+    fix = correction(recorded, None, recorded, none, frozenset({ENDPOINTS[0]}))
+    undo = apply(fix, states, [], now)
+    assert [s.peak_is_batch for s in states[:2]] == [True, False]
+    undo()
+    assert [s.peak_is_batch for s in states[:2]] == [False, True]
+    undo = apply(correction(recorded, None, recorded, none), states, [], now)
+    assert [s.peak_is_batch for s in states[:2]] == [False, True]
+    undo()
+
+
 def test_a_mirrored_pick_prices_a_sessionless_prompt_at_the_recorded_net_cost() -> None:
     # Recorded behind Envoy: the engines' ratio said 200 us a token, the net cost 20, and a
     # sessionless prompt was priced at 20. A replay that kept only the ratio priced it 10x

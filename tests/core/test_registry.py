@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmgw.breaker import BreakerSettings, BreakerState
-from llmgw.registry import Registry
+from llmgw.registry import FULL_SCRAPES, Registry
 from llmgw.types import Endpoint, EngineMetrics, Outcome
 
 from .helpers import FakeClock
@@ -110,6 +110,29 @@ def test_peak_running_is_the_most_requests_seen_running_at_once() -> None:
     for running in (3, 8, 5):
         reg.record_scrape("m", A, EngineMetrics(waiting=0, running=running, kv_usage=0.1))
     assert s.peak_running == 8
+
+
+def test_the_peak_counts_as_the_batch_once_seen_full_with_requests_waiting() -> None:
+    """A request waits until the engine's next step even with slots free, so one scrape at
+    the peak with some waiting proves nothing: it takes FULL_SCRAPES of them since the peak
+    last rose, and a higher peak starts over."""
+    reg = registry(A)
+    s = reg.get("m", A)
+    assert s is not None
+
+    def scrape(waiting: int, running: int) -> bool:
+        reg.record_scrape("m", A, EngineMetrics(waiting=waiting, running=running, kv_usage=0.1))
+        return s.peak_is_batch
+
+    assert not scrape(1, 2)  # a new arrival, not yet admitted
+    assert not scrape(0, 2)
+    assert not scrape(2, 1)  # below the peak: memory or a prefill budget, not slots
+    assert not scrape(1, 2)
+    assert scrape(1, 2)  # the third time at peak 2 with requests waiting
+    assert scrape(0, 2)  # once known, it stays
+    assert not scrape(0, 8)  # it ran more at once: 2 was not the batch
+    assert not any(scrape(3, 8) for _ in range(FULL_SCRAPES - 1))
+    assert scrape(3, 8) and s.peak_running == 8
 
 
 def test_release_feeds_the_breaker_but_cancellation_does_not() -> None:

@@ -108,3 +108,27 @@ def test_a_slower_endpoints_waiting_queue_is_the_longer_of_its_two_estimates() -
     scorer = LatencyScorer(speed_band=1.5)
     _scores(scorer, [fast, slow], request())
     assert scorer.terms()["queue_s"][1] == pytest.approx(2 * 2 * 1000 * 100e-6)
+
+
+def test_a_full_fast_replica_loses_to_a_slow_one_with_room_once_its_batch_is_known() -> None:
+    """The fast replica runs all 8 slots of its batch (this router's 8 requests), the 2x
+    slower one 6: this request would wait there for a slot, one freed every 3.6 s / 8 (the
+    model's time in batch, both endpoints' pooled), more than twice the slow one's step. Until the fast one's peak is known to be its
+    batch (seen full with requests waiting), a full batch could still have room, and the
+    faster step wins."""
+    fast, slow = with_speed("a:1", 0.02), with_speed("b:1", 0.04, per_token=200e-6)
+    fast.calibration.service.add(2.4, 1.0)
+    slow.calibration.service.add(4.8, 1.0)
+    fast.inflight, slow.inflight = 8, 6
+    for s in (fast, slow):
+        s.peak_running = 8.0
+    states = [fast, slow]
+    short = RequestInfo("m", "r", prompt="word " * 40, prompt_tokens=50)
+    scorer = LatencyScorer(speed_band=1.5)
+    scores = _scores(scorer, states, short)
+    assert scorer.terms()["queue_s"] == (0.0, 0.0) and scores[0] > scores[1]
+    fast.peak_is_batch = slow.peak_is_batch = True
+    scores = _scores(scorer, states, short)
+    queue = scorer.terms()["queue_s"]
+    assert queue[0] == pytest.approx(3.6 / 8) and queue[1] == 0.0
+    assert scores[1] > scores[0]

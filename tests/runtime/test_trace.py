@@ -15,11 +15,12 @@ import pytest
 
 from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.testing import address_of, serve
+from llmgw.cli.replay_trace import read_trace
 from llmgw.config import Config, TraceSpec, load_dict
 from llmgw.extproc.translate import Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import Hooks, Lifecycle
-from llmgw.registry import Registry
+from llmgw.registry import FULL_SCRAPES, Registry
 from llmgw.runtime.trace import RotatingFile, TraceWriter, close_trace, session_hash, traced
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim import SimFleet
@@ -32,6 +33,7 @@ from llmgw.testing.extproc import (
     response_trailers,
 )
 from llmgw.testing.wait import eventually
+from llmgw.types import EngineMetrics
 
 SECRET = "the-launch-code-is-PURPLE-ELEPHANT-4242 "
 SESSION = "alice@example.com"
@@ -290,3 +292,31 @@ def test_a_trace_line_times_the_pick_first_token_and_end_on_the_routers_own_cloc
     assert seen_line["clock"] == pytest.approx({"pick": 6.0, "first": 6.02, "end": 6.1})
     # A first token inferred at the end is not one the edge saw: no time for it.
     assert unseen_line["clock"] == pytest.approx({"pick": 7.1, "first": None, "end": 7.2})
+
+
+def test_a_trace_line_names_where_the_pick_knew_the_batch_size(
+    tmp_path: Path, tracing: Callable[[Config, str], Hooks]
+) -> None:
+    """Both engines scraped fresh; the first was seen at its peak with requests waiting
+    often enough for that peak to count as its batch (the latency queue then counts this
+    request against it). The line lists it, and a replay reads it back."""
+    path = tmp_path / "trace.jsonl"
+    addresses = ["10.0.0.1:8000", "10.0.0.2:8000"]
+    cfg = config(addresses, path=str(path))
+    scheduler = Scheduler(cfg, seed=1)
+    registry = scheduler.registry
+    for _ in range(FULL_SCRAPES):
+        registry.record_scrape(
+            "m1", addresses[0], EngineMetrics(waiting=2, running=8, kv_usage=0.5)
+        )
+        registry.record_scrape(
+            "m1", addresses[1], EngineMetrics(waiting=0, running=8, kv_usage=0.5)
+        )
+    hooks = tracing(cfg, "test")
+    run_lifecycle(Gateway(scheduler), hooks, 0)
+    close_trace(hooks)
+    (record,) = lines(path)
+    assert record["batches"] == [addresses[0]]
+    assert record["engines"][addresses[0]][:2] == [2, 8]
+    (arrival,) = read_trace([path], decode_ms=20.0, output_tokens=None)
+    assert arrival.batches == frozenset({addresses[0]})
