@@ -44,6 +44,10 @@ class Correction:
     peaks: Mapping[str, float] = field(default_factory=dict)
     # Where that peak was known to be the batch (None: the trace predates it).
     batches: frozenset[str] | None = None
+    # The latency scorer's slowdowns the recorded pick used (None: the trace predates them):
+    # the demo's starved engines run unevenly, and a replay that prices them all alike
+    # sent a request where the recorded router saw a replica ~1.9x slower.
+    slowdowns: Mapping[str, float] | None = None
     # Where the recorded router closed its prefills by the engine's first-token count:
     # (prefill tokens open, seconds since that scrape), as it saw them. Endpoints in `blind`
     # were fresh but not counted there (the time-drained queue; traces before session 27).
@@ -77,6 +81,7 @@ def correction(
     simulated: View,
     speed: Speed,
     batches: frozenset[str] | None = None,
+    slowdowns: Mapping[str, float] | None = None,
 ) -> Correction:
     engines: dict[str, tuple[float, float, float, float]] = {}
     stale, fresh, blind = set(), set(), set()
@@ -106,6 +111,7 @@ def correction(
         frozenset(fresh),
         peaks,
         batches,
+        slowdowns,
         counted,
         frozenset(blind),
     )
@@ -151,6 +157,10 @@ def apply(
                 kv_usage=min(1.0, max(0.0, m.kv_usage + d[2])),
             )
             s.released_since_scrape = max(0, s.released_since_scrape + round(d[3]))
+    if fix.slowdowns is not None:
+        for scorer in scorers:
+            if isinstance(scorer, LatencyScorer):
+                undo.append(_use_speeds(scorer, dict(fix.slowdowns)))
     if fix.costs is not None:
         speed_now = _speed(states)
         scales = [a / b if a and b else 1.0 for a, b in zip(speed_now, fix.speed, strict=True)]
@@ -187,6 +197,16 @@ def _use_costs(scorer: LatencyScorer, costs: Costs) -> Callable[[], None]:
 
     def restore() -> None:
         scorer.costs_override = before
+
+    return restore
+
+
+def _use_speeds(scorer: LatencyScorer, speeds: dict[str, float]) -> Callable[[], None]:
+    before = scorer.speeds_override
+    scorer.speeds_override = speeds
+
+    def restore() -> None:
+        scorer.speeds_override = before
 
     return restore
 

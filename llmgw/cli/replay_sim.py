@@ -338,7 +338,7 @@ def mirror_corrections(
         if a.engines is None or seen is None:
             out.append(None)
             continue
-        out.append(correction(a.engines, a.costs, seen[0], seen[1], a.batches))
+        out.append(correction(a.engines, a.costs, seen[0], seen[1], a.batches, a.slowdowns))
     return out
 
 

@@ -46,6 +46,8 @@ class Arrival:
     # tokens, s).
     engines: Mapping[str, tuple[float, ...] | None] | None = None
     batches: frozenset[str] | None = None  # where that peak was the batch (None: not traced)
+    # The latency scorer's slowdowns at the pick, slower endpoints only (None: not traced).
+    slowdowns: Mapping[str, float] | None = None
     speed: tuple[float | None, ...] | None = None
     # What its latency scorer used, if any: the speed's four, then the engines' tokens per
     # one of the router's, its first tokens' slope and the net cost (s/token), None where a
@@ -127,6 +129,11 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                 batches=(
                     frozenset(str(e) for e in row["batches"])
                     if isinstance(row.get("batches"), list)
+                    else None
+                ),
+                slowdowns=(
+                    {str(e): float(x) for e, x in row["slowdowns"].items()}
+                    if isinstance(row.get("slowdowns"), dict)
                     else None
                 ),
                 speed=_speed(fleet) if fleet else None,

@@ -144,9 +144,11 @@ def engine_view(
         if cache is not None:
             cache[request.model] = (now, fleet)
     used = None
+    slowdowns: dict[str, float] | None = None
     router = lifecycle.snapshot.scheduler.routers.get(request.model)
     for scorer, _ in router.scorers if router is not None else ():
         if isinstance(scorer, LatencyScorer):  # the costs this pick used (cached 0.1 s)
+            slowdowns = {e: round(x, 3) for e, x in scorer.speeds_in_use.items()}
             costs, slot = scorer.costs_in_use, f"costs:{request.model}"
             seen = cache.get(slot) if cache is not None else None
             if seen is not None and seen[0] is costs:  # one dict per refresh, not per line
@@ -164,6 +166,7 @@ def engine_view(
         "batches": batches,
         "fleet": fleet,
         "costs": used,
+        "slowdowns": slowdowns,
     }
 
 
@@ -210,6 +213,8 @@ def trace_record(
         "engines": None if view is None else view["engines"],
         "batches": None if view is None else view["batches"],
         "costs": None if view is None else view["costs"],
+        # The latency scorer's per-endpoint slowdowns at the pick (slower ones only).
+        "slowdowns": None if view is None else view["slowdowns"],
         "outcome": {
             "endpoint": answered,
             "status": lifecycle.status,

@@ -397,6 +397,8 @@ class LatencyScorer:
         # Costs to answer instead of the calibration's (`llmgw replay --mirror` sets the
         # recorded pick's); the calibration still runs for its side effects.
         self.costs_override: Costs | None = None
+        # Likewise the endpoints' slowdowns (`slower_endpoints`) the recorded pick used.
+        self.speeds_override: dict[str, float] | None = None
         self.smoothing = smoothing_ms / 1e3
         self.index = PrefixIndex(
             block_chars=int(block_tokens * CHARS_PER_TOKEN),
@@ -490,6 +492,11 @@ class LatencyScorer:
     def costs_in_use(self) -> Costs:
         """The costs the last pick used (refreshed at most every 0.1 s): for the trace."""
         return self._costs
+
+    @property
+    def speeds_in_use(self) -> dict[str, float]:
+        """The slowdowns the last pick used (endpoint -> multiple, slower ones only)."""
+        return self._speeds
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
         request = ctx.request
@@ -624,7 +631,7 @@ class LatencyScorer:
         # queue over a typical prefill, and a slower replica's seconds hold fewer of them
         # (priced at its multiple too, slower replicas went short of work and the rest
         # queued: prefill-heavy 1.13x the TTFT p90 without speeds, 1.01x with this).
-        speeds = self._speeds
+        speeds = self._speeds if self.speeds_override is None else self.speeds_override
         for i, s in enumerate(candidates):
             work = prefill = prefills[i]
             slow = speeds.get(s.id, 1.0) if speeds else 1.0

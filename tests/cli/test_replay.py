@@ -309,6 +309,31 @@ def test_a_mirrored_pick_knows_where_the_recorded_router_knew_the_batch() -> Non
     undo()
 
 
+def test_a_mirrored_pick_prices_the_replicas_the_recorded_router_saw_slower() -> None:
+    """The recorded router saw endpoint 2 at 1.9x the fastest (the demo's starved engines
+    run unevenly); the replay's own engines are alike. Mirrored, the pick prices endpoint
+    2's prefill at that multiple; undone, alike again."""
+    now = 10.0
+    _, scheduler, states = scraped_fleet(now)
+    scorers = [sc for sc, _ in scheduler.routers["m1"].scorers]
+    latency = next(sc for sc in scorers if isinstance(sc, LatencyScorer))
+    view = (0.0, 2.0, 0.1, 0.0, 2.0)
+    recorded = dict.fromkeys(ENDPOINTS, view)
+    none = (None, None, None, None)
+    fix = correction(recorded, None, recorded, none, None, {ENDPOINTS[2]: 1.9})
+    info = RequestInfo(model="m1", request_id="r", prompt="x" * 4000)
+    undo = apply(fix, states, scorers, now)
+    try:
+        scheduler.pick(info)
+        prefill = latency.terms()["prefill_s"]
+        assert prefill[2] == pytest.approx(1.9 * prefill[0]) and prefill[1] == prefill[0]
+    finally:
+        undo()
+    assert latency.speeds_override is None
+    scheduler.pick(info)
+    assert len(set(latency.terms()["prefill_s"])) == 1
+
+
 def test_a_mirrored_pick_prices_a_sessionless_prompt_at_the_recorded_net_cost() -> None:
     # Recorded behind Envoy: the engines' ratio said 200 us a token, the net cost 20, and a
     # sessionless prompt was priced at 20. A replay that kept only the ratio priced it 10x

@@ -264,6 +264,7 @@ def test_a_trace_line_carries_the_latency_terms_and_the_fleet_speed_the_router_m
     assert record["costs"]["observed_us_per_token"] is None  # no first tokens seen yet
     assert record["costs"]["engine_tokens"] == 1.0
     assert "marginal_us_per_token" not in record["fleet"]  # the speed alone there
+    assert record["slowdowns"] == {}  # no endpoint priced slower than the fastest
 
 
 def test_a_trace_line_times_the_pick_first_token_and_end_on_the_routers_own_clock(
@@ -294,12 +295,13 @@ def test_a_trace_line_times_the_pick_first_token_and_end_on_the_routers_own_cloc
     assert unseen_line["clock"] == pytest.approx({"pick": 7.1, "first": None, "end": 7.2})
 
 
-def test_a_trace_line_names_where_the_pick_knew_the_batch_size(
+def test_a_trace_line_names_where_the_pick_knew_the_batch_size_and_the_slower_replicas(
     tmp_path: Path, tracing: Callable[[Config, str], Hooks]
 ) -> None:
     """Both engines scraped fresh; the first was seen at its peak with requests waiting
     often enough for that peak to count as its batch (the latency queue then counts this
-    request against it). The line lists it, and a replay reads it back."""
+    request against it), the second runs 2x slower. The line lists both, and a replay
+    reads them back."""
     path = tmp_path / "trace.jsonl"
     addresses = ["10.0.0.1:8000", "10.0.0.2:8000"]
     cfg = config(addresses, path=str(path))
@@ -312,11 +314,20 @@ def test_a_trace_line_names_where_the_pick_knew_the_batch_size(
         registry.record_scrape(
             "m1", addresses[1], EngineMetrics(waiting=0, running=8, kv_usage=0.5)
         )
+    # ... and the second engine runs 2x slower (its step and its prefill per token).
+    for address, step in zip(addresses, (0.02, 0.04), strict=True):
+        s = registry.get("m1", address)
+        assert s is not None
+        s.calibration.floor = step
+        s.calibration.prefill_long.add(step / 200, 10_000)
     hooks = tracing(cfg, "test")
     run_lifecycle(Gateway(scheduler), hooks, 0)
     close_trace(hooks)
     (record,) = lines(path)
     assert record["batches"] == [addresses[0]]
+    assert record["slowdowns"] == {addresses[1]: pytest.approx(2.0)}
     assert record["engines"][addresses[0]][:2] == [2, 8]
     (arrival,) = read_trace([path], decode_ms=20.0, output_tokens=None)
     assert arrival.batches == frozenset({addresses[0]})
+    assert arrival.slowdowns is not None
+    assert dict(arrival.slowdowns) == {addresses[1]: pytest.approx(2.0)}
