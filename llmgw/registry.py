@@ -86,7 +86,8 @@ class EndpointState:
         # requests waiting on `FULL_SCRAPES` scrapes since it last rose (`full_at_peak`).
         # A request waits in the queue until the next step even with slots free, so one
         # such scrape proves nothing; early in a run the peak is low, and taking it for the
-        # batch then made every replica look full (TTFT p90 2-12x worse, 16 cells).
+        # batch then made every replica look full (TTFT p90 1.5-12x worse, 4 engines x 4
+        # cells, bench/fleetsim_robust.py).
         self.full_at_peak = 0
         self.peak_is_batch = False
         self.calibration = Calibration()
