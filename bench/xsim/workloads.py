@@ -26,6 +26,12 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
   rate, but starts come in bursts (Poisson bursts of a geometric number of arrivals, mean
   6, within 250 ms), as in production traces: several new sessions land between two
   metric scrapes, so a router must count what it just sent.
+- `agent-loop` / `agent-anonymous`: tool-calling agents (session 29). One of 3 agent
+  prompts (1-2k tokens of instructions and tool specs), a 100-300-token task, then 6-16
+  steps, each a short tool call (`max_tokens` 20-80) answered by a 200-1,500-token tool
+  result after 0.05-0.4 s of tool time: contexts grow to 5-20k tokens within seconds, so a
+  step that leaves its replica re-prefills thousands of tokens. `agent-anonymous` sends
+  no session header (most agent frameworks send none).
 - `decode-long`: no session, no shared text, short prompts (100-400 tokens) and long
   answers (`max_tokens` 150-400) at about half the fleet's decode capacity: batch slots and
   decode load decide, not caching.
@@ -85,6 +91,8 @@ SPECS = {
     "chat-unstreamed": Spec("chat-unstreamed", "roomy", 45, "chat, 40 % not streamed"),
     "chat-bursty": Spec("chat-bursty", "roomy", 45, "multi-turn chat, starts in bursts"),
     "shared-bursty": Spec("shared-bursty", "small", 35, "shared system prompts in bursts"),
+    "agent-loop": Spec("agent-loop", "roomy", 40, "tool-calling agents, fast-growing contexts"),
+    "agent-anonymous": Spec("agent-anonymous", "roomy", 40, "agents without a session header"),
 }
 
 # KV blocks (16 tokens) a replica on each fleet.
@@ -195,6 +203,29 @@ def _decode(seed: int, rate: float, window: float) -> Workload:
     return _workload("decode-long", seed, convs, rate)
 
 
+def _agents(name: str, seed: int, rate: float, window: float, sessions: bool) -> Workload:
+    rng = random.Random(f"xsim-agent-{seed}")
+    prompts = [
+        Words(random.Random(f"xsim-agent-sys-{seed}-{k}")).text(rng.randint(1000, 2000))
+        for k in range(3)
+    ]
+    convs = []
+    for i, start in enumerate(_poisson_starts(rng, rate, window)):
+        words = Words(random.Random(f"xsim-agent-{seed}-{i}"))
+        steps = rng.randint(6, 16)
+        # Turn k's user text is the task (k = 0) or the result of tool call k - 1; its reply
+        # is the tool call the agent made.
+        users = [words.text(rng.randint(100, 300))]
+        users += [words.text(rng.randint(200, 1500)) for _ in range(steps - 1)]
+        turns = tuple(
+            Turn(u, words.text(rng.randint(20, 80)), rng.randint(20, 80), rng.uniform(0.05, 0.4))
+            for u in users
+        )
+        session = f"agent-{seed}-{i}" if sessions else None
+        convs.append(Conversation(i, session, start, rng.choice(prompts), turns))
+    return _workload(name, seed, convs, rate)
+
+
 def _workload(name: str, seed: int, convs: list[Conversation], rate: float) -> Workload:
     spec = SPECS[name]
     wl = Workload(name, seed, spec.note, tuple(convs), rate)
@@ -227,4 +258,6 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         return _shared(seed, 12.0 * scale, spec.window_s)
     if name == "shared-bursty":
         return _shared(seed, 12.0 * scale, spec.window_s, bursty=True)
+    if name in ("agent-loop", "agent-anonymous"):
+        return _agents(name, seed, 0.9 * scale, spec.window_s, sessions=name == "agent-loop")
     raise KeyError(name)

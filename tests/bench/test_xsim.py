@@ -185,3 +185,19 @@ def test_bursty_workloads_keep_the_mean_rate_but_clump_their_starts() -> None:
         assert 0.75 < stats[bursty][0] / stats[steady][0] < 1.33  # about the same mean rate
         assert stats[steady][1] < 1.3
         assert stats[bursty][1] > 2.0
+
+
+def test_agent_workloads_grow_long_contexts_fast_and_differ_only_in_the_session_header() -> None:
+    """`agent-loop`: short tool calls, long tool results, sub-second tool time, so each
+    conversation's prompt passes thousands of tokens within seconds; `agent-anonymous` is
+    the same traffic without the session header."""
+    loop, anonymous = build("agent-loop", 1), build("agent-anonymous", 1)
+    assert len(loop.conversations) == len(anonymous.conversations)
+    finals = []
+    for a, b in zip(loop.conversations, anonymous.conversations, strict=True):
+        assert a.session_id is not None and b.session_id is None
+        last = len(a.turns) - 1
+        assert a.messages(last) == b.messages(last) and a.start_s == b.start_s
+        assert all(t.max_tokens <= 80 and t.think_s <= 0.4 for t in a.turns)
+        finals.append(len(tokenize(" ".join(m["content"] for m in a.messages(last)))))
+    assert statistics.median(finals) > 5000
