@@ -58,6 +58,7 @@ class EndpointState:
         "prefills",
         "released_since_scrape",
         "reports_first_token",
+        "restarts",
         "scrape_error",
         "scraped_at",
         "serves_model",
@@ -114,6 +115,9 @@ class EndpointState:
         self.share_engine = 0.0
         # Added to a running model and not scraped yet: takes a bounded share until then.
         self.warming = False
+        # Times a scrape showed the engine's counters back below the last one's: a new
+        # process at the same address (a crash, an OOM kill, a container restart).
+        self.restarts = 0
 
     def fresh_metrics(self, now: float, staleness: float) -> EngineMetrics | None:
         """The last scrape if it is recent enough to trust and no scrape failed since, else None
@@ -152,6 +156,9 @@ class Registry:
         # In-flight cap of a warming endpoint; None (no scraper to end the warm-up): off.
         self.warmup_inflight: int | None = None
         self.version = 0  # bumped when any model's endpoint set changes
+        # Bumped when a scrape shows an engine restarted (`EndpointState.restarts`): its
+        # prefix cache is empty, and each model's router forgets it at its next pick.
+        self.restart_epoch = 0
         # What each endpoint's engine reported cached (KV events; empty when none are fed).
         self.kv_index = ExactPrefixIndex()
 
@@ -323,6 +330,11 @@ class Registry:
         ):
             _count_first_tokens(state, count - prev.ttft_count)
             state.counts_first_tokens = state.misses_first_tokens
+        if prev is not None and _restarted(prev, metrics):
+            # A new engine process: its cache is empty and its batch size may differ.
+            state.restarts += 1
+            state.peak_running, state.full_at_peak, state.peak_is_batch = 0.0, 0, False
+            self.restart_epoch += 1
         if metrics.running > state.peak_running:
             state.peak_running = metrics.running
             state.full_at_peak, state.peak_is_batch = 0, False
@@ -391,3 +403,17 @@ def _close(state: EndpointState, entry: PendingPrefill) -> None:
         entry.open = False
         left = state.counted_prefill - entry.tokens
         state.counted_prefill = left if left > 0.0 else 0.0
+
+
+def _restarted(prev: EngineMetrics, new: EngineMetrics) -> bool:
+    """Whether a cumulative counter went back: the engine started counting from 0 again."""
+    for a, b in (
+        (prev.finished_total, new.finished_total),
+        (prev.prompt_tokens_total, new.prompt_tokens_total),
+        (prev.ttft_count, new.ttft_count),
+        (prev.prefill_count, new.prefill_count),
+        (prev.step_count, new.step_count),
+    ):
+        if a is not None and b is not None and b < a:
+            return True
+    return False

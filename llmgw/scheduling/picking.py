@@ -45,7 +45,11 @@ class ModelRouter(Protocol):
     picker: Picker
     limit: int
 
+    restart_epoch: int
+
     def ring_for(self, states: list[EndpointState]) -> HashRing: ...
+
+    def forget_restarted(self, states: list[EndpointState], epoch: int) -> None: ...
 
     def ids_of(self, candidates: list[EndpointState]) -> tuple[str, ...]: ...
 
@@ -65,6 +69,8 @@ def run_pick(
             "scaling stanza); enable it in the config"
         )
     states = registry.states(request.model)
+    if router.restart_epoch != registry.restart_epoch:  # an engine restarted somewhere
+        router.forget_restarted(states, registry.restart_epoch)
     if request.subset is not None:
         states = [s for s in states if s.endpoint.address in request.subset]
         if not states:

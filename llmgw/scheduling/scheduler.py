@@ -58,6 +58,11 @@ class ModelRouter:
         # drop nothing): most picks reuse them instead of walking every endpoint again.
         self._ids_states: list[EndpointState] | None = None
         self._ids: tuple[str, ...] = ()
+        # The registry's restart epoch as of the last pick, and each endpoint's restarts
+        # as last seen here: a restarted engine's cache is empty, so the prefix indexes
+        # forget it (as if it had left and come back).
+        self.restart_epoch = 0
+        self._restarts_seen: dict[str, int] = {}
 
     def shadow(self) -> ModelRouter:
         """A twin for `Scheduler.explain`: its own plugin copies (their per-pick scratch, a
@@ -67,6 +72,7 @@ class ModelRouter:
         twin.scorers = [(copy.copy(s), w) for s, w in self.scorers]
         twin.picker = copy.copy(self.picker)
         twin.observers, twin.forgetters = [], []
+        twin._restarts_seen = dict(self._restarts_seen)  # its own: it forgets nothing
         twin.scoring = twin._scoring()
         return twin
 
@@ -82,6 +88,14 @@ class ModelRouter:
         if candidates is self._ring_states:  # the registry's list: stable until replaced
             self._ids_states, self._ids = candidates, ids
         return ids
+
+    def forget_restarted(self, states: list[EndpointState], epoch: int) -> None:
+        for s in states:
+            if s.restarts != self._restarts_seen.get(s.id, 0):
+                self._restarts_seen[s.id] = s.restarts
+                for scorer in self.forgetters:
+                    scorer.forget(s.id)
+        self.restart_epoch = epoch
 
     def ring_for(self, states: list[EndpointState]) -> HashRing:
         # The registry replaces a model's list on every set_endpoints: same list, same set.

@@ -44,6 +44,55 @@ def test_prefix_index_forgets_an_endpoint_that_leaves_the_pool() -> None:
     assert prefix.index.size(chosen.id) == 0
 
 
+def test_a_restarted_engine_is_forgotten_by_the_prefix_index_and_relearns_its_batch() -> None:
+    """A new engine process at the same address (crash, OOM kill, container restart) has
+    an empty cache: once a scrape shows its counters back below the last one's, the next
+    pick no longer predicts the prompts sent there before as cached, and its batch size is
+    learnt again. Counters that grow, or that the engine does not publish, restart nothing."""
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    scheduler = Scheduler(load_dict({"models": {"m": {"endpoints": [a, b]}}}), seed=1)
+    registry = scheduler.registry
+    latency = next(s for s, _ in scheduler.routers["m"].scorers if isinstance(s, LatencyScorer))
+    prompt = "system prompt " * 200
+
+    def cached_at(endpoint: str, request_id: str) -> float:
+        text = prompt + request_id
+        request = RequestInfo(model="m", request_id=request_id, prompt=text, prompt_tokens=710)
+        scheduler.pick(request)
+        ids = [s.id for s in registry.states("m")]
+        return latency.terms()["cached_tokens"][ids.index(endpoint)]
+
+    def scrape(endpoint: str, finished: float | None, running: float = 4) -> None:
+        registry.record_scrape(
+            "m",
+            endpoint,
+            EngineMetrics(waiting=2, running=running, kv_usage=0.1, finished_total=finished),
+        )
+
+    chosen = scheduler.pick(RequestInfo(model="m", request_id="r0", prompt=prompt)).endpoint.id
+    state = registry.get("m", chosen)
+    assert state is not None
+    for finished in (None, None, 10, 20, 30):
+        scrape(chosen, finished)
+    assert state.peak_is_batch and state.restarts == 0
+    assert cached_at(chosen, "r1") > 0
+    other = b if chosen == a else a
+    for i in range(20):  # until the other endpoint holds something too
+        if latency.index.size(other):
+            break
+        doc = f"another document {i} " * 120
+        scheduler.pick(RequestInfo(model="m", request_id=f"d{i}", prompt=doc, prompt_tokens=600))
+    held_elsewhere = latency.index.size(other)
+    assert held_elsewhere > 0
+    scrape(chosen, 2, running=1)  # counting from 0 again
+    assert state.restarts == 1 and registry.restart_epoch == 1
+    assert state.peak_running == 1 and not state.peak_is_batch
+    assert cached_at(chosen, "r2") == 0
+    assert latency.index.size(other) >= held_elsewhere  # the other endpoint: untouched
+    scrape(chosen, 5)
+    assert state.restarts == 1
+
+
 def test_session_scorer_can_abstain_for_requests_without_a_session() -> None:
     config = load_dict(
         {
