@@ -56,10 +56,18 @@ DEFAULT_CONTENDERS = (
 class Fleet:
     """`bench/xsim/engine.py` in a child process; `urls` once it says READY."""
 
-    def __init__(self, replicas: int, kv_blocks: int, metrics: str, cache_info: bool) -> None:
+    def __init__(
+        self,
+        replicas: int,
+        kv_blocks: int,
+        metrics: str,
+        cache_info: bool,
+        degrade: str | None = None,
+    ) -> None:
         cmd = [_python(), "-m", "bench.xsim.engine", "--replicas", str(replicas)]
         cmd += ["--base-port", str(base_port() or 18600), "--kv-blocks", str(kv_blocks)]
         cmd += ["--metrics", metrics] + (["--cache-info"] if cache_info else [])
+        cmd += ["--degrade", degrade] if degrade else []
         self.proc = subprocess.Popen(cmd, cwd=HERE.parent, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -116,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n}: {wl.description}, {wl.requests} requests, {wl.params['offered_req_s']} req/s")
     results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in names}
     started = time.monotonic()
-    for fleet_name, kv in FLEET_KV_BLOCKS.items():
-        group = [n for n in names if SPECS[n].fleet == fleet_name]
-        if not group:
-            continue
-        fleet = Fleet(args.replicas, kv, args.metrics, args.cache_info)
+    # One engine process per (KV size, degradation): workloads that share both share it.
+    fleets = sorted({(SPECS[n].fleet, SPECS[n].degrade or "") for n in names})
+    for fleet_name, degrade in fleets:
+        group = [
+            n for n in names if (SPECS[n].fleet, SPECS[n].degrade or "") == (fleet_name, degrade)
+        ]
+        kv = FLEET_KV_BLOCKS[fleet_name]
+        fleet = Fleet(args.replicas, kv, args.metrics, args.cache_info, degrade or None)
         try:
             with tempfile.TemporaryDirectory(prefix="crosscheck-") as scratch:
                 for contender in contenders:

@@ -42,7 +42,7 @@ import json
 import re
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -139,6 +139,11 @@ class EngineParams:
     decode_s_per_seq: float = 0.0009
     metrics: str = "full"
     cache_info: bool = False
+    # Degraded (`--degrade`): every step takes `slow_factor` x as long from `slow_from` to
+    # `slow_until` seconds after the last reset (a throttled GPU, a noisy neighbour).
+    slow_factor: float = 1.0
+    slow_from: float = 0.0
+    slow_until: float = 0.0
 
 
 class Engine:
@@ -151,6 +156,7 @@ class Engine:
         self.reset()
 
     def reset(self) -> None:
+        self.reset_at = time.monotonic()
         self.cache: dict[int, int] = {}  # hash -> references by running requests
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, LRU first
         self.private_blocks = 0
@@ -265,6 +271,8 @@ class Engine:
                 + self.p.prefill_s_per_token * prefill_tokens
                 + self.p.decode_s_per_seq * len(decoding)
             )
+            if self.p.slow_factor != 1.0 and self.degraded(now):
+                step *= self.p.slow_factor
             await asyncio.sleep(step)
             now = time.monotonic()
             for r, n in plan:
@@ -283,6 +291,9 @@ class Engine:
                 self.counters["success"] += 1
                 self.hist["e2e_request_latency_seconds"].observe(now - r.arrived)
                 r.out.put_nowait(None)
+
+    def degraded(self, now: float) -> bool:
+        return self.p.slow_from <= now - self.reset_at < self.p.slow_until
 
     def _emit(self, r: Request, now: float) -> None:
         if r.generated:
@@ -416,12 +427,29 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
     return app
 
 
-async def serve(replicas: int, base_port: int, model: str, params: EngineParams) -> None:
+def parse_degrade(spec: str) -> tuple[int, float, float, float]:
+    """`REPLICA:FROM:UNTIL:FACTOR` (seconds after each reset) -> its four numbers."""
+    parts = spec.split(":")
+    if len(parts) != 4:
+        raise ValueError(f"--degrade wants REPLICA:FROM:UNTIL:FACTOR, got {spec!r}")
+    replica, start, until, factor = int(parts[0]), *(float(p) for p in parts[1:])
+    if replica < 0 or not 0 <= start < until or factor <= 0:
+        raise ValueError(f"--degrade {spec!r}: want replica >= 0, 0 <= FROM < UNTIL, FACTOR > 0")
+    return replica, start, until, factor
+
+
+async def serve(
+    replicas: int, base_port: int, model: str, params: EngineParams, degrade: str | None = None
+) -> None:
     runners: list[web.AppRunner] = []
     tasks: list[asyncio.Task[None]] = []
     urls: list[str] = []
+    slow = parse_degrade(degrade) if degrade else None
     for i in range(replicas):
-        engine = Engine(f"r{i}", params)
+        own = params
+        if slow is not None and slow[0] == i:
+            own = replace(params, slow_from=slow[1], slow_until=slow[2], slow_factor=slow[3])
+        engine = Engine(f"r{i}", own)
         tasks.append(asyncio.create_task(engine.run()))
         runner = web.AppRunner(make_app(engine, model, i), access_log=None)
         await runner.setup()
@@ -447,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batched-tokens", type=int, default=EngineParams.max_batched_tokens)
     parser.add_argument("--metrics", choices=("full", "minimal"), default="full")
     parser.add_argument("--cache-info", action="store_true")
+    parser.add_argument(
+        "--degrade", help="REPLICA:FROM:UNTIL:FACTOR: that replica's steps x FACTOR in the window"
+    )
     args = parser.parse_args(argv)
     params = EngineParams(
         kv_blocks=args.kv_blocks,
@@ -456,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         cache_info=args.cache_info,
     )
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.replicas, args.base_port, args.model, params))
+        asyncio.run(serve(args.replicas, args.base_port, args.model, params, args.degrade))
     return 0
 
 

@@ -32,6 +32,14 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
   result after 0.05-0.4 s of tool time: contexts grow to 5-20k tokens within seconds, so a
   step that leaves its replica re-prefills thousands of tokens. `agent-anonymous` sends
   no session header (most agent frameworks send none).
+- `chat-docs` (session 30): `chat-moderate`'s shape at 1.4 conversations a second, and
+  beside it 0.35 a second of single unstreamed requests over a 3-6k-token document of
+  their own (`max_tokens` 100-250, no session header): batch jobs whose prefill holds a
+  replica's step budget for ~5 steps and whose decode holds a batch slot for seconds.
+  TTFT is the chat's.
+- `chat-degraded` (session 30): `chat-moderate`'s traffic while replica 1 runs every
+  step 3x slower from 10 s to 30 s (the engine's `--degrade`: a throttled GPU, a noisy
+  neighbour); its gauges and histograms show it, nothing else does.
 - `decode-long`: no session, no shared text, short prompts (100-400 tokens) and long
   answers (`max_tokens` 150-400) at about half the fleet's decode capacity: batch slots and
   decode load decide, not caching.
@@ -78,6 +86,8 @@ class Spec:
     fleet: str  # "roomy" | "small": which KV size the driver runs it on
     window_s: float
     note: str
+    # The engine's `--degrade REPLICA:FROM:UNTIL:FACTOR` (run on a fleet of its own), if any.
+    degrade: str | None = None
 
 
 SPECS = {
@@ -93,6 +103,10 @@ SPECS = {
     "shared-bursty": Spec("shared-bursty", "small", 35, "shared system prompts in bursts"),
     "agent-loop": Spec("agent-loop", "roomy", 40, "tool-calling agents, fast-growing contexts"),
     "agent-anonymous": Spec("agent-anonymous", "roomy", 40, "agents without a session header"),
+    "chat-docs": Spec("chat-docs", "roomy", 45, "chat beside unstreamed long-document jobs"),
+    "chat-degraded": Spec(
+        "chat-degraded", "roomy", 45, "chat; one replica 3x slower for 20 s", degrade="1:10:30:3"
+    ),
 }
 
 # KV blocks (16 tokens) a replica on each fleet.
@@ -226,6 +240,21 @@ def _agents(name: str, seed: int, rate: float, window: float, sessions: bool) ->
     return _workload(name, seed, convs, rate)
 
 
+def _chat_docs(seed: int, rate: float, doc_rate: float, window: float) -> Workload:
+    """Chat sessions, and beside them single unstreamed requests over a long document of
+    their own (a summary, an extraction: batch jobs on the same fleet)."""
+    chat = _chat("chat-docs", seed, rate, window)
+    rng = random.Random(f"xsim-docs-{seed}")
+    convs = list(chat.conversations)
+    for i, start in enumerate(_poisson_starts(rng, doc_rate, window), start=len(convs)):
+        words = Words(random.Random(f"xsim-doc-{seed}-{i}"))
+        ask = words.text(rng.randint(20, 60))
+        turn = Turn(ask, "", rng.randint(100, 250), 0.0, stream=False)
+        convs.append(Conversation(i, None, start, words.text(rng.randint(3000, 6000)), (turn,)))
+    convs.sort(key=lambda c: c.start_s)
+    return _workload("chat-docs", seed, convs, rate + doc_rate)
+
+
 def _workload(name: str, seed: int, convs: list[Conversation], rate: float) -> Workload:
     spec = SPECS[name]
     wl = Workload(name, seed, spec.note, tuple(convs), rate)
@@ -246,6 +275,10 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         return _chat(name, seed, 1.6 * scale, spec.window_s, bursty=True)
     if name == "pressure-chat":
         return _chat(name, seed, 1.2 * scale, spec.window_s)
+    if name == "chat-degraded":
+        return _chat(name, seed, 1.6 * scale, spec.window_s)
+    if name == "chat-docs":
+        return _chat_docs(seed, 1.4 * scale, 0.35 * scale, spec.window_s)
     if name == "chat-anonymous":
         return _chat(name, seed, 1.6 * scale, spec.window_s, sessions=False)
     if name == "decode-long":

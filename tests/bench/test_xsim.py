@@ -18,7 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.loadclient import send_one
 from bench.workloads import Conversation, Turn
-from bench.xsim.engine import Engine, EngineParams, Request, block_hashes, make_app, tokenize
+from bench.xsim.engine import (
+    Engine,
+    EngineParams,
+    Request,
+    block_hashes,
+    make_app,
+    parse_degrade,
+    tokenize,
+)
 from bench.xsim.workloads import SPECS, build
 
 
@@ -201,3 +209,33 @@ def test_agent_workloads_grow_long_contexts_fast_and_differ_only_in_the_session_
         assert all(t.max_tokens <= 80 and t.think_s <= 0.4 for t in a.turns)
         finals.append(len(tokenize(" ".join(m["content"] for m in a.messages(last)))))
     assert statistics.median(finals) > 5000
+
+
+def test_chat_docs_mixes_unstreamed_long_documents_into_the_chat() -> None:
+    """`chat-docs`: the chat keeps its sessions and streams; the documents are single,
+    unstreamed, sessionless requests of thousands of tokens, each its own text."""
+    workload = build("chat-docs", 1)
+    docs = [c for c in workload.conversations if c.session_id is None]
+    chats = [c for c in workload.conversations if c.session_id is not None]
+    assert len(docs) >= 8 and len(chats) > 3 * len(docs)
+    assert all(len(c.turns) == 1 and not c.turns[0].stream for c in docs)
+    assert all(t.stream for c in chats for t in c.turns)
+    sizes = [len(tokenize(c.system)) for c in docs]
+    assert min(sizes) >= 3000 and len({c.system for c in docs}) == len(docs)
+    starts = [c.start_s for c in workload.conversations]
+    assert starts == sorted(starts)
+
+
+def test_a_degraded_replica_is_slow_only_inside_its_window() -> None:
+    params = EngineParams(slow_factor=3.0, slow_from=10.0, slow_until=30.0)
+    engine = Engine("r1", params)
+    t0 = engine.reset_at
+    assert [engine.degraded(t0 + s) for s in (0.0, 9.9, 10.0, 29.9, 30.0)] == [
+        False, False, True, True, False,
+    ]  # fmt: skip
+    assert parse_degrade("1:10:30:3") == (1, 10.0, 30.0, 3.0)
+    for bad in ("1:10:30", "1:30:10:3", "-1:0:1:2", "1:0:1:0"):
+        with pytest.raises(ValueError, match="--degrade"):
+            parse_degrade(bad)
+    assert SPECS["chat-degraded"].degrade is not None
+    assert parse_degrade(SPECS["chat-degraded"].degrade)[0] < 4  # a replica of the 4
