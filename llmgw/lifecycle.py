@@ -186,12 +186,15 @@ class Lifecycle:
     def _dispatch(self, decision: Decision) -> None:
         self.decision = decision
         self.endpoint = decision.endpoint
-        self.lease = self.snapshot.scheduler.acquire(decision)
+        request = self.request
+        self.lease = self.snapshot.scheduler.acquire(
+            decision, unstreamed=request is not None and _unstreamed(request)
+        )
         activation = self.gateway.activation
         if activation is not None and activation.manages(decision.model):
             activation.use_begin(decision.model)  # keeps the model alive until finish
             self._in_use = True
-        request_id = self.request.request_id if self.request is not None else ""
+        request_id = request.request_id if request is not None else ""
         if self.hooks.dispatched is not None:
             self.hooks.dispatched(self)
         if self.hooks.decision is not None:

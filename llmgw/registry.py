@@ -28,19 +28,31 @@ FULL_SCRAPES = 3
 class PendingPrefill:
     """One request this router sent whose prefill is not known to be over: open until a
     scrape counts it among the engine's first tokens (`Registry.record_scrape`), its first
-    token is seen, or the request ends."""
+    token is seen, or the request ends.
 
-    __slots__ = ("open", "tokens")
+    `blind`: an answer asked for whole (`"stream": false`) where the edge sees first
+    tokens: its first byte is its last token, so nothing marks its prefill's end. It
+    leaves the pending prefill when a request sent there after it shows its first token
+    (engines admit in arrival order), or at the first scrape past its predicted first
+    token (`ready_at`), else at its end."""
 
-    def __init__(self, tokens: float) -> None:
+    __slots__ = ("blind", "open", "ready_at", "sent_at", "tokens")
+
+    def __init__(
+        self, tokens: float, blind: bool = False, sent_at: float = 0.0, ready_at: float = 0.0
+    ) -> None:
         self.tokens = tokens
         self.open = True
+        self.blind = blind
+        self.sent_at = sent_at
+        self.ready_at = ready_at
 
 
 class EndpointState:
     """Mutable live state of one endpoint (owned by the Registry)."""
 
     __slots__ = (
+        "blind",
         "breaker",
         "busy_until",
         "calibration",
@@ -109,6 +121,9 @@ class EndpointState:
         self.counted_prefill = 0.0
         self.counts_first_tokens = False
         self.misses_first_tokens = False
+        # Where the edge sees first tokens: unstreamed requests' prefills (`blind`), in the
+        # order sent; part of `pending_prefill` while open.
+        self.blind: deque[PendingPrefill] = deque()
         # This router's requests and the engine's first tokens over recent scrapes (decayed):
         # other routers and direct clients take their part of the count.
         self.share_sent = 0.0
@@ -248,10 +263,13 @@ class Registry:
                 return  # gone, and nothing else was in flight there
             if state.inflight <= 1:
                 del self._draining[key]
-        if prefill_tokens:
-            state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
-        if prefill is not None:
-            _close(state, prefill)
+        if prefill is not None and prefill.blind:
+            _drop_blind(state, prefill)
+        else:
+            if prefill_tokens:
+                state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
+            if prefill is not None:
+                _close(state, prefill)
         now = self.clock()
         state.inflight = max(0, state.inflight - 1)
         state.released_since_scrape += 1
@@ -262,17 +280,33 @@ class Registry:
         state.breaker.record(outcome is Outcome.SUCCESS, now, probe=probe)
 
     def add_prefill(
-        self, model: str, endpoint_id: str, tokens: float
+        self,
+        model: str,
+        endpoint_id: str,
+        tokens: float,
+        *,
+        unstreamed: bool = False,
+        ready_at: float | None = None,
     ) -> tuple[float, PendingPrefill | None]:
         """A request with `tokens` to prefill was sent there (released at its first token);
-        returns the prefill tokens that were pending there before it, and its entry."""
+        returns the prefill tokens that were pending there before it, and its entry.
+        `unstreamed`: its answer comes whole (no first token to see); `ready_at`: when its
+        first token is predicted (registry clock)."""
         state = self._by_id.get((model, endpoint_id))
         if state is None:
             return 0.0, None
         ahead = state.pending_prefill
         state.pending_prefill += tokens
         if state.reports_first_token:  # exact already: nothing for scrapes to count
-            return ahead, None
+            if not unstreamed:
+                return ahead, None
+            now = self.clock()
+            entry = PendingPrefill(tokens, True, now, now if ready_at is None else ready_at)
+            blind = state.blind
+            while blind and not blind[0].open:  # ended ones, at the head
+                blind.popleft()
+            blind.append(entry)
+            return ahead, entry
         queue = state.prefills
         while queue and not queue[0].open:  # ended ones, at the head: bounded by in-flight
             queue.popleft()
@@ -292,6 +326,7 @@ class Registry:
         observed: bool = True,
         waited: tuple[float, float] | None = None,
         prefill: PendingPrefill | None = None,
+        sent_at: float | None = None,
     ) -> None:
         """The request predicted to finish its prefill at `ready_at` produced its first token
         now: its tokens are no longer pending; if it is early, the modelled queue was long.
@@ -304,11 +339,19 @@ class Registry:
             state.reports_first_token = True
             if waited is not None:  # (prefill tokens ahead + its own, seconds to this token)
                 state.calibration.observed.add(*waited)
+            if sent_at is not None and state.blind:
+                # Sent before this one, admitted before it: their prefills are over too.
+                blind = state.blind
+                while blind and blind[0].sent_at <= sent_at:
+                    _drop_blind(state, blind.popleft())
         else:
             state.misses_first_tokens = True
-        if prefill is not None:
-            _close(state, prefill)
-        state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
+        if prefill is not None and prefill.blind:
+            _drop_blind(state, prefill)
+        else:
+            if prefill is not None:
+                _close(state, prefill)
+            state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
         now = self.clock()
         if ready_at > now:
             state.busy_until = max(now, state.busy_until - (ready_at - now))
@@ -330,6 +373,8 @@ class Registry:
         ):
             _count_first_tokens(state, count - prev.ttft_count)
             state.counts_first_tokens = state.misses_first_tokens
+        if state.blind:
+            _drain_blind(state, now)
         if prev is not None and _restarted(prev, metrics):
             # A new engine process: its cache is empty and its batch size may differ.
             state.restarts += 1
@@ -403,6 +448,26 @@ def _close(state: EndpointState, entry: PendingPrefill) -> None:
         entry.open = False
         left = state.counted_prefill - entry.tokens
         state.counted_prefill = left if left > 0.0 else 0.0
+
+
+def _drop_blind(state: EndpointState, entry: PendingPrefill) -> None:
+    """An unstreamed request's prefill is taken as over: it leaves the pending prefill."""
+    if entry.open:
+        entry.open = False
+        left = state.pending_prefill - entry.tokens
+        state.pending_prefill = left if left > 0.0 else 0.0
+
+
+def _drain_blind(state: EndpointState, now: float) -> None:
+    """At a scrape: unstreamed prefills past their predicted first token are over (no
+    event will say so before their answers end, seconds later)."""
+    kept: deque[PendingPrefill] = deque()
+    for entry in state.blind:
+        if entry.open and entry.ready_at <= now:
+            _drop_blind(state, entry)
+        if entry.open:
+            kept.append(entry)
+    state.blind = kept
 
 
 def _restarted(prev: EngineMetrics, new: EngineMetrics) -> bool:

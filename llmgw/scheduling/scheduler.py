@@ -162,6 +162,7 @@ class Lease:
                 observed=observed,
                 waited=waited,
                 prefill=self.prefill,
+                sent_at=self.started,
             )
         if self.on_first_token is not None:
             self.on_first_token()
@@ -254,15 +255,26 @@ class Scheduler:
         explanation, which collects each filter's dropped ids and learns nothing."""
         return run_pick(self.registry, request, router, rng, dropped)
 
-    def acquire(self, decision: Decision, endpoint: Endpoint | None = None) -> Lease:
-        """Count the request as in flight on `endpoint` (default: the decision's primary)."""
+    def acquire(
+        self, decision: Decision, endpoint: Endpoint | None = None, *, unstreamed: bool = False
+    ) -> Lease:
+        """Count the request as in flight on `endpoint` (default: the decision's primary).
+        `unstreamed`: the answer comes whole, so no first token will mark its prefill's end."""
         target = endpoint or decision.endpoint
         probe = self.registry.acquire(decision.model, target.id)
         # The prediction holds for the primary only; a fallback's first token says nothing.
         primary = target is decision.endpoint
         tokens = decision.prefill_tokens if primary else None
         ahead, prefill = (
-            self.registry.add_prefill(decision.model, target.id, tokens) if tokens else (0.0, None)
+            self.registry.add_prefill(
+                decision.model,
+                target.id,
+                tokens,
+                unstreamed=unstreamed,
+                ready_at=decision.ready_at,
+            )
+            if tokens
+            else (0.0, None)
         )
         return Lease(
             self.registry,

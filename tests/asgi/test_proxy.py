@@ -165,12 +165,12 @@ async def test_first_upstream_chunk_marks_the_first_token_once() -> None:
     marks: list[str] = []
     acquire = app.router.scheduler.acquire
 
-    def acquire_with_hook(*args: Any) -> Lease:
-        lease = acquire(*args)
+    def acquire_with_hook(*args: Any, **kwargs: Any) -> Lease:
+        lease = acquire(*args, **kwargs)
         lease.on_first_token = lambda: marks.append(lease.endpoint_id)
         return lease
 
-    app.router.scheduler.acquire = acquire_with_hook  # type: ignore[method-assign, assignment]
+    app.router.scheduler.acquire = acquire_with_hook  # type: ignore[method-assign]
     try:
         async with (
             serve(app) as base,

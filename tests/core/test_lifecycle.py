@@ -11,7 +11,7 @@ from llmgw.gateway import Gateway
 from llmgw.lifecycle import AwaitActivation, Hooks, Lifecycle, debug_summary
 from llmgw.registry import Registry
 from llmgw.scheduling.scheduler import Scheduler
-from llmgw.types import Decision, Endpoint, Outcome
+from llmgw.types import Decision, Endpoint, EngineMetrics, Outcome
 
 from .helpers import FakeClock, config, static_model
 
@@ -134,8 +134,10 @@ def test_first_token_reaches_the_lease_once_and_before_finish() -> None:
     marks: list[str] = []
     acquire = scheduler.acquire
 
-    def acquire_with_hook(decision: Decision, endpoint: Endpoint | None = None) -> object:
-        lease = acquire(decision, endpoint)
+    def acquire_with_hook(
+        decision: Decision, endpoint: Endpoint | None = None, *, unstreamed: bool = False
+    ) -> object:
+        lease = acquire(decision, endpoint, unstreamed=unstreamed)
         lease.on_first_token = lambda: marks.append(lease.endpoint_id)
         return lease
 
@@ -281,3 +283,60 @@ def test_an_unstreamed_answers_first_byte_is_its_end_not_a_first_token() -> None
     streamed.first_byte()
     assert seen == [pytest.approx(0.2)] and state.reports_first_token
     assert state.calibration.observed.n == 1
+
+
+def test_an_unstreamed_prefill_leaves_the_queue_before_its_answer_ends() -> None:
+    """Where the edge sees first tokens, the pending prefill is the queue. An unstreamed
+    request shows no first token, so its prefill once stayed pending until its whole answer
+    came, seconds later: its replica looked busy and sessions moved off it (chat beside
+    unstreamed document jobs: the proxy 1.19x the best). Now a later request's first token
+    there, or the first scrape past its predicted first token, ends it; its own end does
+    not subtract it twice."""
+    clock = FakeClock()
+    registry = Registry(clock=clock)
+    cfg = config({"chat": {**static_model(1), "strategy": "latency"}})
+    gw = Gateway(Scheduler(cfg, registry, seed=1))
+    doc = b'"messages": [{"role": "user", "content": "' + b"d" * 8000 + b'"}]}'
+    chat = b'"messages": [{"role": "user", "content": "' + b"c" * 400 + b'"}]}'
+
+    def send(stream: bool, prompt: bytes) -> Lifecycle:
+        life = Lifecycle(gw)
+        flag = b"true" if stream else b"false"
+        assert isinstance(
+            life.route({}, CHAT, b'{"model": "chat", "stream": ' + flag + b", " + prompt), Decision
+        )
+        return life
+
+    warm = send(True, chat)  # the edge is seen to report first tokens
+    clock.advance(0.05)
+    warm.first_byte()
+    warm.finish(Outcome.SUCCESS)
+    state = registry.get("chat", warm.endpoint.id if warm.endpoint else "")
+    assert state is not None and state.reports_first_token and state.pending_prefill == 0.0
+
+    job = send(False, doc)
+    doc_tokens = state.pending_prefill
+    assert doc_tokens > 1000
+    behind = send(True, chat)
+    assert state.pending_prefill > doc_tokens
+    clock.advance(0.3)
+    behind.first_byte()  # sent after the job and through prefill: so is the job
+    assert state.pending_prefill == 0.0
+    clock.advance(3.0)
+    job.first_byte()  # the whole answer: nothing left to subtract
+    job.finish(Outcome.SUCCESS)
+    assert state.pending_prefill == 0.0
+    behind.finish(Outcome.SUCCESS)
+
+    # Another document, no request behind it: the scrape past its prediction ends it.
+    alone = send(False, doc.replace(b"d", b"e"))
+    assert alone.decision is not None and alone.decision.ready_at is not None
+    assert state.pending_prefill == pytest.approx(doc_tokens)
+    idle = EngineMetrics(waiting=0.0, running=1.0, kv_usage=0.1)
+    registry.record_scrape("chat", state.id, idle)  # before its predicted first token
+    assert state.pending_prefill == pytest.approx(doc_tokens)
+    clock.advance(alone.decision.ready_at - clock() + 0.01)
+    registry.record_scrape("chat", state.id, idle)
+    assert state.pending_prefill == 0.0
+    alone.finish(Outcome.SUCCESS)
+    assert state.pending_prefill == 0.0 and not state.blind
