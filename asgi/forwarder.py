@@ -155,6 +155,7 @@ class Forwarder:
             return response
 
     async def _relay(self, dispatch: Lifecycle, response: UpstreamResponse, send: Send) -> None:
+        dispatch.response(response.status)  # before the first byte: an error is no first token
         headers = [(n, v) for n, v in response.headers if n not in HOP_BY_HOP]
         if dispatch.config.debug_headers and dispatch.decision is not None:
             summary = debug_summary(dispatch.decision, dispatch.endpoint)

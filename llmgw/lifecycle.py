@@ -213,14 +213,18 @@ class Lifecycle:
 
     def first_byte(self) -> None:
         """The first response byte arrived (idempotent). For a generation asked not to
-        stream it is the last token: its prefill is over, but it is no time to first token
-        (no TTFT observation, no calibration point, and it does not mean the edge sees first
-        tokens)."""
+        stream it is the last token, and for an error status (a prompt over the context
+        length, an engine refusing) there was no generation: either way nothing is pending
+        there any more, but it is no time to first token (no TTFT observation, no
+        calibration point, and it does not mean the edge sees first tokens). An error
+        answered at once would otherwise read as a prefill that took no time."""
         lease = self.lease
         if lease is None or lease.first_token_seen or lease.done:
             return
-        request = self.request
-        if request is not None and _unstreamed(request):
+        request, status = self.request, self._status
+        if (request is not None and _unstreamed(request)) or (
+            status is not None and not 200 <= status < 300
+        ):
             lease.first_token(observed=False)
             return
         lease.first_token()

@@ -187,6 +187,36 @@ async def test_first_upstream_chunk_marks_the_first_token_once() -> None:
     assert marks == [upstream.address]
 
 
+async def test_an_error_answer_is_no_first_token() -> None:
+    """An engine's immediate 400 (a prompt over the context length) reaches the client
+    unchanged, but is no first token: no TTFT observation, no calibration point."""
+    error = b'{"error": {"message": "prompt is longer than the context"}}'
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        head = b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+        writer.write(head + b"content-length: %d\r\n\r\n" % len(error) + error)
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([upstream.address], model={"strategy": "latency"}))
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            streamed = {
+                "model": MODEL,
+                "stream": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            reply = await client.post(CHAT, json=streamed)
+    finally:
+        await upstream.stop()
+    assert (reply.status_code, reply.content) == (400, error)
+    (state,) = app.router.scheduler.registry.states(MODEL)
+    assert not state.reports_first_token and state.calibration.observed.n == 0
+    assert (state.inflight, state.pending_prefill) == (0, 0.0)
+
+
 async def test_429_falls_back_to_the_next_replica(fleet: SimFleet) -> None:
     addresses = [address_of(u) for u in fleet.urls]
     app = proxy_for(make_config(addresses))

@@ -340,3 +340,34 @@ def test_an_unstreamed_prefill_leaves_the_queue_before_its_answer_ends() -> None
     assert state.pending_prefill == 0.0
     alone.finish(Outcome.SUCCESS)
     assert state.pending_prefill == 0.0 and not state.blind
+
+
+@pytest.mark.parametrize("status", [400, 429, 500, 503])
+def test_an_error_answer_is_no_first_token(status: int) -> None:
+    """A prompt over the context length (400) or a refusing engine answers at once: taken
+    for a first token it read as a long prefill that took no time, pulling the per-token
+    fit towards 0 and the TTFT telemetry down. It only ends the request's pending prefill."""
+    clock = FakeClock()
+    registry = Registry(clock=clock)
+    cfg = config({"chat": {**static_model(1), "strategy": "latency"}})
+    seen: list[float] = []
+    gw = Gateway(Scheduler(cfg, registry, seed=1))
+    hooks = Hooks(ttft=lambda model, observed, predicted: seen.append(observed))
+    body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "'
+    refused = Lifecycle(gw, hooks)
+    decision = refused.route({}, CHAT, body + b"x" * 40000 + b'"}]}')
+    assert isinstance(decision, Decision)
+    state = registry.get("chat", decision.endpoint.id)
+    assert state is not None and state.pending_prefill > 5000
+    clock.advance(0.002)
+    refused.response(status)
+    refused.first_byte()
+    assert (seen, state.reports_first_token, state.pending_prefill) == ([], False, 0.0)
+    assert state.calibration.observed.n == 0
+    refused.finish()
+    answered = Lifecycle(gw, hooks)  # a 200's first byte is still a first token
+    assert isinstance(answered.route({}, CHAT, body + b'hello"}]}'), Decision)
+    clock.advance(0.05)
+    answered.response(200)
+    answered.first_byte()
+    assert seen == [pytest.approx(0.05)] and state.reports_first_token
