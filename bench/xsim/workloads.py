@@ -37,6 +37,11 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
   their own (`max_tokens` 100-250, no session header): batch jobs whose prefill holds a
   replica's step budget for ~5 steps and whose decode holds a batch slot for seconds.
   TTFT is the chat's.
+- `rag-shared` (session 30): no session header; each request is one of 4 app prompts
+  (500-1,000 tokens), then one of 40 documents of 1,000-2,500 tokens (Zipf(1.1)
+  popularity, each document belongs to one app), then a question of its own; 10 a second
+  on the small-cache fleet, where the documents do not all fit: prefixes shared at two
+  depths.
 - `chat-degraded` (session 30): `chat-moderate`'s traffic while replica 1 runs every
   step 3x slower from 10 s to 30 s (the engine's `--degrade`: a throttled GPU, a noisy
   neighbour); its gauges and histograms show it, nothing else does.
@@ -104,6 +109,7 @@ SPECS = {
     "agent-loop": Spec("agent-loop", "roomy", 40, "tool-calling agents, fast-growing contexts"),
     "agent-anonymous": Spec("agent-anonymous", "roomy", 40, "agents without a session header"),
     "chat-docs": Spec("chat-docs", "roomy", 45, "chat beside unstreamed long-document jobs"),
+    "rag-shared": Spec("rag-shared", "small", 35, "4 app prompts x 40 Zipf documents, no session"),
     "chat-degraded": Spec(
         "chat-degraded", "roomy", 45, "chat; one replica 3x slower for 20 s", degrade="1:10:30:3"
     ),
@@ -255,6 +261,31 @@ def _chat_docs(seed: int, rate: float, doc_rate: float, window: float) -> Worklo
     return _workload("chat-docs", seed, convs, rate + doc_rate)
 
 
+def _rag(seed: int, rate: float, window: float) -> Workload:
+    """Retrieval-augmented questions without a session header: an app's prompt, then one
+    of 40 documents (Zipf popularity; each belongs to one of 4 apps), then a question of
+    its own. Prefixes are shared at two depths: the app's prompt by a quarter of the
+    traffic, a document by fewer, and the documents' set is larger than the fleet's cache."""
+    rng = random.Random(f"xsim-rag-{seed}")
+    apps = [
+        Words(random.Random(f"xsim-rag-app-{seed}-{k}")).text(rng.randint(500, 1000))
+        for k in range(4)
+    ]
+    docs = [
+        Words(random.Random(f"xsim-rag-doc-{seed}-{d}")).text(rng.randint(1000, 2500))
+        for d in range(40)
+    ]
+    weights = [1 / (k + 1) ** 1.1 for k in range(len(docs))]
+    convs = []
+    for i, start in enumerate(_poisson_starts(rng, rate, window)):
+        d = rng.choices(range(len(docs)), weights)[0]
+        words = Words(random.Random(f"xsim-rag-q-{seed}-{i}"))
+        turn = Turn(words.text(rng.randint(30, 100)), "", rng.randint(16, 48), 0.0)
+        system = apps[d % len(apps)] + "\n\n" + docs[d]
+        convs.append(Conversation(i, None, start, system, (turn,)))
+    return _workload("rag-shared", seed, convs, rate)
+
+
 def _workload(name: str, seed: int, convs: list[Conversation], rate: float) -> Workload:
     spec = SPECS[name]
     wl = Workload(name, seed, spec.note, tuple(convs), rate)
@@ -277,6 +308,8 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         return _chat(name, seed, 1.2 * scale, spec.window_s)
     if name == "chat-degraded":
         return _chat(name, seed, 1.6 * scale, spec.window_s)
+    if name == "rag-shared":
+        return _rag(seed, 10.0 * scale, spec.window_s)
     if name == "chat-docs":
         return _chat_docs(seed, 1.4 * scale, 0.35 * scale, spec.window_s)
     if name == "chat-anonymous":

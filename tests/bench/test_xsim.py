@@ -239,3 +239,19 @@ def test_a_degraded_replica_is_slow_only_inside_its_window() -> None:
             parse_degrade(bad)
     assert SPECS["chat-degraded"].degrade is not None
     assert parse_degrade(SPECS["chat-degraded"].degrade)[0] < 4  # a replica of the 4
+
+
+def test_rag_shares_prefixes_at_two_depths() -> None:
+    """`rag-shared`: requests of one document share its app's prompt and the document;
+    requests of two documents of one app share the app's prompt only."""
+    workload = build("rag-shared", 1)
+    assert all(c.session_id is None and len(c.turns) == 1 for c in workload.conversations)
+    by_system: dict[str, int] = {}
+    for c in workload.conversations:
+        by_system[c.system] = by_system.get(c.system, 0) + 1
+    counts = sorted(by_system.values(), reverse=True)
+    assert len(counts) > 20 and counts[0] > 4 * counts[len(counts) // 2]  # Zipf: a hot head
+    apps = {s.split("\n\n", 1)[0] for s in by_system}
+    assert len(apps) == 4
+    questions = [c.turns[0].user for c in workload.conversations]
+    assert len(set(questions)) == len(questions)
