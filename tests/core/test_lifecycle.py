@@ -254,16 +254,23 @@ def test_a_first_token_inferred_at_finish_does_not_claim_the_edge_reports_them()
     assert seen is not None and seen.reports_first_token
 
 
-def test_an_unstreamed_answers_first_byte_is_its_end_not_a_first_token() -> None:
-    """`"stream": false` (or no `stream`): the first byte comes with the last token. Timed
-    as a first token it would report the whole generation as TTFT, feed it to the per-token
-    fit, and switch the endpoint to counting prefill as pending until first tokens."""
+def timed_gateway() -> tuple[FakeClock, Registry, Gateway, Hooks, list[float]]:
+    """One `latency` model on one endpoint, a fake clock, and hooks that collect every
+    observed time to first token."""
     clock = FakeClock()
     registry = Registry(clock=clock)
     cfg = config({"chat": {**static_model(1), "strategy": "latency"}})
     seen: list[float] = []
     gw = Gateway(Scheduler(cfg, registry, seed=1))
     hooks = Hooks(ttft=lambda model, observed, predicted: seen.append(observed))
+    return clock, registry, gw, hooks, seen
+
+
+def test_an_unstreamed_answers_first_byte_is_its_end_not_a_first_token() -> None:
+    """`"stream": false` (or no `stream`): the first byte comes with the last token. Timed
+    as a first token it would report the whole generation as TTFT, feed it to the per-token
+    fit, and switch the endpoint to counting prefill as pending until first tokens."""
+    clock, registry, gw, hooks, seen = timed_gateway()
     prompt = b'"messages": [{"role": "user", "content": "' + b"x" * 4000 + b'"}]}'
     whole = Lifecycle(gw, hooks)
     decision = whole.route({}, CHAT, b'{"model": "chat", "stream": false, ' + prompt)
@@ -292,10 +299,7 @@ def test_an_unstreamed_prefill_leaves_the_queue_before_its_answer_ends() -> None
     unstreamed document jobs: the proxy 1.19x the best). Now a later request's first token
     there, or the first scrape past its predicted first token, ends it; its own end does
     not subtract it twice."""
-    clock = FakeClock()
-    registry = Registry(clock=clock)
-    cfg = config({"chat": {**static_model(1), "strategy": "latency"}})
-    gw = Gateway(Scheduler(cfg, registry, seed=1))
+    clock, registry, gw, _, _ = timed_gateway()
     doc = b'"messages": [{"role": "user", "content": "' + b"d" * 8000 + b'"}]}'
     chat = b'"messages": [{"role": "user", "content": "' + b"c" * 400 + b'"}]}'
 
@@ -347,12 +351,7 @@ def test_an_error_answer_is_no_first_token(status: int) -> None:
     """A prompt over the context length (400) or a refusing engine answers at once: taken
     for a first token it read as a long prefill that took no time, pulling the per-token
     fit towards 0 and the TTFT telemetry down. It only ends the request's pending prefill."""
-    clock = FakeClock()
-    registry = Registry(clock=clock)
-    cfg = config({"chat": {**static_model(1), "strategy": "latency"}})
-    seen: list[float] = []
-    gw = Gateway(Scheduler(cfg, registry, seed=1))
-    hooks = Hooks(ttft=lambda model, observed, predicted: seen.append(observed))
+    clock, registry, gw, hooks, seen = timed_gateway()
     body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "'
     refused = Lifecycle(gw, hooks)
     decision = refused.route({}, CHAT, body + b"x" * 40000 + b'"}]}')
