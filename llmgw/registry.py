@@ -263,13 +263,7 @@ class Registry:
                 return  # gone, and nothing else was in flight there
             if state.inflight <= 1:
                 del self._draining[key]
-        if prefill is not None and prefill.blind:
-            _drop_blind(state, prefill)
-        else:
-            if prefill_tokens:
-                state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
-            if prefill is not None:
-                _close(state, prefill)
+        _prefill_over(state, prefill, prefill_tokens)
         now = self.clock()
         state.inflight = max(0, state.inflight - 1)
         state.released_since_scrape += 1
@@ -302,14 +296,11 @@ class Registry:
                 return ahead, None
             now = self.clock()
             entry = PendingPrefill(tokens, True, now, now if ready_at is None else ready_at)
-            blind = state.blind
-            while blind and not blind[0].open:  # ended ones, at the head
-                blind.popleft()
-            blind.append(entry)
+            _drop_ended(state.blind)
+            state.blind.append(entry)
             return ahead, entry
         queue = state.prefills
-        while queue and not queue[0].open:  # ended ones, at the head: bounded by in-flight
-            queue.popleft()
+        _drop_ended(queue)
         entry = PendingPrefill(tokens)
         queue.append(entry)
         state.counted_prefill += tokens
@@ -346,12 +337,7 @@ class Registry:
                     _drop_blind(state, blind.popleft())
         else:
             state.misses_first_tokens = True
-        if prefill is not None and prefill.blind:
-            _drop_blind(state, prefill)
-        else:
-            if prefill is not None:
-                _close(state, prefill)
-            state.pending_prefill = max(0.0, state.pending_prefill - prefill_tokens)
+        _prefill_over(state, prefill, prefill_tokens)
         now = self.clock()
         if ready_at > now:
             state.busy_until = max(now, state.busy_until - (ready_at - now))
@@ -448,6 +434,24 @@ def _close(state: EndpointState, entry: PendingPrefill) -> None:
         entry.open = False
         left = state.counted_prefill - entry.tokens
         state.counted_prefill = left if left > 0.0 else 0.0
+
+
+def _drop_ended(queue: deque[PendingPrefill]) -> None:
+    """Ended entries at the head leave: a queue stays bounded by the requests in flight."""
+    while queue and not queue[0].open:
+        queue.popleft()
+
+
+def _prefill_over(state: EndpointState, prefill: PendingPrefill | None, tokens: float) -> None:
+    """A request's prefill is over (its first token, or its end): it leaves whichever
+    estimate holds it, once."""
+    if prefill is not None and prefill.blind:
+        _drop_blind(state, prefill)
+        return
+    if tokens:
+        state.pending_prefill = max(0.0, state.pending_prefill - tokens)
+    if prefill is not None:
+        _close(state, prefill)
 
 
 def _drop_blind(state: EndpointState, entry: PendingPrefill) -> None:
