@@ -427,15 +427,21 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
     return app
 
 
-def parse_degrade(spec: str) -> tuple[int, float, float, float]:
-    """`REPLICA:FROM:UNTIL:FACTOR` (seconds after each reset) -> its four numbers."""
-    parts = spec.split(":")
-    if len(parts) != 4:
-        raise ValueError(f"--degrade wants REPLICA:FROM:UNTIL:FACTOR, got {spec!r}")
-    replica, start, until, factor = int(parts[0]), *(float(p) for p in parts[1:])
-    if replica < 0 or not 0 <= start < until or factor <= 0:
-        raise ValueError(f"--degrade {spec!r}: want replica >= 0, 0 <= FROM < UNTIL, FACTOR > 0")
-    return replica, start, until, factor
+def parse_degrade(spec: str) -> list[tuple[int, float, float, float]]:
+    """`REPLICA:FROM:UNTIL:FACTOR[,...]` (seconds after each reset; UNTIL may be `inf`: for
+    good) -> each replica's four numbers."""
+    out: list[tuple[int, float, float, float]] = []
+    for one in spec.split(","):
+        parts = one.split(":")
+        if len(parts) != 4:
+            raise ValueError(f"--degrade wants REPLICA:FROM:UNTIL:FACTOR, got {one!r}")
+        replica, start, until, factor = int(parts[0]), *(float(p) for p in parts[1:])
+        if replica < 0 or not 0 <= start < until or factor <= 0:
+            raise ValueError(f"--degrade {one!r}: want replica >= 0, 0 <= FROM < UNTIL, FACTOR > 0")
+        if any(replica == seen[0] for seen in out):
+            raise ValueError(f"--degrade {spec!r}: replica {replica} named twice")
+        out.append((replica, start, until, factor))
+    return out
 
 
 async def serve(
@@ -444,11 +450,12 @@ async def serve(
     runners: list[web.AppRunner] = []
     tasks: list[asyncio.Task[None]] = []
     urls: list[str] = []
-    slow = parse_degrade(degrade) if degrade else None
+    slow = {one[0]: one[1:] for one in parse_degrade(degrade)} if degrade else {}
     for i in range(replicas):
         own = params
-        if slow is not None and slow[0] == i:
-            own = replace(params, slow_from=slow[1], slow_until=slow[2], slow_factor=slow[3])
+        if i in slow:
+            start, until, factor = slow[i]
+            own = replace(params, slow_from=start, slow_until=until, slow_factor=factor)
         engine = Engine(f"r{i}", own)
         tasks.append(asyncio.create_task(engine.run()))
         runner = web.AppRunner(make_app(engine, model, i), access_log=None)
@@ -476,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics", choices=("full", "minimal"), default="full")
     parser.add_argument("--cache-info", action="store_true")
     parser.add_argument(
-        "--degrade", help="REPLICA:FROM:UNTIL:FACTOR: that replica's steps x FACTOR in the window"
+        "--degrade",
+        help="REPLICA:FROM:UNTIL:FACTOR[,...]: that replica's steps x FACTOR in the window",
     )
     args = parser.parse_args(argv)
     params = EngineParams(

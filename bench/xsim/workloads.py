@@ -45,6 +45,11 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
 - `chat-degraded` (session 30): `chat-moderate`'s traffic while replica 1 runs every
   step 3x slower from 10 s to 30 s (the engine's `--degrade`: a throttled GPU, a noisy
   neighbour); its gauges and histograms show it, nothing else does.
+- `chat-mixed-gpu`, `shared-mixed-gpu` (session 31): a fleet of two hardware generations:
+  replicas 2 and 3 run every step 2x slower for the whole run (`--degrade` with no end),
+  so the fleet has 3/4 of the capacity of four fast ones; `chat-moderate`'s and
+  `shared-system`'s shapes at 3/4 of their rates. Nothing says which replicas are slow
+  but their gauges and histograms.
 - `decode-long`: no session, no shared text, short prompts (100-400 tokens) and long
   answers (`max_tokens` 150-400) at about half the fleet's decode capacity: batch slots and
   decode load decide, not caching.
@@ -95,6 +100,9 @@ class Spec:
     degrade: str | None = None
 
 
+# Two of the replicas are an older generation: every step 2x as long, for good.
+_OLD_GPUS = "2:0:inf:2,3:0:inf:2"
+
 SPECS = {
     "chat-moderate": Spec("chat-moderate", "roomy", 45, "multi-turn chat, moderate load"),
     "chat-busy": Spec("chat-busy", "roomy", 40, "multi-turn chat, busy"),
@@ -112,6 +120,12 @@ SPECS = {
     "rag-shared": Spec("rag-shared", "small", 35, "4 app prompts x 40 Zipf documents, no session"),
     "chat-degraded": Spec(
         "chat-degraded", "roomy", 45, "chat; one replica 3x slower for 20 s", degrade="1:10:30:3"
+    ),
+    "chat-mixed-gpu": Spec(
+        "chat-mixed-gpu", "roomy", 45, "chat; replicas 2, 3 always 2x slower", degrade=_OLD_GPUS
+    ),
+    "shared-mixed-gpu": Spec(
+        "shared-mixed-gpu", "small", 35, "shared prompts; replicas 2, 3 2x slower", _OLD_GPUS
     ),
 }
 
@@ -199,7 +213,10 @@ def _hot(seed: int, rate: float, window: float) -> Workload:
     return _workload("hot-sessions", seed, convs, rate)
 
 
-def _shared(seed: int, rate: float, window: float, bursty: bool = False) -> Workload:
+def _shared(
+    seed: int, rate: float, window: float, bursty: bool = False, name: str | None = None
+) -> Workload:
+    name = name or ("shared-bursty" if bursty else "shared-system")
     rng = random.Random(f"xsim-shared-{seed}")
     systems = [
         Words(random.Random(f"xsim-sys-{seed}-{k}")).text(rng.randint(1000, 3000)) for k in range(8)
@@ -210,7 +227,7 @@ def _shared(seed: int, rate: float, window: float, bursty: bool = False) -> Work
         words = Words(random.Random(f"xsim-q-{seed}-{i}"))
         turn = Turn(words.text(rng.randint(30, 150)), "", rng.randint(16, 32), 0.0)
         convs.append(Conversation(i, None, start, rng.choice(systems), (turn,)))
-    return _workload("shared-bursty" if bursty else "shared-system", seed, convs, rate)
+    return _workload(name, seed, convs, rate)
 
 
 def _decode(seed: int, rate: float, window: float) -> Workload:
@@ -308,6 +325,10 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         return _chat(name, seed, 1.2 * scale, spec.window_s)
     if name == "chat-degraded":
         return _chat(name, seed, 1.6 * scale, spec.window_s)
+    if name == "chat-mixed-gpu":  # 3/4 of chat-moderate's rate: 3/4 of its capacity
+        return _chat(name, seed, 1.2 * scale, spec.window_s)
+    if name == "shared-mixed-gpu":
+        return _shared(seed, 9.0 * scale, spec.window_s, name=name)
     if name == "rag-shared":
         return _rag(seed, 10.0 * scale, spec.window_s)
     if name == "chat-docs":
