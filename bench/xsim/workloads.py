@@ -45,6 +45,10 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
 - `chat-degraded` (session 30): `chat-moderate`'s traffic while replica 1 runs every
   step 3x slower from 10 s to 30 s (the engine's `--degrade`: a throttled GPU, a noisy
   neighbour); its gauges and histograms show it, nothing else does.
+- `chat-long-answers` (session 31): `chat-moderate`'s conversations with the answers
+  real chat gets (150-450 tokens streamed, not 16-48) at 0.7 conversations a second: each
+  turn holds a batch slot for seconds of decode, so batch slots, not prefill, decide
+  where a turn waits; a session that stays put may find its replica's slots full.
 - `chat-mixed-gpu`, `shared-mixed-gpu` (session 31): a fleet of two hardware generations:
   replicas 2 and 3 run every step 2x slower for the whole run (`--degrade` with no end),
   so the fleet has 3/4 of the capacity of four fast ones; `chat-moderate`'s and
@@ -121,6 +125,9 @@ SPECS = {
     "chat-degraded": Spec(
         "chat-degraded", "roomy", 45, "chat; one replica 3x slower for 20 s", degrade="1:10:30:3"
     ),
+    "chat-long-answers": Spec(
+        "chat-long-answers", "roomy", 45, "multi-turn chat, answers of 150-450 tokens"
+    ),
     "chat-mixed-gpu": Spec(
         "chat-mixed-gpu", "roomy", 45, "chat; replicas 2, 3 always 2x slower", degrade=_OLD_GPUS
     ),
@@ -168,6 +175,7 @@ def _chat(
     sessions: bool = True,
     unstreamed: float = 0.0,
     bursty: bool = False,
+    answers: tuple[int, int] = (16, 48),
 ) -> Workload:
     rng = random.Random(f"xsim-{name}-{seed}")
     streams = random.Random(f"xsim-{name}-{seed}-stream")
@@ -181,7 +189,7 @@ def _chat(
             Turn(
                 user=words.text(rng.randint(50, 300)),
                 reply=words.text(rng.randint(100, 400)),
-                max_tokens=rng.randint(16, 48) if stream else streams.randint(150, 400),
+                max_tokens=rng.randint(*answers) if stream else streams.randint(150, 400),
                 think_s=_think(rng),
                 stream=stream,
             )
@@ -325,6 +333,10 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         return _chat(name, seed, 1.2 * scale, spec.window_s)
     if name == "chat-degraded":
         return _chat(name, seed, 1.6 * scale, spec.window_s)
+    if name == "chat-long-answers":
+        # A turn holds a batch slot for ~6 s of decode: ~0.7 conversations a second keep
+        # 20-30 of the fleet's 48 slots busy, with arrivals in clumps that fill some.
+        return _chat(name, seed, 0.7 * scale, spec.window_s, answers=(150, 450))
     if name == "chat-mixed-gpu":  # 3/4 of chat-moderate's rate: 3/4 of its capacity
         return _chat(name, seed, 1.2 * scale, spec.window_s)
     if name == "shared-mixed-gpu":

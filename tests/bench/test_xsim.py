@@ -241,6 +241,15 @@ def test_a_degraded_replica_is_slow_only_inside_its_window() -> None:
     assert parse_degrade(SPECS["chat-degraded"].degrade)[0][0] < 4  # a replica of the 4
 
 
+def test_long_answers_chat_streams_answers_of_hundreds_of_tokens() -> None:
+    workload = build("chat-long-answers", seed=1)
+    turns = [t for c in workload.conversations for t in c.turns]
+    assert all(c.session_id is not None for c in workload.conversations)
+    assert all(t.stream and 150 <= t.max_tokens <= 450 for t in turns)
+    short = build("chat-moderate", seed=1)
+    assert max(t.max_tokens for c in short.conversations for t in c.turns) <= 48
+
+
 def test_mixed_gpu_fleets_have_two_replicas_slower_for_good() -> None:
     for name in ("chat-mixed-gpu", "shared-mixed-gpu"):
         spec = SPECS[name].degrade
