@@ -427,10 +427,10 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
     return app
 
 
-def parse_degrade(spec: str) -> list[tuple[int, float, float, float]]:
+def parse_degrade(spec: str) -> dict[int, tuple[float, float, float]]:
     """`REPLICA:FROM:UNTIL:FACTOR[,...]` (seconds after each reset; UNTIL may be `inf`: for
-    good) -> each replica's four numbers."""
-    out: list[tuple[int, float, float, float]] = []
+    good) -> each replica's (FROM, UNTIL, FACTOR)."""
+    out: dict[int, tuple[float, float, float]] = {}
     for one in spec.split(","):
         parts = one.split(":")
         if len(parts) != 4:
@@ -438,9 +438,9 @@ def parse_degrade(spec: str) -> list[tuple[int, float, float, float]]:
         replica, start, until, factor = int(parts[0]), *(float(p) for p in parts[1:])
         if replica < 0 or not 0 <= start < until or factor <= 0:
             raise ValueError(f"--degrade {one!r}: want replica >= 0, 0 <= FROM < UNTIL, FACTOR > 0")
-        if any(replica == seen[0] for seen in out):
+        if replica in out:
             raise ValueError(f"--degrade {spec!r}: replica {replica} named twice")
-        out.append((replica, start, until, factor))
+        out[replica] = (start, until, factor)
     return out
 
 
@@ -450,7 +450,7 @@ async def serve(
     runners: list[web.AppRunner] = []
     tasks: list[asyncio.Task[None]] = []
     urls: list[str] = []
-    slow = {one[0]: one[1:] for one in parse_degrade(degrade)} if degrade else {}
+    slow = parse_degrade(degrade) if degrade else {}
     for i in range(replicas):
         own = params
         if i in slow:
