@@ -334,8 +334,9 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
     if name == "chat-degraded":
         return _chat(name, seed, 1.6 * scale, spec.window_s)
     if name == "chat-long-answers":
-        # A turn holds a batch slot for ~6 s of decode: ~0.7 conversations a second keep
-        # 20-30 of the fleet's 48 slots busy, with arrivals in clumps that fill some.
+        # A turn holds a batch slot for ~6 s of decode (~300 tokens at ~19 ms a step of 12):
+        # an estimate, not measured, of 20-30 of the fleet's 48 slots busy at 0.7
+        # conversations a second; the measured runs are in crosscheck_long_answers.txt.
         return _chat(name, seed, 0.7 * scale, spec.window_s, answers=(150, 450))
     if name == "chat-mixed-gpu":  # 3/4 of chat-moderate's rate: 3/4 of its capacity
         return _chat(name, seed, 1.2 * scale, spec.window_s)
