@@ -1,6 +1,6 @@
 """Routers on an engine and workloads that llmgw was not tuned on (`bench/xsim/`).
 
-    .venv/bin/python bench/crosscheck.py                       # every workload (18) x 5 contenders, ~85 min
+    .venv/bin/python bench/crosscheck.py                       # every workload (19) x 5 contenders, ~92 min
     .venv/bin/python bench/crosscheck.py --workloads chat-moderate --only envoy:latency
     .venv/bin/python bench/crosscheck.py --metrics minimal     # engines publish gauges only
     .venv/bin/python bench/crosscheck.py --cache-info          # engines say their KV size
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                                 f"  {contender.name:28s} {n:15s} TTFT p50/p90 "
                                 f"{summary['ttft_p50_ms']}/{summary['ttft_p90_ms']} ms, hit "
                                 f"{summary['prefix_hit_rate']}, busy {summary['busy_max_mean']}"
-                                f", errors {summary['errors']}",
+                                f", errors {summary['errors']}, unread tokens "
+                                f"{summary['unread_tokens']}",
                                 flush=True,
                             )
         finally:

@@ -77,6 +77,7 @@ class RequestRecord:
     decision: str | None = None
     error: str | None = None
     stream: bool = True
+    stopped: bool = False  # the client closed the stream early (`Turn.stop_after`)
 
     @property
     def ok(self) -> bool:
@@ -164,6 +165,10 @@ async def send_one(
                         chunks += 1
                         if record.ttft_s is None:
                             record.ttft_s = time.perf_counter() - start
+                        if spec.stop_after is not None and chunks >= spec.stop_after:
+                            record.stopped = True
+                            response.close()  # drop the connection, as a browser tab does
+                            break
                     if usage_tokens is not None:
                         record.output_tokens = usage_tokens
         record.e2e_s = time.perf_counter() - start

@@ -395,6 +395,9 @@ def summarize(
     served = [int(v) for v in delta(_COUNTERS[2])]
     mean_served = sum(served) / len(served) if served else 0.0
     out_tokens = sum(r.output_tokens for r in ok)
+    # Tokens the engines generated that no client read (answers of clients that stopped
+    # early and were not aborted; retried attempts): counted when the run ends.
+    generated = sum(delta(_COUNTERS[3]))
     errors: dict[str, int] = {}
     for r in records:
         if not r.ok:
@@ -413,6 +416,7 @@ def summarize(
         "e2e_p50_ms": _ms(percentile(e2es, 50)),
         "e2e_p90_ms": _ms(percentile(e2es, 90)),
         "output_tok_s": round(out_tokens / wall, 1) if wall else 0.0,
+        "unread_tokens": round(1 - out_tokens / generated, 3) if generated else None,
         "req_s": round(len(ok) / wall, 1) if wall else 0.0,
         "prefix_hit_rate": round(hits / queries, 3) if queries else None,
         "prefill_tokens": int(queries - hits),

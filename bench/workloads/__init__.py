@@ -55,6 +55,9 @@ class Turn:
     # False: `"stream": false` (a batch or agent client); the whole answer comes at once,
     # so the request has no time to first token, only its end-to-end time.
     stream: bool = True
+    # The client closes the connection after this many content chunks (a user pressing
+    # stop); None: it reads the whole answer. Streamed turns only.
+    stop_after: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -123,6 +123,9 @@ class Request:
     admitted: float = 0.0
     first_token: float = 0.0
     last_token: float = 0.0
+    # The client went away (`Engine.abort`): dropped at the next step, like vLLM's abort.
+    aborted: bool = False
+    finished: bool = False
 
     @property
     def to_compute(self) -> int:
@@ -160,7 +163,9 @@ class Engine:
         self.cache: dict[int, int] = {}  # hash -> references by running requests
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, LRU first
         self.private_blocks = 0
-        self.counters = {"prompt": 0, "generation": 0, "queries": 0, "hits": 0, "success": 0}
+        self.counters = {
+            "prompt": 0, "generation": 0, "queries": 0, "hits": 0, "success": 0, "abort": 0,
+        }  # fmt: skip
         self.hist = {
             "time_to_first_token_seconds": Histogram(TTFT_BUCKETS),
             "e2e_request_latency_seconds": Histogram(LATENCY_BUCKETS),
@@ -239,11 +244,31 @@ class Engine:
         self.waiting.append(r)
         self.wake.set()
 
+    def abort(self, r: Request) -> None:
+        """The client closed the connection: the request leaves before the next step (its
+        blocks freed, its prefix kept as evictable), as vLLM aborts a disconnected request."""
+        if not r.finished and not r.aborted:
+            r.aborted = True
+            self.wake.set()
+
+    def _drop_aborted(self) -> None:
+        gone = sum(1 for r in self.waiting if r.aborted)
+        if gone:
+            self.waiting = deque(r for r in self.waiting if not r.aborted)
+            self.counters["abort"] += gone
+        for r in [r for r in self.running if r.aborted]:
+            self.running.remove(r)
+            self._release(r)
+            self.counters["abort"] += 1
+
     async def run(self) -> None:
         while True:
             if not self.running and not self.waiting:
                 self.wake.clear()
                 await self.wake.wait()
+            self._drop_aborted()
+            if not self.running and not self.waiting:
+                continue
             budget = self.p.max_batched_tokens
             decoding = [r for r in self.running if r.done_prefill >= r.to_compute]
             budget -= len(decoding)
@@ -276,6 +301,8 @@ class Engine:
             await asyncio.sleep(step)
             now = time.monotonic()
             for r, n in plan:
+                if r.aborted:  # went away during the step: dropped before the next
+                    continue
                 r.done_prefill += n
                 if r.done_prefill >= r.to_compute:  # first token at the end of this step
                     self._publish_prefix(r)
@@ -283,9 +310,11 @@ class Engine:
                     self.hist["time_to_first_token_seconds"].observe(now - r.arrived)
                     self.hist["request_prefill_time_seconds"].observe(now - r.admitted)
             for r in decoding:
-                self._emit(r, now)
-            finished = [r for r in self.running if r.generated >= r.max_tokens]
+                if not r.aborted:
+                    self._emit(r, now)
+            finished = [r for r in self.running if r.generated >= r.max_tokens and not r.aborted]
             for r in finished:
+                r.finished = True
                 self.running.remove(r)
                 self._release(r)
                 self.counters["success"] += 1
@@ -324,6 +353,7 @@ class Engine:
             f"vllm:prefix_cache_queries_total{{{labels}}} {c['queries']}",
             f"vllm:prefix_cache_hits_total{{{labels}}} {c['hits']}",
             f'vllm:request_success_total{{{labels},finished_reason="length"}} {c["success"]}',
+            f'vllm:request_success_total{{{labels},finished_reason="abort"}} {c["abort"]}',
         ]
         for name, hist in self.hist.items():
             lines += hist.lines("vllm:" + name, labels)
@@ -387,10 +417,13 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
         response = web.StreamResponse(
             headers={"content-type": "text/event-stream", "x-sim-replica": str(index)}
         )
-        await response.prepare(request)  # headers now, before any token (like vLLM)
-        while (n := await r.out.get()) is not None:
-            finish = "length" if n >= max_tokens else None
-            await response.write(_chunk(rid, model, " tok", n == 1, finish))
+        try:
+            await response.prepare(request)  # headers now, before any token (like vLLM)
+            while (n := await r.out.get()) is not None:
+                finish = "length" if n >= max_tokens else None
+                await response.write(_chunk(rid, model, " tok", n == 1, finish))
+        finally:  # a write to a closed connection raises: the client has gone
+            engine.abort(r)  # no-op once finished
         usage = {"prompt_tokens": r.prompt, "completion_tokens": r.generated,
                  "total_tokens": r.prompt + r.generated}  # fmt: skip
         options = body.get("stream_options") or {}

@@ -54,6 +54,12 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
   so the fleet has 3/4 of the capacity of four fast ones; `chat-moderate`'s and
   `shared-system`'s shapes at 3/4 of their rates. Nothing says which replicas are slow
   but their gauges and histograms.
+- `chat-stop` (session 32): `chat-long-answers`' conversations at 1.2 a second, where
+  users press stop: 40 % of turns are read for 3-40 tokens, then the client closes the
+  connection (aiperf's request cancellation does the same). The engine aborts a request
+  whose client has gone, as vLLM does; a router or proxy that keeps reading a cancelled
+  answer, or keeps counting it, leaves its batch slot or its load with a replica that is
+  free (if nothing aborted, the slots would fill as in `chat-long-answers` at 1.7x).
 - `decode-long`: no session, no shared text, short prompts (100-400 tokens) and long
   answers (`max_tokens` 150-400) at about half the fleet's decode capacity: batch slots and
   decode load decide, not caching.
@@ -128,6 +134,7 @@ SPECS = {
     "chat-long-answers": Spec(
         "chat-long-answers", "roomy", 45, "multi-turn chat, answers of 150-450 tokens"
     ),
+    "chat-stop": Spec("chat-stop", "roomy", 45, "long chat answers, 40 % stopped early"),
     "chat-mixed-gpu": Spec(
         "chat-mixed-gpu", "roomy", 45, "chat; replicas 2, 3 always 2x slower", degrade=_OLD_GPUS
     ),
@@ -176,9 +183,11 @@ def _chat(
     unstreamed: float = 0.0,
     bursty: bool = False,
     answers: tuple[int, int] = (16, 48),
+    stops: float = 0.0,
 ) -> Workload:
     rng = random.Random(f"xsim-{name}-{seed}")
     streams = random.Random(f"xsim-{name}-{seed}-stream")
+    stopper = random.Random(f"xsim-{name}-{seed}-stop")  # drawn from only when stops > 0
     system = Words(random.Random(f"xsim-system-{seed}")).text(300)
     convs = []
     starts = (_bursty_starts if bursty else _poisson_starts)(rng, rate, window)
@@ -192,6 +201,9 @@ def _chat(
                 max_tokens=rng.randint(*answers) if stream else streams.randint(150, 400),
                 think_s=_think(rng),
                 stream=stream,
+                stop_after=(
+                    stopper.randint(3, 40) if stream and stopper.random() < stops else None
+                ),
             )
             for _ in range(rng.randint(4, 8))
         )
@@ -338,6 +350,8 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         # an estimate, not measured, of 20-30 of the fleet's 48 slots busy at 0.7
         # conversations a second; the measured runs are in crosscheck_long_answers.txt.
         return _chat(name, seed, 0.7 * scale, spec.window_s, answers=(150, 450))
+    if name == "chat-stop":
+        return _chat(name, seed, 1.2 * scale, spec.window_s, answers=(150, 450), stops=0.4)
     if name == "chat-mixed-gpu":  # 3/4 of chat-moderate's rate: 3/4 of its capacity
         return _chat(name, seed, 1.2 * scale, spec.window_s)
     if name == "shared-mixed-gpu":

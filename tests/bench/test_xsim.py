@@ -28,6 +28,7 @@ from bench.xsim.engine import (
     tokenize,
 )
 from bench.xsim.workloads import SPECS, build
+from llmgw.testing.wait import eventually
 
 
 async def _serve(params: EngineParams) -> AsyncIterator[tuple[str, Engine]]:
@@ -277,3 +278,33 @@ def test_rag_shares_prefixes_at_two_depths() -> None:
     assert len(apps) == 4
     questions = [c.turns[0].user for c in workload.conversations]
     assert len(set(questions)) == len(questions)
+
+
+async def test_a_client_that_stops_reading_aborts_its_request(replica: tuple[str, Engine]) -> None:
+    """`chat-stop`: the client closes the stream after `stop_after` tokens; the engine drops
+    the request (batch slot and blocks freed, an abort counted, as vLLM does) instead of
+    decoding an answer nobody reads, and serves the next request as before."""
+    url, engine = replica
+    turns = (Turn("hello there", "", 300, 0.0, stop_after=3), Turn("again", "", 4, 0.0))
+    conv = Conversation(0, None, 0.0, "", turns)
+    async with aiohttp.ClientSession() as http:
+        stopped = await send_one(http, url + "/v1/chat/completions", "m1", conv, 0, 0.0)
+        assert stopped.ok and stopped.stopped and stopped.output_tokens == 3
+        await eventually(lambda: not engine.running and engine.counters["abort"] == 1)
+        assert engine.counters["generation"] < 300 and engine.private_blocks == 0
+        whole = await send_one(http, url + "/v1/chat/completions", "m1", conv, 1, 0.0)
+        async with http.get(url + "/metrics") as response:
+            text = await response.text()
+    assert whole.ok and not whole.stopped and whole.output_tokens == 4
+    assert 'finished_reason="abort"} 1' in text and engine.counters["success"] == 1
+
+
+def test_stop_chat_stops_two_in_five_turns_early() -> None:
+    workload = build("chat-stop", seed=1)
+    turns = [t for c in workload.conversations for t in c.turns]
+    stopped = [t for t in turns if t.stop_after is not None]
+    assert all(t.stream and 150 <= t.max_tokens <= 450 for t in turns)
+    assert 0.3 < len(stopped) / len(turns) < 0.5
+    assert all(3 <= t.stop_after <= 40 for t in stopped if t.stop_after is not None)
+    others = [t for c in build("chat-long-answers", seed=1).conversations for t in c.turns]
+    assert all(t.stop_after is None for t in others)
