@@ -62,12 +62,12 @@ class Fleet:
         kv_blocks: int,
         metrics: str,
         cache_info: bool,
-        degrade: str | None = None,
+        engine_args: tuple[str, ...] = (),
     ) -> None:
         cmd = [_python(), "-m", "bench.xsim.engine", "--replicas", str(replicas)]
         cmd += ["--base-port", str(base_port() or 18600), "--kv-blocks", str(kv_blocks)]
         cmd += ["--metrics", metrics] + (["--cache-info"] if cache_info else [])
-        cmd += ["--degrade", degrade] if degrade else []
+        cmd += engine_args
         self.proc = subprocess.Popen(cmd, cwd=HERE.parent, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -124,14 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n}: {wl.description}, {wl.requests} requests, {wl.params['offered_req_s']} req/s")
     results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in names}
     started = time.monotonic()
-    # One engine process per (KV size, degradation): workloads that share both share it.
-    fleets = sorted({(SPECS[n].fleet, SPECS[n].degrade or "") for n in names})
-    for fleet_name, degrade in fleets:
+    # One engine process per (KV size, fault flags): workloads that share both share it.
+    fleets = sorted({(SPECS[n].fleet, SPECS[n].engine_args()) for n in names})
+    for fleet_name, engine_args in fleets:
         group = [
-            n for n in names if (SPECS[n].fleet, SPECS[n].degrade or "") == (fleet_name, degrade)
+            n
+            for n in names
+            if (SPECS[n].fleet, SPECS[n].engine_args()) == (fleet_name, engine_args)
         ]
         kv = FLEET_KV_BLOCKS[fleet_name]
-        fleet = Fleet(args.replicas, kv, args.metrics, args.cache_info, degrade or None)
+        fleet = Fleet(args.replicas, kv, args.metrics, args.cache_info, engine_args)
         try:
             with tempfile.TemporaryDirectory(prefix="crosscheck-") as scratch:
                 for contender in contenders:

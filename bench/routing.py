@@ -389,15 +389,27 @@ def summarize(
     e2es = [r.e2e_s for r in ok if r.e2e_s is not None]
 
     def delta(key: str) -> list[float]:
-        return [a.get(key, 0.0) - b.get(key, 0.0) for a, b in zip(after, before, strict=True)]
+        # A counter that went down means its replica restarted during the run: count from
+        # zero, as Prometheus' increase() does (what it did before the restart is lost).
+        return [
+            a.get(key, 0.0) - b.get(key, 0.0) if a.get(key, 0.0) >= b.get(key, 0.0) else a[key]
+            for a, b in zip(after, before, strict=True)
+        ]
+
+    restarted = any(
+        a.get(key, 0.0) < b.get(key, 0.0)
+        for a, b in zip(after, before, strict=True)
+        for key in _COUNTERS
+    )
 
     queries, hits = sum(delta(_COUNTERS[0])), sum(delta(_COUNTERS[1]))
     served = [int(v) for v in delta(_COUNTERS[2])]
     mean_served = sum(served) / len(served) if served else 0.0
     out_tokens = sum(r.output_tokens for r in ok)
     # Tokens the engines generated that no client read (answers of clients that stopped
-    # early and were not aborted; retried attempts): counted when the run ends.
-    generated = sum(delta(_COUNTERS[3]))
+    # early and were not aborted; retried attempts): counted when the run ends; unknown
+    # if a replica restarted (its count before the restart is gone).
+    generated = 0.0 if restarted else sum(delta(_COUNTERS[3]))
     errors: dict[str, int] = {}
     for r in records:
         if not r.ok:
@@ -420,7 +432,8 @@ def summarize(
         "req_s": round(len(ok) / wall, 1) if wall else 0.0,
         "prefix_hit_rate": round(hits / queries, 3) if queries else None,
         "prefill_tokens": int(queries - hits),
-        "served_per_replica": served,
+        "served_per_replica": served,  # since its restart, for a replica that restarted
+        "restarted": restarted,
         "load_max_mean": round(max(served) / mean_served, 2) if mean_served else None,
         "busy_max_mean": _busy_max_mean(samples),
         "ttft_quantiles_ms": [_ms(percentile(ttfts, q)) for q in range(0, 101, 2) if ttfts],

@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import re
 import time
 from collections import OrderedDict, deque
@@ -108,13 +109,16 @@ class Histogram:
         return out
 
 
+CUT = -1  # on a request's queue when its engine crashed: its handler ends at once
+
+
 @dataclass
 class Request:
     hashes: list[int]
     prompt: int
     max_tokens: int
     arrived: float
-    out: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    out: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)  # tokens, CUT, None
     cached: int = 0  # tokens hit at admission
     done_prefill: int = 0  # of the tokens to compute
     generated: int = 0
@@ -156,6 +160,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.wake = asyncio.Event()
+        self.armed_at: float | None = None  # last /admin/reset (a crash resets, not this)
         self.reset()
 
     def reset(self) -> None:
@@ -250,6 +255,16 @@ class Engine:
         if not r.finished and not r.aborted:
             r.aborted = True
             self.wake.set()
+
+    def crash(self) -> None:
+        """The process died (`--outage`): every request is cut, and the replica comes back
+        as a restarted vLLM does: empty cache, every counter and histogram from zero."""
+        for r in [*self.waiting, *self.running]:
+            r.aborted = True
+            r.out.put_nowait(CUT)
+        self.waiting.clear()
+        self.running = []
+        self.reset()
 
     def _drop_aborted(self) -> None:
         gone = sum(1 for r in self.waiting if r.aborted)
@@ -402,8 +417,9 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
         engine.submit(r)
         rid = f"cmpl-{index}-{next(counter)}"
         if not body.get("stream"):
-            while await r.out.get() is not None:
-                pass
+            while (n := await r.out.get()) is not None:
+                if n == CUT:  # crashed: the connection is gone already
+                    return web.Response(status=500)
             return web.json_response(
                 {
                     "id": rid, "object": "chat.completion", "model": model,
@@ -420,9 +436,13 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
         try:
             await response.prepare(request)  # headers now, before any token (like vLLM)
             while (n := await r.out.get()) is not None:
+                if n == CUT:
+                    return response
                 finish = "length" if n >= max_tokens else None
                 await response.write(_chunk(rid, model, " tok", n == 1, finish))
-        finally:  # a write to a closed connection raises: the client has gone
+        except ConnectionResetError:  # a write to a closed connection: the client has gone
+            return response
+        finally:
             engine.abort(r)  # no-op once finished
         usage = {"prompt_tokens": r.prompt, "completion_tokens": r.generated,
                  "total_tokens": r.prompt + r.generated}  # fmt: skip
@@ -448,6 +468,7 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
         if engine.running or engine.waiting:
             return web.json_response({"error": {"message": "busy"}}, status=409)
         engine.reset()
+        engine.armed_at = engine.reset_at  # the outage clock (`--outage`) starts here
         return web.json_response({"reset": True})
 
     app = web.Application()
@@ -477,13 +498,56 @@ def parse_degrade(spec: str) -> dict[int, tuple[float, float, float]]:
     return out
 
 
+def parse_outage(spec: str) -> tuple[int, float, float]:
+    """`REPLICA:FROM:UNTIL` (seconds after each /admin/reset) -> (REPLICA, FROM, UNTIL)."""
+    parts = spec.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"--outage wants REPLICA:FROM:UNTIL, got {spec!r}")
+    replica, start, until = int(parts[0]), float(parts[1]), float(parts[2])
+    if replica < 0 or not 0 <= start < until < math.inf:
+        raise ValueError(f"--outage {spec!r}: want replica >= 0, 0 <= FROM < UNTIL < inf")
+    return replica, start, until
+
+
+TICK_S = 0.02  # how often an outage's clock is read (the simulator's clock, not a sync)
+
+
+async def _outage(runner: web.AppRunner, site: web.TCPSite, engine: Engine,
+                  port: int, start: float, until: float) -> None:  # fmt: skip
+    """From FROM to UNTIL seconds after each /admin/reset the replica is dead: its port
+    refuses connections, open connections drop, requests in flight are cut; then it
+    restarts empty (`Engine.crash`)."""
+    down = False
+    while True:
+        await asyncio.sleep(TICK_S)
+        since = None if engine.armed_at is None else time.monotonic() - engine.armed_at
+        should = since is not None and start <= since < until
+        if should and not down:
+            await site.stop()
+            assert runner.server is not None
+            for connection in list(runner.server.connections):
+                connection.force_close()
+            engine.crash()
+            down = True
+        elif down and not should:
+            site = web.TCPSite(runner, "127.0.0.1", port)
+            await site.start()
+            down = False
+
+
 async def serve(
-    replicas: int, base_port: int, model: str, params: EngineParams, degrade: str | None = None
+    replicas: int,
+    base_port: int,
+    model: str,
+    params: EngineParams,
+    degrade: str | None = None,
+    outage: str | None = None,
 ) -> None:
     runners: list[web.AppRunner] = []
     tasks: list[asyncio.Task[None]] = []
     urls: list[str] = []
     slow = parse_degrade(degrade) if degrade else {}
+    dead = parse_outage(outage) if outage else None
     for i in range(replicas):
         own = params
         if i in slow:
@@ -495,6 +559,9 @@ async def serve(
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", base_port + i)
         await site.start()
+        if dead is not None and dead[0] == i:
+            tasks.append(asyncio.create_task(_outage(runner, site, engine, base_port + i,
+                                                     dead[1], dead[2])))  # fmt: skip
         runners.append(runner)
         urls.append(f"http://127.0.0.1:{base_port + i}")
     print("READY " + " ".join(urls), flush=True)
@@ -519,6 +586,10 @@ def main(argv: list[str] | None = None) -> int:
         "--degrade",
         help="REPLICA:FROM:UNTIL:FACTOR[,...]: that replica's steps x FACTOR in the window",
     )
+    parser.add_argument(
+        "--outage",
+        help="REPLICA:FROM:UNTIL: that replica is dead in the window, then restarts empty",
+    )
     args = parser.parse_args(argv)
     params = EngineParams(
         kv_blocks=args.kv_blocks,
@@ -528,7 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         cache_info=args.cache_info,
     )
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.replicas, args.base_port, args.model, params, args.degrade))
+        asyncio.run(
+            serve(args.replicas, args.base_port, args.model, params, args.degrade, args.outage)
+        )
     return 0
 
 

@@ -60,6 +60,11 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
   whose client has gone, as vLLM does; a router or proxy that keeps reading a cancelled
   answer, or keeps counting it, leaves its batch slot or its load with a replica that is
   free (if nothing aborted, the slots would fill as in `chat-long-answers` at 1.7x).
+- `chat-crash` (session 32): `chat-moderate`'s traffic while replica 1 dies 10 s into the
+  run (its port refuses connections, open streams are cut, its /metrics is gone) and
+  restarts 15 s later with an empty cache and every counter back at zero, as a restarted
+  vLLM does. A router must stop sending there without losing requests that have not
+  started, and use the replica again once it is back.
 - `decode-long`: no session, no shared text, short prompts (100-400 tokens) and long
   answers (`max_tokens` 150-400) at about half the fleet's decode capacity: batch slots and
   decode load decide, not caching.
@@ -108,6 +113,14 @@ class Spec:
     note: str
     # The engine's `--degrade REPLICA:FROM:UNTIL:FACTOR` (run on a fleet of its own), if any.
     degrade: str | None = None
+    # The engine's `--outage REPLICA:FROM:UNTIL` (a replica dies, then restarts empty), if any.
+    outage: str | None = None
+
+    def engine_args(self) -> tuple[str, ...]:
+        """The engine's fault flags: workloads with the same flags (and fleet) share one."""
+        return (("--degrade", self.degrade) if self.degrade else ()) + (
+            ("--outage", self.outage) if self.outage else ()
+        )
 
 
 # Two of the replicas are an older generation: every step 2x as long, for good.
@@ -133,6 +146,13 @@ SPECS = {
     ),
     "chat-long-answers": Spec(
         "chat-long-answers", "roomy", 45, "multi-turn chat, answers of 150-450 tokens"
+    ),
+    "chat-crash": Spec(
+        "chat-crash",
+        "roomy",
+        45,
+        "chat; replica 1 dies 10-25 s, restarts empty",
+        outage="1:10:25",
     ),
     "chat-stop": Spec("chat-stop", "roomy", 45, "long chat answers, 40 % stopped early"),
     "chat-mixed-gpu": Spec(
@@ -350,6 +370,8 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
         # an estimate, not measured, of 20-30 of the fleet's 48 slots busy at 0.7
         # conversations a second; the measured runs are in crosscheck_long_answers.txt.
         return _chat(name, seed, 0.7 * scale, spec.window_s, answers=(150, 450))
+    if name == "chat-crash":
+        return _chat(name, seed, 1.6 * scale, spec.window_s)
     if name == "chat-stop":
         return _chat(name, seed, 1.2 * scale, spec.window_s, answers=(150, 450), stops=0.4)
     if name == "chat-mixed-gpu":  # 3/4 of chat-moderate's rate: 3/4 of its capacity

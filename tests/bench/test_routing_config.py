@@ -8,7 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.routing import all_contenders, llmgw_config
+from bench.loadclient import RequestRecord
+from bench.routing import all_contenders, llmgw_config, summarize
 from llmgw.config import load_dict
 
 
@@ -23,3 +24,25 @@ def test_trace_goes_where_asked_and_nowhere_otherwise(tmp_path: Path) -> None:
 def test_envoy_contenders_use_the_default_body_mode_unless_named() -> None:
     envoy = [c for c in all_contenders() if c.edge == "envoy"]
     assert envoy and all(c.body_mode == "override" for c in envoy)
+
+
+def _record(tokens: int) -> RequestRecord:
+    return RequestRecord(0, 0, None, 0.0, 0.01, 0.1, 200, tokens, 10)
+
+
+def test_summaries_count_a_restarted_replica_from_zero_and_unread_tokens() -> None:
+    """Counter deltas per replica; a replica whose counters went down restarted during the
+    run: counted from zero (Prometheus' increase()), and unread tokens become unknown."""
+    names = ("vllm:request_success_total", "vllm:generation_tokens_total")
+    before = [dict.fromkeys(names, 10.0), dict.fromkeys(names, 50.0)]
+    steady = [
+        dict(zip(names, (14.0, 90.0), strict=True)),
+        dict(zip(names, (52.0, 70.0), strict=True)),
+    ]
+    summary = summarize([_record(40), _record(20)], 1.0, before, steady, [])
+    assert summary["served_per_replica"] == [4, 2] and not summary["restarted"]
+    assert summary["unread_tokens"] == 0.4  # 60 read of 100 generated
+    restarted = [steady[0], dict(zip(names, (3.0, 30.0), strict=True))]
+    summary = summarize([_record(40), _record(20)], 1.0, before, restarted, [])
+    assert summary["served_per_replica"] == [4, 3] and summary["restarted"]
+    assert summary["unread_tokens"] is None
