@@ -3,6 +3,7 @@
     .venv/bin/python bench/crosscheck.py                       # every workload (19) x 5 contenders, ~92 min
     .venv/bin/python bench/crosscheck.py --workloads chat-moderate --only envoy:latency
     .venv/bin/python bench/crosscheck.py --metrics minimal     # engines publish gauges only
+    .venv/bin/python bench/crosscheck.py --metrics none        # engines publish nothing
     .venv/bin/python bench/crosscheck.py --cache-info          # engines say their KV size
     .venv/bin/python bench/crosscheck.py --replicas 8          # 8 replicas, rates x 2
 
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scale", type=float, default=None, help="arrival rates x this (default replicas / 4)"
     )
-    parser.add_argument("--metrics", choices=("full", "minimal"), default="full")
+    parser.add_argument("--metrics", choices=("full", "minimal", "none"), default="full")
     parser.add_argument("--cache-info", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--out", default="crosscheck")
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                         for n in group:
                             summary = asyncio.run(
                                 run_one(base, fleet.urls, workloads[n], args.timeout,
-                                        _picker(contender, fleet.urls))
+                                        _picker(contender, fleet.urls), "/xsim/metrics")
                             )  # fmt: skip
                             summary.pop("load_samples", None)
                             results[n][contender.name] = summary

@@ -307,19 +307,26 @@ def parse_metrics(text: bytes) -> dict[str, float]:
     return out
 
 
-async def scrape_all(http: aiohttp.ClientSession, upstreams: list[str]) -> list[dict[str, float]]:
+async def scrape_all(
+    http: aiohttp.ClientSession, upstreams: list[str], path: str = "/metrics"
+) -> list[dict[str, float]]:
+    """Every replica's metrics; `path` where the bench reads them (the xsim engine serves
+    them at `/xsim/metrics` whatever it publishes to routers)."""
+
     async def one(url: str) -> dict[str, float]:
-        async with http.get(url + "/metrics") as response:
+        async with http.get(url + path) as response:
             return parse_metrics(await response.read())
 
     return list(await asyncio.gather(*(one(u) for u in upstreams)))
 
 
-async def reset_all(http: aiohttp.ClientSession, upstreams: list[str]) -> None:
+async def reset_all(
+    http: aiohttp.ClientSession, upstreams: list[str], path: str = "/metrics"
+) -> None:
     """Wait until every replica is idle, then clear faults and prefix caches."""
     deadline = time.monotonic() + 60
     while True:
-        snapshot = await scrape_all(http, upstreams)
+        snapshot = await scrape_all(http, upstreams, path)
         busy = sum(
             m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0)
             for m in snapshot
@@ -334,29 +341,41 @@ async def reset_all(http: aiohttp.ClientSession, upstreams: list[str]) -> None:
 
 @dataclass
 class LoadSampler:
-    """Polls running + waiting per replica every `interval` s while a run goes on."""
+    """Polls running + waiting per replica every `interval` s while a run goes on; a replica
+    that does not answer counts as idle (it is down), one whose counters went down since
+    its last sample restarted (`restarted`)."""
 
     upstreams: list[str]
+    path: str = "/metrics"
     interval: float = 0.25
     samples: list[tuple[float, list[int]]] = field(default_factory=list)
+    restarted: bool = False
+    _last: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    async def _scrape(self, http: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            return (await scrape_all(http, [url], self.path))[0]
+        return None
 
     async def run(self, http: aiohttp.ClientSession, stop: asyncio.Event) -> None:
         t0 = time.perf_counter()
         while not stop.is_set():
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                snapshot = await scrape_all(http, self.upstreams)
-                self.samples.append(
-                    (
-                        round(time.perf_counter() - t0, 3),
-                        [
-                            int(
-                                m.get("vllm:num_requests_running", 0)
-                                + m.get("vllm:num_requests_waiting", 0)
-                            )
-                            for m in snapshot
-                        ],
+            snapshot = await asyncio.gather(*(self._scrape(http, u) for u in self.upstreams))
+            busy = []
+            for i, m in enumerate(snapshot):
+                if m is None:
+                    busy.append(0)
+                    continue
+                last = self._last.get(i, {})
+                self.restarted |= any(m.get(k, 0.0) < last.get(k, 0.0) for k in _COUNTERS)
+                self._last[i] = m
+                busy.append(
+                    int(
+                        m.get("vllm:num_requests_running", 0)
+                        + m.get("vllm:num_requests_waiting", 0)
                     )
                 )
+            self.samples.append((round(time.perf_counter() - t0, 3), busy))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval)
 
@@ -383,7 +402,10 @@ def summarize(
     before: list[dict[str, float]],
     after: list[dict[str, float]],
     samples: list[tuple[float, list[int]]],
+    restarted: bool = False,
 ) -> dict[str, Any]:
+    """`restarted`: some replica restarted during the run (the sampler saw its counters go
+    down); also seen here when its counters end below where they started."""
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     e2es = [r.e2e_s for r in ok if r.e2e_s is not None]
@@ -396,7 +418,7 @@ def summarize(
             for a, b in zip(after, before, strict=True)
         ]
 
-    restarted = any(
+    restarted = restarted or any(
         a.get(key, 0.0) < b.get(key, 0.0)
         for a, b in zip(after, before, strict=True)
         for key in _COUNTERS
@@ -447,12 +469,13 @@ async def run_one(
     workload: Workload,
     timeout_s: float,
     pick_url: UrlPicker | None = None,
+    metrics_path: str = "/metrics",
 ) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
-        await reset_all(http, upstreams)
-        before = await scrape_all(http, upstreams)
-        sampler = LoadSampler(upstreams)
+        await reset_all(http, upstreams, metrics_path)
+        before = await scrape_all(http, upstreams, metrics_path)
+        sampler = LoadSampler(upstreams, metrics_path)
         stop = asyncio.Event()
         sampling = asyncio.create_task(sampler.run(http, stop))
         try:
@@ -467,8 +490,8 @@ async def run_one(
             stop.set()
             await sampling
         await asyncio.sleep(0.3)  # let the last counters settle (responses end before steps)
-        after = await scrape_all(http, upstreams)
-    summary = summarize(records, wall, before, after, sampler.samples)
+        after = await scrape_all(http, upstreams, metrics_path)
+    summary = summarize(records, wall, before, after, sampler.samples, sampler.restarted)
     decisions = [r.decision for r in records if r.decision]
     if decisions:
         summary["decision_examples"] = decisions[:3]

@@ -26,7 +26,9 @@ be an artefact of either:
   together) at the end of the step that finishes the prefill, one chunk per token.
 - **Metrics**: vLLM v1 names; histograms for TTFT, e2e, queue and prefill time and
   inter-token latency, no per-request computed-token or inference-time histograms;
-  `--metrics minimal` publishes only running, waiting and KV usage.
+  `--metrics minimal` publishes only running, waiting and KV usage, `--metrics none`
+  nothing (`/metrics` answers 404, as engines and simulators without Prometheus do). The
+  bench reads the full set at `/xsim/metrics` whatever `--metrics` says.
 
     python -m bench.xsim.engine --replicas 4 --base-port 18600 --kv-blocks 1500
 
@@ -351,7 +353,8 @@ class Engine:
 
     # -- metrics -----------------------------------------------------------------------------
 
-    def metrics(self, model: str) -> str:
+    def metrics(self, model: str, full: bool = False) -> str:
+        """What the engine publishes (`--metrics`); everything with `full` (the bench's)."""
         labels = f'engine="0",model_name="{model}"'
         used = len(self.cache) - len(self.evictable) + self.private_blocks
         lines = [
@@ -359,7 +362,7 @@ class Engine:
             f"vllm:num_requests_waiting{{{labels}}} {len(self.waiting)}",
             f"vllm:kv_cache_usage_perc{{{labels}}} {used / self.p.kv_blocks}",
         ]
-        if self.p.metrics == "minimal":
+        if self.p.metrics == "minimal" and not full:
             return "\n".join(lines) + "\n"
         c = self.counters
         lines += [
@@ -462,7 +465,12 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
         return web.Response(text="ok")
 
     async def metrics(_: web.Request) -> web.Response:
+        if engine.p.metrics == "none":
+            return web.Response(status=404, text="no metrics here\n")
         return web.Response(text=engine.metrics(model), content_type="text/plain")
+
+    async def bench_metrics(_: web.Request) -> web.Response:
+        return web.Response(text=engine.metrics(model, full=True), content_type="text/plain")
 
     async def reset(_: web.Request) -> web.Response:
         if engine.running or engine.waiting:
@@ -477,6 +485,7 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/xsim/metrics", bench_metrics)
     app.router.add_post("/admin/reset", reset)
     return app
 
@@ -580,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=EngineParams.kv_blocks)
     parser.add_argument("--max-seqs", type=int, default=EngineParams.max_seqs)
     parser.add_argument("--max-batched-tokens", type=int, default=EngineParams.max_batched_tokens)
-    parser.add_argument("--metrics", choices=("full", "minimal"), default="full")
+    parser.add_argument("--metrics", choices=("full", "minimal", "none"), default="full")
     parser.add_argument("--cache-info", action="store_true")
     parser.add_argument(
         "--degrade",

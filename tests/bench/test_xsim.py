@@ -19,6 +19,7 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.loadclient import send_one
+from bench.routing import LoadSampler
 from bench.workloads import Conversation, Turn
 from bench.xsim.engine import (
     Engine,
@@ -366,3 +367,40 @@ async def test_an_outage_cuts_refuses_then_restarts_empty() -> None:
     with pytest.raises(ValueError, match="--outage"):
         parse_outage("1:5:inf")
     assert parse_outage(SPECS["chat-crash"].outage or "") == (1, 10.0, 25.0)
+
+
+@pytest.mark.parametrize("published", ["full", "minimal", "none"])
+async def test_routers_see_what_the_engine_publishes_the_bench_sees_all(published: str) -> None:
+    """`--metrics`: `/metrics` is what a router scrapes (everything, gauges only, or a 404);
+    `/xsim/metrics` gives the bench every counter whatever the engine publishes."""
+    async for url, _ in _serve(EngineParams(kv_blocks=64, metrics=published)):
+        async with aiohttp.ClientSession() as http:
+            await _stream(http, url, "some words to count", 3)
+            async with http.get(url + "/metrics") as response:
+                status, text = response.status, await response.text()
+            async with http.get(url + "/xsim/metrics") as response:
+                full = await response.text()
+        assert status == (404 if published == "none" else 200)
+        assert ("vllm:num_requests_running{" in text) == (published != "none")
+        assert ("vllm:generation_tokens_total{" in text) == (published == "full")
+        assert _metric(full, "vllm:generation_tokens_total") == 3
+
+
+async def test_the_load_sampler_sees_a_restart_and_a_dead_replica(
+    replica: tuple[str, Engine],
+) -> None:
+    """bench/routing.py's sampler: a replica whose counters go down restarted (its counts
+    are then from zero, not a delta); one that does not answer is idle, not a lost sample."""
+    url, engine = replica
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens
+    sampler = LoadSampler([url, dead], "/xsim/metrics", interval=0.01)
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as http:
+        await _stream(http, url, "count these words please", 4)
+        task = asyncio.create_task(sampler.run(http, stop))
+        await eventually(lambda: len(sampler.samples) >= 2)
+        assert not sampler.restarted and all(s[1][1] == 0 for s in sampler.samples)
+        engine.crash()
+        await eventually(lambda: sampler.restarted)
+        stop.set()
+        await task
