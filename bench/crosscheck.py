@@ -1,6 +1,6 @@
 """Routers on an engine and workloads that llmgw was not tuned on (`bench/xsim/`).
 
-    .venv/bin/python bench/crosscheck.py                       # every workload (19) x 5 contenders, ~92 min
+    .venv/bin/python bench/crosscheck.py                       # every workload (20) x 5 contenders, ~97 min
     .venv/bin/python bench/crosscheck.py --workloads chat-moderate --only envoy:latency
     .venv/bin/python bench/crosscheck.py --metrics minimal     # engines publish gauges only
     .venv/bin/python bench/crosscheck.py --metrics none        # engines publish nothing

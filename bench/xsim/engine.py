@@ -29,6 +29,10 @@ be an artefact of either:
   `--metrics minimal` publishes only running, waiting and KV usage, `--metrics none`
   nothing (`/metrics` answers 404, as engines and simulators without Prometheus do). The
   bench reads the full set at `/xsim/metrics` whatever `--metrics` says.
+- **Clients and faults**: a streaming request whose client disconnects is aborted (its
+  slot and blocks freed, `finished_reason="abort"` counted), as vLLM does. `--degrade`
+  makes a replica's steps slower for a while; `--outage` kills a replica for a while (port
+  refused, streams cut) and restarts it empty, counters from zero.
 
     python -m bench.xsim.engine --replicas 4 --base-port 18600 --kv-blocks 1500
 
@@ -557,6 +561,8 @@ async def serve(
     urls: list[str] = []
     slow = parse_degrade(degrade) if degrade else {}
     dead = parse_outage(outage) if outage else None
+    if dead is not None and dead[0] >= replicas:
+        raise ValueError(f"--outage names replica {dead[0]} of {replicas} (they count from 0)")
     for i in range(replicas):
         own = params
         if i in slow:
