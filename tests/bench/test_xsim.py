@@ -36,19 +36,27 @@ from bench.xsim.workloads import SPECS, build
 from llmgw.testing.wait import eventually
 
 
-async def _serve(params: EngineParams) -> AsyncIterator[tuple[str, Engine]]:
+@contextlib.asynccontextmanager
+async def _replica(
+    params: EngineParams,
+) -> AsyncIterator[tuple[Engine, web.AppRunner, web.TCPSite, int]]:
+    """One engine serving on a free port: (engine, runner, site, port)."""
     engine = Engine("r0", params)
     loop_task = asyncio.create_task(engine.run())
     runner = web.AppRunner(make_app(engine, "m1", 0), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
     try:
-        yield f"http://127.0.0.1:{port}", engine
+        yield engine, runner, site, runner.addresses[0][1]
     finally:
         loop_task.cancel()
         await runner.cleanup()
+
+
+async def _serve(params: EngineParams) -> AsyncIterator[tuple[str, Engine]]:
+    async with _replica(params) as (engine, _, _, port):
+        yield f"http://127.0.0.1:{port}", engine
 
 
 @pytest.fixture
@@ -318,52 +326,44 @@ def test_stop_chat_stops_two_in_five_turns_early() -> None:
 async def test_an_outage_cuts_refuses_then_restarts_empty() -> None:
     """`--outage`: at FROM the replica's streams are cut and its port refuses connections;
     at UNTIL it serves again with an empty cache and its counters from zero (a restarted
-    vLLM's /metrics), while the other replicas' clocks are untouched."""
-    engine = Engine("r1", EngineParams(kv_blocks=64))
-    loop_task = asyncio.create_task(engine.run())
-    runner = web.AppRunner(make_app(engine, "m1", 1), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    outage = asyncio.create_task(_outage(runner, site, engine, port, 0.0, 3.0))
-    prompt = " ".join(f"word{i}" for i in range(120))  # several blocks: can hit the cache
-    body = {"model": "m1", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 700, "stream": True}  # fmt: skip
-    try:
-        async with aiohttp.ClientSession() as http:
-            short = {**body, "max_tokens": 2, "stream": False}
-            for _ in range(2):
-                async with http.post(url, json=short) as response:
-                    assert response.status == 200
-            assert engine.counters["success"] == 2 and engine.counters["hits"] > 0
-            with pytest.raises(aiohttp.ClientPayloadError):
-                async with http.post(url, json=body) as response:
-                    await response.content.readline()  # streaming: the first chunk is here
-                    engine.armed_at = time.monotonic()  # what /admin/reset does
-                    await response.read()
-            assert not engine.running and engine.counters == dict.fromkeys(engine.counters, 0)
-            with pytest.raises(aiohttp.ClientConnectorError):
-                await http.post(url, json=short)
-            statuses: list[int] = []
-
-            async def served() -> bool:
-                with contextlib.suppress(aiohttp.ClientConnectorError):
+    vLLM's /metrics)."""
+    async with _replica(EngineParams(kv_blocks=64)) as (engine, runner, site, port):
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        outage = asyncio.create_task(_outage(runner, site, engine, port, 0.0, 3.0))
+        prompt = " ".join(f"word{i}" for i in range(120))  # several blocks: can hit the cache
+        body = {"model": "m1", "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 700, "stream": True}  # fmt: skip
+        try:
+            async with aiohttp.ClientSession() as http:
+                short = {**body, "max_tokens": 2, "stream": False}
+                for _ in range(2):
                     async with http.post(url, json=short) as response:
-                        statuses.append(response.status)
-                return bool(statuses)
+                        assert response.status == 200
+                assert engine.counters["success"] == 2 and engine.counters["hits"] > 0
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    async with http.post(url, json=body) as response:
+                        await response.content.readline()  # streaming: the first chunk is here
+                        engine.armed_at = time.monotonic()  # what /admin/reset does
+                        await response.read()
+                assert not engine.running and engine.counters == dict.fromkeys(engine.counters, 0)
+                with pytest.raises(aiohttp.ClientConnectorError):
+                    await http.post(url, json=short)
+                statuses: list[int] = []
 
-            deadline = time.monotonic() + 10
-            while not await served():
-                assert time.monotonic() < deadline, "the replica never came back"
-                await asyncio.sleep(0.05)  # polling a port, with a deadline
-            assert statuses == [200] and engine.counters["success"] == 1
-            assert engine.counters["hits"] == 0  # empty cache: the same prompt missed
-    finally:
-        outage.cancel()
-        loop_task.cancel()
-        await runner.cleanup()
+                async def served() -> bool:
+                    with contextlib.suppress(aiohttp.ClientConnectorError):
+                        async with http.post(url, json=short) as response:
+                            statuses.append(response.status)
+                    return bool(statuses)
+
+                deadline = time.monotonic() + 10
+                while not await served():
+                    assert time.monotonic() < deadline, "the replica never came back"
+                    await asyncio.sleep(0.05)  # polling a port, with a deadline
+                assert statuses == [200] and engine.counters["success"] == 1
+                assert engine.counters["hits"] == 0  # empty cache: the same prompt missed
+        finally:
+            outage.cancel()
     with pytest.raises(ValueError, match="--outage"):
         parse_outage("1:5:inf")
     assert parse_outage(SPECS["chat-crash"].outage or "") == (1, 10.0, 25.0)
