@@ -194,6 +194,11 @@ VARIANTS: dict[str, Variant] = {
     "mixed-speed": Variant("2 of the 4 replicas 2x slower", {}, slow_replicas=2),
     "mixed-1.5x": Variant("2 of the 4 replicas 1.5x slower", {}, slow_replicas=2, slow_factor=1.5),
     "one-slow-3x": Variant("1 of the 4 replicas 3x slower", {}, slow_replicas=1, slow_factor=3.0),
+    # Session 32: only an engine's own numbers say it is slow; with none published a router
+    # has its own observations or nothing (bench/results/crosscheck_none.txt, chat-mixed-gpu).
+    "no-metrics-mixed": Variant(
+        "no metrics, 2 of the 4 replicas 2x slower", {}, metrics=frozenset(), slow_replicas=2
+    ),
     "no-kv-size": Variant(
         "every metric but the KV size (cache_config_info)", {}, metrics=ALL_BUT_KV_SIZE
     ),
