@@ -307,6 +307,16 @@ def parse_metrics(text: bytes) -> dict[str, float]:
     return out
 
 
+def _in_engine(m: dict[str, float]) -> float:
+    """Requests running or waiting on one replica's scrape."""
+    return m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0)
+
+
+def _went_down(now: dict[str, float], then: dict[str, float]) -> bool:
+    """A counter is below its earlier value: the replica restarted in between."""
+    return any(now.get(k, 0.0) < then.get(k, 0.0) for k in _COUNTERS)
+
+
 async def scrape_all(
     http: aiohttp.ClientSession, upstreams: list[str], path: str = "/metrics"
 ) -> list[dict[str, float]]:
@@ -327,10 +337,7 @@ async def reset_all(
     deadline = time.monotonic() + 60
     while True:
         snapshot = await scrape_all(http, upstreams, path)
-        busy = sum(
-            m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0)
-            for m in snapshot
-        )
+        busy = sum(_in_engine(m) for m in snapshot)
         if busy == 0 or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)  # draining stragglers of the previous run
@@ -366,15 +373,9 @@ class LoadSampler:
                 if m is None:
                     busy.append(0)
                     continue
-                last = self._last.get(i, {})
-                self.restarted |= any(m.get(k, 0.0) < last.get(k, 0.0) for k in _COUNTERS)
+                self.restarted |= _went_down(m, self._last.get(i, {}))
                 self._last[i] = m
-                busy.append(
-                    int(
-                        m.get("vllm:num_requests_running", 0)
-                        + m.get("vllm:num_requests_waiting", 0)
-                    )
-                )
+                busy.append(int(_in_engine(m)))
             self.samples.append((round(time.perf_counter() - t0, 3), busy))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.interval)
@@ -418,11 +419,7 @@ def summarize(
             for a, b in zip(after, before, strict=True)
         ]
 
-    restarted = restarted or any(
-        a.get(key, 0.0) < b.get(key, 0.0)
-        for a, b in zip(after, before, strict=True)
-        for key in _COUNTERS
-    )
+    restarted = restarted or any(_went_down(a, b) for a, b in zip(after, before, strict=True))
 
     queries, hits = sum(delta(_COUNTERS[0])), sum(delta(_COUNTERS[1]))
     served = [int(v) for v in delta(_COUNTERS[2])]

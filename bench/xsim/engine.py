@@ -135,11 +135,14 @@ class Request:
     last_token: float = 0.0
     # The client went away (`Engine.abort`): dropped at the next step, like vLLM's abort.
     aborted: bool = False
-    finished: bool = False
 
     @property
     def to_compute(self) -> int:
         return self.prompt - self.cached
+
+    @property
+    def finished(self) -> bool:
+        return self.generated >= self.max_tokens
 
 
 @dataclass(frozen=True)
@@ -333,9 +336,8 @@ class Engine:
             for r in decoding:
                 if not r.aborted:
                     self._emit(r, now)
-            finished = [r for r in self.running if r.generated >= r.max_tokens and not r.aborted]
+            finished = [r for r in self.running if r.finished and not r.aborted]
             for r in finished:
-                r.finished = True
                 self.running.remove(r)
                 self._release(r)
                 self.counters["success"] += 1
