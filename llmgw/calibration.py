@@ -3,7 +3,8 @@ per computed prompt token, seconds per engine step (time between tokens) for a b
 one, and prompt tokens computed per request.
 
 Pure: counters arrive through `on_scrape`, the router's own first tokens through
-`observed.add` (a fit for engines that publish no per-token cost). Each estimate from the
+`saw_first_token` (a fit for engines that publish no per-token cost, and each endpoint's
+speed against the others' where the engines publish none). Each estimate from the
 engines is a ratio of decayed sums (sum of seconds / sum of tokens over recent scrapes),
 so a scrape window that saw one short request does not swing it. The scorer uses one set
 of costs per model (`pooled`): replicas of one model share hardware and per-token costs,
@@ -22,6 +23,13 @@ from llmgw.types import EngineMetrics
 _DECAY = 0.9  # per scrape that carried new data: ~10 scrapes of memory
 _MIN_TOKENS = 16.0  # a window with fewer computed tokens says little about per-token cost
 _MIN_SAMPLES = 20.0  # first tokens seen before the router's own fit is trusted
+# An endpoint's own first tokens before they say how fast it runs against the others
+# (`observed_slowdowns`), and how many times slower than the fastest it must read. Equal
+# replicas read at most 1.5x apart, replicas 2x slower 1.9-2.7x (`bench/fleetsim_robust.py`,
+# no-metrics variants, seeds 1-2): the band sits between; 10 samples flagged no equal replica
+# and found the slow ones early enough to matter in a 40-second run.
+_OBSERVED_MIN = 10.0
+_OBSERVED_BAND = 1.7
 # The decode step's floor follows a slower window up by this share of the gap a scrape (~100
 # windows of memory), and a faster one down at once.
 _FLOOR_RISE = 0.01
@@ -93,6 +101,15 @@ class DecayedSlope:
         self.xx = self.xx * d + x * x
         self.xy = self.xy * d + x * y
 
+    def through_origin(self, min_samples: float) -> float | None:
+        """y per x with no intercept (None: fewer samples or no positive one). Seconds per
+        token with the step and the edge's overhead folded in: a biased cost, but a steady
+        one (p5-p95 within 5 % over a run where the slope's spanned 1.4-3.5x on equal
+        replicas), so one endpoint's compares with another's."""
+        if self.n < min_samples or self.xx <= 0 or self.xy <= 0:
+            return None
+        return self.xy / self.xx
+
 
 def _slope(fits: Iterable[DecayedSlope]) -> float | None:
     """One slope over all the samples (None: too few, or no positive slope)."""
@@ -138,6 +155,7 @@ class Calibration:
         "service",
         "step",
         "tokens",
+        "unqueued",
     )
 
     def __init__(self) -> None:
@@ -162,6 +180,12 @@ class Calibration:
         # of and in the request (its own estimate, in its own tokens), where the edge sees
         # first tokens. Its slope is seconds per token for engines that publish none.
         self.observed = DecayedSlope()
+        # The same for the requests sent with no prefill pending ahead of them here: their
+        # first token took their own prefill and a step, whatever the load. A request that
+        # queued for a batch slot waited for decodes to finish, which its tokens ahead do not
+        # count, so on a replica holding hot sessions `observed` alone read 2.1-2.4x its
+        # equal neighbours' (`bench/fleetsim_robust.py`, no-metrics, hot-zipf).
+        self.unqueued = DecayedSlope()
         # Seconds per computed prompt token net of the engine step each prefill shares
         # (`floor` at the window's batch): what a token adds, where `prefill` is what a token
         # costs on average. A prefill of a few uncached tokens still waits out a whole step,
@@ -192,6 +216,13 @@ class Calibration:
         self.hits = DecayedRatio(_HITS_DECAY)
         self.predicted_hits = DecayedRatio(_HITS_DECAY)
         self.sent: deque[list[float]] = deque(maxlen=_SENT_MAX)
+
+    def saw_first_token(self, ahead: float, tokens: float, seconds: float) -> None:
+        """A request sent with `ahead` prefill tokens pending here (this router's count) and
+        `tokens` of its own produced its first token `seconds` after it was sent."""
+        self.observed.add(ahead + tokens, seconds)
+        if ahead <= 0:
+            self.unqueued.add(tokens, seconds)
 
     @property
     def pairs_picks(self) -> bool:
@@ -401,7 +432,10 @@ def slowdowns(cals: Iterable[tuple[str, Calibration]]) -> dict[str, float]:
     every step carries a prefill chunk (floors read 1.3-6x apart), and a busier replica's
     prefills share more steps (1.2-1.9x); the lesser stayed within 1.45x on equal replicas
     and read 1.7-2.3x on replicas 2x slower (`bench/fleetsim_robust.py`, prefill-heavy).
-    Endpoints without both signals are left out; empty while fewer than two have them."""
+    Endpoints without both signals are left out. While fewer than two have them (engines
+    that publish no step or prefill seconds), this router's own first tokens, if it sees
+    them (`observed_slowdowns`)."""
+    cals = list(cals)
     floors: dict[str, float] = {}
     prefills: dict[str, float] = {}
     for eid, cal in cals:
@@ -410,12 +444,38 @@ def slowdowns(cals: Iterable[tuple[str, Calibration]]) -> dict[str, float]:
             floors[eid] = floor
             prefills[eid] = prefill
     if len(floors) < 2:
-        return {}
+        return observed_slowdowns(cals)
     fastest_floor = min(floors.values())
     fastest_prefill = min(prefills.values())
     return {
         eid: min(floor / fastest_floor, prefills[eid] / fastest_prefill)
         for eid, floor in floors.items()
+    }
+
+
+def observed_slowdowns(cals: Iterable[tuple[str, Calibration]]) -> dict[str, float]:
+    """How many times slower each endpoint runs than the fastest by this router's own first
+    tokens: seconds per token through the origin over all its requests and over those sent
+    with nothing queued ahead (`Calibration.unqueued`), each over the fastest endpoint's, the
+    lesser of the two. The first carries load the tokens ahead do not count (a replica full of
+    hot sessions read 2x its equal neighbours); the second is few samples on a busy replica;
+    both read 1.9-2.7x on replicas 2x slower. Endpoints past `_OBSERVED_BAND` get their
+    multiple, the others 1.0 (a read this indirect is no finer); endpoints without
+    `_OBSERVED_MIN` samples of both are left out, and nothing comes back while fewer than two
+    have them. Without engine metrics this took a fleet whose two slow replicas served 23-31 %
+    of the requests to 10-12 % (`bench/crosscheck.py --metrics none`, chat-mixed-gpu)."""
+    reads: dict[str, float] = {}
+    for eid, cal in cals:
+        every = cal.observed.through_origin(_OBSERVED_MIN)
+        alone = cal.unqueued.through_origin(_OBSERVED_MIN)
+        if every is not None and alone is not None:
+            reads[eid] = min(every, alone)
+    if len(reads) < 2:
+        return {}
+    fastest = min(reads.values())
+    return {
+        eid: read / fastest if read >= fastest * _OBSERVED_BAND else 1.0
+        for eid, read in reads.items()
     }
 
 
@@ -442,7 +502,8 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     each engine (a request's prefill time covers the whole step it shared with other
     prefills and decodes; the time between tokens includes steps stalled by prefills), so
     the lowest endpoint's is the tightest; where no endpoint publishes one, this router's
-    own fit over all of them. The means are pooled ratios (busier endpoints, more data,
+    own fit over all of them but those its first tokens show slower (`observed_slowdowns`).
+    The means are pooled ratios (busier endpoints, more data,
     weigh more). The engines' token counts convert into this router's tokens
     (`token_ratio`). `observed` is this router's own fit wherever it has one (the
     scorer prices requests without a session at it when it is below the engines')."""
@@ -453,6 +514,12 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     if per_token is not None:
         per_token *= ratio
     else:  # no engine publishes it: what this router saw (its own tokens), if it sees tokens
+        slow = observed_slowdowns((str(i), c) for i, c in enumerate(cals))
+        if any(v > 1.0 for v in slow.values()):
+            # Those are priced at their multiple of the fastest's cost: fit the others alone.
+            observed = _slope(
+                c.observed for i, c in enumerate(cals) if slow.get(str(i), 1.0) == 1.0
+            )
         per_token = observed
     step = min((v for c in cals if (v := c.step.value) is not None), default=None)
     tokens = _pooled(c.tokens for c in cals)

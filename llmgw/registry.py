@@ -315,7 +315,7 @@ class Registry:
         prefill_tokens: float = 0.0,
         *,
         observed: bool = True,
-        waited: tuple[float, float] | None = None,
+        waited: tuple[float, float, float] | None = None,
         prefill: PendingPrefill | None = None,
         sent_at: float | None = None,
     ) -> None:
@@ -328,8 +328,8 @@ class Registry:
             return
         if observed:
             state.reports_first_token = True
-            if waited is not None:  # (prefill tokens ahead + its own, seconds to this token)
-                state.calibration.observed.add(*waited)
+            if waited is not None:  # (prefill tokens ahead, its own, seconds to this token)
+                state.calibration.saw_first_token(*waited)
             if sent_at is not None and state.blind:
                 # Sent before this one, admitted before it: their prefills are over too.
                 blind = state.blind

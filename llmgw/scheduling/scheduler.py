@@ -153,7 +153,7 @@ class Lease:
             tokens = self.prefill_tokens or 0.0
             waited = None
             if observed and self.started is not None:
-                waited = (self.ahead + tokens, self.first_at - self.started)
+                waited = (self.ahead, tokens, self.first_at - self.started)
             self.registry.first_token(
                 self.model,
                 self.endpoint_id,

@@ -662,10 +662,12 @@ def test_engines_without_a_per_token_cost_get_the_one_this_router_sees() -> None
     a = sched.registry.get("m", "a:1")
     assert a is not None
     sizes = [400 * (1 + k % 5) for k in range(24)]  # 100-500 tokens, all uncached
+    own: list[float] = []  # tokens of the first of each pair, sent with nothing ahead
     for k, chars in enumerate(sizes):
         first = sched.acquire(sched.pick(request("q" * chars, rid=f"a{k}")))
         behind = sched.acquire(sched.pick(request("r" * chars, rid=f"b{k}")))
-        assert behind.ahead == first.prefill_tokens
+        assert behind.ahead == first.prefill_tokens and first.ahead == 0
+        own.append(first.prefill_tokens)
         for lease in (first, behind):
             assert lease.prefill_tokens is not None and lease.started == NOW
             clock.now = NOW + 0.03 + 50e-6 * (lease.ahead + lease.prefill_tokens)
@@ -675,6 +677,13 @@ def test_engines_without_a_per_token_cost_get_the_one_this_router_sees() -> None
         if k == 8:
             assert pooled([a.calibration]).per_token is None  # 18 samples: not yet
     assert pooled([a.calibration]).per_token == pytest.approx(50e-6)
+    # The first of each pair went with nothing ahead: 24 samples of its own tokens alone.
+    unqueued, weights = a.calibration.unqueued, [0.98**k for k in range(23, -1, -1)]
+    assert unqueued.n == pytest.approx(sum(weights))
+    xy = sum(w * t * (0.03 + 50e-6 * t) for w, t in zip(weights, own, strict=True))
+    assert unqueued.through_origin(10) == pytest.approx(
+        xy / sum(w * t * t for w, t in zip(weights, own, strict=True))
+    )
     seen = a.calibration.observed.n
     unseen = sched.acquire(sched.pick(request("s" * 800, rid="c")))
     unseen.end(Outcome.SUCCESS)  # no first token seen: nothing learnt

@@ -132,3 +132,61 @@ def test_a_full_fast_replica_loses_to_a_slow_one_with_room_once_its_batch_is_kno
     queue = scorer.terms()["queue_s"]
     assert queue[0] == pytest.approx(3.6 / 8) and queue[1] == 0.0
     assert scores[1] > scores[0]
+
+
+# -- engines that publish no speed: this router's own first tokens -------------------------
+def first_tokens(
+    address: str, per_token: float, samples: int = 12, queued_extra: float = 0.0
+) -> EndpointState:
+    """An endpoint that publishes nothing, whose first tokens took a step (250 tokens' worth:
+    5 ms at 20 us) + `per_token` a token with nothing ahead of them, and the 1,000 tokens
+    ahead plus `queued_extra` s (batch slots waited for) more when sent behind those."""
+    s = state(address)
+    for k in range(samples):
+        tokens = 200.0 + 100.0 * k
+        s.calibration.saw_first_token(0.0, tokens, per_token * (250.0 + tokens))
+        s.calibration.saw_first_token(1000.0, tokens, per_token * (1250.0 + tokens) + queued_extra)
+    return s
+
+
+def test_without_engine_speeds_first_tokens_show_a_slower_endpoint() -> None:
+    states = [
+        first_tokens("a:1", 20e-6),
+        first_tokens("b:1", 22e-6),
+        first_tokens("c:1", 40e-6),  # 2x slower hardware
+        first_tokens("d:1", 33e-6),  # 1.6x: too near to tell from load
+    ]
+    found = slower_endpoints(states, 1.5)
+    assert set(found) == {"c:1"} and found["c:1"] == pytest.approx(2.0, rel=0.05)
+    # The engines' own signals win where at least two endpoints publish them.
+    for s, step in zip(states[:2], (0.02, 0.02), strict=True):
+        s.calibration.floor = step
+        s.calibration.prefill_long.add(1.0, 10_000.0)
+    assert slower_endpoints(states, 1.5) == {}
+
+
+def test_a_busy_endpoint_is_not_read_as_slower_nor_one_seen_too_little() -> None:
+    """b's requests sent behind others waited 0.3 s more for batch slots (hot sessions held
+    them); its requests sent with nothing ahead ran as fast as a's: equal. c is 2x slower
+    but has shown 8 first tokens of each kind, too few to say."""
+    states = [
+        first_tokens("a:1", 20e-6),
+        first_tokens("b:1", 20e-6, queued_extra=0.3),
+        first_tokens("c:1", 40e-6, samples=4),
+    ]
+    assert slower_endpoints(states, 1.5) == {}
+    late = first_tokens("c:1", 40e-6, samples=12)
+    assert slower_endpoints([*states[:2], late], 1.5) == {"c:1": pytest.approx(2.0, rel=0.05)}
+
+
+def test_a_slower_endpoints_first_tokens_stay_out_of_the_cost_it_is_priced_a_multiple_of() -> None:
+    """No engine publishes a prefill cost: a token costs what the fast endpoints' first tokens
+    show (20 us), and the slow one is priced at its multiple of that (not of a fit that
+    half-counts its own)."""
+    states = [first_tokens("a:1", 20e-6), first_tokens("b:1", 20e-6), first_tokens("c:1", 40e-6)]
+    scorer = LatencyScorer(speed_band=1.5)
+    _scores(scorer, states, request())
+    assert scorer.costs_in_use.per_token == pytest.approx(20e-6, rel=0.01)
+    prefill = scorer.terms()["prefill_s"]
+    assert prefill[0] == pytest.approx(1000 * 20e-6, rel=0.01)
+    assert prefill[2] == pytest.approx(2 * prefill[0], rel=0.05)
