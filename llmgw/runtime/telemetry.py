@@ -23,8 +23,9 @@ Series (prefix `llmgw_`):
   state), `metrics_age_seconds{model,endpoint}`, `prefix_hits_confirmed{model,endpoint}`
   (the engine's share of prompt tokens found cached over the one the latency scorer's
   index predicted there), `endpoint_slowdown{model,endpoint}` (how many times slower the
-  engine runs than the model's fastest, `llmgw.calibration.slowdowns`; the latency scorer
-  prices it so from its `speed_band`, 1.5), `scrape_errors_total{endpoint}`: read
+  engine runs than the model's fastest, `llmgw.calibration.slowdowns`, or by this router's
+  own first tokens where engines publish no speed; the latency scorer prices it so from
+  its `speed_band`, 1.5), `scrape_errors_total{endpoint}`: read
   from the Registry (and the Scraper, if bound) when /metrics is scraped, so the hot
   path pays nothing for them.
 - `discovery_stale_seconds{model}`: seconds a Kubernetes-discovered model has been routed
@@ -163,7 +164,8 @@ class _RegistryCollector(Collector):
         slowdown = GaugeMetricFamily(
             f"{p}_endpoint_slowdown",
             "How many times slower the endpoint's engine runs than the model's fastest (its "
-            "step and its prefill seconds per token, the lesser)",
+            "step and its prefill seconds per token, the lesser; where engines publish "
+            "neither, this router's first tokens from there, 1 below 1.7x)",
             labels=["model", "endpoint"],
         )
         now = self.registry.clock()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmgw.registry import Registry
 from llmgw.runtime.telemetry import Telemetry, decision_reason
 from llmgw.types import Decision, Endpoint, Rationale, ScorerColumn
@@ -111,4 +113,22 @@ def test_endpoint_slowdown_once_two_endpoints_show_their_speed() -> None:
     assert sample("llmgw_endpoint_slowdown", {"model": "m1", "endpoint": "b:1"}) is None
     b.calibration.prefill_long.add(2.0, 10_000.0)  # 2x the prefill, 2.5x the step: 2x
     assert sample("llmgw_endpoint_slowdown", {"model": "m1", "endpoint": "b:1"}) == 2.0
+    assert sample("llmgw_endpoint_slowdown", {"model": "m1", "endpoint": "a:1"}) == 1.0
+
+
+def test_endpoint_slowdown_from_first_tokens_where_engines_publish_no_speed() -> None:
+    registry = Registry()
+    registry.set_endpoints("m1", [Endpoint("a:1", "m1"), Endpoint("b:1", "m1")])
+    telemetry = Telemetry()
+    telemetry.bind(registry)
+    sample = telemetry.registry.get_sample_value
+    for eid, per_token in (("a:1", 20e-6), ("b:1", 50e-6)):
+        for k in range(12):  # (tokens ahead, its own, seconds): a step + its own prefill
+            tokens = 100.0 * (k + 1)
+            registry.first_token(
+                "m1", eid, 0.0, tokens, waited=(0.0, tokens, per_token * (250 + tokens))
+            )
+    assert sample("llmgw_endpoint_slowdown", {"model": "m1", "endpoint": "b:1"}) == (
+        pytest.approx(2.5)
+    )
     assert sample("llmgw_endpoint_slowdown", {"model": "m1", "endpoint": "a:1"}) == 1.0
