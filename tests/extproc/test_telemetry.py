@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from llmgw.registry import Registry
@@ -85,12 +87,17 @@ def test_kv_index_series_per_endpoint_only_when_events_are_fed() -> None:
     assert 'llmgw_kv_event_lag_seconds{endpoint="a:1"}' in page
 
 
-def test_prefix_hits_confirmed_per_endpoint_once_the_engine_counted_hits() -> None:
+def two_endpoints() -> tuple[Registry, Callable[[str, dict[str, str]], float | None]]:
+    """A registry of model m1 on a:1 and b:1, and a reader of the bound telemetry's samples."""
     registry = Registry()
     registry.set_endpoints("m1", [Endpoint("a:1", "m1"), Endpoint("b:1", "m1")])
     telemetry = Telemetry()
     telemetry.bind(registry)
-    sample = telemetry.registry.get_sample_value
+    return registry, telemetry.registry.get_sample_value
+
+
+def test_prefix_hits_confirmed_per_endpoint_once_the_engine_counted_hits() -> None:
+    registry, sample = two_endpoints()
     assert sample("llmgw_prefix_hits_confirmed", {"model": "m1", "endpoint": "a:1"}) is None
     state = registry.get("m1", "a:1")
     assert state is not None
@@ -101,11 +108,7 @@ def test_prefix_hits_confirmed_per_endpoint_once_the_engine_counted_hits() -> No
 
 
 def test_endpoint_slowdown_once_two_endpoints_show_their_speed() -> None:
-    registry = Registry()
-    registry.set_endpoints("m1", [Endpoint("a:1", "m1"), Endpoint("b:1", "m1")])
-    telemetry = Telemetry()
-    telemetry.bind(registry)
-    sample = telemetry.registry.get_sample_value
+    registry, sample = two_endpoints()
     a, b = registry.get("m1", "a:1"), registry.get("m1", "b:1")
     assert a is not None and b is not None
     a.calibration.floor, b.calibration.floor = 0.02, 0.05
@@ -117,11 +120,7 @@ def test_endpoint_slowdown_once_two_endpoints_show_their_speed() -> None:
 
 
 def test_endpoint_slowdown_from_first_tokens_where_engines_publish_no_speed() -> None:
-    registry = Registry()
-    registry.set_endpoints("m1", [Endpoint("a:1", "m1"), Endpoint("b:1", "m1")])
-    telemetry = Telemetry()
-    telemetry.bind(registry)
-    sample = telemetry.registry.get_sample_value
+    registry, sample = two_endpoints()
     for eid, per_token in (("a:1", 20e-6), ("b:1", 50e-6)):
         for k in range(12):  # (tokens ahead, its own, seconds): a step + its own prefill
             tokens = 100.0 * (k + 1)
