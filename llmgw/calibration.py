@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from llmgw.types import EngineMetrics
+
+_K = TypeVar("_K")  # an endpoint's key: its id, or its position in a list
 
 _DECAY = 0.9  # per scrape that carried new data: ~10 scrapes of memory
 _MIN_TOKENS = 16.0  # a window with fewer computed tokens says little about per-token cost
@@ -453,7 +455,7 @@ def slowdowns(cals: Iterable[tuple[str, Calibration]]) -> dict[str, float]:
     }
 
 
-def observed_slowdowns(cals: Iterable[tuple[str, Calibration]]) -> dict[str, float]:
+def observed_slowdowns(cals: Iterable[tuple[_K, Calibration]]) -> dict[_K, float]:
     """How many times slower each endpoint runs than the fastest by this router's own first
     tokens: seconds per token through the origin over all its requests and over those sent
     with nothing queued ahead (`Calibration.unqueued`), each over the fastest endpoint's, the
@@ -462,9 +464,9 @@ def observed_slowdowns(cals: Iterable[tuple[str, Calibration]]) -> dict[str, flo
     both read 1.9-2.7x on replicas 2x slower. Endpoints past `_OBSERVED_BAND` get their
     multiple, the others 1.0 (a read this indirect is no finer); endpoints without
     `_OBSERVED_MIN` samples of both are left out, and nothing comes back while fewer than two
-    have them. Without engine metrics this took a fleet whose two slow replicas served 23-31 %
-    of the requests to 10-12 % (`bench/crosscheck.py --metrics none`, chat-mixed-gpu)."""
-    reads: dict[str, float] = {}
+    have them. Without engine metrics this took a fleet whose two slow replicas served 38-42 %
+    of the requests to 12-15 % (`bench/crosscheck.py --metrics none`, chat-mixed-gpu)."""
+    reads: dict[_K, float] = {}
     for eid, cal in cals:
         every = cal.observed.through_origin(_OBSERVED_MIN)
         alone = cal.unqueued.through_origin(_OBSERVED_MIN)
@@ -503,9 +505,8 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     prefills and decodes; the time between tokens includes steps stalled by prefills), so
     the lowest endpoint's is the tightest; where no endpoint publishes one, this router's
     own fit over all of them but those its first tokens show slower (`observed_slowdowns`).
-    The means are pooled ratios (busier endpoints, more data,
-    weigh more). The engines' token counts convert into this router's tokens
-    (`token_ratio`). `observed` is this router's own fit wherever it has one (the
+    The means are pooled ratios (busier endpoints, more data, weigh more). The engines' token
+    counts convert into this router's tokens (`token_ratio`). `observed` is this router's own fit wherever it has one (the
     scorer prices requests without a session at it when it is below the engines')."""
     cals = list(cals)
     ratio = token_ratio(cals)
@@ -514,12 +515,10 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     if per_token is not None:
         per_token *= ratio
     else:  # no engine publishes it: what this router saw (its own tokens), if it sees tokens
-        slow = observed_slowdowns((str(i), c) for i, c in enumerate(cals))
+        slow = observed_slowdowns(enumerate(cals))
         if any(v > 1.0 for v in slow.values()):
             # Those are priced at their multiple of the fastest's cost: fit the others alone.
-            observed = _slope(
-                c.observed for i, c in enumerate(cals) if slow.get(str(i), 1.0) == 1.0
-            )
+            observed = _slope(c.observed for i, c in enumerate(cals) if slow.get(i, 1.0) == 1.0)
         per_token = observed
     step = min((v for c in cals if (v := c.step.value) is not None), default=None)
     tokens = _pooled(c.tokens for c in cals)

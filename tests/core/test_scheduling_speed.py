@@ -159,8 +159,8 @@ def test_without_engine_speeds_first_tokens_show_a_slower_endpoint() -> None:
     found = slower_endpoints(states, 1.5)
     assert set(found) == {"c:1"} and found["c:1"] == pytest.approx(2.0, rel=0.05)
     # The engines' own signals win where at least two endpoints publish them.
-    for s, step in zip(states[:2], (0.02, 0.02), strict=True):
-        s.calibration.floor = step
+    for s in states[:2]:
+        s.calibration.floor = 0.02
         s.calibration.prefill_long.add(1.0, 10_000.0)
     assert slower_endpoints(states, 1.5) == {}
 
