@@ -68,6 +68,16 @@ means to share (a system prompt, a user's context, earlier turns) is a common pr
 - `decode-long`: no session, no shared text, short prompts (100-400 tokens) and long
   answers (`max_tokens` 150-400) at about half the fleet's decode capacity: batch slots and
   decode load decide, not caching.
+- `mixed-tenants` (session 34): three applications on one fleet at once, as a shared
+  gateway sees them: `chat-moderate`'s conversations at half its rate, `rag-shared`'s
+  sessionless retrieval at 4 a second over 24 documents of its own, and tool-calling agents
+  with a session header at 0.3 a second. No single regime decides: a router has to keep
+  sessions home, keep documents where they are cached, and place the growing agent
+  contexts, all against the same queues.
+- `chat-surge` (session 34): `chat-moderate`'s conversations, but the rate of new ones
+  climbs linearly from 0.5x to 2.5x `chat-moderate`'s over the window (a traffic surge, a
+  launch): load the router was calibrated at early on is not the load at the end, and the
+  last third runs busier than `chat-busy`.
 """
 
 from __future__ import annotations
@@ -161,6 +171,8 @@ SPECS = {
     "shared-mixed-gpu": Spec(
         "shared-mixed-gpu", "small", 35, "shared prompts; replicas 2, 3 2x slower", _OLD_GPUS
     ),
+    "mixed-tenants": Spec("mixed-tenants", "roomy", 45, "chat + retrieval + agents at once"),
+    "chat-surge": Spec("chat-surge", "roomy", 45, "chat; new conversations 0.5x -> 2.5x"),
 }
 
 # KV blocks (16 tokens) a replica on each fleet.
@@ -189,6 +201,19 @@ def _bursty_starts(
     return sorted(out)
 
 
+def _ramp_starts(
+    rng: random.Random, rate_from: float, rate_to: float, window: float
+) -> list[float]:
+    """Poisson arrivals whose rate moves linearly from `rate_from` to `rate_to` over the
+    window (thinning: candidates at the higher rate, each kept with the ratio then)."""
+    top = max(rate_from, rate_to)
+    return [
+        t
+        for t in _poisson_starts(rng, top, window)
+        if rng.random() * top < rate_from + (rate_to - rate_from) * t / window
+    ]
+
+
 def _think(rng: random.Random) -> float:
     # Lognormal, median 0.8 s, mean ~1.0 s.
     return rng.lognormvariate(math.log(0.8), 0.65)
@@ -204,13 +229,17 @@ def _chat(
     bursty: bool = False,
     answers: tuple[int, int] = (16, 48),
     stops: float = 0.0,
+    surge_to: float | None = None,
 ) -> Workload:
     rng = random.Random(f"xsim-{name}-{seed}")
     streams = random.Random(f"xsim-{name}-{seed}-stream")
     stopper = random.Random(f"xsim-{name}-{seed}-stop")  # drawn from only when stops > 0
     system = Words(random.Random(f"xsim-system-{seed}")).text(300)
     convs = []
-    starts = (_bursty_starts if bursty else _poisson_starts)(rng, rate, window)
+    if surge_to is not None:  # `rate` at the start, `surge_to` at the end
+        starts = _ramp_starts(rng, rate, surge_to, window)
+    else:
+        starts = (_bursty_starts if bursty else _poisson_starts)(rng, rate, window)
     for i, start in enumerate(starts):
         words = Words(random.Random(f"xsim-{name}-{seed}-{i}"))
         stream = streams.random() >= unstreamed
@@ -229,7 +258,7 @@ def _chat(
         )
         session = f"chat-{seed}-{i}" if sessions else None
         convs.append(Conversation(i, session, start, system, turns))
-    return _workload(name, seed, convs, rate)
+    return _workload(name, seed, convs, rate if surge_to is None else (rate + surge_to) / 2)
 
 
 def _hot(seed: int, rate: float, window: float) -> Workload:
@@ -318,7 +347,7 @@ def _chat_docs(seed: int, rate: float, doc_rate: float, window: float) -> Worklo
     return _workload("chat-docs", seed, convs, rate + doc_rate)
 
 
-def _rag(seed: int, rate: float, window: float) -> Workload:
+def _rag(seed: int, rate: float, window: float, documents: int = 40) -> Workload:
     """Retrieval-augmented questions without a session header: an app's prompt, then one
     of 40 documents (Zipf popularity; each belongs to one of 4 apps), then a question of
     its own. Prefixes are shared at two depths: the app's prompt by a quarter of the
@@ -330,7 +359,7 @@ def _rag(seed: int, rate: float, window: float) -> Workload:
     ]
     docs = [
         Words(random.Random(f"xsim-rag-doc-{seed}-{d}")).text(rng.randint(1000, 2500))
-        for d in range(40)
+        for d in range(documents)
     ]
     weights = [1 / (k + 1) ** 1.1 for k in range(len(docs))]
     convs = []
@@ -341,6 +370,22 @@ def _rag(seed: int, rate: float, window: float) -> Workload:
         system = apps[d % len(apps)] + "\n\n" + docs[d]
         convs.append(Conversation(i, None, start, system, (turn,)))
     return _workload("rag-shared", seed, convs, rate)
+
+
+def _mixed_tenants(seed: int, scale: float, window: float) -> Workload:
+    """Chat, retrieval and agents from three applications through one gateway. Each part
+    is generated as its own workload would be; conversations keep their session ids (the
+    chat's and the agents' differ), retrieval sends none."""
+    parts = (
+        _chat("mixed-tenants", seed, 0.8 * scale, window),
+        _rag(seed, 4.0 * scale, window, documents=24),
+        _agents("mixed-tenants", seed, 0.3 * scale, window, sessions=True),
+    )
+    convs = sorted((c for part in parts for c in part.conversations), key=lambda c: c.start_s)
+    convs = [
+        Conversation(i, c.session_id, c.start_s, c.system, c.turns) for i, c in enumerate(convs)
+    ]
+    return _workload("mixed-tenants", seed, convs, sum(p.arrival_rate for p in parts))
 
 
 def _workload(name: str, seed: int, convs: list[Conversation], rate: float) -> Workload:
@@ -355,6 +400,10 @@ def build(name: str, seed: int = 1, scale: float = 1.0) -> Workload:
     spec = SPECS[name]
     if name == "chat-moderate":
         return _chat(name, seed, 1.6 * scale, spec.window_s)
+    if name == "chat-surge":
+        return _chat(name, seed, 0.8 * scale, spec.window_s, surge_to=4.0 * scale)
+    if name == "mixed-tenants":
+        return _mixed_tenants(seed, scale, spec.window_s)
     if name == "chat-busy":
         return _chat(name, seed, 2.9 * scale, spec.window_s)
     if name == "chat-unstreamed":

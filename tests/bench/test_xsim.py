@@ -240,6 +240,46 @@ def test_chat_docs_mixes_unstreamed_long_documents_into_the_chat() -> None:
     assert starts == sorted(starts)
 
 
+def test_mixed_tenants_carries_chat_retrieval_and_agents_at_once() -> None:
+    """`mixed-tenants`: chat sessions, sessionless retrieval over shared documents and agent
+    sessions interleave in one arrival order, each application's traffic in every third of
+    the window, with distinct session ids."""
+    workload = build("mixed-tenants", 1)
+    convs = workload.conversations
+    assert [c.index for c in convs] == list(range(len(convs)))
+    assert [c.start_s for c in convs] == sorted(c.start_s for c in convs)
+    kinds = {
+        "chat": [c for c in convs if (c.session_id or "").startswith("chat-")],
+        "agent": [c for c in convs if (c.session_id or "").startswith("agent-")],
+        "rag": [c for c in convs if c.session_id is None],
+    }
+    assert len(kinds["rag"]) > len(kinds["chat"]) > len(kinds["agent"]) >= 5
+    assert len(kinds["chat"]) + len(kinds["agent"]) + len(kinds["rag"]) == len(convs)
+    window = SPECS["mixed-tenants"].window_s
+    for part in kinds.values():
+        assert {int(3 * c.start_s // window) for c in part} == {0, 1, 2}
+    assert all(len(c.turns) == 1 for c in kinds["rag"])
+    assert len({c.system for c in kinds["rag"]}) < len(kinds["rag"]) / 3  # documents repeat
+    ids = [c.session_id for c in convs if c.session_id is not None]
+    assert len(ids) == len(set(ids))
+
+
+def test_chat_surge_climbs_from_half_to_two_and_a_half_times_the_moderate_rate() -> None:
+    """`chat-surge`: new conversations arrive ever faster; over three seeds the last fifth
+    of the window brings about 3x the first fifth's, and about as many as the
+    moderate rate would over the window in all (the mean of 0.5x and 2.5x is 1.5x)."""
+    window = SPECS["chat-surge"].window_s
+    first = last = total = moderate = 0
+    for seed in (1, 2, 3):
+        starts = [c.start_s for c in build("chat-surge", seed).conversations]
+        first += sum(t < window / 5 for t in starts)
+        last += sum(t >= 4 * window / 5 for t in starts)
+        total += len(starts)
+        moderate += len(build("chat-moderate", seed).conversations)
+    assert last > 2.2 * first  # 3.3x expected (rates 1.1 and 3.7 a second there)
+    assert 1.2 < total / moderate < 1.8
+
+
 def test_a_degraded_replica_is_slow_only_inside_its_window() -> None:
     params = EngineParams(slow_factor=3.0, slow_from=10.0, slow_until=30.0)
     engine = Engine("r1", params)
