@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--anonymous", type=int, default=128)
     args = parser.parse_args()
     load = ["--sessions", str(args.sessions), "--turns", str(args.turns)]
-    load += ["--anonymous", str(args.anonymous)]
+    load += ["--anonymous", str(args.anonymous), "--context-tokens", "0"]  # as first measured
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for edge in ("envoy", "proxy"):

@@ -48,8 +48,35 @@ def _chat_turn(client: Any, session: str | None, history: list[dict[str, str]]) 
     )
 
 
-def _conversation(client: Any, session: str, turns: int) -> list[Turn]:
+# Each user opens with their own trip notes (`--context-tokens`, ~400 by default), as real
+# chats carry context: the history is then worth keeping where it is cached, so a turn moves
+# only when its first token is predicted sooner elsewhere, the history's prefill included.
+_PLACES = ("Alfama", "Belem", "Sintra", "Cascais", "Baixa", "Chiado", "LX Factory", "Oceanario")
+
+
+def _trip_notes(session: str, tokens: int) -> str:
+    """About `tokens` tokens (4 characters each) of `session`'s own notes; "" for 0."""
+    lines: list[str] = []
+    size = 0
+    while size < 4 * tokens:
+        d = len(lines)
+        lines.append(
+            f"Day {d + 1}: morning in {_PLACES[(d + len(session)) % len(_PLACES)]}, lunch near "
+            f"{_PLACES[(d * 3 + 1) % len(_PLACES)]}, an evening walk, a budget of {40 + 7 * d} "
+            f"euros, a note for {session} about trams, tickets and opening hours."
+        )
+        size += len(lines[-1]) + 1
+    return f"My trip notes ({session}):\n" + "\n".join(lines) if lines else ""
+
+
+def _conversation(client: Any, session: str, turns: int, context_tokens: int) -> list[Turn]:
     history = [{"role": "system", "content": "You are a concise travel assistant."}]
+    notes = _trip_notes(session, context_tokens)
+    if notes:
+        history += [
+            {"role": "user", "content": notes},
+            {"role": "assistant", "content": "Noted. Ask me anything about the trip."},
+        ]
     out = []
     for i in range(turns):
         history.append({"role": "user", "content": f"{session}: question {i + 1} about Lisbon?"})
@@ -87,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--anonymous", type=int, default=12, help="requests without a session")
+    parser.add_argument(
+        "--context-tokens",
+        type=int,
+        default=400,
+        help="each conversation opens with about this many tokens of its own notes (0: none)",
+    )
     parser.add_argument("--strategy", default="latency", help="strategy preset (default latency)")
     parser.add_argument(
         "--trace", help="write the decision trace here (JSONL; `llmgw replay` reads it)"
@@ -98,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         help="route through Envoy + the ext_proc server (default) or the embedded proxy",
     )
     args = parser.parse_args(argv or [])
+    if args.context_tokens < 0:
+        parser.error("--context-tokens must be >= 0")
 
     try:
         import openai  # noqa: PLC0415
@@ -142,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="demo", max_retries=0)
         sessions = [f"user-{i + 1}" for i in range(args.sessions)]
         with ThreadPoolExecutor(max_workers=max(1, args.sessions)) as pool:
-            conversations = list(pool.map(lambda s: _conversation(client, s, args.turns), sessions))
+            conversations = list(
+                pool.map(
+                    lambda s: _conversation(client, s, args.turns, args.context_tokens), sessions
+                )
+            )
             anonymous = list(
                 pool.map(
                     lambda i: _chat_turn(
@@ -200,6 +239,8 @@ def _report(
         "",
         f"session stickiness     {100.0 * sticky / max(1, session_turns):5.1f} %"
         f"  ({sticky}/{session_turns} turns on their session's first replica)",
+        "  (a turn moves only when its first token is predicted sooner elsewhere, its"
+        " history's prefill there included)",
         f"no-session spread      {len({t.replica for t in anonymous})} replicas"
         f" for {len(anonymous)} requests",
         f"TTFT p50 / p90         {_pct(ttft, 50):6.1f} / {_pct(ttft, 90):6.1f} ms",
