@@ -1,7 +1,7 @@
 """What `/healthz` and `/readyz` mean, on both edges.
 
 - `/healthz`: the process is alive and answers (always 200 `{"status": "ok"}`).
-- `/readyz`: 200 when started, not draining (SIGTERM), and every model can take a request
+- `/readyz`: 200 when started, not draining (SIGTERM), and at least one model can take a request
   somewhere (an available endpoint, or it starts on demand); else 503. The body lists
   per model its mode, endpoints and available endpoints.
 """
