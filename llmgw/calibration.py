@@ -506,8 +506,9 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     the lowest endpoint's is the tightest; where no endpoint publishes one, this router's
     own fit over all of them but those its first tokens show slower (`observed_slowdowns`).
     The means are pooled ratios (busier endpoints, more data, weigh more). The engines' token
-    counts convert into this router's tokens (`token_ratio`). `observed` is this router's own fit wherever it has one (the
-    scorer prices requests without a session at it when it is below the engines')."""
+    counts convert into this router's tokens (`token_ratio`). `observed` is this router's
+    own fit wherever it has one (the scorer prices requests without a session at it when it
+    is below the engines')."""
     cals = list(cals)
     ratio = token_ratio(cals)
     per_token = min((v for c in cals if (v := c.prefill.value) is not None), default=None)

@@ -14,6 +14,9 @@ from llmgw.cli import demo, replay
 pytestmark = pytest.mark.e2e
 
 ENGINE = "replicas=4,decode_ms=4"  # the demo fleet's engines
+# A 96-request demo of short histories (no opening notes): the workload the bands below
+# and bench/replay_loop.py were measured on.
+SHORT_DEMO = ["--sessions", "16", "--turns", "4", "--anonymous", "32", "--context-tokens", "0"]
 
 
 def replayed(
@@ -55,9 +58,8 @@ def test_replaying_a_recorded_run_with_its_strategy_reproduces_per_replica_count
     # the engine model's); the replay mirrors that noise from what the trace recorded at
     # each pick, so the recorded strategy makes the recorded picks again.
     trace = tmp_path / f"{edge}-{strategy}.jsonl"
-    argv = ["--sessions", "16", "--turns", "4", "--anonymous", "32", "--strategy", strategy]
-    argv += ["--context-tokens", "0"]  # the workload bench/replay_loop.py measured it on
-    assert demo.main([*argv, "--edge", edge, "--trace", str(trace)]) == 0
+    argv = [*SHORT_DEMO, "--strategy", strategy, "--edge", edge, "--trace", str(trace)]
+    assert demo.main(argv) == 0
     rows = replayed(trace, strategy, capsys, engine="replicas=4")
     recorded, replay_ = rows["recorded"]["per_replica"], rows[strategy]["per_replica"]
     assert isinstance(recorded, dict) and isinstance(replay_, dict)
@@ -76,11 +78,9 @@ def test_without_mirroring_a_latency_replay_still_predicts_the_recorded_ttft(
     # host's to say: 24 runs here read 0.64-1.72x (the recorded p50 alone 7.6-22 ms), and a
     # 0.5-2x band failed about one CI run in ten. The fitted speeds themselves are checked
     # in tests/cli/test_replay.py (`fit_engine`).
-    # The band was measured on conversations without opening notes (`--context-tokens 0`):
-    # with the demo's ~400-token notes the starved host read 1.1-2.7x over 10 runs.
+    # With the demo's default ~400-token notes the starved host read 1.1-2.7x over 10 runs.
     trace = tmp_path / "latency.jsonl"
-    argv = ["--sessions", "16", "--turns", "4", "--anonymous", "32", "--strategy", "latency"]
-    assert demo.main([*argv, "--context-tokens", "0", "--trace", str(trace)]) == 0
+    assert demo.main([*SHORT_DEMO, "--strategy", "latency", "--trace", str(trace)]) == 0
     capsys.readouterr()
     assert replay.main([str(trace), "--strategies", "latency", "--no-mirror", "--json"]) == 0
     rows = {row["strategy"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
