@@ -87,11 +87,13 @@ class Forwarder:
             error = RouteNotFound(f"no route for {scope['method']} {scope['path']}")
             await send_error(send, error)
             return
+        limits = dispatch.config.limits
         try:
-            body = await read_body(receive, dispatch.config.limits.max_body_bytes)
+            body = await read_body(receive, limits.max_body_bytes, limits.client_body_timeout)
         except Disconnected:
             return
-        except LlmgwError as error:
+        except LlmgwError as error:  # 413 or 408: the endpoint was never asked
+            dispatch.finish(Outcome.CANCELLED)
             await send_error(send, error)
             return
         query: bytes = scope.get("query_string", b"")

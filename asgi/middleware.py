@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from llmgw.asgi.types import ASGIApp, Message, Receive, Scope, Send
 from llmgw.config import Config
-from llmgw.errors import LlmgwError
+from llmgw.errors import LlmgwError, RequestTimeout
 from llmgw.lifecycle import (
     DECISION_HEADER,
     DESTINATION_HEADER,
@@ -44,7 +44,7 @@ from llmgw.lifecycle import (
     Hooks,
     Lifecycle,
 )
-from llmgw.request import BODY_PATHS, check_body_size, needs_body
+from llmgw.request import BODY_PATHS, check_body_size, needs_body, wrong_method
 from llmgw.runtime.driver import activate
 from llmgw.runtime.router import Router, router_for
 from llmgw.runtime.trace import close_trace, traced
@@ -75,21 +75,31 @@ class Disconnected(Exception):
     """The client went away while the request body was being read."""
 
 
-async def read_body(receive: Receive, max_bytes: int) -> bytes:
-    """The whole request body; raises BodyTooLarge past `max_bytes`, Disconnected."""
+async def read_body(receive: Receive, max_bytes: int, timeout: float) -> bytes:
+    """The whole request body; raises BodyTooLarge past `max_bytes`, RequestTimeout after
+    `timeout` s without a byte, Disconnected."""
     parts: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise Disconnected
-        chunk: bytes = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            check_body_size(size, max_bytes, complete=not message.get("more_body", False))
-            parts.append(chunk)
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout) as deadline:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise Disconnected
+                chunk: bytes = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    check_body_size(size, max_bytes, complete=not message.get("more_body", False))
+                    parts.append(chunk)
+                if not message.get("more_body", False):
+                    return parts[0] if len(parts) == 1 else b"".join(parts)
+                deadline.reschedule(loop.time() + timeout)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body stopped arriving: nothing for {timeout:g} s after {size} bytes "
+            "(limits.client_body_timeout); send the whole body"
+        ) from None
 
 
 def split_headers(
@@ -197,13 +207,16 @@ class SchedulerMiddleware:
         raw_headers, headers = split_headers(scope)
         path: str = scope["path"]
         body: bytes | None = None
-        max_body = lifecycle.config.limits.max_body_bytes
+        limits = lifecycle.config.limits
         try:
+            refused = wrong_method(scope["method"], path)
+            if refused is not None:
+                raise refused
             length = headers.get("content-length")
             if length is not None and length.isdigit():
-                check_body_size(int(length), max_body, complete=True)
+                check_body_size(int(length), limits.max_body_bytes, complete=True)
             if needs_body(lifecycle.config, headers, path):
-                body = await read_body(receive, max_body)
+                body = await read_body(receive, limits.max_body_bytes, limits.client_body_timeout)
         except Disconnected:
             return
         except LlmgwError as error:

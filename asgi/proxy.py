@@ -16,10 +16,12 @@ from typing import Any
 import orjson
 
 from llmgw.asgi.app import build_app
+from llmgw.asgi.protocol import WORKER_PROTOCOL, guarded
 from llmgw.asgi.serving import WORKER_ARGS, draining_server, event_loop_and_parser
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
 from llmgw.logs import configure
+from llmgw.request import CLIENT_MAX_HEADERS_KB
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.trace import shared_trace_problem
 
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         "proxy_headers": False,  # a routing proxy forwards X-Forwarded-* untouched
         "timeout_graceful_shutdown": args.drain_timeout,
     }
+    if http == "httptools":  # with the head limits uvicorn lacks (llmgw.asgi.protocol)
+        options["http"] = WORKER_PROTOCOL if args.workers > 1 else guarded(config.limits)
+    else:  # h11 bounds the head's size itself, not its time
+        options["h11_max_incomplete_event_size"] = CLIENT_MAX_HEADERS_KB * 1024
     if args.workers > 1:
         os.environ[WORKER_ARGS] = orjson.dumps(
             {

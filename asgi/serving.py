@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from llmgw.asgi.app import ProxyApp, build_app
+from llmgw.asgi.protocol import WorkerProtocol
 from llmgw.config import load_file
 from llmgw.logs import configure
 
@@ -63,8 +64,10 @@ def worker_app() -> ProxyApp:
     """The app of one worker process of `--workers N` (uvicorn imports it by name)."""
     args = orjson.loads(os.environ[WORKER_ARGS])
     configure(args["log_level"], args["log_format"])
+    config = load_file(args["config"])
+    WorkerProtocol.use(config.limits)
     return build_app(
-        load_file(args["config"]),
+        config,
         scrape=args["scrape"],
         config_path=args["config"],
         reload_interval=args["reload_interval"],

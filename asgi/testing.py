@@ -44,9 +44,13 @@ def refused_address() -> str:
 
 @contextlib.asynccontextmanager
 async def serve(
-    app: ASGIApp, *, lifespan: Literal["auto", "on", "off"] = "on"
+    app: ASGIApp,
+    *,
+    lifespan: Literal["auto", "on", "off"] = "on",
+    http: str | type[asyncio.Protocol] = "httptools",
 ) -> AsyncIterator[str]:
     """Serve `app` with uvicorn on 127.0.0.1:<ephemeral> in this loop; yields the base URL.
+    `http`: the protocol (`llmgw.asgi.protocol.guarded(limits)` is the proxy's own).
 
     The socket is bound and listening before uvicorn starts, so a client may connect at
     once: the connection waits in the backlog until the server accepts it (no polling).
@@ -59,7 +63,7 @@ async def serve(
     config = uvicorn.Config(
         app,
         loop="none",
-        http="httptools",
+        http=http,
         lifespan=lifespan,
         log_level="warning",
         access_log=False,

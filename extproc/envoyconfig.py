@@ -219,6 +219,7 @@ def build(
         # Room for the largest body llmgw accepts (it answers 413 beyond it).
         buffer_limit=max_body + (64 << 10),
         max_body=max_body,
+        header_timeout=config.limits.client_header_timeout,
     )
     return {
         "admin": {"address": _socket(admin_host, admin_port)},
@@ -361,6 +362,7 @@ def _listener(
     *,
     buffer_limit: int,
     max_body: int,
+    header_timeout: float,
 ) -> dict[str, Any]:
     """The HTTP listener: client copies of the destination header stripped first, ext_proc,
     then the router; responses say which host answered (for the outcome after retries)."""
@@ -384,6 +386,7 @@ def _listener(
         "early_header_mutation_extensions": [strip_destination],
         "max_request_headers_kb": envoylimits.CODEC_MAX_HEADERS_KB,
         "common_http_protocol_options": {"max_headers_count": envoylimits.CODEC_MAX_HEADERS},
+        "request_headers_timeout": f"{header_timeout:g}s",
         "local_reply_config": envoylimits.local_reply_config(max_body),
         "route_config": {
             "name": "llm",

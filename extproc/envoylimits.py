@@ -12,24 +12,26 @@
 - The body limit before ext_proc: the buffer filter answers 413 as soon as the body passes
   `limits.max_body_bytes` (with Content-Length: at once), instead of a 500 from a gRPC
   message over the size limit or a stall until the request timeout.
-- Envoy's own 413 and 431 in OpenAI's error shape (a JSON body, not Envoy's text).
+- A request head that does not arrive whole within `limits.client_header_timeout` gets 408
+  (Envoy's `request_headers_timeout`; the proxy applies the same limit).
+- Envoy's own 408, 413 and 431 in OpenAI's error shape (a JSON body, not Envoy's text).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from llmgw.request import CLIENT_MAX_HEADERS, CLIENT_MAX_HEADERS_KB, HEADERS_TOO_LARGE
+
 _T = "type.googleapis.com/"
 
 # Requests (and pending requests) one endpoint may have in Envoy at once: above any
 # engine's batch (vLLM's max_num_seqs defaults to 256).
 PER_ENDPOINT_REQUESTS = 1024
-# Header limits a client gets a 431 past (checked by a Lua filter: Envoy's HTTP/1 codec
-# closes the connection without a response past its own limits, and ext_proc answers 500
-# when its mutation pushes the map over them), and the codec's own, far above: room for the
-# headers Envoy (x-request-id, x-forwarded-proto...) and ext_proc add.
-CLIENT_MAX_HEADERS = 90
-CLIENT_MAX_HEADERS_KB = 60
+# The client header limits (CLIENT_MAX_HEADERS*) are checked by a Lua filter: Envoy's
+# HTTP/1 codec closes the connection without a response past its own limits, and ext_proc
+# answers 500 when its mutation pushes the map over them. The codec's own, far above: room
+# for the headers Envoy (x-request-id, x-forwarded-proto...) and ext_proc add.
 CODEC_MAX_HEADERS = 2000
 CODEC_MAX_HEADERS_KB = 256
 # gRPC messages between Envoy and ext_proc carry at most the body plus headers.
@@ -140,7 +142,7 @@ def _openai_error(status: int, message: str, code: str, kind: str) -> dict[str, 
 
 
 def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
-    """Envoy's own 413 and 431 as OpenAI-shaped JSON errors. Only these two: ext_proc's
+    """Envoy's own 408, 413 and 431 as OpenAI-shaped JSON errors. Only these: ext_proc's
     immediate responses are local replies too, and llmgw's other statuses carry their own
     JSON bodies (a mapper would rewrite them); llmgw's own 413 says the same thing."""
     return {
@@ -152,9 +154,15 @@ def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
                 "invalid_request_error",
             ),
             _openai_error(
+                408,  # request_headers_timeout, or a body that stalls past the stream idle timeout
+                "the request did not arrive whole in time (its head within "
+                "limits.client_header_timeout)",
+                "request_timeout",
+                "invalid_request_error",
+            ),
+            _openai_error(
                 431,
-                f"too many or too large request headers (at most {CLIENT_MAX_HEADERS} headers, "
-                f"{CLIENT_MAX_HEADERS_KB} KB)",
+                HEADERS_TOO_LARGE,
                 "headers_too_large",
                 "invalid_request_error",
             ),

@@ -70,7 +70,7 @@ from llmgw.lifecycle import (
     Lifecycle,
     debug_summary,
 )
-from llmgw.request import check_body_size, needs_body
+from llmgw.request import check_body_size, needs_body, wrong_method
 from llmgw.types import Decision, Endpoint, Outcome
 
 # GIE's conformance suite (behind `conformance_headers`): the EPP picks among the IPs in
@@ -420,6 +420,9 @@ class Exchange:
                 if local is not None:
                     self._replied = True
                     return local_response(*local)
+        refused = wrong_method(self._headers.get(":method"), self._path)
+        if refused is not None:
+            return self.answer(self.lifecycle.refuse(refused))
         if not needs_body(self.lifecycle.config, self._headers, self._path):
             return self._route(None)
         if headers.end_of_stream:

@@ -39,8 +39,7 @@ def model_entry(
 ) -> bytes:
     """The `/v1/models/{model}` body; raises ModelNotFound (404) for an unknown model."""
     if model not in config.models:
-        known = ", ".join(sorted(config.models))
-        raise ModelNotFound(f"model {model!r} does not exist (configured models: {known})")
+        raise ModelNotFound.unknown(model, list(config.models))
     return orjson.dumps(_entry(model, config, status or {}))
 
 

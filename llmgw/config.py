@@ -252,6 +252,11 @@ class LimitsSpec(_Strict):
     upstream_connect_timeout: float = Field(default=5.0, gt=0)
     upstream_read_timeout: float = Field(default=600.0, gt=0)  # longest silence mid-response
     upstream_idle_timeout: float = Field(default=30.0, gt=0)  # idle keep-alive kept this long
+    # A client's request: its head must arrive whole within client_header_timeout s of the
+    # connection (or, on a kept-alive one, of its first byte); its body may pause at most
+    # client_body_timeout s between two reads (nginx's two timeouts). Then 408 and close.
+    client_header_timeout: float = Field(default=60.0, gt=0)
+    client_body_timeout: float = Field(default=60.0, gt=0)
 
 
 class AdminSpec(_Strict):

@@ -46,6 +46,41 @@ class ModelNotFound(LlmgwError):
     code = "model_not_found"
     type = "invalid_request_error"
 
+    @classmethod
+    def unknown(cls, model: str, known: list[str]) -> ModelNotFound:
+        """The 404 for a name no model has; a long name is cut (the client sent it)."""
+        shown = (
+            repr(model)
+            if len(model) <= _SHOWN_NAME
+            else (f"{model[:_SHOWN_NAME]!r}... ({len(model)} characters)")
+        )
+        listed = ", ".join(sorted(known)) or "none"
+        return cls(f"model {shown} does not exist (configured models: {listed})")
+
+
+_SHOWN_NAME = 128  # characters of an unknown model name echoed in the 404
+
+
+class RequestTimeout(LlmgwError):
+    """The client stopped sending its request (head or body) for too long."""
+
+    status = 408
+    code = "request_timeout"
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        # The rest of the request may still come: this connection cannot carry another.
+        super().__init__(message, headers={"connection": "close"})
+
+
+class HeadersTooLarge(LlmgwError):
+    status = 431
+    code = "headers_too_large"
+    type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"connection": "close"})
+
 
 class NoCapacity(LlmgwError):
     """Every endpoint is saturated (queue or KV ceiling), or the request was shed."""

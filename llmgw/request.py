@@ -15,13 +15,32 @@ from typing import Any
 import orjson
 
 from llmgw.config import Config
-from llmgw.errors import BadRequest, BodyTooLarge
+from llmgw.errors import BadRequest, BodyTooLarge, MethodNotAllowed
 from llmgw.scheduling.plugins import SCORERS
 from llmgw.scheduling.strategies import resolve
 from llmgw.types import CHARS_PER_TOKEN, RequestInfo
 
 # Paths whose JSON body names the model (OpenAI-compatible APIs).
 BODY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+# Request header limits past which a client gets 431 (both edges: the proxy checks them as
+# it parses, the generated Envoy config with a Lua filter before ext_proc).
+CLIENT_MAX_HEADERS = 90
+CLIENT_MAX_HEADERS_KB = 60
+HEADERS_TOO_LARGE = (
+    f"too many or too large request headers (at most {CLIENT_MAX_HEADERS} headers, "
+    f"{CLIENT_MAX_HEADERS_KB} KB)"
+)
+
+
+def wrong_method(method: str | None, path: str) -> MethodNotAllowed | None:
+    """405 for anything but POST on an inference path (the engines answer the same; without
+    this a GET reads as an empty body: "not valid JSON")."""
+    if method is None or method == "POST" or path.split("?", 1)[0] not in BODY_PATHS:
+        return None
+    return MethodNotAllowed(
+        f"{method} is not allowed on {path.split('?', 1)[0]}: send the request with POST",
+        headers={"allow": "POST"},
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmgw.config import Config, load_file
+from llmgw.config import Config, ModelMode, load_file, model_mode
 from llmgw.errors import ConfigError, ModelNotReady
 from llmgw.gateway import Gateway
 from llmgw.registry import Registry
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from llmgw.runtime.kvevents import KvEventSubscribers
 
 log = logging.getLogger("llmgw.reload")
+
+_OFF = "configured but off (scaling max is 0, or launch without a scaling stanza)"
 
 
 class RouterLease:
@@ -180,9 +182,12 @@ class Router:
         return RouterLease(self.scheduler.acquire(decision, endpoint), activator)
 
     def models_status(self) -> dict[str, dict[str, object]]:
-        """On-demand models' activation, and where discovered models' endpoints come from
-        (`/models/status` on the health port)."""
+        """On-demand models' activation, configured-but-off models, and where discovered
+        models' endpoints come from (`/models/status` on the health port)."""
         status = self.activator.status() if self.activator is not None else {}
+        for model, spec in self.config.models.items():
+            if model_mode(spec) is ModelMode.OFF:  # configured, never started: say so
+                status[model] = {"model": model, "state": "off", "reason": _OFF}
         if self.discovery is not None:
             for model in self.discovery.followers:
                 status[model] = {"discovery": self.discovery.status(model)}

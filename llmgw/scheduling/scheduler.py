@@ -221,8 +221,7 @@ class Scheduler:
     def router(self, model: str) -> ModelRouter:
         router = self.routers.get(model)
         if router is None:
-            known = ", ".join(sorted(self.routers)) or "none"
-            raise ModelNotFound(f"model {model!r} does not exist (configured models: {known})")
+            raise ModelNotFound.unknown(model, list(self.routers))
         return router
 
     def pick(self, request: RequestInfo) -> Decision:

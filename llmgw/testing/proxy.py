@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import Future
 
 from llmgw.asgi.app import ProxyApp
+from llmgw.asgi.protocol import guarded
 from llmgw.asgi.testing import serve
 from llmgw.config import Config
 
@@ -35,7 +36,9 @@ class ProxyThread:
     async def _serve(self, started: Future[str]) -> None:
         self._stop = asyncio.Event()
         try:
-            async with serve(self.app) as base:  # listening before it returns: no polling
+            async with serve(
+                self.app, http=guarded(self.app.config.limits)
+            ) as base:  # listening before it returns: no polling
                 started.set_result(base)
                 await self._stop.wait()
         except BaseException as exc:

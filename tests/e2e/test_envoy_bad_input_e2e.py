@@ -227,3 +227,24 @@ def test_client_abort_mid_body_never_reaches_ext_proc(stack: StackFactory) -> No
     # The buffer filter held the aborted request: only the good one was decided.
     assert _decisions(s) == 1
     wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "inflight 0 after abort")
+
+
+def test_a_stalled_head_gets_408_and_a_wrong_method_405_in_json(
+    stack: StackFactory, sim_fleet: ThreadedFleet
+) -> None:
+    """The proxy's head deadline and method check hold behind Envoy too (its
+    `request_headers_timeout` from `limits.client_header_timeout`, ext_proc's 405)."""
+    s = stack("original-dst", config=fleet_config(sim_fleet, limits={"client_header_timeout": 0.5}))
+    port = int(s.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"POST {CHAT} HTTP/1.1\r\nhost: llm\r\nx-half".encode())
+        answer = b""
+        while chunk := sock.recv(65536):  # to Envoy's close
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+    wrong = httpx.get(s.url + CHAT, timeout=10)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    assert _decisions(s) == 0

@@ -104,7 +104,8 @@ def test_limits_are_checked_before_ext_proc_and_grpc_fits_the_body(shape: str) -
         m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
         for m in hcm["typed_config"]["local_reply_config"]["mappers"]
     }
-    assert mapped == {413, 431}  # never llmgw's own statuses (their JSON is kept)
+    assert mapped == {408, 413, 431}  # never llmgw's own statuses (their JSON is kept)
+    assert hcm["typed_config"]["request_headers_timeout"] == "60s"
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -141,6 +141,21 @@ def test_unknown_model_header_is_404_without_asking_for_the_body() -> None:
     assert answer.immediate_response.status.code == 404
 
 
+@pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
+def test_a_method_other_than_post_on_an_inference_path_is_405(method: str) -> None:
+    scheduler = Scheduler(make_config())
+    headers = chat_headers(**{":method": method, "x-llmgw-model": "m1"})
+    answer = parse(
+        Exchange(Gateway(scheduler)).handle(request_headers(headers, end_of_stream=True))
+    )
+    immediate = answer.immediate_response
+    assert immediate.status.code == 405
+    assert orjson.loads(immediate.body)["error"]["code"] == "method_not_allowed"
+    sent = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+    assert sent["allow"] == "POST"
+    assert sum(inflight(scheduler).values()) == 0
+
+
 def test_post_without_body_is_400() -> None:
     scheduler = Scheduler(make_config(strategy="chat"))
     answer = parse(

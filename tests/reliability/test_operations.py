@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -193,6 +194,30 @@ def test_proxy_sigterm_drains(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn) -> 
     # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully.
     assert proxy.process.wait(10) in (0, -signal.SIGTERM)
     assert time.monotonic() - sent < 0.6 + 8
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_proxy_process_bounds_request_heads_with_or_without_workers(
+    sim: ThreadedFleet, spawn_proxy: SpawnFn, workers: int
+) -> None:
+    """`llmgw proxy` serves with llmgw's protocol (`--workers N`: each worker sets the
+    limits from its config): a head cut short gets 408 in the configured time, too many
+    headers 431, and a normal request still goes through."""
+    config = {**config_for(sim, [0]), "limits": {"client_header_timeout": 0.5}}
+    base = spawn_proxy(config, workers=workers).url("http")
+    port = int(base.rsplit(":", 1)[1])
+    for head, status in (
+        (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n", b"408"),
+        (b"GET /healthz HTTP/1.1\r\n" + b"x-h: v\r\n" * 100 + b"\r\n", b"431"),
+    ):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(head)
+            answer = b""
+            while chunk := sock.recv(65536):  # to the proxy's close
+                answer += chunk
+        assert answer.split(b" ", 2)[1] == status, answer[:200]
+    with httpx.Client(timeout=10) as client:
+        assert chat(client, base, "s1").status_code == 200
 
 
 # -- reload -------------------------------------------------------------------------------

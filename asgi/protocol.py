@@ -1,0 +1,189 @@
+"""The proxy's HTTP/1.1 server protocol: uvicorn's httptools protocol plus the request-head
+limits uvicorn does not have.
+
+uvicorn reads a request head for as long as the client takes (a connection that sends half
+a head, or nothing at all, is held until the client leaves) and of any size (a 1 MB header
+is accepted whole). Envoy in front of llmgw bounds both; `llmgw proxy` alone must too:
+- the head must arrive whole within `limits.client_header_timeout` s of the connection (on
+  a kept-alive connection, of the request's first byte), else 408 and close (a connection
+  that sent nothing is closed without a reply);
+- past `CLIENT_MAX_HEADERS` headers or `CLIENT_MAX_HEADERS_KB` of request line and headers,
+  431 and close, counted as the parser goes (nothing past the limit is kept), the same
+  limits and the same JSON error as the generated Envoy config's.
+The body's timeout is the middleware's (`read_body`): the app reads the body, not this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from llmgw.config import LimitsSpec
+from llmgw.errors import HeadersTooLarge, LlmgwError, RequestTimeout
+from llmgw.request import CLIENT_MAX_HEADERS, CLIENT_MAX_HEADERS_KB, HEADERS_TOO_LARGE
+
+_HEAD_SLACK = 4096  # raw head bytes beyond the counted ones: separators, line ends
+_LINGER = 2.0  # seconds a refused connection drops what the client still sends
+
+
+def _reply(error: LlmgwError) -> bytes:
+    body = error.body()
+    lines = [STATUS_LINE[error.status]]
+    for name, value in error.response_headers().items():
+        lines.append(f"{name}: {value}\r\n".encode("latin-1"))
+    lines.append(b"content-length: %d\r\n\r\n" % len(body))
+    return b"".join(lines) + body
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """`HttpToolsProtocol` with a head deadline and head size limits (module docstring).
+
+    The limits are class attributes: `guarded(limits)` makes a subclass for one server;
+    `WorkerProtocol` is the one `--workers N` names (set in each worker by `worker_app`).
+    """
+
+    header_timeout: float = LimitsSpec().client_header_timeout
+    max_headers = CLIENT_MAX_HEADERS
+    max_head_bytes = CLIENT_MAX_HEADERS_KB * 1024
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_started = False  # a byte of the current head arrived
+        self._head_count = 0
+        self._head_bytes = 0
+        self._refused = False
+        self._in_head = True  # the next bytes belong to a request head
+        self._head_received = 0  # raw bytes of it so far
+
+    @classmethod
+    def use(cls, limits: LimitsSpec) -> None:
+        cls.header_timeout = limits.client_header_timeout
+
+    # -- the head deadline -------------------------------------------------------------
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.header_timeout, self._head_expired)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if not self._head_started:  # an idle connection: nothing to answer
+            self.transport.close()
+            return
+        self._refuse(
+            RequestTimeout(
+                f"the request head did not arrive whole within {self.header_timeout:g} s "
+                "(limits.client_header_timeout)"
+            )
+        )
+
+    def _refuse(self, error: LlmgwError) -> None:
+        """Answer and close. The client may still be sending (the rest of a 4 MB header):
+        closing now would reset the connection and lose the answer, so the write side is
+        shut and what arrives is dropped until the client closes or `_LINGER` s pass."""
+        self._refused = True
+        self._disarm()
+        transport = self.transport
+        transport.write(_reply(error))
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.loop.call_later(_LINGER, transport.close)
+        else:
+            transport.close()
+
+    # -- protocol and parser callbacks ---------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_head:
+            self._head_received += len(data)
+        super().data_received(data)
+        # The parser keeps a header's value until its end: one that goes on past the limit
+        # is refused here, after one read (64 KB) past it, not after the client is done.
+        if (
+            not self._refused
+            and self._in_head
+            and self._head_received > self.max_head_bytes + _HEAD_SLACK
+        ):
+            self._refuse(self._too_large())
+
+    def on_message_begin(self) -> None:
+        if self._refused:
+            return
+        super().on_message_begin()
+        self._head_started = True
+        self._head_count = 0
+        self._head_bytes = 0
+        self._arm()
+
+    # Once refused, the parser still runs to the end of the read: nothing more is kept.
+    def on_url(self, url: bytes) -> None:
+        if self._count(len(url), 0):
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._count(len(name) + len(value), 1):
+            super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        self._disarm()
+        self._head_started = False
+        self._in_head = False
+        self._head_received = 0
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        self._in_head = True
+        super().on_message_complete()
+
+    def _count(self, size: int, headers: int) -> bool:
+        """Count a piece of the head; False: refused (now or before)."""
+        if self._refused:
+            return False
+        self._head_bytes += size
+        self._head_count += headers
+        if self._head_count > self.max_headers or self._head_bytes > self.max_head_bytes:
+            self._refuse(self._too_large())
+            return False
+        return True
+
+    def _too_large(self) -> HeadersTooLarge:
+        return HeadersTooLarge(HEADERS_TOO_LARGE)
+
+
+def guarded(limits: LimitsSpec) -> type[GuardedProtocol]:
+    """The protocol class for one server with these limits."""
+    return type("Guarded", (GuardedProtocol,), {"header_timeout": limits.client_header_timeout})
+
+
+class WorkerProtocol(GuardedProtocol):
+    """The class `--workers N` names by import path: each worker process sets its limits
+    (`GuardedProtocol.use`) when it loads its config."""
+
+
+WORKER_PROTOCOL = f"{__name__}:WorkerProtocol"

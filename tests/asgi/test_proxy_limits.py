@@ -1,0 +1,182 @@
+"""The proxy's answers to clients that send too much, too slowly, or the wrong thing: a clear
+status and JSON error, the connection closed where it cannot carry another request, and no
+in-flight slot held by a request that never finishes arriving."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import orjson
+import pytest
+
+from llmgw.asgi.app import ProxyApp
+from llmgw.asgi.protocol import guarded
+from llmgw.asgi.testing import (
+    DEADLINE,
+    MODEL,
+    ScriptedUpstream,
+    UpstreamRequest,
+    make_config,
+    serve,
+)
+from llmgw.config import Config, load_dict
+from llmgw.request import CLIENT_MAX_HEADERS, CLIENT_MAX_HEADERS_KB
+
+CHAT = "/v1/chat/completions"
+BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
+QUICK = {"client_header_timeout": 0.3, "client_body_timeout": 0.3}
+
+
+async def _answers(
+    request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+    await writer.drain()
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[ScriptedUpstream]:
+    """One engine that answers `{}`; its `requests` are what reached it."""
+    upstream = await ScriptedUpstream(_answers).start()
+    try:
+        yield upstream
+    finally:
+        await upstream.stop()
+
+
+def _proxy(config: Config) -> tuple[ProxyApp, type[asyncio.Protocol]]:
+    return ProxyApp(config, scrape=False), guarded(config.limits)
+
+
+def _inflight(app: ProxyApp) -> int:
+    return sum(s.inflight for s in app.router.registry.states(MODEL))
+
+
+async def _exchange(base: str, data: bytes) -> tuple[bytes, bool]:
+    """Send `data` raw; the server's whole answer and whether it then closed the connection
+    (read until EOF, bounded by DEADLINE)."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), DEADLINE)  # to EOF: the server closed
+        return answer, True
+    finally:
+        writer.close()
+
+
+def _status_and_error(answer: bytes) -> tuple[int, dict[str, str], dict[bytes, bytes]]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = dict(line.lower().split(b": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), orjson.loads(body)["error"], headers
+
+
+def _head(extra: list[tuple[str, str]], length: int = len(BODY)) -> bytes:
+    lines = [f"POST {CHAT} HTTP/1.1", "host: llm", f"content-length: {length}"]
+    lines += [f"{k}: {v}" for k, v in extra]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [(f"x-extra-{i}", "v") for i in range(CLIENT_MAX_HEADERS)],
+        [("x-big", "a" * (CLIENT_MAX_HEADERS_KB * 1024))],
+        [("x-huge", "a" * (4 << 20))],  # refused after one read past the limit, not at its end
+    ],
+    ids=["too many", "one too large", "4 MB"],
+)
+async def test_headers_past_the_limits_get_431_and_a_closed_connection(
+    engine: ScriptedUpstream, extra: list[tuple[str, str]]
+) -> None:
+    app, protocol = _proxy(make_config([engine.address]))
+    async with serve(app, http=protocol) as base:
+        answer, closed = await _exchange(base, _head(extra) + BODY)
+    status, error, headers = _status_and_error(answer)
+    assert (status, error["code"]) == (431, "headers_too_large")
+    assert f"at most {CLIENT_MAX_HEADERS} headers" in error["message"]
+    assert closed and headers[b"connection"] == b"close"
+    assert engine.requests == []
+
+
+async def test_headers_just_under_the_limits_pass(engine: ScriptedUpstream) -> None:
+    app, protocol = _proxy(make_config([engine.address]))
+    many = {f"x-extra-{i}": "v" for i in range(CLIENT_MAX_HEADERS - 10)}
+    large = {"x-big": "a" * (CLIENT_MAX_HEADERS_KB * 1024 - 2048)}
+    async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+        for headers in (many, large):
+            assert (await client.post(CHAT, content=BODY, headers=headers)).status_code == 200
+
+
+async def test_a_head_that_stops_arriving_gets_408_and_an_idle_connection_is_closed(
+    engine: ScriptedUpstream,
+) -> None:
+    app, protocol = _proxy(make_config([engine.address], limits=QUICK))
+    async with serve(app, http=protocol) as base:
+        answer, closed = await _exchange(base, f"POST {CHAT} HTTP/1.1\r\nhost: l".encode())
+        status, error, _ = _status_and_error(answer)
+        assert (status, error["code"]) == (408, "request_timeout")
+        assert "limits.client_header_timeout" in error["message"] and closed
+        # A connection that never sends a byte is closed without an answer.
+        assert await _exchange(base, b"") == (b"", True)
+        # A kept-alive connection gets the deadline again for its next request's head.
+        host, port = base.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(_head([]) + BODY)
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
+        assert first.startswith(b"HTTP/1.1 200")
+        writer.write(f"POST {CHAT} HTTP/1.1\r\n".encode())  # half a second head, then silence
+        rest = await asyncio.wait_for(reader.read(), DEADLINE)
+        writer.close()
+        assert b"HTTP/1.1 408" in rest
+    assert len(engine.requests) == 1
+
+
+@pytest.mark.parametrize("model_header", [False, True], ids=["body routes", "header routes"])
+async def test_a_body_that_stops_arriving_gets_408_and_frees_its_slot(
+    engine: ScriptedUpstream, model_header: bool
+) -> None:
+    """With the model in a header and a strategy that reads no prompt, the request is
+    routed (and holds an in-flight slot) before its body is read: the timeout frees it."""
+    app, protocol = _proxy(make_config([engine.address], limits=QUICK))
+    extra = [("x-llmgw-model", MODEL)] if model_header else []
+    async with serve(app, http=protocol) as base:
+        answer, closed = await _exchange(base, _head(extra) + BODY[:10])
+        status, error, headers = _status_and_error(answer)
+        assert (status, error["code"]) == (408, "request_timeout")
+        assert "after 10 bytes" in error["message"]
+        assert "limits.client_body_timeout" in error["message"]
+        assert closed and headers[b"connection"] == b"close"
+        assert _inflight(app) == 0
+    assert engine.requests == []
+
+
+async def test_wrong_method_long_model_name_and_off_models_get_clear_answers(
+    engine: ScriptedUpstream,
+) -> None:
+    config = load_dict(
+        {
+            "models": {
+                MODEL: {"endpoints": [engine.address], "strategy": "ring"},
+                "dormant": {"endpoints": [engine.address], "scaling": {"min": 0, "max": 0}},
+            }
+        }
+    )
+    app, protocol = _proxy(config)
+    async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+        wrong = await client.get(CHAT)
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+        assert wrong.json()["error"]["code"] == "method_not_allowed"
+        assert "send the request with POST" in wrong.json()["error"]["message"]
+        assert (await client.get("/v1/completions?x=1")).status_code == 405
+        name = "z" * 100_000
+        missing = await client.post(CHAT, content=orjson.dumps({"model": name}))
+        assert missing.status_code == 404 and len(missing.content) < 1000
+        assert "(100000 characters)" in missing.json()["error"]["message"]
+        status = (await client.get("/models/status")).json()
+        assert status["dormant"]["state"] == "off"
+    assert engine.requests == []
