@@ -13,6 +13,8 @@ class LlmgwError(Exception):
     status: int = 500
     code: str = "internal_error"
     type: str = "server_error"
+    # The rest of the request may still be on its way: the connection cannot carry another.
+    closes: bool = False
 
     def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -26,7 +28,10 @@ class LlmgwError(Exception):
         )
 
     def response_headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", **self.headers}
+        headers = {"content-type": "application/json", **self.headers}
+        if self.closes:
+            headers["connection"] = "close"
+        return headers
 
 
 class BadRequest(LlmgwError):
@@ -67,19 +72,14 @@ class RequestTimeout(LlmgwError):
     status = 408
     code = "request_timeout"
     type = "invalid_request_error"
-
-    def __init__(self, message: str) -> None:
-        # The rest of the request may still come: this connection cannot carry another.
-        super().__init__(message, headers={"connection": "close"})
+    closes = True
 
 
 class HeadersTooLarge(LlmgwError):
     status = 431
     code = "headers_too_large"
     type = "invalid_request_error"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, headers={"connection": "close"})
+    closes = True
 
 
 class NoCapacity(LlmgwError):
