@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -47,9 +50,11 @@ class Child:
         tmp.replace(self.config_path)  # atomic: the watcher never reads half a file
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
+        """SIGKILL its whole process group (`--workers N` spawns processes of its own,
+        which a SIGKILL of the parent alone would orphan)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
 
 
 def http_status(url: str, timeout: float = 2.0) -> int:
@@ -129,7 +134,9 @@ def spawn_extproc(tmp_path: Path, children: list[Child]) -> SpawnFn:
         ]
         args += _flags(opts)
         with log_path.open("ab") as log:
-            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         child = Child(process, {}, config_path, log_path)
         children.append(child)
 
@@ -166,7 +173,9 @@ def spawn_proxy(tmp_path: Path, children: list[Child]) -> SpawnFn:
         ]
         args += _flags(opts)
         with log_path.open("ab") as log:
-            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         child = Child(process, {"http": port}, config_path, log_path)
         children.append(child)
 
