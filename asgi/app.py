@@ -55,7 +55,7 @@ class ProxyApp:
         self.pool = UpstreamPool(pool_limits(config))
         self.forwarder = Forwarder(self.pool, self.router.gateway)
         self.routed = SchedulerMiddleware(
-            self.forwarder, config, router=self.router, telemetry=self.telemetry
+            self.forwarder, config, router=self.router, telemetry=self.telemetry, buffer_body=True
         )
         self.started = False
         self.start_error: Exception | None = None  # why the lifespan startup failed

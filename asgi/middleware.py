@@ -130,6 +130,9 @@ class SchedulerMiddleware:
     - `paths`: path prefixes that are routed (default: the OpenAI inference paths); a request
       on another path is routed only if it carries the model header (`config.model_header`).
     - `telemetry`: a `llmgw.runtime.telemetry.Telemetry` to count decisions, errors, outcomes.
+    - `buffer_body`: read the whole body before routing even when routing does not need it
+      (an inner app that holds the body anyway, as the proxy's forwarder: a stalled upload
+      then holds no in-flight slot, and the pick sees the load when the request is whole).
 
     The config is read from the router's current snapshot per request (a reload applies).
     """
@@ -142,6 +145,7 @@ class SchedulerMiddleware:
         router: Router | None = None,
         telemetry: Telemetry | None = None,
         paths: tuple[str, ...] = BODY_PATHS,
+        buffer_body: bool = False,
     ) -> None:
         self.app = app
         self.router = router_for(config, scheduler=scheduler, router=router)
@@ -151,6 +155,7 @@ class SchedulerMiddleware:
         hooks = telemetry.hooks("asgi") if telemetry is not None else Hooks("asgi")
         self.hooks = traced(hooks, config.trace)  # the decision trace, if the config asks
         self.paths = paths
+        self.buffer_body = buffer_body
         self._header_of: tuple[Config, bytes] | None = None
 
     @property
@@ -208,6 +213,7 @@ class SchedulerMiddleware:
         path: str = scope["path"]
         body: bytes | None = None
         limits = lifecycle.config.limits
+        needed = needs_body(lifecycle.config, headers, path)
         try:
             refused = wrong_method(scope["method"], path)
             if refused is not None:
@@ -215,14 +221,14 @@ class SchedulerMiddleware:
             length = headers.get("content-length")
             if length is not None and length.isdigit():
                 check_body_size(int(length), limits.max_body_bytes, complete=True)
-            if needs_body(lifecycle.config, headers, path):
+            if needed or self.buffer_body:
                 body = await read_body(receive, limits.max_body_bytes, limits.client_body_timeout)
         except Disconnected:
             return
         except LlmgwError as error:
             await send_error(send, lifecycle.refuse(error))
             return
-        result = lifecycle.route(headers, path, body)
+        result = lifecycle.route(headers, path, body if needed else None)
         if isinstance(result, AwaitActivation):
             result = await activate(lifecycle, result)
         if isinstance(result, LlmgwError):

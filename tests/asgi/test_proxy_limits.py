@@ -137,11 +137,12 @@ async def test_a_head_that_stops_arriving_gets_408_and_an_idle_connection_is_clo
 
 
 @pytest.mark.parametrize("model_header", [False, True], ids=["body routes", "header routes"])
-async def test_a_body_that_stops_arriving_gets_408_and_frees_its_slot(
+async def test_a_body_that_stops_arriving_gets_408_and_is_never_routed(
     engine: ScriptedUpstream, model_header: bool
 ) -> None:
-    """With the model in a header and a strategy that reads no prompt, the request is
-    routed (and holds an in-flight slot) before its body is read: the timeout frees it."""
+    """Even with the model in a header and a strategy that reads no prompt, the proxy reads
+    the body before it routes: a stalled upload is never routed, so it holds no in-flight
+    slot while it stalls."""
     app, protocol = _proxy(make_config([engine.address], limits=QUICK))
     extra = [("x-llmgw-model", MODEL)] if model_header else []
     async with serve(app, http=protocol) as base:
@@ -152,6 +153,7 @@ async def test_a_body_that_stops_arriving_gets_408_and_frees_its_slot(
         assert "limits.client_body_timeout" in error["message"]
         assert closed and headers[b"connection"] == b"close"
         assert _inflight(app) == 0
+        assert "llmgw_decisions_total{" not in app.telemetry.render()[0].decode()
     assert engine.requests == []
 
 
