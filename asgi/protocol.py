@@ -9,7 +9,9 @@ is accepted whole). Envoy in front of llmgw bounds both; `llmgw proxy` alone mus
   that sent nothing is closed without a reply);
 - past `CLIENT_MAX_HEADERS` headers or `CLIENT_MAX_HEADERS_KB` of request line and headers,
   431 and close, counted as the parser goes (nothing past the limit is kept), the same
-  limits and the same JSON error as the generated Envoy config's.
+  limits and the same JSON error as the generated Envoy config's;
+- a close while the request is still arriving (after a 413 or a refused head, the client
+  still writing) lingers instead of resetting the connection, so the answer is read.
 The body's timeout is the middleware's (`read_body`): the app reads the body, not this.
 """
 
@@ -51,6 +53,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._raw: asyncio.Transport  # the socket's transport (`transport` wraps it)
         self._head_started = False  # a byte of the current head arrived
         self._head_count = 0
         self._head_bytes = 0
@@ -87,22 +90,38 @@ class GuardedProtocol(HttpToolsProtocol):
         )
 
     def _refuse(self, error: LlmgwError) -> None:
-        """Answer and close. The client may still be sending (the rest of a 4 MB header):
-        closing now would reset the connection and lose the answer, so the write side is
-        shut and what arrives is dropped until the client closes or `_LINGER` s pass."""
-        self._refused = True
+        """Answer and close (lingering: the client may still be sending the rest of a 4 MB
+        header)."""
         self._disarm()
-        transport = self.transport
-        transport.write(_reply(error))
-        if transport.can_write_eof():
-            transport.write_eof()
-            self.loop.call_later(_LINGER, transport.close)
+        self._raw.write(_reply(error))
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close without resetting the connection: a close with unread data in the socket
+        sends a reset, and a client still writing its request (the rest of a body refused
+        with 413, with `Connection: close`) loses the answer it was sent. So the write side
+        is shut and what arrives is dropped until the client closes or `_LINGER` s pass."""
+        self._refused = True
+        raw = self._raw
+        if raw.is_closing():
+            return
+        self.flow.resume_reading()  # uvicorn paused it while the unread body piled up
+        if raw.can_write_eof():
+            raw.write_eof()
+            self.loop.call_later(_LINGER, raw.close)
         else:
-            transport.close()
+            raw.close()
+
+    def _request_unread(self) -> bool:
+        """The current request's body is not all in (uvicorn closing now would reset)."""
+        return not self._in_head
 
     # -- protocol and parser callbacks ---------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._raw = transport
+        # uvicorn closes the transport itself after a response with `Connection: close`.
+        self.transport = _LingeringTransport(transport, self)  # type: ignore[assignment]
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -174,6 +193,31 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def _too_large(self) -> HeadersTooLarge:
         return HeadersTooLarge(HEADERS_TOO_LARGE)
+
+
+class _LingeringTransport:
+    """The transport uvicorn's protocol and its request cycles write to: `close()` lingers
+    (`GuardedProtocol._linger`) while the request being answered is still arriving."""
+
+    def __init__(self, raw: asyncio.Transport, protocol: GuardedProtocol) -> None:
+        self._raw = raw
+        self._protocol = protocol
+        self._closing = False
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._protocol._request_unread():
+            self._protocol._linger()
+        else:
+            self._raw.close()
+
+    def is_closing(self) -> bool:
+        return self._closing or self._raw.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
 
 
 def guarded(limits: LimitsSpec) -> type[GuardedProtocol]:

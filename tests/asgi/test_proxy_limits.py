@@ -182,3 +182,17 @@ async def test_wrong_method_long_model_name_and_off_models_get_clear_answers(
         status = (await client.get("/models/status")).json()
         assert status["dormant"]["state"] == "off"
     assert engine.requests == []
+
+
+async def test_a_client_still_sending_a_refused_body_gets_the_413_not_a_reset(
+    engine: ScriptedUpstream,
+) -> None:
+    """`Connection: close` and a 4 MB body written whole before reading: uvicorn alone closed
+    with the body unread, the kernel reset the connection and the client lost the 413."""
+    app, protocol = _proxy(make_config([engine.address], limits={"max_body_bytes": 1 << 20}))
+    body = b"x" * (4 << 20)
+    async with serve(app, http=protocol) as base:
+        answer, closed = await _exchange(base, _head([("connection", "close")], len(body)) + body)
+    status, error, _ = _status_and_error(answer)
+    assert (status, error["code"]) == (413, "body_too_large") and closed
+    assert engine.requests == []
