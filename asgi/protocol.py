@@ -91,8 +91,14 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def _refuse(self, error: LlmgwError) -> None:
         """Answer and close (lingering: the client may still be sending the rest of a 4 MB
-        header)."""
+        header). A pipelined head refused while an earlier request's answer is still going
+        out gets no answer in the middle of that one: the connection closes after it."""
         self._disarm()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            self._refused = True  # nothing more is read or parsed
+            cycle.keep_alive = False
+            return
         self._raw.write(_reply(error))
         self._linger()
 

@@ -16,8 +16,10 @@ from llmgw.asgi.protocol import guarded
 from llmgw.asgi.testing import (
     DEADLINE,
     MODEL,
+    SSE_HEAD,
     ScriptedUpstream,
     UpstreamRequest,
+    chunk,
     make_config,
     serve,
 )
@@ -196,3 +198,40 @@ async def test_a_client_still_sending_a_refused_body_gets_the_413_not_a_reset(
     status, error, _ = _status_and_error(answer)
     assert (status, error["code"]) == (413, "body_too_large") and closed
     assert engine.requests == []
+
+
+async def test_a_pipelined_head_refused_mid_answer_never_splits_that_answer() -> None:
+    """Request 1 is still being answered when request 2's head, pipelined behind it, passes
+    the header limit: request 1's answer goes out whole, then the connection closes (a 431
+    written at once would land in the middle of it)."""
+    release = asyncio.Event()
+
+    async def slow(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: one\n\n"))
+        await writer.drain()
+        await release.wait()
+        writer.write(chunk(b"data: two\n\n") + chunk(b""))
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(slow).start()
+    app, protocol = _proxy(make_config([upstream.address]))
+    too_many = [(f"x-extra-{i}", "v") for i in range(CLIENT_MAX_HEADERS + 5)]
+    try:
+        async with serve(app, http=protocol) as base:
+            host, port = base.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_head([]) + BODY)
+            await asyncio.wait_for(upstream.received.wait(), DEADLINE)
+            writer.write(_head(too_many) + BODY)  # pipelined behind the running answer
+            first = await asyncio.wait_for(reader.readuntil(b"data: one\n\n"), DEADLINE)
+            release.set()
+            rest = await asyncio.wait_for(reader.read(), DEADLINE)  # to the proxy's close
+            writer.close()
+    finally:
+        await upstream.stop()
+    assert first.startswith(b"HTTP/1.1 200")
+    assert b"431" not in first + rest and b"data: two" in rest
+    assert rest.endswith(b"0\r\n\r\n")  # the first answer's last chunk, then the close
+    assert len(upstream.requests) == 1
