@@ -154,7 +154,7 @@ def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
                 "invalid_request_error",
             ),
             _openai_error(
-                408,  # request_headers_timeout, or a body that stalls past the stream idle timeout
+                408,  # request_headers_timeout, or a body that stalls past the route's idle timeout
                 "the request did not arrive whole in time (its head within "
                 "limits.client_header_timeout)",
                 "request_timeout",

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -416,7 +417,9 @@ class Exchange:
         if headers.end_of_stream:
             self._body_ended = True
             if self._local is not None and self._headers.get(":method") in ("GET", "HEAD"):
-                local = self._local(self._path.split("?", 1)[0])
+                # Decoded as the proxy's ASGI server does: the openai client sends
+                # `/v1/models/org%2Fname` for a model id with a slash.
+                local = self._local(unquote(self._path.split("?", 1)[0]))
                 if local is not None:
                     self._replied = True
                     return local_response(*local)

@@ -313,6 +313,14 @@ def test_get_models_is_answered_locally_without_routing() -> None:
     assert ex.lifecycle.lease is None
 
 
+def test_a_model_id_with_an_escaped_slash_is_found() -> None:
+    """The openai client asks `/v1/models/org%2Fname` for `org/name`."""
+    ex = Exchange(Gateway(Scheduler(make_config())), local=lambda path: (200, path.encode()))
+    headers = {":method": "GET", ":path": "/v1/models/meta-llama%2FLlama-3.1-8B?x=1"}
+    (reply,) = decode(ex.handle(first(headers, end_of_stream=True)))
+    assert reply.immediate_response.body == b"/v1/models/meta-llama/Llama-3.1-8B"  # type: ignore[union-attr]
+
+
 # -- GIE conformance-test headers ----------------------------------------------------------
 def _conformance_exchange(enabled: bool) -> Exchange:
     config = load_dict(
