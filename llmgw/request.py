@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from llmgw.catalog import is_catalog_path
 from llmgw.config import Config
 from llmgw.errors import BadRequest, BodyTooLarge, MethodNotAllowed
 from llmgw.scheduling.plugins import SCORERS
@@ -34,12 +35,24 @@ HEADERS_TOO_LARGE = (
 
 def wrong_method(method: str | None, path: str) -> MethodNotAllowed | None:
     """405 for anything but POST on an inference path (the engines answer the same; without
-    this a GET reads as an empty body: "not valid JSON")."""
-    if method is None or method == "POST" or path.split("?", 1)[0] not in BODY_PATHS:
+    this a GET reads as an empty body: "not valid JSON") and anything but GET or HEAD on the
+    model catalog (`/v1/models`, `/v1/models/{id}`)."""
+    if method is None:
+        return None
+    bare = path.split("?", 1)[0]
+    if bare in BODY_PATHS:
+        if method == "POST":
+            return None
+        allowed = "POST"
+    elif is_catalog_path(bare):
+        if method in ("GET", "HEAD"):
+            return None
+        allowed = "GET, HEAD"
+    else:
         return None
     return MethodNotAllowed(
-        f"{method} is not allowed on {path.split('?', 1)[0]}: send the request with POST",
-        headers={"allow": "POST"},
+        f"{method} is not allowed on {bare}: send the request with {allowed.split(',')[0]}",
+        headers={"allow": allowed},
     )
 
 

@@ -177,6 +177,8 @@ async def test_wrong_method_long_model_name_and_off_models_get_clear_answers(
         assert wrong.json()["error"]["code"] == "method_not_allowed"
         assert "send the request with POST" in wrong.json()["error"]["message"]
         assert (await client.get("/v1/completions?x=1")).status_code == 405
+        catalog = await client.post("/v1/models", content=BODY)
+        assert catalog.status_code == 405 and catalog.headers["allow"] == "GET, HEAD"
         name = "z" * 100_000
         missing = await client.post(CHAT, content=orjson.dumps({"model": name}))
         assert missing.status_code == 404 and len(missing.content) < 1000

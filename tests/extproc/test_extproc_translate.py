@@ -156,6 +156,16 @@ def test_a_method_other_than_post_on_an_inference_path_is_405(method: str) -> No
     assert sum(inflight(scheduler).values()) == 0
 
 
+def test_a_post_to_the_model_catalog_is_405() -> None:
+    scheduler = Scheduler(make_config())
+    headers = chat_headers(**{":path": "/v1/models/m1"})
+    answer = parse(Exchange(Gateway(scheduler)).handle(request_headers(headers)))
+    immediate = answer.immediate_response
+    assert immediate.status.code == 405
+    sent = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+    assert sent["allow"] == "GET, HEAD"
+
+
 def test_post_without_body_is_400() -> None:
     scheduler = Scheduler(make_config(strategy="chat"))
     answer = parse(
