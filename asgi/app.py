@@ -24,7 +24,6 @@ from llmgw.asgi.upstream import UpstreamPool
 from llmgw.catalog import catalog_answer, is_catalog_path
 from llmgw.config import Config
 from llmgw.errors import BadRequest, MethodNotAllowed
-from llmgw.request import wrong_method
 from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
 from llmgw.runtime.router import ConfigWatcher, Router
@@ -121,10 +120,8 @@ class ProxyApp:
         if handler is None:
             await self.routed(scope, receive, send)  # routed if it names a model, else 404
             return
-        refused = wrong_method(scope["method"], path)
-        if refused is None and scope["method"] not in ("GET", "HEAD"):
+        if scope["method"] not in ("GET", "HEAD"):
             refused = MethodNotAllowed(f"{path} answers GET only", headers={"allow": "GET, HEAD"})
-        if refused is not None:
             await send_error(send, refused)
             return
         status, content_type, body = handler(path)

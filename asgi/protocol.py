@@ -228,7 +228,9 @@ class _LingeringTransport:
 
 def guarded(limits: LimitsSpec) -> type[GuardedProtocol]:
     """The protocol class for one server with these limits."""
-    return type("Guarded", (GuardedProtocol,), {"header_timeout": limits.client_header_timeout})
+    protocol: type[GuardedProtocol] = type("Guarded", (GuardedProtocol,), {})
+    protocol.use(limits)
+    return protocol
 
 
 class WorkerProtocol(GuardedProtocol):

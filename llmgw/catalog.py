@@ -39,7 +39,7 @@ def model_entry(
 ) -> bytes:
     """The `/v1/models/{model}` body; raises ModelNotFound (404) for an unknown model."""
     if model not in config.models:
-        raise ModelNotFound.unknown(model, list(config.models))
+        raise ModelNotFound.unknown(model, config.models)
     return orjson.dumps(_entry(model, config, status or {}))
 
 

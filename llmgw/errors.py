@@ -6,6 +6,8 @@ wording and of the status mapping.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import orjson
 
 
@@ -52,7 +54,7 @@ class ModelNotFound(LlmgwError):
     type = "invalid_request_error"
 
     @classmethod
-    def unknown(cls, model: str, known: list[str]) -> ModelNotFound:
+    def unknown(cls, model: str, known: Iterable[str]) -> ModelNotFound:
         """The 404 for a name no model has; a long name is cut (the client sent it)."""
         shown = (
             repr(model)

@@ -221,7 +221,7 @@ class Scheduler:
     def router(self, model: str) -> ModelRouter:
         router = self.routers.get(model)
         if router is None:
-            raise ModelNotFound.unknown(model, list(self.routers))
+            raise ModelNotFound.unknown(model, self.routers)
         return router
 
     def pick(self, request: RequestInfo) -> Decision:

@@ -56,11 +56,15 @@ def _inflight(app: ProxyApp) -> int:
     return sum(s.inflight for s in app.router.registry.states(MODEL))
 
 
+async def _connect(base: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = base.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
 async def _exchange(base: str, data: bytes) -> tuple[bytes, bool]:
     """Send `data` raw; the server's whole answer and whether it then closed the connection
     (read until EOF, bounded by DEADLINE)."""
-    host, port = base.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+    reader, writer = await _connect(base)
     try:
         writer.write(data)
         await writer.drain()
@@ -126,8 +130,7 @@ async def test_a_head_that_stops_arriving_gets_408_and_an_idle_connection_is_clo
         # A connection that never sends a byte is closed without an answer.
         assert await _exchange(base, b"") == (b"", True)
         # A kept-alive connection gets the deadline again for its next request's head.
-        host, port = base.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
+        reader, writer = await _connect(base)
         writer.write(_head([]) + BODY)
         first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
         assert first.startswith(b"HTTP/1.1 200")
@@ -222,8 +225,7 @@ async def test_a_pipelined_head_refused_mid_answer_never_splits_that_answer() ->
     too_many = [(f"x-extra-{i}", "v") for i in range(CLIENT_MAX_HEADERS + 5)]
     try:
         async with serve(app, http=protocol) as base:
-            host, port = base.removeprefix("http://").split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
+            reader, writer = await _connect(base)
             writer.write(_head([]) + BODY)
             await asyncio.wait_for(upstream.received.wait(), DEADLINE)
             writer.write(_head(too_many) + BODY)  # pipelined behind the running answer
