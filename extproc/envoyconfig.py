@@ -302,13 +302,15 @@ def _override_host_shape(
 
 
 def _mode(request_body: str, response_body: str) -> dict[str, str]:
-    # FULL_DUPLEX_STREAMED requires the trailers of that direction to be sent.
+    # FULL_DUPLEX_STREAMED requires the trailers of that direction to be sent. A BUFFERED
+    # request body sends them too: an HTTP/2 request whose trailers follow no body brings
+    # ext_proc no body message, only them (skipped, it would pass unrouted).
     return {
         "request_header_mode": "SEND",
         "response_header_mode": "SEND",
         "request_body_mode": request_body,
         "response_body_mode": response_body,
-        "request_trailer_mode": "SEND" if request_body == "FULL_DUPLEX_STREAMED" else "SKIP",
+        "request_trailer_mode": "SKIP" if request_body == "NONE" else "SEND",
         "response_trailer_mode": "SEND" if response_body == "FULL_DUPLEX_STREAMED" else "SKIP",
     }
 

@@ -85,6 +85,7 @@ STREAMED = int(ProcessingMode.STREAMED)
 BUFFERED = int(ProcessingMode.BUFFERED)
 BUFFERED_PARTIAL = int(ProcessingMode.BUFFERED_PARTIAL)
 FULL_DUPLEX_STREAMED = int(ProcessingMode.FULL_DUPLEX_STREAMED)
+UNSAID = -1  # Envoy before 1.33 sends no protocol_config: the configured mode is unknown
 
 # One answer, or several in order (FULL_DUPLEX_STREAMED), or none yet (an empty tuple).
 Answer = bytes | tuple[bytes, ...]
@@ -104,20 +105,6 @@ CONTINUE_REQUEST_TRAILERS = _serialize(ProcessingResponse(request_trailers=Trail
 CONTINUE_RESPONSE_HEADERS = _serialize(ProcessingResponse(response_headers=HeadersResponse()))
 CONTINUE_RESPONSE_BODY = _serialize(ProcessingResponse(response_body=BodyResponse()))
 CONTINUE_RESPONSE_TRAILERS = _serialize(ProcessingResponse(response_trailers=TrailersResponse()))
-# Ask for the whole request body; keep the response headers (for the outcome).
-ASK_FOR_BODY = _serialize(
-    ProcessingResponse(
-        request_headers=HeadersResponse(),
-        mode_override=ProcessingMode(
-            request_header_mode=ProcessingMode.SEND,
-            response_header_mode=ProcessingMode.SEND,
-            request_body_mode=ProcessingMode.BUFFERED,
-            response_body_mode=ProcessingMode.NONE,
-            request_trailer_mode=ProcessingMode.SKIP,
-            response_trailer_mode=ProcessingMode.SKIP,
-        ),
-    )
-)
 STRIP_UPSTREAM_HEADER = _serialize(
     ProcessingResponse(
         response_headers=HeadersResponse(
@@ -272,7 +259,11 @@ def streamed_response_body(chunk: bytes, *, end_of_stream: bool) -> bytes:
 
 def _ask_for_body(response_body_mode: int) -> bytes:
     """Headers answer that switches the request body to BUFFERED (needs `allow_mode_override`),
-    keeping the response body mode the gateway configured."""
+    keeping the response body mode the gateway configured.
+
+    Request trailers are sent: an HTTP/2 request whose trailers follow no body at all brings
+    no body message, only them, and must still be decided (Envoy sends a body that trailers
+    end as one message with `end_of_stream` false)."""
     return _serialize(
         ProcessingResponse(
             request_headers=HeadersResponse(),
@@ -281,13 +272,15 @@ def _ask_for_body(response_body_mode: int) -> bytes:
                 response_header_mode=ProcessingMode.SEND,
                 request_body_mode=ProcessingMode.BUFFERED,
                 response_body_mode=response_body_mode,
-                request_trailer_mode=ProcessingMode.SKIP,
+                request_trailer_mode=ProcessingMode.SEND,
                 response_trailer_mode=ProcessingMode.SKIP,
             ),
         )
     )
 
 
+# Ask for the whole request body; keep the response headers (for the outcome).
+ASK_FOR_BODY = _ask_for_body(NONE)
 _ASK_FOR_BODY = {
     NONE: ASK_FOR_BODY,
     STREAMED: _ask_for_body(STREAMED),
@@ -372,7 +365,7 @@ class Exchange:
         self._after_body = False
         # FULL_DUPLEX_STREAMED: the headers answer is held until the body is read.
         self._held = False
-        self._request_mode = NONE
+        self._request_mode = UNSAID
         self._response_mode = NONE
         self._response_ended = False
         self._subset: tuple[str, ...] | None = None
@@ -436,6 +429,11 @@ class Exchange:
             return ()
         if mode in (BUFFERED, BUFFERED_PARTIAL):
             return CONTINUE_REQUEST_HEADERS  # the body comes whole, the answer rides on it
+        if self._request_mode == NONE:
+            # Envoy said so (1.33+): the override is what it runs, the body comes whole in
+            # one message (end_of_stream false when trailers end it). Older Envoys do not
+            # say, and may stream it in chunks as configured: those wait for the end.
+            self._request_mode = BUFFERED
         ask = _ASK_FOR_BODY.get(self._response_mode)
         if ask is None:  # a mode an override cannot keep (FULL_DUPLEX_STREAMED): bodies off
             self._response_mode = NONE
@@ -466,6 +464,14 @@ class Exchange:
         if self._held:  # trailers mark the end of a streamed body that had no end_of_stream
             self._body_ended = True
             return self._route(b"".join(self._body))
+        if self.lifecycle.decision is None and not self._body:
+            # BUFFERED, and the trailers followed no body at all: the empty body is whole.
+            # Routing needed a body, so this is an error (an immediate response may answer
+            # any message; a pick could not: a trailers answer cannot set request headers).
+            self._body_ended = True
+            result = self.lifecycle.route(self._headers, self._path, b"", subset=self._subset)
+            if isinstance(result, LlmgwError):
+                return self.answer(result)
         return CONTINUE_REQUEST_TRAILERS
 
     def _conformance_selection(self) -> None:

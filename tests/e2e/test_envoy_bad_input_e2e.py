@@ -14,6 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import pytest
 import yaml
@@ -248,3 +251,54 @@ def test_a_stalled_head_gets_408_and_a_wrong_method_405_in_json(
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["code"] == "method_not_allowed"
     assert _decisions(s) == 0
+
+
+def _h2_post(port: int, body: bytes, *, trailers: bool) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/2 (prior knowledge) POST, optionally ending in trailers, as gRPC-style
+    clients send them (httpx cannot send trailers)."""
+    conn = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
+    )
+    conn.initiate_connection()
+    stream = conn.get_next_available_stream_id()
+    head = [(":method", "POST"), (":path", CHAT), (":scheme", "http"), (":authority", "llm")]
+    conn.send_headers(stream, [*head, ("content-type", "application/json")])
+    if body:
+        conn.send_data(stream, body, end_stream=not trailers)
+    if trailers:
+        conn.send_headers(stream, [("x-checksum", "1")], end_stream=True)
+    headers: dict[str, str] = {}
+    data = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(conn.data_to_send())
+        ended = False
+        while not ended and (chunk := sock.recv(65536)):
+            for event in conn.receive_data(chunk):
+                if isinstance(event, h2.events.ResponseReceived):
+                    headers = {str(k): str(v) for k, v in event.headers}
+                elif isinstance(event, h2.events.DataReceived):
+                    data += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, stream)
+                ended |= isinstance(event, h2.events.StreamEnded | h2.events.StreamReset)
+            sock.sendall(conn.data_to_send())
+    return int(headers.get(":status", 0)), headers, data
+
+
+@pytest.mark.parametrize("body_mode", ["override", "buffered", "gie"])
+def test_http2_requests_with_trailers_are_routed_or_refused_by_llmgw(
+    stack: StackFactory, body_mode: str
+) -> None:
+    """Trailers end the body without end_of_stream. A body they end used to pass unrouted
+    through llmgw's own mode (to the fallback route); trailers after no body, unrouted in
+    the buffered modes, reached the engine for its own 400."""
+    s = stack("original-dst", body_mode=body_mode)
+    port = int(s.url.rsplit(":", 1)[1])
+    status, headers, data = _h2_post(port, chat_body(300), trailers=True)
+    assert status == 200, data[:200]
+    picked = headers["x-llmgw-decision"].split()[0].removeprefix("endpoint=")
+    assert s.replica_index[picked] == int(headers["x-sim-replica"])
+    status, _, data = _h2_post(port, b"", trailers=True)
+    assert status == 400
+    assert json.loads(data)["error"]["code"] == "invalid_request", data[:200]
+    assert _decisions(s) == 1
+    wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "inflight 0 after both")

@@ -251,6 +251,41 @@ def test_none_mode_asks_for_a_buffered_body_keeping_the_response_mode(
     assert int(override.response_body_mode) == response_mode
 
 
+@pytest.mark.parametrize("request_mode", [ProcessingMode.NONE, ProcessingMode.BUFFERED])
+def test_a_buffered_body_that_trailers_end_is_routed(request_mode: int) -> None:
+    """HTTP/2 with trailers: Envoy sends the buffered body once, with end_of_stream false
+    (the trailers end it). Through the override it used to be let through unrouted."""
+    ex = exchange()
+    (head,) = decode(ex.handle(first(chat_headers(), request_mode=request_mode, response_mode=0)))
+    if request_mode == ProcessingMode.NONE:
+        override = head.mode_override
+        assert override is not None
+        assert int(override.request_trailer_mode) == ProcessingMode.SEND
+    (routed,) = decode(ex.handle(body(CHAT, end=False)))
+    common = routed.request_body.response  # type: ignore[union-attr]
+    assert common is not None and common.clear_route_cache
+    assert ex.decision is not None
+    (trailers,) = decode(ex.handle(ProcessingRequest(request_trailers=HttpTrailers())))
+    assert kind(trailers) == "request_trailers"
+
+
+@pytest.mark.parametrize("request_mode", [ProcessingMode.NONE, ProcessingMode.BUFFERED])
+def test_trailers_after_no_body_are_a_400_not_an_unrouted_request(request_mode: int) -> None:
+    ex = exchange()
+    ex.handle(first(chat_headers(), request_mode=request_mode, response_mode=0))
+    (reply,) = decode(ex.handle(ProcessingRequest(request_trailers=HttpTrailers())))
+    assert reply.immediate_response is not None
+    assert reply.immediate_response.status.code == 400  # type: ignore[union-attr]
+    assert b"not valid JSON" in reply.immediate_response.body
+
+
+def test_trailers_after_a_routed_request_are_continued() -> None:
+    ex = exchange()  # ring strategy + model header: routed at the headers
+    ex.handle(first(chat_headers(**{"x-llmgw-model": "m1"}), request_mode=0, response_mode=0))
+    (trailers,) = decode(ex.handle(ProcessingRequest(request_trailers=HttpTrailers())))
+    assert kind(trailers) == "request_trailers"
+
+
 # -- destination, subset hint, served endpoint ---------------------------------------------
 @pytest.mark.parametrize("fallbacks", [True, False])
 def test_header_and_metadata_carry_the_same_destination(fallbacks: bool) -> None:
