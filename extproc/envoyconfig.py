@@ -301,13 +301,13 @@ def _override_host_shape(
     return [{"match": {"prefix": "/"}, "route": route}], [pool]
 
 
-def _mode(request_body: str, response_body: str) -> dict[str, str]:
+def _mode(request_body: str, response_body: str, response_headers: str = "SEND") -> dict[str, str]:
     # FULL_DUPLEX_STREAMED requires the trailers of that direction to be sent. A BUFFERED
     # request body sends them too: an HTTP/2 request whose trailers follow no body brings
     # ext_proc no body message, only them (skipped, it would pass unrouted).
     return {
         "request_header_mode": "SEND",
-        "response_header_mode": "SEND",
+        "response_header_mode": response_headers,
         "request_body_mode": request_body,
         "response_body_mode": response_body,
         "request_trailer_mode": "SKIP" if request_body == "NONE" else "SEND",
@@ -316,13 +316,16 @@ def _mode(request_body: str, response_body: str) -> dict[str, str]:
 
 
 # ext_proc processing modes, by the gateway they copy (only the filter settings):
-# - override: llmgw's own: headers only, llmgw asks for the body per request (mode_override),
-#   so GETs and header-routed requests never buffer.
+# - override: llmgw's own: request headers only; llmgw asks for the body per request
+#   (mode_override), so GETs and header-routed requests never buffer, and turns the response
+#   headers on for the requests it routes: Envoy's own replies to requests ext_proc never saw
+#   (a malformed HTTP/1 request's 400, the buffer's 413) are not held for it, which lost them
+#   (the connection closed while the reply waited for ext_proc).
 # - gie: GIE's reference / kgateway / Istio: both bodies FULL_DUPLEX_STREAMED, trailers sent.
 # - envoy-gateway: GIE's Envoy Gateway patch: request body FULL_DUPLEX_STREAMED only.
 # - buffered: the request body BUFFERED, no override.
 BODY_MODES: dict[str, tuple[dict[str, str], bool]] = {
-    "override": (_mode("NONE", "NONE"), True),
+    "override": (_mode("NONE", "NONE", response_headers="SKIP"), True),
     "gie": (_mode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED"), False),
     "envoy-gateway": (_mode("FULL_DUPLEX_STREAMED", "NONE"), False),
     "buffered": (_mode("BUFFERED", "NONE"), False),
@@ -515,6 +518,15 @@ def main(argv: list[str]) -> int:
             "llmgw envoy-config: note: set `destination_fallbacks: true` in the llmgw config "
             "for shape override-host, so Envoy retries on llmgw's fallbacks (without it they "
             "go to the least-loaded endpoint Envoy sees)",
+            file=sys.stderr,
+        )
+    streamed = BODY_MODES[args.body_mode][0]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    if args.shape == "override-host" and args.retries != 0 and streamed:
+        print(
+            "llmgw envoy-config: note: Envoy (1.35 to at least 1.40) sends a FULL_DUPLEX_STREAMED "
+            "request body twice when the route may retry and trailers end the body "
+            "(envoyproxy/envoy#45470): HTTP/2 requests with trailers get the engine's 400 here; "
+            "`--body-mode override` or `--retries 0` avoid it",
             file=sys.stderr,
         )
     if args.out:

@@ -141,10 +141,29 @@ def _openai_error(status: int, message: str, code: str, kind: str) -> dict[str, 
     }
 
 
+def _envoy_error(when: str, message: str, code: str, kind: str = "server_error") -> dict[str, Any]:
+    """A JSON error body for Envoy's local replies that the CEL expression `when` matches."""
+    return {
+        "filter": {
+            "extension_filter": {
+                "name": "envoy.access_loggers.extension_filters.cel",
+                "typed_config": {
+                    "@type": _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                    "expression": when,
+                },
+            }
+        },
+        "body_format_override": {
+            "json_format": {"error": {"message": message, "type": kind, "code": code}}
+        },
+    }
+
+
 def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
-    """Envoy's own 408, 413 and 431 as OpenAI-shaped JSON errors. Only these: ext_proc's
-    immediate responses are local replies too, and llmgw's other statuses carry their own
-    JSON bodies (a mapper would rewrite them); llmgw's own 413 says the same thing."""
+    """Envoy's own replies as OpenAI-shaped JSON errors: 408, 413 and 431 by status (llmgw's
+    own 413 says the same thing), the rest by their response code details, which tell
+    Envoy's replies from ext_proc's immediate responses (`llmgw_*`: those carry llmgw's JSON
+    bodies, and a mapper would rewrite them)."""
     return {
         "mappers": [
             _openai_error(
@@ -165,6 +184,31 @@ def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
                 HEADERS_TOO_LARGE,
                 "headers_too_large",
                 "invalid_request_error",
+            ),
+            # Envoy's own replies below: ext_proc's immediate responses (details `llmgw_*`)
+            # carry llmgw's JSON already and must pass untouched.
+            _envoy_error(
+                "response.code_details.startsWith('ext_proc')",
+                "the router did not answer: llmgw's ext_proc server is down, or Envoy cannot "
+                "reach it (%RESPONSE_CODE_DETAILS%)",
+                "router_unavailable",
+            ),
+            _envoy_error(
+                "response.code_details.startsWith('upstream')"
+                " || response.code_details in ['no_healthy_upstream', 'response_timeout']",
+                "no model server answered: %LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)",
+                "upstream_unreachable",
+            ),
+            _envoy_error(
+                "response.code < 500 && !response.code_details.startsWith('llmgw_')",
+                "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)",
+                "invalid_request",
+                "invalid_request_error",
+            ),
+            _envoy_error(
+                "!response.code_details.startsWith('llmgw_')",
+                "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)",
+                "gateway_error",
             ),
         ]
     }

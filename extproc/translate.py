@@ -147,27 +147,42 @@ def _set(name: str, value: str) -> HeaderValueOption:
     )
 
 
-_ROUTE_CACHE: dict[tuple[tuple[str, ...], bool], bytes] = {}
+_ROUTE_CACHE: dict[tuple[tuple[str, ...], bool, int | None], bytes] = {}
 _ROUTE_CACHE_LIMIT = 4096
 
 
-def route_response(decision: Decision, *, after_body: bool, fallbacks: bool = True) -> bytes:
+def route_response(
+    decision: Decision,
+    *,
+    after_body: bool,
+    fallbacks: bool = True,
+    response_headers_for: int | None = None,
+) -> bytes:
     """The routing answer to request headers (or, after a buffered body, to the body).
 
     It depends only on the destination list, and a pool has few distinct lists: the
     serialized bytes are cached (building the message costs more than the routing).
     `fallbacks=False`: the primary only (ORIGINAL_DST gateways cannot parse a list).
+    `response_headers_for`: a headers answer that also turns the response headers on
+    (`mode_override`; llmgw's own config leaves them off so that Envoy's own replies to
+    requests ext_proc never saw are not held for it), keeping this response body mode.
     """
-    key = (decision.destinations if fallbacks else decision.destinations[:1], after_body)
+    key = (
+        decision.destinations if fallbacks else decision.destinations[:1],
+        after_body,
+        response_headers_for,
+    )
     cached = _ROUTE_CACHE.get(key)
     if cached is None:
         if len(_ROUTE_CACHE) >= _ROUTE_CACHE_LIMIT:
             _ROUTE_CACHE.clear()
-        cached = _ROUTE_CACHE[key] = _build_route_response(key[0], after_body=after_body)
+        cached = _ROUTE_CACHE[key] = _build_route_response(*key)
     return cached
 
 
-def _build_route_response(destinations: tuple[str, ...], *, after_body: bool) -> bytes:
+def _build_route_response(
+    destinations: tuple[str, ...], after_body: bool, response_headers_for: int | None
+) -> bytes:
     # The same value in the header and the metadata: the protocol forbids two.
     value = ",".join(destinations)
     common = CommonResponse(
@@ -184,6 +199,8 @@ def _build_route_response(destinations: tuple[str, ...], *, after_body: bool) ->
         message = ProcessingResponse(
             request_headers=HeadersResponse(response=common), dynamic_metadata=metadata
         )
+        if response_headers_for is not None:
+            message.mode_override.CopyFrom(_override(NONE, response_headers_for))
     return _serialize(message)
 
 
@@ -257,24 +274,29 @@ def streamed_response_body(chunk: bytes, *, end_of_stream: bool) -> bytes:
     return _streamed_body("response_body", chunk, end_of_stream)
 
 
-def _ask_for_body(response_body_mode: int) -> bytes:
-    """Headers answer that switches the request body to BUFFERED (needs `allow_mode_override`),
-    keeping the response body mode the gateway configured.
+def _override(request_body_mode: int, response_body_mode: int) -> ProcessingMode:
+    """The processing mode llmgw asks for (`mode_override`, needs `allow_mode_override`):
+    response headers on (the outcome), the gateway's response body mode kept.
 
-    Request trailers are sent: an HTTP/2 request whose trailers follow no body at all brings
-    no body message, only them, and must still be decided (Envoy sends a body that trailers
-    end as one message with `end_of_stream` false)."""
+    Request trailers are sent with a BUFFERED body: an HTTP/2 request whose trailers follow
+    no body at all brings no body message, only them, and must still be decided (Envoy
+    sends a body that trailers end as one message with `end_of_stream` false)."""
+    return ProcessingMode(
+        request_header_mode=ProcessingMode.SEND,
+        response_header_mode=ProcessingMode.SEND,
+        request_body_mode=request_body_mode,
+        response_body_mode=response_body_mode,
+        request_trailer_mode=ProcessingMode.SEND if request_body_mode else ProcessingMode.SKIP,
+        response_trailer_mode=ProcessingMode.SKIP,
+    )
+
+
+def _ask_for_body(response_body_mode: int) -> bytes:
+    """Headers answer that switches the request body to BUFFERED."""
     return _serialize(
         ProcessingResponse(
             request_headers=HeadersResponse(),
-            mode_override=ProcessingMode(
-                request_header_mode=ProcessingMode.SEND,
-                response_header_mode=ProcessingMode.SEND,
-                request_body_mode=ProcessingMode.BUFFERED,
-                response_body_mode=response_body_mode,
-                request_trailer_mode=ProcessingMode.SEND,
-                response_trailer_mode=ProcessingMode.SKIP,
-            ),
+            mode_override=_override(BUFFERED, response_body_mode),
         )
     )
 
@@ -525,7 +547,15 @@ class Exchange:
             self._replied = True
             return immediate_response(result)
         if not self._held:
-            return route_response(result, after_body=self._after_body, fallbacks=self._fallbacks())
+            # Routed at the headers in llmgw's own mode: turn the response headers on.
+            keep = self._response_mode
+            at_headers = not self._after_body and self._request_mode in (NONE, UNSAID)
+            return route_response(
+                result,
+                after_body=self._after_body,
+                fallbacks=self._fallbacks(),
+                response_headers_for=keep if at_headers and keep in _ASK_FOR_BODY else None,
+            )
         # FULL_DUPLEX_STREAMED: headers first, then every held chunk unchanged, in order.
         self._held = False
         chunks, self._body = self._body, []

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import h2.config
@@ -302,3 +303,69 @@ def test_http2_requests_with_trailers_are_routed_or_refused_by_llmgw(
     assert json.loads(data)["error"]["code"] == "invalid_request", data[:200]
     assert _decisions(s) == 1
     wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "inflight 0 after both")
+
+
+def _answer(stack: Stack, data: bytes) -> tuple[bytes, dict[str, Any]]:
+    """Raw bytes in; (status line, JSON error) out, reading to Envoy's close."""
+    port = int(stack.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n", 1)[0], json.loads(body)["error"] if body else {}
+
+
+MALFORMED = {
+    "garbage request line": (b"GARBAGE\r\n\r\n", b"400"),
+    "content-length and chunked": (
+        f"POST {CHAT} HTTP/1.1\r\nhost: llm\r\ncontent-length: 5\r\n"
+        "transfer-encoding: chunked\r\n\r\n0\r\n\r\n".encode(),
+        b"400",
+    ),
+    "HTTP/1.0": (f"POST {CHAT} HTTP/1.0\r\ncontent-length: 2\r\n\r\n{{}}".encode(), b"426"),
+}
+
+
+@pytest.mark.parametrize("shape", ["original-dst", "override-host"])
+def test_envoys_own_replies_to_malformed_requests_reach_the_client_in_json(
+    stack: StackFactory, shape: str
+) -> None:
+    """With ext_proc in the chain, these replies waited for an ext_proc answer to their
+    response headers and the connection closed first: the client got nothing."""
+    s = stack(shape)
+    for name, (data, status) in MALFORMED.items():
+        line, error = _answer(s, data)
+        assert line.split(b" ")[1] == status, (name, line)
+        assert error["code"] == "invalid_request" and error["message"], (name, error)
+    assert _decisions(s) == 0
+
+
+def test_a_dead_endpoint_and_a_stopped_ext_proc_are_json_errors(
+    stack: StackFactory, sim_fleet: ThreadedFleet
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    config = fleet_config(sim_fleet, models={"m1": {"endpoints": [dead], "strategy": "ring"}})
+    s = stack("original-dst", config=config)
+    r = httpx.post(s.url + CHAT, content=chat_body(100), timeout=10)
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["code"] == "upstream_unreachable", r.text
+    assert "connect" in r.json()["error"]["message"]
+    s.extproc.stop()
+    r = httpx.post(s.url + CHAT, content=chat_body(100), timeout=10)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "router_unavailable", r.text
+
+
+def test_a_request_routed_at_the_headers_still_reports_its_outcome(
+    stack: StackFactory, sim_fleet: ThreadedFleet
+) -> None:
+    """llmgw's own mode leaves response headers off in Envoy's config; the headers answer
+    of a request it routes turns them on (the debug header is set in that answer)."""
+    s = stack("original-dst", config=fleet_config(sim_fleet, strategy="ring"))
+    r = httpx.post(s.url + CHAT, content=chat_body(100), headers={"x-llmgw-model": "m1"})
+    assert r.status_code == 200, r.text
+    picked = r.headers["x-llmgw-decision"].split()[0].removeprefix("endpoint=")
+    assert s.replica_index[picked] == int(r.headers["x-sim-replica"])
+    assert "x-llmgw-upstream" not in r.headers  # stripped in the response headers answer
+    wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "inflight 0")

@@ -100,11 +100,20 @@ def test_limits_are_checked_before_ext_proc_and_grpc_fits_the_body(shape: str) -
     assert filters[1]["typed_config"]["max_request_bytes"] == limit
     grpc = filters[2]["typed_config"]["grpc_service"]["envoy_grpc"]
     assert grpc["max_receive_message_length"] > limit
+    mappers = hcm["typed_config"]["local_reply_config"]["mappers"]
     mapped = {
         m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
-        for m in hcm["typed_config"]["local_reply_config"]["mappers"]
+        for m in mappers
+        if "status_code_filter" in m["filter"]
     }
     assert mapped == {408, 413, 431}  # never llmgw's own statuses (their JSON is kept)
+    # The rest pick Envoy's own replies by their details, never ext_proc's (`llmgw_*`).
+    expressions = [
+        m["filter"]["extension_filter"]["typed_config"]["expression"]
+        for m in mappers
+        if "extension_filter" in m["filter"]
+    ]
+    assert expressions[-1] == "!response.code_details.startsWith('llmgw_')"
     assert hcm["typed_config"]["request_headers_timeout"] == "60s"
 
 

@@ -50,7 +50,10 @@ def test_headers_only_decision_sets_header_metadata_and_clears_route_cache() -> 
     # The protocol forbids two different values in the header and the metadata.
     assert headers["x-gateway-destination-endpoint"] == ",".join(chain)
     assert len(chain) == 3 and len(set(chain)) == 3
-    assert not answer.HasField("mode_override")
+    # llmgw's own config leaves response headers off: the routed request turns them on.
+    override = answer.mode_override
+    assert override.response_header_mode == ProcessingMode.SEND
+    assert override.request_body_mode == ProcessingMode.NONE
 
 
 @pytest.mark.parametrize("raw", [True, False])
