@@ -431,13 +431,14 @@ class Exchange:
             self._conformance_selection()
         if headers.end_of_stream:
             self._body_ended = True
-            if self._local is not None and self._headers.get(":method") in ("GET", "HEAD"):
-                # Decoded as the proxy's ASGI server does: the openai client sends
-                # `/v1/models/org%2Fname` for a model id with a slash.
-                local = self._local(unquote(self._path.split("?", 1)[0]))
-                if local is not None:
-                    self._replied = True
-                    return local_response(*local)
+        if self._local is not None and self._headers.get(":method") in ("GET", "HEAD"):
+            # Decoded as the proxy's ASGI server does: the openai client sends
+            # `/v1/models/org%2Fname` for a model id with a slash. A GET's body (some
+            # clients send `{}`) means nothing here, as to the proxy: answered all the same.
+            local = self._local(unquote(self._path.split("?", 1)[0]))
+            if local is not None:
+                self._replied = True
+                return local_response(*local)
         refused = wrong_method(self._headers.get(":method"), self._path)
         if refused is not None:
             return self.answer(self.lifecycle.refuse(refused))
