@@ -18,9 +18,11 @@ the embedded proxy's) is the route's idle timeout in `original-dst`, and the per
 timeout in `override-host`, so a replica that hangs is retried on a fallback (a route idle
 timeout there would end the request before the retry).
 
-Both: the ext_proc filter (`body_mode` override, the default) asks for request and response
-headers only (the server asks for the body per request with `mode_override`, so GETs and
-header-routed requests never buffer); `gie` copies GIE's reference processing mode
+Both: the ext_proc filter (`body_mode` override, the default) asks for request headers only
+(the server asks for the body per request with `mode_override`, so GETs and header-routed
+requests never buffer, and turns the response headers on for each request it routes, so
+Envoy's own replies to requests it never saw are not held for it); `gie` copies GIE's
+reference processing mode
 (FULL_DUPLEX_STREAMED bodies, trailers sent). It accepts dynamic metadata in `envoy.lb`, and Envoy adds `x-llmgw-upstream`
 (the host that answered) to responses so outcomes are charged to the right replica.
 Clients cannot choose a host: `x-gateway-destination-endpoint` is stripped on arrival,

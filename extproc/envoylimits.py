@@ -189,13 +189,13 @@ def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
             # carry llmgw's JSON already and must pass untouched.
             _envoy_error(
                 "response.code_details.startsWith('ext_proc')",
-                "the router did not answer: llmgw's ext_proc server is down, or Envoy cannot "
-                "reach it (%RESPONSE_CODE_DETAILS%)",
+                "the router did not answer: llmgw's ext_proc server is down, Envoy cannot reach "
+                "it, or it answered past the filter's message_timeout (%RESPONSE_CODE_DETAILS%)",
                 "router_unavailable",
             ),
-            _envoy_error(
-                "response.code_details.startsWith('upstream')"
-                " || response.code_details in ['no_healthy_upstream', 'response_timeout']",
+            _envoy_error(  # a 408 stream_idle_timeout (a stalled client) is mapped above
+                "response.code_details.startsWith('upstream') || response.code_details in "
+                "['no_healthy_upstream', 'response_timeout', 'stream_idle_timeout']",
                 "no model server answered: %LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)",
                 "upstream_unreachable",
             ),

@@ -452,10 +452,11 @@ class Exchange:
             return ()
         if mode in (BUFFERED, BUFFERED_PARTIAL):
             return CONTINUE_REQUEST_HEADERS  # the body comes whole, the answer rides on it
-        if self._request_mode == NONE:
-            # Envoy said so (1.33+): the override is what it runs, the body comes whole in
-            # one message (end_of_stream false when trailers end it). Older Envoys do not
-            # say, and may stream it in chunks as configured: those wait for the end.
+        if self._request_mode in (NONE, STREAMED):
+            # Envoy said so (1.33+): the override is what it runs (a STREAMED body cannot be
+            # routed anyway: its headers go upstream before it), the body comes whole in one
+            # message, end_of_stream false when trailers end it. Older Envoys do not say and
+            # may stream it in chunks: those wait for the end.
             self._request_mode = BUFFERED
         ask = _ASK_FOR_BODY.get(self._response_mode)
         if ask is None:  # a mode an override cannot keep (FULL_DUPLEX_STREAMED): bodies off
@@ -550,7 +551,9 @@ class Exchange:
         if not self._held:
             # Routed at the headers in llmgw's own mode: turn the response headers on.
             keep = self._response_mode
-            at_headers = not self._after_body and self._request_mode in (NONE, UNSAID)
+            # (Not when Envoy did not say its modes: before 1.33, an override kept no response
+            # body mode it did not know of.)
+            at_headers = not self._after_body and self._request_mode == NONE
             return route_response(
                 result,
                 after_body=self._after_body,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProtocolConfiguration
 
 from llmgw.breaker import BreakerState
 from llmgw.errors import LlmgwError
@@ -50,10 +51,29 @@ def test_headers_only_decision_sets_header_metadata_and_clears_route_cache() -> 
     # The protocol forbids two different values in the header and the metadata.
     assert headers["x-gateway-destination-endpoint"] == ",".join(chain)
     assert len(chain) == 3 and len(set(chain)) == 3
-    # llmgw's own config leaves response headers off: the routed request turns them on.
+    # An Envoy that did not say its modes (before 1.33) gets no override.
+    assert not answer.HasField("mode_override")
+
+
+@pytest.mark.parametrize("response_mode", [ProcessingMode.NONE, ProcessingMode.STREAMED])
+def test_a_request_routed_at_the_headers_turns_the_response_headers_on(
+    response_mode: int,
+) -> None:
+    """llmgw's own config leaves response headers off (Envoy's own replies to requests it
+    never saw are then not held for it); each routed request turns them on, keeping the
+    configured response body mode."""
+    message = request_headers(chat_headers(**{"x-llmgw-model": "m1"}))
+    message.protocol_config.CopyFrom(
+        ProtocolConfiguration(
+            request_body_mode=ProcessingMode.NONE, response_body_mode=response_mode
+        )
+    )
+    answer = parse(Exchange(Gateway(Scheduler(make_config()))).handle(message))
+    assert "x-gateway-destination-endpoint" in set_headers(answer)
     override = answer.mode_override
     assert override.response_header_mode == ProcessingMode.SEND
     assert override.request_body_mode == ProcessingMode.NONE
+    assert override.response_body_mode == response_mode
 
 
 @pytest.mark.parametrize("raw", [True, False])

@@ -251,13 +251,16 @@ def test_none_mode_asks_for_a_buffered_body_keeping_the_response_mode(
     assert int(override.response_body_mode) == response_mode
 
 
-@pytest.mark.parametrize("request_mode", [ProcessingMode.NONE, ProcessingMode.BUFFERED])
+ASKED = [ProcessingMode.NONE, ProcessingMode.STREAMED, ProcessingMode.BUFFERED]
+
+
+@pytest.mark.parametrize("request_mode", ASKED)
 def test_a_buffered_body_that_trailers_end_is_routed(request_mode: int) -> None:
     """HTTP/2 with trailers: Envoy sends the buffered body once, with end_of_stream false
     (the trailers end it). Through the override it used to be let through unrouted."""
     ex = exchange()
     (head,) = decode(ex.handle(first(chat_headers(), request_mode=request_mode, response_mode=0)))
-    if request_mode == ProcessingMode.NONE:
+    if request_mode != ProcessingMode.BUFFERED:  # llmgw asked for the body
         override = head.mode_override
         assert override is not None
         assert int(override.request_trailer_mode) == ProcessingMode.SEND
@@ -269,7 +272,7 @@ def test_a_buffered_body_that_trailers_end_is_routed(request_mode: int) -> None:
     assert kind(trailers) == "request_trailers"
 
 
-@pytest.mark.parametrize("request_mode", [ProcessingMode.NONE, ProcessingMode.BUFFERED])
+@pytest.mark.parametrize("request_mode", ASKED)
 def test_trailers_after_no_body_are_a_400_not_an_unrouted_request(request_mode: int) -> None:
     ex = exchange()
     ex.handle(first(chat_headers(), request_mode=request_mode, response_mode=0))
