@@ -413,7 +413,7 @@ def _listener(
         },
         # The header and body limits first: an oversized request never reaches ext_proc.
         "http_filters": [
-            envoylimits.header_limit_filter(),
+            envoylimits.header_limit_filter(max_body),
             envoylimits.body_limit_filter(max_body),
             ext_proc,
             router,

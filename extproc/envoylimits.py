@@ -92,17 +92,25 @@ function envoy_on_request(handle)
   end
   if count > %(count)d or size > %(bytes)d then
     handle:respond({[":status"] = "431", ["content-type"] = "application/json"}, "")
+    return
+  end
+  local length = tonumber(handle:headers():get("content-length") or "")
+  if length ~= nil and length > %(body)d then
+    handle:respond({[":status"] = "413", ["content-type"] = "application/json"}, "")
   end
 end
 """
 
 
-def header_limit_filter() -> dict[str, Any]:
-    """431 past CLIENT_MAX_HEADERS headers or CLIENT_MAX_HEADERS_KB (the body comes from the
-    local reply mapper)."""
+def header_limit_filter(max_body_bytes: int) -> dict[str, Any]:
+    """431 past CLIENT_MAX_HEADERS headers or CLIENT_MAX_HEADERS_KB, and 413 for a declared
+    content-length above the body limit before any of the body is read (the buffer filter
+    waits for the limit to pass; the proxy checks the header too). The bodies come from the
+    local reply mapper."""
     code = _HEADER_LIMIT_LUA % {
         "count": CLIENT_MAX_HEADERS,
         "bytes": CLIENT_MAX_HEADERS_KB * 1024,
+        "body": max_body_bytes,
     }
     return {
         "name": "envoy.filters.http.lua",

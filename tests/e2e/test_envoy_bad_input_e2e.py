@@ -369,3 +369,24 @@ def test_a_request_routed_at_the_headers_still_reports_its_outcome(
     assert s.replica_index[picked] == int(r.headers["x-sim-replica"])
     assert "x-llmgw-upstream" not in r.headers  # stripped in the response headers answer
     wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "inflight 0")
+
+
+@pytest.mark.parametrize("expect", [False, True], ids=["plain", "expect 100-continue"])
+def test_a_declared_body_over_the_limit_is_413_before_any_of_it_is_sent(
+    stack: StackFactory, sim_fleet: ThreadedFleet, expect: bool
+) -> None:
+    """As the proxy does: the buffer filter alone waited for the limit to pass (a client
+    that waits for 100-continue, or for an answer, waited for the timeout)."""
+    s = stack("original-dst", config=fleet_config(sim_fleet, limits={"max_body_bytes": LIMIT}))
+    head = _post(s, b"", {"expect": "100-continue"} if expect else None)
+    head = head.replace(b"content-length: 0", b"content-length: %d" % (10 * LIMIT))
+    port = int(s.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(head)  # and none of the body
+        answer = b""
+        while chunk := sock.recv(65536):  # to Envoy's close
+            answer += chunk
+    final = answer.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert final.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert json.loads(final.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_too_large"
+    assert _decisions(s) == 0
