@@ -375,8 +375,9 @@ def test_a_request_routed_at_the_headers_still_reports_its_outcome(
 def test_a_declared_body_over_the_limit_is_413_before_any_of_it_is_sent(
     stack: StackFactory, sim_fleet: ThreadedFleet, expect: bool
 ) -> None:
-    """As the proxy does: the buffer filter alone waited for the limit to pass (a client
-    that waits for 100-continue, or for an answer, waited for the timeout)."""
+    """As the proxy does. The buffer filter alone reads up to the limit first: an upload
+    declared at 10 MB sent 1 MB before its 413, and one that has sent nothing yet (after
+    Envoy's own 100 Continue, here) got no answer."""
     s = stack("original-dst", config=fleet_config(sim_fleet, limits={"max_body_bytes": LIMIT}))
     head = _post(s, b"", {"expect": "100-continue"} if expect else None)
     head = head.replace(b"content-length: 0", b"content-length: %d" % (10 * LIMIT))
