@@ -476,9 +476,15 @@ class Exchange:
                 return self._refuse_too_large()
             return self._route(b"".join(self._body)) if end else ()
         self._hold(chunk)
+        if self.lifecycle.decision is not None:  # routed at the headers: the body is not read
+            return CONTINUE_REQUEST_BODY
         if self._request_mode == BUFFERED_PARTIAL and not end:
-            return self._refuse_too_large()  # the gateway's buffer filled: the body is cut
-        if self.lifecycle.decision is not None or not (end or self._request_mode == BUFFERED):
+            # The gateway's buffer filled (the body is cut), unless trailers ended the body
+            # (HTTP/2 sends them after it): then it is as long as it said it would be.
+            if self._headers.get("content-length") != str(self._body_size):
+                return self._refuse_too_large()
+            end = self._body_ended = True
+        if not (end or self._request_mode == BUFFERED):
             return CONTINUE_REQUEST_BODY
         self._after_body = True
         return self._route(b"".join(self._body))

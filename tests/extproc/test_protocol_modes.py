@@ -239,6 +239,24 @@ def test_buffered_partial_cut_body_is_413() -> None:
     assert reply.immediate_response.status.code == 413  # type: ignore[union-attr]
 
 
+def test_buffered_partial_body_that_trailers_end_is_routed_not_cut() -> None:
+    """Without end_of_stream, but as long as its content-length: trailers ended it."""
+    ex = exchange()
+    mode = ProcessingMode.BUFFERED_PARTIAL
+    headers = chat_headers(**{"content-length": str(len(CHAT))})
+    ex.handle(first(headers, request_mode=mode, response_mode=0))
+    (routed,) = decode(ex.handle(body(CHAT, end=False)))
+    assert kind(routed) == "request_body" and ex.decision is not None
+
+
+def test_buffered_partial_body_of_a_request_routed_at_the_headers_passes() -> None:
+    ex = exchange()  # ring strategy + model header: the body is not needed to route
+    mode = ProcessingMode.BUFFERED_PARTIAL
+    ex.handle(first(chat_headers(**{"x-llmgw-model": "m1"}), request_mode=mode, response_mode=0))
+    (answer,) = decode(ex.handle(body(CHAT[:20], end=False)))
+    assert kind(answer) == "request_body" and answer.immediate_response is None
+
+
 @pytest.mark.parametrize("response_mode", [ProcessingMode.NONE, ProcessingMode.BUFFERED])
 def test_none_mode_asks_for_a_buffered_body_keeping_the_response_mode(
     response_mode: int,
