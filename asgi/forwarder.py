@@ -28,6 +28,7 @@ from llmgw.asgi.upstream import (
     ConnectFailed,
     PoolLimits,
     ResetBeforeResponse,
+    UpstreamBroken,
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
@@ -142,11 +143,12 @@ class Forwarder:
             address = endpoint.address
             try:
                 response = await self.pool.request(address, method, target, headers, body)
-            except (ConnectFailed, ResetBeforeResponse, UpstreamTimeout) as exc:
-                log.debug("upstream %s refused before answering: %s", address, exc)
+            except (ConnectFailed, ResetBeforeResponse, UpstreamTimeout, UpstreamBroken) as exc:
+                # Nothing went to the client yet (a broken head included): try a fallback.
+                log.debug("upstream %s failed before answering: %s", address, exc)
                 if dispatch.fall_back(Outcome.FAILURE) is None:
                     raise UpstreamUnreachable(
-                        f"no endpoint of model {endpoint.model!r} could be reached "
+                        f"no endpoint of model {endpoint.model!r} answered "
                         f"(tried {dispatch.attempts}; last: {exc})"
                     ) from None
                 continue

@@ -11,7 +11,13 @@ is accepted whole). Envoy in front of llmgw bounds both; `llmgw proxy` alone mus
   431 and close, counted as the parser goes (nothing past the limit is kept), the same
   limits and the same JSON error as the generated Envoy config's;
 - a close while the request is still arriving (after a 413 or a refused head, the client
-  still writing) lingers instead of resetting the connection, so the answer is read.
+  still writing) lingers instead of resetting the connection, so the answer is read;
+- what uvicorn answers in plain text or not at all gets the JSON errors Envoy's config
+  gives: a malformed request 400 (uvicorn's answer also cut off the answer of a request
+  before it on the same connection), HTTP/1.0 426 (uvicorn chunked streamed answers to
+  HTTP/1.0 clients), a missing Host 400, and an `Upgrade` request (h2c, websocket) 400:
+  the parser hands the body of such a request over as the new protocol's bytes, so the
+  app read an empty body.
 The body's timeout is the middleware's (`read_body`): the app reads the body, not this.
 """
 
@@ -23,7 +29,13 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from llmgw.config import LimitsSpec
-from llmgw.errors import HeadersTooLarge, LlmgwError, RequestTimeout
+from llmgw.errors import (
+    HeadersTooLarge,
+    LlmgwError,
+    MalformedRequest,
+    RequestTimeout,
+    UpgradeRequired,
+)
 from llmgw.request import CLIENT_MAX_HEADERS, CLIENT_MAX_HEADERS_KB, HEADERS_TOO_LARGE
 
 _HEAD_SLACK = 4096  # raw head bytes beyond the counted ones: separators, line ends
@@ -174,7 +186,55 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_started = False
         self._in_head = False
         self._head_received = 0
+        refused = self._wrong_protocol()
+        if refused is not None:
+            self._refuse(refused)
+            return
         super().on_headers_complete()
+
+    def _wrong_protocol(self) -> LlmgwError | None:
+        version = self.parser.get_http_version()
+        if version != "1.1":
+            return UpgradeRequired(f"HTTP/{version} is not served: send HTTP/1.1")
+        if not any(name == b"host" for name, _ in self.headers):
+            return MalformedRequest("an HTTP/1.1 request needs a Host header")
+        if self.parser.should_upgrade():
+            upgrade = next((v for n, v in self.headers if n == b"upgrade"), b"")
+            return MalformedRequest(
+                f"the proxy does not switch protocols (Upgrade: "
+                f"{upgrade.decode('latin-1')[:64]}): send the request without Upgrade"
+            )
+        return None
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes its parser refuses (plain text, written at once)."""
+        error = MalformedRequest(
+            "the request is not valid HTTP/1.1 (request line, header syntax, "
+            "content-length or chunked framing)"
+        )
+        cycle = self.cycle
+        if not self._in_head and cycle is not None and not cycle.response_started:
+            # The body of the request being read is broken: answer it now; its app stops
+            # waiting for the rest (it sees the client gone) and answers nothing.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self._disarm()
+            self._raw.write(_reply(error))
+            self._linger()
+            return
+        self._refuse(error)
+
+    def on_response_complete(self) -> None:
+        if not self._in_head and self.expect_100_continue and not self.transport.is_closing():
+            # Answered before the body was asked for (405, 413 from content-length): the
+            # client may never send it, and its next request would be read as that body.
+            self.server_state.total_requests += 1
+            self.transport.close()  # lingers: the body may still be coming
+            return
+        super().on_response_complete()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """uvicorn's log line for an upgrade it cannot make: refused (and said) already."""
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:

@@ -8,7 +8,8 @@ on a fallback), and response bodies handed over chunk by chunk as they arrive.
 
 Errors say how far the exchange got, because that decides whether a fallback is safe:
 `ConnectFailed` (nothing was sent), `ResetBeforeResponse` (sent, but no response byte came
-back), `UpstreamBroken` (the response was cut after its head), `UpstreamTimeout`.
+back), `UpstreamBroken` (the response was cut or broke HTTP), `UpstreamTimeout`. Interim
+1xx responses are skipped; bytes past a response's end drop the connection.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class ResetBeforeResponse(UpstreamError):
 
 
 class UpstreamBroken(UpstreamError):
-    """The response was cut (connection lost or unparsable) after its head arrived."""
+    """The response was cut (connection lost) or broke HTTP (unparsable, a status outside
+    200-599, bytes past its end)."""
 
 
 class UpstreamTimeout(UpstreamError):
@@ -180,6 +182,8 @@ def _delimited_by_close(headers: list[tuple[bytes, bytes]]) -> bool:
 
 class _Connection(asyncio.Protocol):
     __slots__ = (
+        "_expecting",
+        "_interim",
         "_last_activity",
         "_paused",
         "_timer",
@@ -207,6 +211,10 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
+        # From a request's write to its final response's end: any message outside that
+        # window is bytes the engine sent past its own framing (the connection is dropped).
+        self._expecting = False
+        self._interim = False  # the message being parsed is a 1xx: the final one follows
 
     # asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -237,31 +245,55 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            if self.response is not None:
-                self.response._fail(UpstreamBroken(self.address, f"bad HTTP response: {exc}"))
-            self.abort()
+            self._broken(f"bad HTTP response: {exc}")
+
+    def _broken(self, reason: str) -> None:
+        """The engine broke HTTP: the response fails if it is not over, the connection goes."""
+        if self.response is not None:
+            self.response.keep_alive = False
+            self.response._fail(UpstreamBroken(self.address, reason))
+        self._expecting = False
+        self.abort()
 
     # httptools callbacks -------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if not self._expecting:
+            # A response the proxy did not ask for: bytes past the last one's length (which
+            # used to become the next request's response, or hang it), or sent while idle.
+            self._broken("bytes after the end of the response")
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.response is not None:
+        if self._expecting and self.response is not None:
             self.response.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         response = self.response
-        if response is None:
+        if response is None or not self._expecting:
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: not final
+            self._interim = True
+            response.headers.clear()
+            return
+        if not 200 <= status <= 599:  # 101 never asked for (no upgrade is forwarded)
+            self._broken(f"status {status} is not a final HTTP status")
             return
         response.keep_alive = bool(self.parser.should_keep_alive())
-        response.status = self.parser.get_status_code()
+        response.status = status
         response._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self.response is not None:
+        if self._expecting and self.response is not None:
             self.response._feed(body)
 
     def on_message_complete(self) -> None:
         response = self.response
-        if response is None:
+        if response is None or not self._expecting:
             return
+        if self._interim:  # the final response is still to come
+            self._interim = False
+            return
+        self._expecting = False
         response.complete = True
         self._cancel_timer()
         response._wake()
@@ -281,6 +313,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.response = response
         self.uses += 1
+        self._expecting = True
         self.transport.write(payload)
         self._last_activity = self.loop.time()
         self._timer = self.loop.call_at(self._last_activity + read_timeout, self._check_timeout)

@@ -42,6 +42,25 @@ class BadRequest(LlmgwError):
     type = "invalid_request_error"
 
 
+class MalformedRequest(BadRequest):
+    """Not valid HTTP/1.1 (framing, header syntax, a missing Host), or a protocol switch
+    the proxy does not make: the connection cannot carry another request."""
+
+    closes = True
+
+
+class UpgradeRequired(LlmgwError):
+    """HTTP/1.0: Envoy's answer (426) on both edges; streamed answers need HTTP/1.1."""
+
+    status = 426
+    code = "invalid_request"
+    type = "invalid_request_error"
+    closes = True
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"upgrade": "HTTP/1.1"})
+
+
 class BodyTooLarge(LlmgwError):
     status = 413
     code = "body_too_large"
@@ -143,7 +162,7 @@ class InternalError(LlmgwError):
 
 
 class UpstreamUnreachable(LlmgwError):
-    """No endpoint of the Decision could be reached (connect error, reset, timeout)."""
+    """No endpoint of the Decision answered (connect error, reset, timeout, a broken head)."""
 
     status = 502
     code = "upstream_unreachable"

@@ -152,7 +152,7 @@ def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:
     if not path.split("?", 1)[0].startswith(BODY_PATHS):
         return False
     model = headers.get(config.model_header)
-    if model is None:
+    if not model:  # absent, or sent empty: the body names it
         return True
     spec = config.models.get(model)
     return spec is not None and any(

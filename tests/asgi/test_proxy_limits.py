@@ -239,3 +239,100 @@ async def test_a_pipelined_head_refused_mid_answer_never_splits_that_answer() ->
     assert b"431" not in first + rest and b"data: two" in rest
     assert rest.endswith(b"0\r\n\r\n")  # the first answer's last chunk, then the close
     assert len(upstream.requests) == 1
+
+
+MALFORMED = {
+    "garbage request line": b"GARBAGE\r\n\r\n",
+    "content-length and chunked": _head([("transfer-encoding", "chunked")]) + b"0\r\n\r\n",
+    "bad chunk size": (
+        f"POST {CHAT} HTTP/1.1\r\nhost: llm\r\ntransfer-encoding: chunked\r\n\r\nZZ\r\n".encode()
+    ),
+    "space in a header name": _head([("bad name", "1")]) + BODY,
+}
+
+
+@pytest.mark.parametrize("data", MALFORMED.values(), ids=MALFORMED.keys())
+async def test_a_malformed_request_gets_a_json_400_and_a_closed_connection(
+    engine: ScriptedUpstream, data: bytes
+) -> None:
+    """uvicorn's own answer was `Invalid HTTP request received.` in plain text."""
+    app, protocol = _proxy(make_config([engine.address]))
+    async with serve(app, http=protocol) as base:
+        answer, closed = await _exchange(base, data)
+    status, error, headers = _status_and_error(answer)
+    assert (status, error["code"]) == (400, "invalid_request"), answer[:200]
+    assert "not valid HTTP/1.1" in error["message"]
+    assert closed and headers[b"connection"] == b"close"
+    assert engine.requests == [] and _inflight(app) == 0
+
+
+async def test_a_malformed_request_after_a_good_one_never_costs_the_good_ones_answer(
+    engine: ScriptedUpstream,
+) -> None:
+    """uvicorn wrote its 400 and closed at once, the good request's answer unsent."""
+    app, protocol = _proxy(make_config([engine.address]))
+    async with serve(app, http=protocol) as base:
+        answer, closed = await _exchange(base, _head([]) + BODY + b"GARBAGE\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"{}"), answer[:300]
+    assert closed and len(engine.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "said"),
+    [
+        (
+            f"POST {CHAT} HTTP/1.0\r\ncontent-length: {len(BODY)}\r\n\r\n".encode() + BODY,
+            426,
+            "HTTP/1.0 is not served",
+        ),
+        (
+            f"POST {CHAT} HTTP/1.1\r\ncontent-length: {len(BODY)}\r\n\r\n".encode() + BODY,
+            400,
+            "needs a Host header",
+        ),
+        (
+            _head([("connection", "Upgrade, HTTP2-Settings"), ("upgrade", "h2c")]) + BODY,
+            400,
+            "does not switch protocols (Upgrade: h2c)",
+        ),
+    ],
+    ids=["HTTP/1.0", "no Host", "Upgrade: h2c"],
+)
+async def test_requests_in_another_protocol_are_refused_as_envoy_does(
+    engine: ScriptedUpstream, data: bytes, status: int, said: str
+) -> None:
+    """HTTP/1.0 streams came back chunked (which 1.0 clients cannot read); an Upgrade
+    request's body was handed to the parser as the new protocol's bytes (the app read an
+    empty body: 400 'not valid JSON')."""
+    app, protocol = _proxy(make_config([engine.address]))
+    async with serve(app, http=protocol) as base:
+        answer, closed = await _exchange(base, data)
+    got, error, headers = _status_and_error(answer)
+    assert (got, error["code"]) == (status, "invalid_request") and said in error["message"]
+    assert closed and headers[b"connection"] == b"close" and engine.requests == []
+    assert headers.get(b"upgrade") == (b"http/1.1" if status == 426 else None)  # lowered
+
+
+async def test_an_early_answer_to_an_expect_100_request_closes_the_connection(
+    engine: ScriptedUpstream,
+) -> None:
+    """The body was never asked for: the client may skip it, and its next request on the
+    connection would be read as that body."""
+    app, protocol = _proxy(make_config([engine.address]))
+    head = f"PUT {CHAT} HTTP/1.1\r\nhost: llm\r\ncontent-length: 10\r\nexpect: 100-continue\r\n\r\n"
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        writer.write(head.encode())
+        # At once, not at uvicorn's keep-alive timeout (5 s) for an idle connection.
+        answer = await asyncio.wait_for(reader.read(), 2.0)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 405")
+
+
+async def test_an_empty_model_header_leaves_the_model_to_the_body(
+    engine: ScriptedUpstream,
+) -> None:
+    app, protocol = _proxy(make_config([engine.address]))
+    async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+        r = await client.post(CHAT, content=BODY, headers={"x-llmgw-model": ""})
+    assert r.status_code == 200, r.text
