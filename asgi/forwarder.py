@@ -161,6 +161,8 @@ class Forwarder:
     async def _relay(self, dispatch: Lifecycle, response: UpstreamResponse, send: Send) -> None:
         dispatch.response(response.status)  # before the first byte: an error is no first token
         headers = [(n, v) for n, v in response.headers if n not in HOP_BY_HOP]
+        if response.status in (204, 304):  # no body follows: a length would make uvicorn
+            headers = [(n, v) for n, v in headers if n != b"content-length"]  # wait for one
         if dispatch.config.debug_headers and dispatch.decision is not None:
             summary = debug_summary(dispatch.decision, dispatch.endpoint)
             headers.append((_DEBUG_HEADER, summary.encode("latin-1", "replace")))

@@ -23,6 +23,9 @@ from typing import cast
 import httptools
 
 _HIGH_WATER = 256 * 1024  # buffered response bytes before the socket stops being read
+# A response head past these is refused (Envoy's codec limits for upstream heads too).
+_MAX_HEADERS = 100
+_MAX_HEAD = 60 * 1024
 _LOW_WATER = 64 * 1024
 
 
@@ -183,6 +186,7 @@ def _delimited_by_close(headers: list[tuple[bytes, bytes]]) -> bool:
 class _Connection(asyncio.Protocol):
     __slots__ = (
         "_expecting",
+        "_head_bytes",
         "_interim",
         "_last_activity",
         "_paused",
@@ -215,6 +219,7 @@ class _Connection(asyncio.Protocol):
         # window is bytes the engine sent past its own framing (the connection is dropped).
         self._expecting = False
         self._interim = False  # the message being parsed is a 1xx: the final one follows
+        self._head_bytes = 0
 
     # asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -263,8 +268,13 @@ class _Connection(asyncio.Protocol):
             self._broken("bytes after the end of the response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._expecting and self.response is not None:
-            self.response.headers.append((name.lower(), value))
+        response = self.response
+        if not self._expecting or response is None:
+            return
+        response.headers.append((name.lower(), value))
+        self._head_bytes += len(name) + len(value)
+        if len(response.headers) > _MAX_HEADERS or self._head_bytes > _MAX_HEAD:
+            self._broken(f"response head past {_MAX_HEADERS} headers or {_MAX_HEAD} bytes")
 
     def on_headers_complete(self) -> None:
         response = self.response
@@ -314,6 +324,7 @@ class _Connection(asyncio.Protocol):
         self.response = response
         self.uses += 1
         self._expecting = True
+        self._head_bytes = 0
         self.transport.write(payload)
         self._last_activity = self.loop.time()
         self._timer = self.loop.call_at(self._last_activity + read_timeout, self._check_timeout)
@@ -329,7 +340,7 @@ class _Connection(asyncio.Protocol):
                 max(deadline, self.loop.time() + 0.001), self._check_timeout
             )
             return
-        response._fail(UpstreamTimeout(self.address, "no response byte within read_timeout"))
+        response._fail(UpstreamTimeout(self.address, "no byte from it for read_timeout"))
         self.abort()
 
     def _cancel_timer(self) -> None:

@@ -89,8 +89,12 @@ async def test_an_interim_answer_is_skipped_for_the_final_one(interim: bytes) ->
 
 @pytest.mark.parametrize(
     "head",
-    [b"NOT HTTP AT ALL\r\n\r\n", b"HTTP/1.1 999 Odd\r\ncontent-length: 0\r\n\r\n"],
-    ids=["not HTTP", "status 999"],
+    [
+        b"NOT HTTP AT ALL\r\n\r\n",
+        b"HTTP/1.1 999 Odd\r\ncontent-length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\n" + b"x-big: " + b"a" * 70_000 + b"\r\ncontent-length: 0\r\n\r\n",
+    ],
+    ids=["not HTTP", "status 999", "a 70 KB header"],
 )
 async def test_a_head_that_breaks_http_is_a_json_502(head: bytes) -> None:
     """Before: uvicorn's plain-text 500 (unparsable head) or no answer at all (status 999:
@@ -113,4 +117,27 @@ async def test_a_head_that_breaks_http_is_a_json_502(head: bytes) -> None:
     error = reply.json()["error"]
     assert error["code"] == "upstream_unreachable" and engine.address in error["message"]
     assert outcome_count(app.telemetry, engine.address, "failure") == 1
+    assert _inflight(app) == 0
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_a_bodiless_status_with_a_length_is_answered_whole(status: int) -> None:
+    """uvicorn took the length for a body still to come: the answer ended in its error
+    (connection dropped, the outcome never recorded as a success)."""
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(b"HTTP/1.1 %d X\r\ncontent-length: 12\r\n\r\n" % status)
+        await writer.drain()
+
+    engine = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([engine.address]))
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=5) as client:
+            replies = [await client.post(CHAT, content=BODY) for _ in range(2)]
+    finally:
+        await engine.stop()
+    assert [r.status_code for r in replies] == [status, status]
+    assert outcome_count(app.telemetry, engine.address, "success") == 2
     assert _inflight(app) == 0
