@@ -106,6 +106,8 @@ class GuardedProtocol(HttpToolsProtocol):
         header). A pipelined head refused while an earlier request's answer is still going
         out gets no answer in the middle of that one: the connection closes after it."""
         self._disarm()
+        if self._refused:  # refused already: one answer, one close
+            return
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             self._refused = True  # nothing more is read or parsed
@@ -208,10 +210,18 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes its parser refuses (plain text, written at once)."""
+        if self._refused:  # the parser ran on past a refusal in the same read
+            return
         error = MalformedRequest(
             "the request is not valid HTTP/1.1 (request line, header syntax, "
             "content-length or chunked framing)"
         )
+        if self.pipeline:
+            # The broken body is a queued request's, behind one still being answered: it
+            # never starts, and the connection closes after that answer.
+            self.pipeline.clear()
+            self._refused = True
+            return
         cycle = self.cycle
         if not self._in_head and cycle is not None and not cycle.response_started:
             # The body of the request being read is broken: answer it now; its app stops
@@ -225,13 +235,19 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refuse(error)
 
     def on_response_complete(self) -> None:
-        if not self._in_head and self.expect_100_continue and not self.transport.is_closing():
-            # Answered before the body was asked for (405, 413 from content-length): the
-            # client may never send it, and its next request would be read as that body.
+        early = not self._in_head and self.expect_100_continue  # of the request just answered
+        if not self.pipeline and not self.transport.is_closing() and (self._refused or early):
+            # Refused while this answer went out; or answered before the body was asked for
+            # (405, 413 from content-length): the client may never send it, and its next
+            # request would be read as that body.
             self.server_state.total_requests += 1
             self.transport.close()  # lingers: the body may still be coming
             return
         super().on_response_complete()
+
+    def _should_upgrade(self) -> bool:
+        """No protocol switch, whatever is installed: refused in `on_headers_complete`."""
+        return False
 
     def _unsupported_upgrade_warning(self) -> None:
         """uvicorn's log line for an upgrade it cannot make: refused (and said) already."""

@@ -251,6 +251,8 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._broken(f"bad HTTP response: {exc}")
+        except httptools.HttpParserUpgrade:  # a 101 (refused in on_headers_complete)
+            self._broken("the engine switched protocols")
 
     def _broken(self, reason: str) -> None:
         """The engine broke HTTP: the response fails if it is not over, the connection goes."""
@@ -284,6 +286,7 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200 and status != 101:  # 100 Continue, 103 Early Hints: not final
             self._interim = True
             response.headers.clear()
+            self._head_bytes = 0
             return
         if not 200 <= status <= 599:  # 101 never asked for (no upgrade is forwarded)
             self._broken(f"status {status} is not a final HTTP status")
@@ -293,7 +296,7 @@ class _Connection(asyncio.Protocol):
         response._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self._expecting and self.response is not None:
+        if self._expecting and not self._interim and self.response is not None:
             self.response._feed(body)
 
     def on_message_complete(self) -> None:

@@ -5,6 +5,8 @@ in-flight slot held by a request that never finishes arriving."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from collections.abc import AsyncIterator
 
 import httpx
@@ -29,6 +31,7 @@ from llmgw.request import CLIENT_MAX_HEADERS, CLIENT_MAX_HEADERS_KB
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
 QUICK = {"client_header_timeout": 0.3, "client_body_timeout": 0.3}
+STATUS_LINE = re.compile(rb"HTTP/1\.1 \d{3} ")
 
 
 async def _answers(
@@ -336,3 +339,31 @@ async def test_an_empty_model_header_leaves_the_model_to_the_body(
     async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
         r = await client.post(CHAT, content=BODY, headers={"x-llmgw-model": ""})
     assert r.status_code == 200, r.text
+
+
+async def test_a_queued_request_with_a_broken_body_never_splits_the_answer_before_it(
+    engine: ScriptedUpstream,
+) -> None:
+    """The 400 went to whichever request was parsed last: written at once, it landed
+    ahead of the earlier request's answer (and cut it off)."""
+    app, protocol = _proxy(make_config([engine.address]))
+    broken = f"POST {CHAT} HTTP/1.1\r\nhost: llm\r\ntransfer-encoding: chunked\r\n\r\nZZ\r\n"
+    async with serve(app, http=protocol) as base:
+        answer, closed = await _exchange(base, _head([]) + BODY + broken.encode())
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"{}"), answer[:300]
+    assert len(STATUS_LINE.findall(answer)) == 1 and closed and len(engine.requests) == 1
+
+
+async def test_two_refusals_in_one_read_answer_once(
+    engine: ScriptedUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No Host, then garbage in the same read: the second refusal wrote after the first
+    had shut the connection's write side (a fatal transport error, no lingering close)."""
+    app, protocol = _proxy(make_config([engine.address]))
+    data = f"POST {CHAT} HTTP/1.1\r\ncontent-length: 0\r\n\r\nGARBAGE\r\n\r\n".encode()
+    async with serve(app, http=protocol) as base:
+        answer, closed = await _exchange(base, data)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    status, error, _ = _status_and_error(answer)
+    assert status == 400 and "Host" in error["message"] and closed
+    assert len(STATUS_LINE.findall(answer)) == 1 and engine.requests == []
