@@ -187,6 +187,7 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "_expecting",
         "_head_bytes",
+        "_head_only",
         "_interim",
         "_last_activity",
         "_paused",
@@ -220,6 +221,7 @@ class _Connection(asyncio.Protocol):
         self._expecting = False
         self._interim = False  # the message being parsed is a 1xx: the final one follows
         self._head_bytes = 0
+        self._head_only = False  # the request is a HEAD: its answer ends with its head
 
     # asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -293,6 +295,14 @@ class _Connection(asyncio.Protocol):
             return
         response.keep_alive = bool(self.parser.should_keep_alive())
         response.status = status
+        if self._head_only:
+            # An answer to HEAD has no body, whatever length it names; the parser does not
+            # know the request was a HEAD and would wait for one: done here, and the
+            # connection is not reused (its parser is mid-message).
+            response.keep_alive = False
+            self._expecting = False
+            response.complete = True
+            self._cancel_timer()
         response._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -322,11 +332,14 @@ class _Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
 
-    def send(self, payload: bytes, response: UpstreamResponse, read_timeout: float) -> None:
+    def send(
+        self, payload: bytes, response: UpstreamResponse, read_timeout: float, *, head: bool
+    ) -> None:
         assert self.transport is not None
         self.response = response
         self.uses += 1
         self._expecting = True
+        self._head_only = head
         self._head_bytes = 0
         self.transport.write(payload)
         self._last_activity = self.loop.time()
@@ -480,7 +493,7 @@ class UpstreamPool:
         for _ in range(2):
             conn = await self._checkout(address)
             response = UpstreamResponse(conn)
-            conn.send(payload, response, self.limits.read_timeout)
+            conn.send(payload, response, self.limits.read_timeout, head=method == "HEAD")
             try:
                 await response._head()
             except ResetBeforeResponse as exc:

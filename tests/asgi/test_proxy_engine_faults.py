@@ -141,3 +141,28 @@ async def test_a_bodiless_status_with_a_length_is_answered_whole(status: int) ->
     assert [r.status_code for r in replies] == [status, status]
     assert outcome_count(app.telemetry, engine.address, "success") == 2
     assert _inflight(app) == 0
+
+
+async def test_a_head_request_ends_with_the_answers_head() -> None:
+    """The response parser does not know the request was a HEAD: it waited for the body
+    the length named, until `upstream_read_timeout` (600 s)."""
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n")
+        await writer.drain()
+
+    engine = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([engine.address]))
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=5) as client:
+            reply = await client.head("/v1/anything", headers={"x-llmgw-model": MODEL})
+            # The client has its answer either way: the proxy must be done too, at once.
+            async with asyncio.timeout(2.0):
+                while _inflight(app):
+                    await asyncio.sleep(0.01)
+    finally:
+        await engine.stop()
+    assert reply.status_code == 200 and reply.headers["content-length"] == "50"
+    assert [r.method for r in engine.requests] == ["HEAD"]
