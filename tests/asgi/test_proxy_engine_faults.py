@@ -13,76 +13,72 @@ import pytest
 from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.testing import (
     MODEL,
+    Script,
     ScriptedUpstream,
     UpstreamRequest,
     make_config,
     outcome_count,
     serve,
 )
-from llmgw.config import Config
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
-
-
-def proxy_for(config: Config) -> ProxyApp:
-    return ProxyApp(config, scrape=False)
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
 
 
 def _inflight(app: ProxyApp) -> int:
     return sum(s.inflight for s in app.router.registry.states(MODEL))
 
 
-async def test_bytes_past_a_responses_end_never_become_the_next_requests_answer() -> None:
-    """The engine's first answer carries a second, unasked-for response after its body.
-    Before: the client got both content-lengths, and the next request, on the pooled
-    connection, took the stray bytes for its answer or hung holding its slot."""
-    answers = [
-        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
-        b"HTTP/1.1 201 Created\r\ncontent-length: 6\r\n\r\nSTRAY!",
-        b'HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n{"n":2}',
-    ]
+def _writes(*answers: list[bytes]) -> Script:
+    """An engine that writes `answers[i]` (its parts 50 ms apart) to its i-th request (the
+    last again after that)."""
+    served = 0
 
     async def script(
         request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        writer.write(answers[min(len(engine.requests), 2) - 1])
-        await writer.drain()
+        nonlocal served
+        parts = answers[min(served, len(answers) - 1)]
+        served += 1
+        for i, part in enumerate(parts):
+            if i:
+                await asyncio.sleep(0.05)  # the engine's own pace between parts
+            writer.write(part)
+            await writer.drain()
 
+    return script
+
+
+async def _post(script: Script, count: int = 1) -> tuple[list[httpx.Response], str, ProxyApp]:
+    """`count` chat requests through a proxy to one engine: (replies, its address, app)."""
     engine = await ScriptedUpstream(script).start()
-    app = proxy_for(make_config([engine.address]))
+    app = ProxyApp(make_config([engine.address]), scrape=False)
     try:
         async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=5) as client:
-            first = await client.post(CHAT, content=BODY)
-            second = await client.post(CHAT, content=BODY)
+            replies = [await client.post(CHAT, content=BODY) for _ in range(count)]
     finally:
         await engine.stop()
+    return replies, engine.address, app
+
+
+async def test_bytes_past_a_responses_end_never_become_the_next_requests_answer() -> None:
+    """The engine's first answer carries a second, unasked-for response after its body.
+    Before: the client got both content-lengths, and the next request, on the pooled
+    connection, took the stray bytes for its answer or hung holding its slot."""
+    stray = OK + b"HTTP/1.1 201 Created\r\ncontent-length: 6\r\n\r\nSTRAY!"
+    second = b'HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n{"n":2}'
+    (first, then), _, app = await _post(_writes([stray], [second]), count=2)
     assert first.status_code == 200 and first.content == b"{}"
     assert first.headers.get_list("content-length") == ["2"]
-    assert second.status_code == 200 and second.content == b'{"n":2}'
-    assert len(engine.requests) == 2 and _inflight(app) == 0
+    assert then.status_code == 200 and then.content == b'{"n":2}'
+    assert _inflight(app) == 0
 
 
 @pytest.mark.parametrize("interim", [b"100 Continue", b"103 Early Hints\r\nlink: </x>"])
 async def test_an_interim_answer_is_skipped_for_the_final_one(interim: bytes) -> None:
     """A 1xx was relayed as the final answer (chunked, empty) and the real 200 lost."""
-
-    async def script(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        writer.write(b"HTTP/1.1 " + interim + b"\r\n\r\n")
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
-        await writer.drain()
-
-    engine = await ScriptedUpstream(script).start()
-    app = proxy_for(make_config([engine.address]))
-    try:
-        async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=5) as client:
-            reply = await client.post(CHAT, content=BODY)
-    finally:
-        await engine.stop()
+    (reply,), _, _ = await _post(_writes([b"HTTP/1.1 " + interim + b"\r\n\r\n", OK]))
     assert reply.status_code == 200 and reply.content == b"{}"
     assert "link" not in reply.headers
 
@@ -99,24 +95,11 @@ async def test_an_interim_answer_is_skipped_for_the_final_one(interim: bytes) ->
 async def test_a_head_that_breaks_http_is_a_json_502(head: bytes) -> None:
     """Before: uvicorn's plain-text 500 (unparsable head) or no answer at all (status 999:
     uvicorn has no status line for it)."""
-
-    async def script(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        writer.write(head)
-        await writer.drain()
-
-    engine = await ScriptedUpstream(script).start()
-    app = proxy_for(make_config([engine.address]))
-    try:
-        async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=5) as client:
-            reply = await client.post(CHAT, content=BODY)
-    finally:
-        await engine.stop()
+    (reply,), address, app = await _post(_writes([head]))
     assert reply.status_code == 502, reply.text
     error = reply.json()["error"]
-    assert error["code"] == "upstream_unreachable" and engine.address in error["message"]
-    assert outcome_count(app.telemetry, engine.address, "failure") == 1
+    assert error["code"] == "upstream_unreachable" and address in error["message"]
+    assert outcome_count(app.telemetry, address, "failure") == 1
     assert _inflight(app) == 0
 
 
@@ -124,37 +107,20 @@ async def test_a_head_that_breaks_http_is_a_json_502(head: bytes) -> None:
 async def test_a_bodiless_status_with_a_length_is_answered_whole(status: int) -> None:
     """uvicorn took the length for a body still to come: the answer ended in its error
     (connection dropped, the outcome never recorded as a success)."""
-
-    async def script(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        writer.write(b"HTTP/1.1 %d X\r\ncontent-length: 12\r\n\r\n" % status)
-        await writer.drain()
-
-    engine = await ScriptedUpstream(script).start()
-    app = proxy_for(make_config([engine.address]))
-    try:
-        async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=5) as client:
-            replies = [await client.post(CHAT, content=BODY) for _ in range(2)]
-    finally:
-        await engine.stop()
+    head = b"HTTP/1.1 %d X\r\ncontent-length: 12\r\n\r\n" % status
+    replies, address, app = await _post(_writes([head]), count=2)
     assert [r.status_code for r in replies] == [status, status]
-    assert outcome_count(app.telemetry, engine.address, "success") == 2
+    assert outcome_count(app.telemetry, address, "success") == 2
     assert _inflight(app) == 0
 
 
 async def test_a_head_request_ends_with_the_answers_head() -> None:
     """The response parser does not know the request was a HEAD: it waited for the body
     the length named, until `upstream_read_timeout` (600 s)."""
-
-    async def script(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n")
-        await writer.drain()
-
-    engine = await ScriptedUpstream(script).start()
-    app = proxy_for(make_config([engine.address]))
+    engine = await ScriptedUpstream(
+        _writes([b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\n"])
+    ).start()
+    app = ProxyApp(make_config([engine.address]), scrape=False)
     try:
         async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=5) as client:
             reply = await client.head("/v1/anything", headers={"x-llmgw-model": MODEL})
