@@ -26,6 +26,7 @@ _HIGH_WATER = 256 * 1024  # buffered response bytes before the socket stops bein
 # A response head past these is refused (Envoy's codec limits for upstream heads too).
 _MAX_HEADERS = 100
 _MAX_HEAD = 60 * 1024
+_HEAD_SLACK = 4096  # raw head bytes beyond the counted ones: status line, separators
 _LOW_WATER = 64 * 1024
 
 
@@ -188,6 +189,7 @@ class _Connection(asyncio.Protocol):
         "_expecting",
         "_head_bytes",
         "_head_only",
+        "_head_raw",
         "_interim",
         "_last_activity",
         "_paused",
@@ -222,6 +224,7 @@ class _Connection(asyncio.Protocol):
         self._interim = False  # the message being parsed is a 1xx: the final one follows
         self._head_bytes = 0
         self._head_only = False  # the request is a HEAD: its answer ends with its head
+        self._head_raw = 0  # bytes received of this request's answer before its final head
 
     # asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -233,13 +236,15 @@ class _Connection(asyncio.Protocol):
         self._cancel_timer()
         self.pool._forget(self)
         response = self.response
-        if response is not None and not response.complete:
-            if response.status == 0:
+        if response is not None and not response.complete and response._error is None:
+            if response.status == 0 and not self._head_raw:
                 response._fail(
                     ResetBeforeResponse(
                         self.address, "connection closed before a response", reused=self.uses > 1
                     )
                 )
+            elif response.status == 0:  # bytes came (an interim 1xx, part of a head): no retry
+                response._fail(UpstreamBroken(self.address, "connection closed mid-head"))
             elif _delimited_by_close(response.headers):
                 response.complete = True  # a body without length ends when the connection does
                 response.keep_alive = False
@@ -253,8 +258,17 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._broken(f"bad HTTP response: {exc}")
+            return
         except httptools.HttpParserUpgrade:  # a 101 (refused in on_headers_complete)
             self._broken("the engine switched protocols")
+            return
+        response = self.response
+        if self._expecting and response is not None and response.status == 0:
+            # Still in the head (or after a 1xx): counted raw, as the parser holds a header
+            # until its end (one endless header line would grow without bound).
+            self._head_raw += len(data)
+            if self._head_raw > _MAX_HEAD + _HEAD_SLACK:
+                self._broken(f"response head past {_MAX_HEAD} bytes")
 
     def _broken(self, reason: str) -> None:
         """The engine broke HTTP: the response fails if it is not over, the connection goes."""
@@ -340,6 +354,7 @@ class _Connection(asyncio.Protocol):
         self.uses += 1
         self._expecting = True
         self._head_only = head
+        self._head_raw = 0
         self._head_bytes = 0
         self.transport.write(payload)
         self._last_activity = self.loop.time()

@@ -132,3 +132,73 @@ async def test_a_head_request_ends_with_the_answers_head() -> None:
         await engine.stop()
     assert reply.status_code == 200 and reply.headers["content-length"] == "50"
     assert [r.method for r in engine.requests] == ["HEAD"]
+
+
+async def test_an_answer_without_length_that_stalls_is_a_failure_not_a_clean_end() -> None:
+    """The read timeout drops the connection: an answer delimited by the close must not
+    take that close for its end (a truncated body passed as whole, a success), whichever
+    of the two the reader sees first."""
+
+    async def stall(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(b'HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n{"partial')
+        await writer.drain()
+        await reader.read()  # until the proxy gives up on it
+
+    engine = await ScriptedUpstream(stall).start()
+    config = make_config([engine.address], limits={"upstream_read_timeout": 0.3})
+    app = ProxyApp(config, scrape=False)
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=5) as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await client.post(CHAT, content=BODY)
+    finally:
+        await engine.stop()
+    assert outcome_count(app.telemetry, engine.address, "failure") == 1
+    assert outcome_count(app.telemetry, engine.address, "success") == 0
+
+
+async def test_an_engine_that_closes_after_an_interim_answer_is_not_sent_the_request_again() -> (
+    None
+):
+    """After a 1xx the request had visibly arrived; the close used to read as a stale
+    pooled connection's, and the request went to the same engine once more."""
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if len(engine.requests) == 1:
+            writer.write(OK)  # the connection goes back to the pool
+        else:
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            writer.close()
+        await writer.drain()
+
+    engine = await ScriptedUpstream(script).start()
+    app = ProxyApp(make_config([engine.address]), scrape=False)
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base, timeout=5) as client:
+            replies = [await client.post(CHAT, content=BODY) for _ in range(2)]
+    finally:
+        await engine.stop()
+    assert [r.status_code for r in replies] == [200, 502]
+    assert len(engine.requests) == 2
+
+
+async def test_a_head_that_never_ends_is_refused_past_the_limit_not_held() -> None:
+    """httptools keeps a header until its end: one endless header line grew in memory
+    until the read timeout (each byte re-arming it)."""
+
+    async def endless(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-long: ")
+        for _ in range(200):  # 200 x 1 KB, well past the 60 KB head limit
+            writer.write(b"a" * 1024)
+            await writer.drain()
+        await reader.read()
+
+    (reply,), _, _ = await _post(endless)
+    assert reply.status_code == 502
+    assert "response head past" in reply.json()["error"]["message"]
