@@ -240,10 +240,8 @@ class GuardedProtocol(HttpToolsProtocol):
             # Refused while this answer went out; or answered before the body was asked for
             # (405, 413 from content-length): the client may never send it, and its next
             # request would be read as that body.
-            self.server_state.total_requests += 1
             self.transport.close()  # lingers: the body may still be coming
-            return
-        super().on_response_complete()
+        super().on_response_complete()  # its bookkeeping; it stops at a closing transport
 
     def _should_upgrade(self) -> bool:
         """No protocol switch, whatever is installed: refused in `on_headers_complete`."""

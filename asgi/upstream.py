@@ -314,9 +314,8 @@ class _Connection(asyncio.Protocol):
             # know the request was a HEAD and would wait for one: done here, and the
             # connection is not reused (its parser is mid-message).
             response.keep_alive = False
-            self._expecting = False
-            response.complete = True
-            self._cancel_timer()
+            self._complete(response)
+            return
         response._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -330,6 +329,9 @@ class _Connection(asyncio.Protocol):
         if self._interim:  # the final response is still to come
             self._interim = False
             return
+        self._complete(response)
+
+    def _complete(self, response: UpstreamResponse) -> None:
         self._expecting = False
         response.complete = True
         self._cancel_timer()

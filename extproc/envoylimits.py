@@ -131,40 +131,34 @@ def body_limit_filter(max_body_bytes: int) -> dict[str, Any]:
     }
 
 
-def _openai_error(status: int, message: str, code: str, kind: str) -> dict[str, Any]:
+def _mapper(match: dict[str, Any], message: str, code: str, kind: str) -> dict[str, Any]:
+    """A local reply mapper: replies that `match` (an access-log filter) selects get an
+    OpenAI-shaped JSON error body."""
     return {
-        "filter": {
-            "status_code_filter": {
-                "comparison": {
-                    "op": "EQ",
-                    "value": {"default_value": status, "runtime_key": f"llmgw.reply_{status}"},
-                }
-            }
-        },
-        "body_format_override": {
-            "json_format": {
-                "error": {"message": message, "type": kind, "code": code},
-            }
-        },
-    }
-
-
-def _envoy_error(when: str, message: str, code: str, kind: str = "server_error") -> dict[str, Any]:
-    """A JSON error body for Envoy's local replies that the CEL expression `when` matches."""
-    return {
-        "filter": {
-            "extension_filter": {
-                "name": "envoy.access_loggers.extension_filters.cel",
-                "typed_config": {
-                    "@type": _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
-                    "expression": when,
-                },
-            }
-        },
+        "filter": match,
         "body_format_override": {
             "json_format": {"error": {"message": message, "type": kind, "code": code}}
         },
     }
+
+
+def _openai_error(status: int, message: str, code: str, kind: str) -> dict[str, Any]:
+    """The mapper for every local reply with this status."""
+    value = {"default_value": status, "runtime_key": f"llmgw.reply_{status}"}
+    match = {"status_code_filter": {"comparison": {"op": "EQ", "value": value}}}
+    return _mapper(match, message, code, kind)
+
+
+def _envoy_error(when: str, message: str, code: str, kind: str = "server_error") -> dict[str, Any]:
+    """The mapper for Envoy's local replies that the CEL expression `when` matches."""
+    cel = _T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter"
+    match = {
+        "extension_filter": {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {"@type": cel, "expression": when},
+        }
+    }
+    return _mapper(match, message, code, kind)
 
 
 def local_reply_config(max_body_bytes: int) -> dict[str, Any]:

@@ -171,6 +171,20 @@ def _post(stack: Stack, body: bytes, extra_headers: dict[str, str] | None = None
     return (head + "\r\n").encode()
 
 
+def _answer(stack: Stack, data: bytes) -> tuple[bytes, dict[str, Any]]:
+    """Raw bytes in; (status line, JSON error) out, reading to Envoy's close (past the
+    `100 Continue` Envoy sends itself to a request that expects one)."""
+    port = int(stack.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    answer = answer.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head.split(b"\r\n", 1)[0], json.loads(body)["error"] if body else {}
+
+
 def _headers(count: int) -> dict[str, str]:
     return {f"x-extra-{i}": "v" for i in range(count)}
 
@@ -239,15 +253,8 @@ def test_a_stalled_head_gets_408_and_a_wrong_method_405_in_json(
     """The proxy's head deadline and method check hold behind Envoy too (its
     `request_headers_timeout` from `limits.client_header_timeout`, ext_proc's 405)."""
     s = stack("original-dst", config=fleet_config(sim_fleet, limits={"client_header_timeout": 0.5}))
-    port = int(s.url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(f"POST {CHAT} HTTP/1.1\r\nhost: llm\r\nx-half".encode())
-        answer = b""
-        while chunk := sock.recv(65536):  # to Envoy's close
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert json.loads(body)["error"]["code"] == "request_timeout"
+    line, error = _answer(s, f"POST {CHAT} HTTP/1.1\r\nhost: llm\r\nx-half".encode())
+    assert line.startswith(b"HTTP/1.1 408") and error["code"] == "request_timeout", line
     wrong = httpx.get(s.url + CHAT, timeout=10)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
     assert wrong.json()["error"]["code"] == "method_not_allowed"
@@ -303,18 +310,6 @@ def test_http2_requests_with_trailers_are_routed_or_refused_by_llmgw(
     assert json.loads(data)["error"]["code"] == "invalid_request", data[:200]
     assert _decisions(s) == 1
     wait_for(lambda: sum(s.extproc.inflight().values()) == 0, 5, "inflight 0 after both")
-
-
-def _answer(stack: Stack, data: bytes) -> tuple[bytes, dict[str, Any]]:
-    """Raw bytes in; (status line, JSON error) out, reading to Envoy's close."""
-    port = int(stack.url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(data)
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
-    return head.split(b"\r\n", 1)[0], json.loads(body)["error"] if body else {}
 
 
 MALFORMED = {
@@ -381,13 +376,6 @@ def test_a_declared_body_over_the_limit_is_413_before_any_of_it_is_sent(
     s = stack("original-dst", config=fleet_config(sim_fleet, limits={"max_body_bytes": LIMIT}))
     head = _post(s, b"", {"expect": "100-continue"} if expect else None)
     head = head.replace(b"content-length: 0", b"content-length: %d" % (10 * LIMIT))
-    port = int(s.url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(head)  # and none of the body
-        answer = b""
-        while chunk := sock.recv(65536):  # to Envoy's close
-            answer += chunk
-    final = answer.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
-    assert final.startswith(b"HTTP/1.1 413"), answer[:200]
-    assert json.loads(final.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_too_large"
+    line, error = _answer(s, head)  # and none of the body
+    assert line.startswith(b"HTTP/1.1 413") and error["code"] == "body_too_large", line
     assert _decisions(s) == 0
