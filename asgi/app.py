@@ -51,6 +51,7 @@ class ProxyApp:
             self.router.scraper,
             discovery=self.router.discovery,
             models=self.router.models_status,
+            peers=self.router.peer_stats,
         )
         self.pool = UpstreamPool(pool_limits(config))
         self.forwarder = Forwarder(self.pool, self.router.gateway)

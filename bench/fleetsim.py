@@ -51,6 +51,8 @@ from llmgw.hashring import HashRing
 from llmgw.kvevents import decode_batch
 from llmgw.registry import Registry
 from llmgw.request import build_request
+from llmgw.runtime.peers import apply as apply_peer
+from llmgw.runtime.peers import indexes as peer_indexes
 from llmgw.runtime.scraper import Scraper
 from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.scheduling.scorers import LatencyScorer
@@ -206,10 +208,12 @@ class LlmgwContender:
         first_tokens: bool = True,
         routers: int = 1,
         engine_kv_model: bool = True,
+        shared: bool = False,
     ) -> None:
         self.name = name
         self.strategy = strategy
         self.routers = routers
+        self.shared = shared
         self.engine_kv_model = engine_kv_model
         self.schedulers: list[Scheduler] = []
         # A scorer with a tokenizer matches on the engines' KV events: feed them.
@@ -230,6 +234,8 @@ class LlmgwContender:
         self.config = config
         self.schedulers = [Scheduler(config, registry, seed=seed + k) for k in range(self.routers)]
         self.scheduler = self.schedulers[0]
+        if self.shared:
+            share_indexes(self.schedulers)
         if not self.engine_kv_model:
             for scheduler in self.schedulers:
                 for scorer, _ in scheduler.router(MODEL).scorers:
@@ -258,6 +264,36 @@ class LlmgwContender:
     def index_of(self, endpoint_id: str) -> int:
         """The replica an endpoint id (its address) stands for."""
         return self._index[endpoint_id]
+
+
+def share_indexes(schedulers: list[Scheduler]) -> None:
+    """Each router's prefix-index inserts applied to the others' at once: `peers:`
+    (llmgw/runtime/peers.py) over a network with no delay or loss."""
+    applying = [False]
+    for k, scheduler in enumerate(schedulers):
+        others = schedulers[:k] + schedulers[k + 1 :]
+        for model, index in peer_indexes(scheduler):
+
+            def told(
+                endpoint: str,
+                hashes: list[int],
+                key: str | None,
+                model: str = model,
+                chars: int = index.block_chars,
+                others: list[Scheduler] = others,
+            ) -> None:
+                if applying[0]:
+                    return
+                applying[0] = True
+                try:
+                    for other in others:
+                        apply_peer(
+                            other, (model, endpoint, key, chars, hashes), other.registry.clock()
+                        )
+                finally:
+                    applying[0] = False
+
+            index.on_insert = told
 
 
 class _Local:
@@ -481,11 +517,13 @@ TWO_ROUTERS: dict[str, str | dict[str, Any]] = {
     "llmgw:latency-2routers": "latency",
     "llmgw:latency-exact-2routers": LATENCY_EXACT,
 }
+# The same two routers sharing what they route (`peers:`).
+SHARED_ROUTERS: dict[str, str | dict[str, Any]] = {"llmgw:latency-2routers-peers": "latency"}
 
 
 def contender_names() -> list[str]:
     """Every llmgw preset (as `llmgw:<name>`), built-in variants, then the references."""
-    builtin = [*BUILTIN, *NO_KV_MODEL, *TWO_ROUTERS]
+    builtin = [*BUILTIN, *NO_KV_MODEL, *TWO_ROUTERS, *SHARED_ROUTERS]
     return [f"llmgw:{name}" for name in PRESETS] + builtin + list(REFERENCES)
 
 
@@ -510,6 +548,9 @@ def make_contender(
         return LlmgwContender(name, NO_KV_MODEL[name], scrape_interval, engine_kv_model=False)
     if name in TWO_ROUTERS:
         return LlmgwContender(name, TWO_ROUTERS[name], scrape_interval, routers=2)
+    if name in SHARED_ROUTERS:
+        strategy = SHARED_ROUTERS[name]
+        return LlmgwContender(name, strategy, scrape_interval, routers=2, shared=True)
     if name.startswith("llmgw:") and name[6:] in PRESETS:
         return LlmgwContender(name, name[6:], scrape_interval)
     if name in REFERENCES:

@@ -93,6 +93,7 @@ class ExtProcServer:
             self.scraper,
             discovery=self.router.discovery,
             models=self.router.models_status,
+            peers=self.router.peer_stats,
         )
         self.hooks = traced(self.telemetry.hooks("extproc"), config.trace)
         self.draining = False

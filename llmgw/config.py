@@ -57,10 +57,15 @@ class EndpointSpec(_Strict):
     @field_validator("address")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        m = _ADDRESS.match(value)
-        if m is None or not 0 < int(m.group(2)) < 65536:
-            raise ValueError(f"must be host:port with a port in 1..65535, got {value!r}")
-        return value
+        return host_port(value)
+
+
+def host_port(value: str) -> str:
+    """`value` if it is host:port with a port in 1..65535 (a pydantic validator's check)."""
+    m = _ADDRESS.match(value)
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"must be host:port with a port in 1..65535, got {value!r}")
+    return value
 
 
 class ScalingSpec(_Strict):
@@ -265,6 +270,29 @@ class AdminSpec(_Strict):
     explain: bool = False
 
 
+class PeersSpec(_Strict):
+    """Router replicas that share what they route (llmgw/runtime/peers.py): each one sends
+    the prefix blocks it routes, and where, to the others over UDP, so every replica's
+    prefix index holds the whole fleet's traffic, not its own share."""
+
+    listen: str  # host:port this replica receives on, e.g. 0.0.0.0:9004
+    # Every peer, host:port; a name resolving to several addresses (a headless Service)
+    # names them all. Re-resolved every `resolve_interval` seconds; datagrams from any
+    # other address are dropped. This replica may be among them (it skips itself).
+    addresses: tuple[str, ...] = Field(min_length=1)
+    resolve_interval: float = Field(default=10.0, gt=0)
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        return host_port(value)
+
+    @field_validator("addresses")
+    @classmethod
+    def _addresses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(host_port(v) for v in value)
+
+
 class TraceSpec(_Strict):
     """The decision trace: one JSON line per sampled request (never prompt text)."""
 
@@ -281,6 +309,7 @@ class Config(_Strict):
     limits: LimitsSpec = LimitsSpec()
     admin: AdminSpec = AdminSpec()
     trace: TraceSpec = TraceSpec()
+    peers: PeersSpec | None = None
     activation_timeout: float = Field(default=45.0, gt=0)
     activation_poll_interval: float = Field(default=0.25, gt=0)
     model_header: str = "x-llmgw-model"

@@ -142,7 +142,8 @@ def restart_only_changes(old: Config, new: Config) -> list[str]:
     ]
     # The edges open the decision trace once, at start (runtime/trace.py).
     trace = ["trace: the decision trace changes only on restart"] if old.trace != new.trace else []
-    return launch + found + trace
+    peers = ["peers: the peer replicas change only on restart"] if old.peers != new.peers else []
+    return launch + found + trace + peers
 
 
 def _discovery(config: Config, model: str) -> object:

@@ -35,6 +35,7 @@ from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
 if TYPE_CHECKING:
     from llmgw.runtime.kube.discovery import Discovery
     from llmgw.runtime.kvevents import KvEventSubscribers
+    from llmgw.runtime.peers import Peers, PeerStats
 
 log = logging.getLogger("llmgw.reload")
 
@@ -101,6 +102,7 @@ class Router:
         self._scrape = scrape
         self._started = False
         self.kv_events: KvEventSubscribers | None = None
+        self.peers: Peers | None = None
 
     @classmethod
     def bare(cls, scheduler: Scheduler) -> Router:
@@ -130,7 +132,14 @@ class Router:
             self.scraper.resync()
 
     async def start(self) -> None:
-        """Raises StartError when Kubernetes discovery is refused (RBAC)."""
+        """Raises StartError when Kubernetes discovery is refused (RBAC) and OSError when
+        the peers' port cannot be bound (before anything else starts)."""
+        if self.config.peers is not None:
+            from llmgw.runtime.peers import Peers  # noqa: PLC0415
+
+            peers = Peers(self.config.peers, lambda: self.scheduler)
+            await peers.start()
+            self.peers = peers
         if self.scraper is not None:
             await self.scraper.start()
         if self.discovery is not None:
@@ -160,12 +169,19 @@ class Router:
         if self.discovery is not None:
             await self.discovery.stop()
         self._started = False
+        if self.peers is not None:
+            await self.peers.stop()
+            self.peers = None
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.scraper is not None:
             await self.scraper.stop()
         if self.activator is not None:
             await self.activator.stop()
+
+    def peer_stats(self) -> PeerStats | None:
+        """What `peers:` sent and applied (None: no peers configured, or not started)."""
+        return self.peers.stats if self.peers is not None else None
 
     async def decide(self, request: RequestInfo) -> Decision:
         scheduler = self.scheduler
@@ -202,6 +218,8 @@ class Router:
             self.scraper.resync()
         if self._started:
             self._follow_kv_events()
+        if self.peers is not None:
+            self.peers.attach()  # the reload may have built new routers (new indexes)
 
 
 def discovery_for(config: Config) -> Discovery | None:

@@ -32,6 +32,8 @@ Series (prefix `llmgw_`):
   on its last known endpoints without reaching the API (0: current), when bound.
 - `model_state{model,state}` (1 for the current state), `model_starts_total{model}`,
   `model_last_start_seconds{model}` (the last cold start): on-demand models, if bound.
+- `peers`, `peer_records_sent_total`, `peer_records_received_total`,
+  `peer_dropped_total{reason}`: router replicas sharing what they route (`peers:`).
 
 Every instance has its own `CollectorRegistry`, so tests and several servers in one
 process do not collide. Labelled children are cached: the hot path is a dict lookup
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -55,6 +57,9 @@ from llmgw.errors import LlmgwError
 from llmgw.lifecycle import Hooks
 from llmgw.registry import Registry
 from llmgw.types import Decision, Outcome
+
+if TYPE_CHECKING:
+    from llmgw.runtime.peers import PeerStats
 
 STAGES = ("parse", "schedule", "total")
 # 50 µs .. 1 s: ext_proc work is sub-millisecond; the tail matters.
@@ -118,6 +123,7 @@ def decision_reason(decision: Decision) -> str:
 
 
 ModelsStatus = Callable[[], Mapping[str, Mapping[str, object]]]
+PeersStatus = Callable[[], "PeerStats | None"]
 _MODEL_STATES = ("off", "starting", "ready", "idle", "failed")
 
 
@@ -132,12 +138,14 @@ class _RegistryCollector(Collector):
         prefix: str,
         discovery: DiscoveryStaleness | None = None,
         models: ModelsStatus | None = None,
+        peers: PeersStatus | None = None,
     ) -> None:
         self.registry = registry
         self.scraper = scraper
         self.prefix = prefix
         self.discovery = discovery
         self.models = models
+        self.peers = peers
 
     def collect(self) -> Iterable[Metric]:
         p = self.prefix
@@ -211,6 +219,7 @@ class _RegistryCollector(Collector):
             yield stale
         yield from self._on_demand()
         yield from self._kv()
+        yield from self._peers()
 
     def _on_demand(self) -> Iterable[Metric]:
         p = self.prefix
@@ -271,6 +280,30 @@ class _RegistryCollector(Collector):
             lag.add_metric([eid], e.lag_s)
         yield from (blocks, live, gaps, lag)
 
+    def _peers(self) -> Iterable[Metric]:
+        stats = self.peers() if self.peers is not None else None
+        if stats is None:
+            return
+        p = self.prefix
+        yield GaugeMetricFamily(f"{p}_peers", "Peer router replicas sent to", value=stats.peers)
+        yield CounterMetricFamily(
+            f"{p}_peer_records_sent", "Prefix-index inserts sent to peers", value=stats.sent
+        )
+        yield CounterMetricFamily(
+            f"{p}_peer_records_received",
+            "Peers' prefix-index inserts applied here",
+            value=stats.received,
+        )
+        dropped = CounterMetricFamily(
+            f"{p}_peer_dropped",
+            "Peer datagrams or records not applied (unknown_sender, malformed, "
+            "unknown_endpoint, send_error)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(stats.dropped.items()):
+            dropped.add_metric([reason], n)
+        yield dropped
+
 
 class Telemetry:
     def __init__(self, prefix: str = "llmgw") -> None:
@@ -328,6 +361,7 @@ class Telemetry:
         scraper: ScrapeCounts | None = None,
         discovery: DiscoveryStaleness | None = None,
         models: ModelsStatus | None = None,
+        peers: PeersStatus | None = None,
     ) -> None:
         """Export inflight, breaker states, metrics age and scrape errors of `registry`, the
         staleness of Kubernetes discovery and the on-demand models' states and cold starts
@@ -335,7 +369,7 @@ class Telemetry:
         if self._collector is not None:
             self.registry.unregister(self._collector)
         self._collector = _RegistryCollector(
-            registry, scraper, self.prefix, discovery=discovery, models=models
+            registry, scraper, self.prefix, discovery=discovery, models=models, peers=peers
         )
         self.registry.register(self._collector)
 

@@ -8,6 +8,7 @@ it, bounded in entries, so memory stays flat however many sessions pass.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from itertools import islice
 
 from llmgw.scheduling.blockhash import BlockHasher
@@ -57,6 +58,9 @@ class PrefixIndex:
         # The longest recent age of a block when a prompt hit it again (seconds, decaying);
         # None until a hit.
         self.reuse_age: float | None = None
+        # Told of every insert (endpoint id, hashes, key) when set: router replicas share
+        # what they route (llmgw/runtime/peers.py). One attribute test per insert.
+        self.on_insert: Callable[[str, list[int], str | None], None] | None = None
 
     def hashes(self, prompt: str) -> list[int]:
         """Chained hashes of the prompt's full blocks (a partial tail block is not cached)."""
@@ -164,6 +168,9 @@ class PrefixIndex:
         if len(lru) > limit:
             self._trim(endpoint_id, lru)
         self.rooms[endpoint_id] = limit - len(lru)
+        told = self.on_insert
+        if told is not None:
+            told(endpoint_id, hashes, key)
 
     def set_capacity(self, endpoint_id: str, blocks: int) -> None:
         """Hold at most `blocks` for this endpoint (its engine's KV cache, in index blocks):

@@ -1,0 +1,287 @@
+"""Router replicas share what they route, so each one's prefix index holds the fleet's traffic.
+
+Two llmgw replicas behind one balancer each see half the requests. Without KV-cache events
+each one's prefix index holds only its half: a conversation's next turn, arriving at the
+other replica, finds no history anywhere and is placed as new, away from its cache (on a
+simulated fleet of 8, two routers' TTFT p90 was 1.2-2.6x one router's; bench/kv_exact.py).
+NVIDIA Dynamo's KV router replicas share their routing decisions for the same reason.
+
+Every insert into a prefix index (a routed prompt's block hashes and the endpoint it went
+to) is sent to the peers as a UDP datagram; a peer inserts it into its own index for the
+same model, as if it had routed it. UDP because a lost hint costs one cache miss at worst
+and must never hold a request: no connection to keep, no backpressure, no head-of-line
+blocking. Inserts queued in one event-loop turn go out together (records packed up to
+`MAX_DATAGRAM` bytes). Datagrams are accepted only from the peers' resolved addresses and
+only for endpoints this replica also routes to.
+
+Wire format, big-endian (hand-written with `struct`: a datagram is a header and flat
+records; a schema library would add a dependency for ~20 lines):
+    header: b"LGP1", sender id (8 bytes, random per process), record count (u16)
+    record: model length (u16), endpoint length (u16), key length (u16), block size in
+            characters (u32), hash count (u16), then model, endpoint, key (UTF-8) and the
+            hashes (i64 each)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from llmgw.config import PeersSpec
+from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.scheduling.scheduler import Scheduler
+
+log = logging.getLogger("llmgw.peers")
+
+MAGIC = b"LGP1"
+_HEADER = struct.Struct(">4s8sH")
+_RECORD = struct.Struct(">HHHIH")
+# Kept under common path MTUs' reassembly limits with room to spare; a record longer than
+# one datagram keeps its leading blocks (the prefix is what matching walks).
+MAX_DATAGRAM = 8192
+_MAX_KEY = 512  # longer session keys travel without the key (sharing counts skip them)
+
+Record = tuple[str, str, str | None, int, list[int]]  # model, endpoint, key, block chars, hashes
+
+
+def encode(sender: bytes, records: Sequence[Record], limit: int = MAX_DATAGRAM) -> list[bytes]:
+    """Datagrams of at most `limit` bytes carrying `records`, in order."""
+    out: list[bytes] = []
+    parts: list[bytes] = []
+    size, count = _HEADER.size, 0
+    for model, endpoint, key, block_chars, hashes in records:
+        m, e = model.encode(), endpoint.encode()
+        k = key.encode() if key is not None else b""
+        if len(k) > _MAX_KEY:
+            k = b""
+        head = _RECORD.size + len(m) + len(e) + len(k)
+        room = (limit - _HEADER.size - head) // 8
+        if room < 1:
+            continue  # names too long to carry any block: never the case for real names
+        if size + head + 8 * min(len(hashes), room) > limit and count:
+            out.append(_HEADER.pack(MAGIC, sender, count) + b"".join(parts))
+            parts, size, count = [], _HEADER.size, 0
+        n = min(len(hashes), room, 0xFFFF)
+        parts.append(_RECORD.pack(len(m), len(e), len(k), block_chars, n) + m + e + k)
+        parts.append(struct.pack(f">{n}q", *hashes[:n]))
+        size += head + 8 * n
+        count += 1
+    if count:
+        out.append(_HEADER.pack(MAGIC, sender, count) + b"".join(parts))
+    return out
+
+
+def decode(data: bytes) -> tuple[bytes, list[Record]]:
+    """(sender id, records); raises ValueError on anything that is not a whole datagram."""
+    if len(data) < _HEADER.size:
+        raise ValueError("shorter than a header")
+    magic, sender, count = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ValueError("not an llmgw peer datagram")
+    at = _HEADER.size
+    records: list[Record] = []
+    try:
+        for _ in range(count):
+            lm, le, lk, block_chars, n = _RECORD.unpack_from(data, at)
+            at += _RECORD.size
+            end = at + lm + le + lk + 8 * n
+            if end > len(data):
+                raise ValueError("record runs past the datagram")
+            model = data[at : at + lm].decode()
+            at += lm
+            endpoint = data[at : at + le].decode()
+            at += le
+            key = data[at : at + lk].decode() if lk else None
+            at += lk
+            hashes = list(struct.unpack_from(f">{n}q", data, at))
+            at = end
+            records.append((model, endpoint, key, block_chars, hashes))
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(str(exc)) from None
+    if at != len(data):
+        raise ValueError("bytes past the last record")
+    return sender, records
+
+
+def indexes(scheduler: Scheduler) -> Iterator[tuple[str, PrefixIndex]]:
+    """(model, index) for every prefix index of the scheduler's routers."""
+    for model, router in scheduler.routers.items():
+        for scorer, _ in router.scorers:
+            index = getattr(scorer, "index", None)
+            if isinstance(index, PrefixIndex):
+                yield model, index
+
+
+def apply(scheduler: Scheduler, record: Record, now: float) -> bool:
+    """Insert a peer's record into this scheduler's indexes for its model (those cutting
+    blocks of the same size); False when this replica does not route to that endpoint."""
+    model, endpoint, key, block_chars, hashes = record
+    router = scheduler.routers.get(model)
+    if router is None or scheduler.registry.get(model, endpoint) is None:
+        return False
+    for scorer, _ in router.scorers:
+        index = getattr(scorer, "index", None)
+        if isinstance(index, PrefixIndex) and index.block_chars == block_chars:
+            index.insert(endpoint, hashes, key, now)
+    return True
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class PeerStats:
+    """Counts for `/metrics` (`llmgw_peer_*`)."""
+
+    sent: int = 0  # records sent (to each peer once)
+    datagrams: int = 0
+    received: int = 0  # records applied
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> records or datagrams
+    peers: int = 0  # addresses sent to (this replica's own skipped where recognised)
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+
+class Peers(asyncio.DatagramProtocol):
+    """Sends this replica's prefix-index inserts to its peers and applies theirs.
+
+    `scheduler` is read at each use (a config reload swaps it); `attach()` after a reload
+    hooks the new routers' indexes."""
+
+    def __init__(self, spec: PeersSpec, scheduler: Callable[[], Scheduler]) -> None:
+        self.spec = spec
+        self._scheduler = scheduler
+        self.sender = os.urandom(8)
+        self.stats = PeerStats()
+        self._transport: asyncio.DatagramTransport | None = None
+        self._targets: list[tuple[str, int]] = []
+        self._allowed: set[str] = set()
+        self._pending: list[Record] = []
+        self._flush_scheduled = False
+        self._applying = False
+        self._resolver: asyncio.Task[None] | None = None
+        self._family = socket.AF_INET
+        self.port = 0  # bound port (the configured one, or the kernel's for port 0)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        host, port = split_host_port(self.spec.listen)
+        self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: self, local_addr=(host, port), family=self._family
+        )
+        self._transport = transport
+        self.port = transport.get_extra_info("sockname")[1]
+        await self.resolve()
+        self.attach()
+        self._resolver = asyncio.create_task(self._resolve_forever())
+
+    async def stop(self) -> None:
+        if self._resolver is not None:
+            self._resolver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resolver
+            self._resolver = None
+        self.detach()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    def attach(self) -> None:
+        """Hook every prefix index of the current scheduler (again after a reload)."""
+        for model, index in indexes(self._scheduler()):
+            index.on_insert = self._sender(model, index.block_chars)
+
+    def detach(self) -> None:
+        for _, index in indexes(self._scheduler()):
+            index.on_insert = None
+
+    def _sender(self, model: str, block_chars: int) -> Callable[[str, list[int], str | None], None]:
+        def told(endpoint: str, hashes: list[int], key: str | None) -> None:
+            if self._applying or self._transport is None or not self._targets:
+                return
+            self._pending.append((model, endpoint, key, block_chars, hashes))
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush)
+
+        return told
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        records, self._pending = self._pending, []
+        transport = self._transport
+        if transport is None or not records:
+            return
+        for datagram in encode(self.sender, records):
+            for target in self._targets:
+                try:
+                    transport.sendto(datagram, target)
+                except OSError:
+                    self.stats.drop("send_error")
+                    continue
+                self.stats.datagrams += 1
+        self.stats.sent += len(records)
+
+    def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+        if str(addr[0]) not in self._allowed:
+            self.stats.drop("unknown_sender")
+            return
+        try:
+            sender, records = decode(data)
+        except ValueError:
+            self.stats.drop("malformed")
+            return
+        if sender == self.sender:
+            return
+        scheduler = self._scheduler()
+        now = scheduler.registry.clock()
+        self._applying = True
+        try:
+            for record in records:
+                if apply(scheduler, record, now):
+                    self.stats.received += 1
+                else:
+                    self.stats.drop("unknown_endpoint")
+        finally:
+            self._applying = False
+
+    def error_received(self, exc: Exception) -> None:  # ICMP unreachable: a peer not up yet
+        self.stats.drop("send_error")
+
+    async def resolve(self) -> None:
+        """Resolve every peer address now (all of a name's addresses)."""
+        loop = asyncio.get_running_loop()
+        targets: set[tuple[str, int]] = set()
+        for address in self.spec.addresses:
+            host, port = split_host_port(address)
+            try:
+                infos = await loop.getaddrinfo(
+                    host, port, family=self._family, type=socket.SOCK_DGRAM
+                )
+            except OSError as exc:
+                log.warning("peer address %s does not resolve: %s", address, exc)
+                continue
+            targets.update((str(info[4][0]), int(info[4][1])) for info in infos)
+        me = {(ip, self.port) for ip, _ in targets if self._is_local(ip)}
+        self._targets = sorted(targets - me)
+        self._allowed = {ip for ip, _ in targets}
+        self.stats.peers = len(self._targets)
+
+    def _is_local(self, ip: str) -> bool:
+        host, _ = split_host_port(self.spec.listen)
+        return ip == host or (ip.startswith("127.") and host in ("0.0.0.0", "127.0.0.1"))
+
+    async def _resolve_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.resolve_interval)
+            await self.resolve()

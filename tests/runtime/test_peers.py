@@ -1,0 +1,244 @@
+"""Router replicas sharing what they route (`peers:`, llmgw/runtime/peers.py): the datagram
+format, and two routers over loopback UDP learning each other's placements."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from llmgw.config import Config, load_dict
+from llmgw.errors import ConfigError
+from llmgw.gateway import Gateway
+from llmgw.runtime.peers import MAX_DATAGRAM, Record, decode, encode, indexes
+from llmgw.runtime.ports import free_port
+from llmgw.runtime.router import Router
+from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.scheduling.scheduler import Scheduler
+from llmgw.types import RequestInfo
+
+ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 5)]
+SENDER = b"12345678"
+
+
+def test_records_round_trip_in_order() -> None:
+    records: list[Record] = [
+        ("m1", "10.0.0.1:8000", "session-a", 256, [1, -2, 2**63 - 1, -(2**63)]),
+        ("modèle", "[::1]:8000", None, 64, []),
+    ]
+    datagrams = encode(SENDER, records)
+    assert len(datagrams) == 1
+    assert decode(datagrams[0]) == (SENDER, records)
+
+
+def test_records_past_one_datagram_split_and_an_oversized_one_keeps_its_leading_blocks() -> None:
+    many = [("m", f"e{i}", None, 256, list(range(100))) for i in range(30)]  # ~24 KB
+    datagrams = encode(SENDER, many)
+    assert len(datagrams) > 1 and all(len(d) <= MAX_DATAGRAM for d in datagrams)
+    assert [r for d in datagrams for r in decode(d)[1]] == many
+    huge = ("m", "e", "k", 256, list(range(5000)))
+    (only,) = encode(SENDER, [huge])
+    (kept,) = decode(only)[1]
+    assert len(only) <= MAX_DATAGRAM and 900 < len(kept[4]) < 1100
+    assert kept[4] == list(range(len(kept[4])))  # the leading blocks, in order
+
+
+def test_a_long_session_key_travels_without_the_key() -> None:
+    (datagram,) = encode(SENDER, [("m", "e", "k" * 600, 256, [7])])
+    assert decode(datagram)[1] == [("m", "e", None, 256, [7])]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"LGP1",
+        b"XXXX12345678\x00\x01",
+        encode(SENDER, [("m", "e", None, 8, [1, 2])])[0][:-3],
+        encode(SENDER, [("m", "e", None, 8, [1])])[0] + b"!",
+    ],
+    ids=["empty", "short-header", "wrong-magic", "cut-record", "trailing-bytes"],
+)
+def test_anything_but_a_whole_datagram_is_refused(data: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode(data)
+
+
+def _config(port: int, peer_ports: list[int], **model: Any) -> Config:
+    return load_dict(
+        {
+            "models": {"m": {"endpoints": ENDPOINTS, "strategy": "latency", **model}},
+            "peers": {
+                "listen": f"127.0.0.1:{port}",
+                "addresses": [f"127.0.0.1:{p}" for p in peer_ports],
+            },
+        }
+    )
+
+
+@asynccontextmanager
+async def _pair() -> AsyncIterator[tuple[Router, Router, Callable[[Router, int], Awaitable[None]]]]:
+    """Two routers peering on loopback; `arrived(router, n)` waits for its nth datagram."""
+    ports = [free_port(), free_port()]
+    routers = [Router(_config(p, ports), scrape=False, seed=k) for k, p in enumerate(ports)]
+    seen = {id(r): asyncio.Condition() for r in routers}
+    counts = {id(r): 0 for r in routers}
+    for router in routers:
+        await router.start()
+        assert router.peers is not None
+        received = router.peers.datagram_received
+
+        def hooked(data: bytes, addr: Any, r: Router = router, inner: Any = received) -> None:
+            inner(data, addr)
+            counts[id(r)] += 1
+            cond = seen[id(r)]
+
+            async def tell() -> None:
+                async with cond:
+                    cond.notify_all()
+
+            asyncio.get_running_loop().create_task(tell())
+
+        router.peers.datagram_received = hooked  # type: ignore[method-assign]
+
+    async def arrived(router: Router, n: int) -> None:
+        cond = seen[id(router)]
+        async with cond:
+            await asyncio.wait_for(cond.wait_for(lambda: counts[id(router)] >= n), 5)
+
+    try:
+        yield routers[0], routers[1], arrived
+    finally:
+        for router in routers:
+            await router.stop()
+
+
+def _index(router: Router) -> PrefixIndex:
+    ((_, index),) = indexes(router.scheduler)
+    return index
+
+
+HISTORY = "a long conversation so far, with the notes the user pasted in. " * 40
+
+
+async def test_a_peer_learns_where_this_router_sent_a_prompt() -> None:
+    async with _pair() as (a, b, arrived):
+        index_b = _index(b)
+        prompt = HISTORY + "s1"
+        hashes = index_b.hashes(prompt)
+        assert index_b.match(hashes) == {}
+        request = RequestInfo("m", "r1", session_key="s1", prompt=prompt, prompt_tokens=700)
+        chosen = a.scheduler.pick(request).endpoint.id
+        await arrived(b, 1)
+        assert index_b.match(hashes) == {chosen: len(hashes)}
+        assert b.peer_stats() is not None and b.peer_stats().received == 1  # type: ignore[union-attr]
+        # B applied it without sending it on: nothing came back to A.
+        assert b.peers is not None and b.peers.stats.sent == 0
+        assert a.peers is not None and a.peers.stats.sent == 1 and a.peers.stats.received == 0
+
+
+async def test_the_next_turn_through_the_other_router_goes_home() -> None:
+    async with _pair() as (a, b, arrived):
+        homes = {}
+        for k in range(8):
+            session = f"s{k}"
+            request = RequestInfo(
+                "m", f"r{k}", session_key=session, prompt=session + HISTORY, prompt_tokens=700
+            )
+            homes[session] = a.scheduler.pick(request).endpoint.id
+            await arrived(b, k + 1)
+        assert len(set(homes.values())) > 1  # the sessions spread: "home" means something
+        for session, home in homes.items():
+            # What B would pick now (no pick of B's in between makes a home look busy).
+            turn2 = session + HISTORY + " and the answer, then the next question" * 4
+            request = RequestInfo("m", "t2", session_key=session, prompt=turn2, prompt_tokens=800)
+            decision = b.scheduler.explain(request).decision
+            assert decision is not None and decision.endpoint.id == home
+
+
+async def test_datagrams_from_strangers_or_about_unknown_endpoints_are_dropped() -> None:
+    async with _pair() as (_, b, arrived):
+        assert b.peers is not None
+        to = ("127.0.0.1", b.peers.port)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+            stranger.bind(("127.0.0.2", 0))  # loopback too, but not a configured peer
+            stranger.sendto(encode(b"stranger", [("m", ENDPOINTS[0], None, 256, [1, 2])])[0], to)
+            await arrived(b, 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(encode(b"stranger", [("m", "10.9.9.9:8000", None, 256, [1])])[0], to)
+            s.sendto(encode(b"stranger", [("other", ENDPOINTS[0], None, 256, [1])])[0], to)
+            s.sendto(b"garbage", to)
+            await arrived(b, 4)
+        assert b.peers.stats.dropped == {
+            "unknown_sender": 1, "unknown_endpoint": 2, "malformed": 1,
+        }  # fmt: skip
+        assert b.peers.stats.received == 0 and _index(b).size() == 0
+
+
+async def test_a_reload_keeps_sharing_from_the_new_indexes_and_peers_change_only_on_restart() -> (
+    None
+):
+    async with _pair() as (a, b, arrived):
+        assert a.config.peers is not None
+        changed = a.config.model_copy(
+            update={"models": {"m": load_dict({"models": {"m": {
+                "endpoints": ENDPOINTS, "strategy": "latency", "session": {"headers": ["x-s"]},
+            }}}).models["m"]}}
+        )  # fmt: skip
+        a.reload(changed)  # a new model spec: a new router, a new index
+        prompt = HISTORY + "after-reload"
+        request = RequestInfo("m", "r", session_key="x", prompt=prompt, prompt_tokens=700)
+        chosen = a.scheduler.pick(request).endpoint.id
+        await arrived(b, 1)
+        hashes = _index(b).hashes(prompt)
+        assert _index(b).match(hashes) == {chosen: len(hashes)}
+        moved = a.config.model_copy(
+            update={"peers": a.config.peers.model_copy(update={"resolve_interval": 3.0})}
+        )
+        with pytest.raises(ConfigError, match="peers"):
+            a.reload(moved)
+
+
+def test_bad_peer_addresses_are_refused_at_load_with_their_path() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_dict(
+            {
+                "models": {"m": {"endpoints": ENDPOINTS}},
+                "peers": {"listen": "0.0.0.0", "addresses": ["llmgw-peers:99999"]},
+            }
+        )
+    text = str(err.value)
+    assert "peers.listen" in text and "peers.addresses" in text
+    with pytest.raises(ConfigError, match=r"peers\.addresses"):
+        load_dict({"models": {"m": {"endpoints": ENDPOINTS}},
+                   "peers": {"listen": "0.0.0.0:9004", "addresses": []}})  # fmt: skip
+
+
+def test_an_index_tells_its_listener_of_every_insert_and_nothing_without_one() -> None:
+    index = PrefixIndex(block_chars=8)
+    told: list[tuple[str, list[int], str | None]] = []
+    index.insert("e", [1, 2])
+    index.on_insert = lambda e, h, k: told.append((e, h, k))
+    index.insert("e", [1, 2, 3], "s")
+    assert told == [("e", [1, 2, 3], "s")]
+
+
+async def test_a_taken_port_fails_the_start_before_anything_runs() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        router = Router(_config(port, [port]), scrape=False)
+        with pytest.raises(OSError):
+            await router.start()
+        assert router.peers is None
+
+
+def test_gateway_reload_names_the_peers_change() -> None:
+    one, two = free_port(), free_port()
+    gateway = Gateway(Scheduler(_config(one, [one, two])))
+    with pytest.raises(ConfigError, match="peers: the peer replicas change only on restart"):
+        gateway.reload(_config(one, [one]))
