@@ -23,7 +23,7 @@ from llmgw.errors import ConfigError
 from llmgw.logs import configure
 from llmgw.request import CLIENT_MAX_HEADERS_KB
 from llmgw.runtime.controlplanes import StartError
-from llmgw.runtime.trace import shared_trace_problem
+from llmgw.runtime.router import workers_problem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    problem = shared_trace_problem(config.trace, args.workers)
+    problem = workers_problem(config, args.workers)
     if problem is not None:
         print(f"llmgw proxy: {problem}", file=sys.stderr)
         return 2

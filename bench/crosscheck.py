@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                         for n in group:
                             summary = asyncio.run(
                                 run_one(base, fleet.urls, workloads[n], args.timeout,
-                                        _picker(contender, fleet.urls), "/xsim/metrics")
+                                        _picker(contender, fleet.urls, base), "/xsim/metrics")
                             )  # fmt: skip
                             summary.pop("load_samples", None)
                             results[n][contender.name] = summary

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import shutil
 import subprocess
@@ -61,6 +62,7 @@ import yaml  # noqa: E402
 
 from bench._tools import format_table, write_results  # noqa: E402
 from bench.loadclient import (  # noqa: E402
+    CHAT_PATH,
     RequestRecord,
     UrlPicker,
     ring_picker,
@@ -144,7 +146,7 @@ def _port_free(port: int) -> bool:
 @dataclass(frozen=True)
 class Contender:
     name: str
-    edge: str  # envoy | asgi | vllm-router | sglang-router | client
+    edge: str  # envoy | asgi | asgi2 | vllm-router | sglang-router | client
     strategy: str | dict[str, Any] | None = None
     policy: str | None = None
     body_mode: str = "override"  # envoy: `llmgw envoy-config --body-mode`
@@ -177,6 +179,10 @@ def all_contenders() -> list[Contender]:
         Contender(f"envoy:{name}", "envoy", name) for name in PRESETS if name not in SKIPPED_PRESETS
     ]
     out.append(Contender("asgi:default", "asgi", None))
+    # Two `llmgw proxy` replicas behind a balancer that picks one per request at random
+    # (an HA deployment), alone or sharing what they route (`peers:`). Run when named.
+    out.append(Contender("asgi2:default", "asgi2", None))
+    out.append(Contender("asgi2:peers", "asgi2", None, policy="peers"))
     for policy in ("consistent_hash", "cache_aware", "sticky_least_loaded"):
         out.append(Contender(f"vllm-router:{policy}", "vllm-router", policy=policy))
     out.append(Contender("sglang-router:cache_aware", "sglang-router", policy="cache_aware"))
@@ -247,6 +253,25 @@ def start_contender(
     port = free_port()
     if contender.edge == "client":
         yield ""
+        return
+    if contender.edge == "asgi2":
+        ports = [port, free_port()]
+        listen = [free_port(), free_port()]
+        with contextlib.ExitStack() as stack:
+            for k, proxy_port in enumerate(ports):
+                replica = llmgw_config(upstreams, contender.strategy)
+                if contender.policy == "peers":
+                    replica["peers"] = {
+                        "listen": f"127.0.0.1:{listen[k]}",
+                        "addresses": [f"127.0.0.1:{p}" for p in listen],
+                    }
+                path = scratch / f"asgi2-{k}.yaml"
+                path.write_text(yaml.safe_dump(replica))
+                cmd = [python, "-m", "llmgw.cli", "proxy", "--config", str(path)]
+                cmd += ["--port", str(proxy_port)]
+                ready = f"http://127.0.0.1:{proxy_port}/readyz"
+                stack.enter_context(Service(cmd, ready, name=f"llmgw-proxy-{k}"))
+            yield " ".join(f"http://127.0.0.1:{p}" for p in ports)
         return
     if contender.edge in ("envoy", "asgi"):
         stem = re.sub(r"[:/]", "-", contender.name)
@@ -496,19 +521,21 @@ async def run_one(
 
 
 async def warm_up(base_url: str) -> None:
-    """One tiny request until the contender routes (Envoy + ext_proc connect lazily)."""
+    """One tiny request until the contender routes (Envoy + ext_proc connect lazily); each
+    of several space-separated base URLs."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     deadline = time.monotonic() + 20
     async with aiohttp.ClientSession() as http:
-        while True:
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.post(base_url + "/v1/chat/completions", json=body) as r:
-                    await r.read()
-                    if r.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{base_url} never answered 200")
-            await asyncio.sleep(0.2)  # the contender is still connecting upstream
+        for url in base_url.split():
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.post(url + "/v1/chat/completions", json=body) as r:
+                        await r.read()
+                        if r.status == 200:
+                            break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} never answered 200")
+                await asyncio.sleep(0.2)  # the contender is still connecting upstream
 
 
 # -- report --------------------------------------------------------------------------------
@@ -603,7 +630,13 @@ def _selected(names: str | None, known: list[str], what: str) -> list[str]:
     return wanted
 
 
-def _picker(contender: Contender, upstreams: list[str]) -> UrlPicker | None:
+def _picker(contender: Contender, upstreams: list[str], base: str = "") -> UrlPicker | None:
+    """Client-side routing, or the balancer in front of several router replicas (`base`
+    lists their URLs): one at random per request, seeded."""
+    if contender.edge == "asgi2":
+        urls = base.split()
+        rng = random.Random(11)
+        return lambda conv, turn: rng.choice(urls) + CHAT_PATH
     if contender.edge != "client":
         return None
     return ring_picker(upstreams) if contender.policy == "ring" else round_robin_picker(upstreams)
@@ -637,7 +670,11 @@ def _run_group(
                     for name, (_, workload) in cells.items():
                         summary = asyncio.run(
                             run_one(
-                                base, upstreams, workload, timeout_s, _picker(contender, upstreams)
+                                base,
+                                upstreams,
+                                workload,
+                                timeout_s,
+                                _picker(contender, upstreams, base),
                             )
                         )
                         summary["offered_req_s"] = workload.params["offered_req_s"]
@@ -704,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
         contenders = [c for c in contenders if c.name in wanted]
     elif args.quick:
         contenders = [c for c in contenders if c.name in QUICK_CONTENDERS]
+    else:  # router replicas are a deployment question, asked by name
+        contenders = [c for c in contenders if c.edge != "asgi2"]
     for spec in args.tries:
         label, _, strategy = spec.partition("=")
         contenders.append(Contender(f"envoy:{label}", "envoy", json.loads(strategy)))

@@ -50,9 +50,9 @@ from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.driver import activate
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
-from llmgw.runtime.router import ConfigWatcher, router_for
+from llmgw.runtime.router import ConfigWatcher, router_for, workers_problem
 from llmgw.runtime.telemetry import Telemetry
-from llmgw.runtime.trace import close_trace, shared_trace_problem, traced
+from llmgw.runtime.trace import close_trace, traced
 from llmgw.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("llmgw.extproc")
@@ -458,7 +458,7 @@ def main(argv: list[str]) -> int:
     if args.workers < 1:
         print("llmgw extproc: --workers must be >= 1", file=sys.stderr)
         return 2
-    problem = shared_trace_problem(config.trace, args.workers)
+    problem = workers_problem(config, args.workers)
     if problem is not None:
         print(f"llmgw extproc: {problem}", file=sys.stderr)
         return 2

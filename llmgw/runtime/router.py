@@ -29,6 +29,7 @@ from llmgw.runtime.activator import Activator
 from llmgw.runtime.controlplanes import ControlPlane
 from llmgw.runtime.controlplanes.composite import control_plane_for
 from llmgw.runtime.scraper import Scraper
+from llmgw.runtime.trace import shared_trace_problem
 from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
 
@@ -220,6 +221,18 @@ class Router:
             self._follow_kv_events()
         if self.peers is not None:
             self.peers.attach()  # the reload may have built new routers (new indexes)
+
+
+def workers_problem(config: Config, workers: int) -> str | None:
+    """Why `workers` processes of one edge cannot serve this config together, or None."""
+    problem = shared_trace_problem(config.trace, workers)
+    if problem is None and workers > 1 and config.peers is not None:
+        problem = (
+            f"peers: with --workers {workers} every process would bind {config.peers.listen}; "
+            "run one process per replica (its own pod, or its own listen port) and list "
+            "them all in peers.addresses"
+        )
+    return problem
 
 
 def discovery_for(config: Config) -> Discovery | None:

@@ -156,10 +156,29 @@ def test_k8s_probes_and_metrics_annotations() -> None:
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9090"
     extproc = next(c for c in pod["spec"]["containers"] if c["name"] == "extproc")
     ports = {p["name"]: p["containerPort"] for p in extproc["ports"]}
-    assert ports == {"grpc": 9002, "grpc-health": 9003, "health": 9004, "metrics": 9090}
+    assert ports == {
+        "grpc": 9002, "grpc-health": 9003, "health": 9004, "peers": 9005, "metrics": 9090,
+    }  # fmt: skip
     # GIE's probes: gRPC health on 9003 with its service names.
     assert extproc["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
     assert extproc["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
+
+
+def test_the_k8s_router_replicas_find_each_other_as_peers() -> None:
+    docs = _k8s_docs()
+    pod = docs["Deployment/llmgw"]["spec"]["template"]
+    assert docs["Deployment/llmgw"]["spec"]["replicas"] >= 2
+    extproc = next(c for c in pod["spec"]["containers"] if c["name"] == "extproc")
+    (peer_port,) = [p for p in extproc["ports"] if p["name"] == "peers"]
+    service = docs["Service/llmgw-peers"]["spec"]
+    assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
+    assert service["selector"] == pod["metadata"]["labels"]
+    (port,) = service["ports"]
+    assert port["protocol"] == peer_port["protocol"] == "UDP" and port["targetPort"] == "peers"
+    config = load_file(ROOT / "deploy" / "k8s" / "llmgw-config.yaml")
+    assert config.peers is not None
+    assert config.peers.listen == f"0.0.0.0:{peer_port['containerPort']}"
+    assert config.peers.addresses == (f"llmgw-peers.llmgw.svc.cluster.local:{port['port']}",)
 
 
 def test_compose_stack_is_consistent_and_envoy_validates(tmp_path: Path) -> None:

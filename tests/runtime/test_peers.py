@@ -16,7 +16,7 @@ from llmgw.errors import ConfigError
 from llmgw.gateway import Gateway
 from llmgw.runtime.peers import MAX_DATAGRAM, Record, decode, encode, indexes
 from llmgw.runtime.ports import free_port
-from llmgw.runtime.router import Router
+from llmgw.runtime.router import Router, workers_problem
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import RequestInfo
@@ -242,3 +242,11 @@ def test_gateway_reload_names_the_peers_change() -> None:
     gateway = Gateway(Scheduler(_config(one, [one, two])))
     with pytest.raises(ConfigError, match="peers: the peer replicas change only on restart"):
         gateway.reload(_config(one, [one]))
+
+
+def test_worker_processes_of_one_edge_cannot_share_the_peers_port() -> None:
+    config = _config(9005, [9005, 9006])
+    assert workers_problem(config, 1) is None
+    problem = workers_problem(config, 2)
+    assert problem is not None and "peers" in problem and "127.0.0.1:9005" in problem
+    assert workers_problem(config.model_copy(update={"peers": None}), 2) is None
