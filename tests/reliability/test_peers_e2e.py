@@ -6,20 +6,39 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from llmgw.runtime.ports import free_port
-from llmgw.sim import ThreadedFleet
+from llmgw.sim import SimFleet, ThreadedFleet
 from llmgw.testing.extproc import wait_for
 
 from .conftest import Child, SpawnFn
+from .test_extproc_restart import envoy_for
 
 pytestmark = pytest.mark.e2e
 
 SESSIONS = 8
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[ThreadedFleet]:
+    """Prefill at 200 µs a token: a ~600-token history costs ~120 ms to recompute, so
+    staying home is right whatever load a scrape catches (at the shared fleet's 5 µs a
+    token a move cost ~3 ms, and a stale scrape's queue could outweigh it)."""
+    fleet = SimFleet.start_in_thread(
+        replicas=4, model="m1", seed=5, decode_ms=2.0, prefill_us_per_token=200.0,
+        default_output_tokens=(4, 8),
+    )  # fmt: skip
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
 NOTES = "These are my notes on the migration plan, pasted in for context. " * 30
 
 
@@ -34,19 +53,24 @@ def config_for(sim: ThreadedFleet, peers: dict[str, Any] | None) -> dict[str, An
     return config
 
 
-def received(child: Child) -> float:
-    text = httpx.get(child.url("http") + "/metrics", timeout=2).text
-    m = re.search(r"^llmgw_peer_records_received_total (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+def metric(child: Child, name: str) -> float:
+    """The sum of a metric's samples on the child's /metrics (`metrics` port, else `http`)."""
+    port = "metrics" if "metrics" in child.ports else "http"
+    text = httpx.get(child.url(port) + "/metrics", timeout=2).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{.*\}})? (\S+)$", text, re.M))
 
 
-def applied(child: Child, n: int) -> bool:
-    return received(child) >= n
+def received(*children: Child) -> float:
+    return sum(metric(c, "llmgw_peer_records_received_total") for c in children)
 
 
-def turn(client: httpx.Client, child: Child, session: str, messages: list[dict[str, str]]) -> str:
+def applied(n: int, *children: Child) -> bool:
+    return received(*children) >= n
+
+
+def turn(client: httpx.Client, url: str, session: str, messages: list[dict[str, str]]) -> str:
     r = client.post(
-        child.url("http") + "/v1/chat/completions",
+        url + "/v1/chat/completions",
         json={"model": "m1", "messages": messages, "max_tokens": 4},
         headers={"x-session-id": session},
     )
@@ -63,12 +87,12 @@ def conversations(a: Child, b: Child, peered: bool) -> int:
         for k in range(SESSIONS):
             session = f"conv-{k}"
             first = [{"role": "user", "content": f"{session}: {NOTES} What is step one?"}]
-            where = turn(client, a, session, first)
+            where = turn(client, a.url("http"), session, first)
             if peered:  # the datagram is on its way; no turn 2 before it is applied
-                wait_for(functools.partial(applied, b, k + 1), 5, "the peer's insert at b")
+                wait_for(functools.partial(applied, k + 1, b), 5, "the peer's insert at b")
             second = [*first, {"role": "assistant", "content": "Step one is the inventory."},
                       {"role": "user", "content": "And step two?"}]  # fmt: skip
-            home += turn(client, b, session, second) == where
+            home += turn(client, b.url("http"), session, second) == where
     return home
 
 
@@ -89,3 +113,37 @@ def test_turns_through_either_router_find_their_history_with_peers(
     # The same two routers without peers: b places each second turn as new.
     c, d = (spawn_proxy(config_for(sim, None), name=f"alone{k}") for k in range(2))
     assert conversations(c, d, peered=False) < SESSIONS
+
+
+def test_two_extproc_replicas_behind_one_envoy_send_every_turn_home_with_peers(
+    sim: ThreadedFleet, spawn_extproc: SpawnFn
+) -> None:
+    """Envoy spreads ext_proc streams over both replicas, so a conversation's turns meet
+    both: each must know where the other sent the history."""
+    grpc, listen = [free_port(), free_port()], [free_port(), free_port()]
+    addresses = [f"127.0.0.1:{p}" for p in listen]
+    configs = [
+        config_for(sim, {"listen": f"127.0.0.1:{p}", "addresses": addresses}) for p in listen
+    ]
+    replicas = [
+        spawn_extproc(c, grpc_port=g, name=f"x{g}") for c, g in zip(configs, grpc, strict=True)
+    ]
+    home = 0
+    with (
+        envoy_for(configs[0], grpc, shape="override-host", fail_open=False) as envoy,
+        httpx.Client(timeout=10) as client,
+    ):
+        for k in range(SESSIONS):
+            session = f"env-{k}"
+            first = [{"role": "user", "content": f"{session}: {NOTES} What is step one?"}]
+            where = turn(client, envoy.url, session, first)
+            # Every turn so far, told to the other replica, before this one's second turn.
+            wait_for(functools.partial(applied, 2 * k + 1, *replicas), 5, "the peers' inserts")
+            second = [*first, {"role": "assistant", "content": "Step one is the inventory."},
+                      {"role": "user", "content": "And step two?"}]  # fmt: skip
+            home += turn(client, envoy.url, session, second) == where
+            wait_for(functools.partial(applied, 2 * k + 2, *replicas), 5, "the peers' inserts")
+    assert home == SESSIONS
+    # Envoy sent streams to both replicas: each routed some turns, and heard of the others'.
+    assert all(metric(r, "llmgw_decisions_total") > 0 for r in replicas)
+    assert all(received(r) > 0 for r in replicas)
