@@ -46,6 +46,8 @@ _RECORD = struct.Struct(">HHHIH")
 # one datagram keeps its leading blocks (the prefix is what matching walks).
 MAX_DATAGRAM = 8192
 _MAX_KEY = 512  # longer session keys travel without the key (sharing counts skip them)
+MAX_PENDING = 10_000  # records waiting for the next flush; past it new ones are dropped
+MAX_BUFFERED = 1 << 20  # bytes the transport may hold unsent before a flush is dropped
 
 Record = tuple[str, str, str | None, int, list[int]]  # model, endpoint, key, block chars, hashes
 
@@ -120,16 +122,19 @@ def indexes(scheduler: Scheduler) -> Iterator[tuple[str, PrefixIndex]]:
 
 def apply(scheduler: Scheduler, record: Record, now: float) -> bool:
     """Insert a peer's record into this scheduler's indexes for its model (those cutting
-    blocks of the same size); False when this replica does not route to that endpoint."""
+    blocks of the same size); False when this replica does not route to that endpoint or
+    has no such index."""
     model, endpoint, key, block_chars, hashes = record
     router = scheduler.routers.get(model)
     if router is None or scheduler.registry.get(model, endpoint) is None:
         return False
+    applied = False
     for scorer, _ in router.scorers:
         index = getattr(scorer, "index", None)
         if isinstance(index, PrefixIndex) and index.block_chars == block_chars:
             index.insert(endpoint, hashes, key, now)
-    return True
+            applied = True
+    return applied
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -155,16 +160,21 @@ class Peers(asyncio.DatagramProtocol):
     """Sends this replica's prefix-index inserts to its peers and applies theirs.
 
     `scheduler` is read at each use (a config reload swaps it); `attach()` after a reload
-    hooks the new routers' indexes."""
+    hooks the new routers' indexes. Inserts made off the event loop's thread (a pick in a
+    worker thread) are handed to the loop; sending and applying run on the loop only."""
 
     def __init__(self, spec: PeersSpec, scheduler: Callable[[], Scheduler]) -> None:
         self.spec = spec
         self._scheduler = scheduler
         self.sender = os.urandom(8)
         self.stats = PeerStats()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.DatagramTransport | None = None
+        self._closed: asyncio.Event | None = None  # set once the socket is closed
         self._targets: list[tuple[str, int]] = []
         self._allowed: set[str] = set()
+        # Per configured address, what it last resolved to: a failed lookup keeps it.
+        self._resolved: dict[str, set[tuple[str, int]]] = {}
         self._pending: list[Record] = []
         self._flush_scheduled = False
         self._applying = False
@@ -173,16 +183,24 @@ class Peers(asyncio.DatagramProtocol):
         self.port = 0  # bound port (the configured one, or the kernel's for port 0)
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Bind and resolve; raises OSError when the port cannot be bound (nothing left
+        open then)."""
+        self._loop = loop = asyncio.get_running_loop()
+        self._closed = asyncio.Event()
         host, port = split_host_port(self.spec.listen)
         self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
         transport, _ = await loop.create_datagram_endpoint(
             lambda: self, local_addr=(host, port), family=self._family
         )
         self._transport = transport
-        self.port = transport.get_extra_info("sockname")[1]
-        await self.resolve()
-        self.attach()
+        try:
+            self.port = transport.get_extra_info("sockname")[1]
+            await self.resolve()
+            self.attach()
+        except BaseException:
+            self._transport = None
+            transport.close()
+            raise
         self._resolver = asyncio.create_task(self._resolve_forever())
 
     async def stop(self) -> None:
@@ -195,6 +213,8 @@ class Peers(asyncio.DatagramProtocol):
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+            if self._closed is not None:  # asyncio closes the socket a loop turn later
+                await self._closed.wait()
 
     def attach(self) -> None:
         """Hook every prefix index of the current scheduler (again after a reload)."""
@@ -207,20 +227,41 @@ class Peers(asyncio.DatagramProtocol):
 
     def _sender(self, model: str, block_chars: int) -> Callable[[str, list[int], str | None], None]:
         def told(endpoint: str, hashes: list[int], key: str | None) -> None:
-            if self._applying or self._transport is None or not self._targets:
+            loop = self._loop
+            if self._applying or loop is None or self._transport is None or not self._targets:
                 return
-            self._pending.append((model, endpoint, key, block_chars, hashes))
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush)
+            record = (model, endpoint, key, block_chars, hashes)
+            try:
+                here = asyncio.get_running_loop() is loop
+            except RuntimeError:  # no loop in this thread
+                here = False
+            if here:
+                self._enqueue(record)
+            else:
+                loop.call_soon_threadsafe(self._enqueue, record)
 
         return told
+
+    def _enqueue(self, record: Record) -> None:
+        if len(self._pending) >= MAX_PENDING:  # the loop is not getting to its flushes
+            self.stats.drop("overflow")
+            return
+        self._pending.append(record)
+        if not self._flush_scheduled and self._loop is not None:
+            self._loop.call_soon(self._flush)
+            self._flush_scheduled = True
 
     def _flush(self) -> None:
         self._flush_scheduled = False
         records, self._pending = self._pending, []
         transport = self._transport
         if transport is None or not records:
+            return
+        # Selector transports buffer what the kernel refuses, without limit (not in the
+        # DatagramTransport interface, hence the lookup).
+        buffered = getattr(transport, "get_write_buffer_size", None)
+        if buffered is not None and buffered() > MAX_BUFFERED:
+            self.stats.drop("send_buffer_full", len(records))
             return
         for datagram in encode(self.sender, records):
             for target in self._targets:
@@ -231,6 +272,11 @@ class Peers(asyncio.DatagramProtocol):
                     continue
                 self.stats.datagrams += 1
         self.stats.sent += len(records)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        if self._closed is not None:
+            self._closed.set()
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         if str(addr[0]) not in self._allowed:
@@ -259,19 +305,21 @@ class Peers(asyncio.DatagramProtocol):
         self.stats.drop("send_error")
 
     async def resolve(self) -> None:
-        """Resolve every peer address now (all of a name's addresses)."""
+        """Resolve every peer address now (all of a name's addresses); an address whose
+        lookup fails keeps what it last resolved to (one DNS hiccup must not cut a replica
+        off from its peers)."""
         loop = asyncio.get_running_loop()
-        targets: set[tuple[str, int]] = set()
         for address in self.spec.addresses:
             host, port = split_host_port(address)
             try:
                 infos = await loop.getaddrinfo(
                     host, port, family=self._family, type=socket.SOCK_DGRAM
                 )
-            except OSError as exc:
+            except (OSError, UnicodeError) as exc:  # UnicodeError: a label IDNA refuses
                 log.warning("peer address %s does not resolve: %s", address, exc)
                 continue
-            targets.update((str(info[4][0]), int(info[4][1])) for info in infos)
+            self._resolved[address] = {(str(i[4][0]), int(i[4][1])) for i in infos}
+        targets = set().union(*self._resolved.values())
         me = {(ip, self.port) for ip, _ in targets if self._is_local(ip)}
         self._targets = sorted(targets - me)
         self._allowed = {ip for ip, _ in targets}
@@ -284,4 +332,7 @@ class Peers(asyncio.DatagramProtocol):
     async def _resolve_forever(self) -> None:
         while True:
             await asyncio.sleep(self.spec.resolve_interval)
-            await self.resolve()
+            try:
+                await self.resolve()
+            except Exception:  # never let the lookups die: log and try again next time
+                log.exception("resolving the peers failed")

@@ -149,6 +149,9 @@ class Router:
             except BaseException:  # refused: leave nothing running behind the error
                 if self.scraper is not None:
                     await self.scraper.stop()
+                if self.peers is not None:
+                    await self.peers.stop()
+                    self.peers = None
                 raise
         if self.activator is not None:
             await self.activator.start()

@@ -136,9 +136,49 @@ async def test_a_peer_learns_where_this_router_sent_a_prompt() -> None:
         await arrived(b, 1)
         assert index_b.match(hashes) == {chosen: len(hashes)}
         assert b.peer_stats() is not None and b.peer_stats().received == 1  # type: ignore[union-attr]
-        # B applied it without sending it on: nothing came back to A.
+        # B applied it without sending it on (a send would be counted synchronously).
         assert b.peers is not None and b.peers.stats.sent == 0
-        assert a.peers is not None and a.peers.stats.sent == 1 and a.peers.stats.received == 0
+        assert a.peers is not None and a.peers.stats.sent == 1
+
+
+async def test_a_pick_in_another_thread_is_shared_from_the_loop() -> None:
+    async with _pair() as (a, b, arrived):
+        prompt = "threaded " + HISTORY
+        request = RequestInfo("m", "r", session_key="t", prompt=prompt, prompt_tokens=700)
+        decision = await asyncio.to_thread(a.scheduler.pick, request)
+        await arrived(b, 1)
+        hashes = _index(b).hashes(prompt)
+        assert _index(b).match(hashes) == {decision.endpoint.id: len(hashes)}
+
+
+async def test_a_failed_lookup_keeps_the_last_peers_and_a_bad_name_does_not_stop_the_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with _pair() as (a, _, _arrived):
+        assert a.peers is not None
+        before = (list(a.peers._targets), set(a.peers._allowed))
+        assert before[0]
+        loop = asyncio.get_running_loop()
+
+        async def no_dns(*args: Any, **kwargs: Any) -> Any:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+        monkeypatch.setattr(loop, "getaddrinfo", no_dns)
+        await a.peers.resolve()
+        assert (a.peers._targets, a.peers._allowed) == before
+    port = free_port()
+    config = load_dict(
+        {
+            "models": {"m": {"endpoints": ENDPOINTS}},
+            "peers": {"listen": f"127.0.0.1:{port}", "addresses": ["bad..name:9005"]},
+        }
+    )
+    router = Router(config, scrape=False)
+    await router.start()  # the lookup fails (IDNA refuses an empty label): logged, started
+    assert router.peers is not None and router.peers.stats.peers == 0
+    await router.stop()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as again:
+        again.bind(("127.0.0.1", port))  # released
 
 
 async def test_the_next_turn_through_the_other_router_goes_home() -> None:
