@@ -23,7 +23,7 @@ from llmgw.errors import ConfigError
 from llmgw.logs import configure
 from llmgw.request import CLIENT_MAX_HEADERS_KB
 from llmgw.runtime.controlplanes import StartError
-from llmgw.runtime.router import workers_problem
+from llmgw.runtime.router import worker_group, workers_problem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                 "log_format": args.log_format,
             }
         ).decode()
-        uvicorn.run("llmgw.asgi.serving:worker_app", factory=True, workers=args.workers, **options)
+        with worker_group(args.workers):  # the workers peer (share what they route)
+            uvicorn.run(
+                "llmgw.asgi.serving:worker_app", factory=True, workers=args.workers, **options
+            )
         return 0
     app = build_app(
         config,

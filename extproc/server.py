@@ -50,7 +50,7 @@ from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.driver import activate
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
-from llmgw.runtime.router import ConfigWatcher, router_for, workers_problem
+from llmgw.runtime.router import ConfigWatcher, router_for, worker_group, workers_problem
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.runtime.trace import close_trace, traced
 from llmgw.scheduling.scheduler import Scheduler
@@ -462,27 +462,28 @@ def main(argv: list[str]) -> int:
     if problem is not None:
         print(f"llmgw extproc: {problem}", file=sys.stderr)
         return 2
-    children: list[int] = []
-    for worker in range(1, args.workers):
-        pid = os.fork()
-        if pid == 0:  # child: serve, then exit without running the parent's cleanup
-            code = 0
-            try:
-                _run_worker(args, config, worker, tls)
-            except BaseException:
-                code = 1
-            os._exit(code)
-        children.append(pid)
-    try:
-        _run_worker(args, config, 0, tls)
-    except StartError as exc:  # Kubernetes discovery refused (RBAC), no credentials
-        print(f"llmgw extproc: cannot start: {exc}", file=sys.stderr)
-        return 3
-    finally:
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        for pid in children:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+    with worker_group(args.workers):  # the workers peer (share what they route)
+        children: list[int] = []
+        for worker in range(1, args.workers):
+            pid = os.fork()
+            if pid == 0:  # child: serve, then exit without running the parent's cleanup
+                code = 0
+                try:
+                    _run_worker(args, config, worker, tls)
+                except BaseException:
+                    code = 1
+                os._exit(code)
+            children.append(pid)
+        try:
+            _run_worker(args, config, 0, tls)
+        except StartError as exc:  # Kubernetes discovery refused (RBAC), no credentials
+            print(f"llmgw extproc: cannot start: {exc}", file=sys.stderr)
+            return 3
+        finally:
+            for pid in children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            for pid in children:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
     return 0

@@ -32,6 +32,7 @@ import socket
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from llmgw.config import PeersSpec
 from llmgw.scheduling.prefix import PrefixIndex
@@ -137,6 +138,24 @@ def apply(scheduler: Scheduler, record: Record, now: float) -> bool:
     return applied
 
 
+def _sibling_ports(directory: Path) -> set[tuple[str, int]]:
+    """Loopback addresses of the live worker processes registered in `directory`."""
+    found: set[tuple[str, int]] = set()
+    for entry in directory.glob("*.port"):
+        try:
+            pid, _, port = entry.stem.partition("-")
+            os.kill(int(pid), 0)  # a worker that died without unregistering: skipped
+            found.add(("127.0.0.1", int(port)))
+        except (ValueError, OSError):  # not ours, gone, or removed as we read
+            continue
+    return found
+
+
+def workers_spec(interval: float = 0.5) -> PeersSpec:
+    """The worker processes of one edge peer on loopback, on ports the kernel picks."""
+    return PeersSpec.model_construct(listen="127.0.0.1:0", addresses=(), resolve_interval=interval)
+
+
 def split_host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
@@ -163,9 +182,18 @@ class Peers(asyncio.DatagramProtocol):
     hooks the new routers' indexes. Inserts made off the event loop's thread (a pick in a
     worker thread) are handed to the loop; sending and applying run on the loop only."""
 
-    def __init__(self, spec: PeersSpec, scheduler: Callable[[], Scheduler]) -> None:
+    def __init__(
+        self,
+        spec: PeersSpec,
+        scheduler: Callable[[], Scheduler],
+        *,
+        siblings: Path | None = None,
+    ) -> None:
+        """`siblings`: the worker processes of one edge (`--workers N`) find each other in
+        this directory instead of `spec.addresses` (each writes `<pid>-<port>.port`)."""
         self.spec = spec
         self._scheduler = scheduler
+        self.siblings = siblings
         self.sender = os.urandom(8)
         self.stats = PeerStats()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -195,6 +223,11 @@ class Peers(asyncio.DatagramProtocol):
         self._transport = transport
         try:
             self.port = transport.get_extra_info("sockname")[1]
+            if self.siblings is not None:
+                mine = self._registration()
+                tmp = mine.with_suffix(".tmp")
+                tmp.write_text(str(self.port))
+                tmp.replace(mine)  # atomic: a sibling never reads half a number
             await self.resolve()
             self.attach()
         except BaseException:
@@ -210,6 +243,8 @@ class Peers(asyncio.DatagramProtocol):
                 await self._resolver
             self._resolver = None
         self.detach()
+        if self.siblings is not None:
+            self._registration().unlink(missing_ok=True)
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -308,6 +343,8 @@ class Peers(asyncio.DatagramProtocol):
         """Resolve every peer address now (all of a name's addresses); an address whose
         lookup fails keeps what it last resolved to (one DNS hiccup must not cut a replica
         off from its peers)."""
+        if self.siblings is not None:
+            self._resolved = {"siblings": _sibling_ports(self.siblings)}
         loop = asyncio.get_running_loop()
         for address in self.spec.addresses:
             host, port = split_host_port(address)
@@ -324,6 +361,10 @@ class Peers(asyncio.DatagramProtocol):
         self._targets = sorted(targets - me)
         self._allowed = {ip for ip, _ in targets}
         self.stats.peers = len(self._targets)
+
+    def _registration(self) -> Path:
+        assert self.siblings is not None
+        return self.siblings / f"{os.getpid()}-{self.port}.port"
 
     def _is_local(self, ip: str) -> bool:
         host, _ = split_host_port(self.spec.listen)

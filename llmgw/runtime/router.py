@@ -15,9 +15,12 @@ watcher = ConfigWatcher(path, router.reload)   # `await watcher.run()`: mtime po
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -135,10 +138,14 @@ class Router:
     async def start(self) -> None:
         """Raises StartError when Kubernetes discovery is refused (RBAC) and OSError when
         the peers' port cannot be bound (before anything else starts)."""
-        if self.config.peers is not None:
-            from llmgw.runtime.peers import Peers  # noqa: PLC0415
+        group = os.environ.get(WORKER_GROUP)
+        if self.config.peers is not None or group:
+            from llmgw.runtime.peers import Peers, workers_spec  # noqa: PLC0415
 
-            peers = Peers(self.config.peers, lambda: self.scheduler)
+            if self.config.peers is not None:
+                peers = Peers(self.config.peers, lambda: self.scheduler)
+            else:  # a worker of `--workers N`: its siblings are its peers
+                peers = Peers(workers_spec(), lambda: self.scheduler, siblings=Path(str(group)))
             await peers.start()
             self.peers = peers
         if self.scraper is not None:
@@ -226,6 +233,27 @@ class Router:
             self.peers.attach()  # the reload may have built new routers (new indexes)
 
 
+# Set by an edge started with `--workers N` (N > 1) for its worker processes: a directory
+# where each registers its peers port, so the workers share what they route.
+WORKER_GROUP = "_LLMGW_WORKER_GROUP"
+
+
+@contextlib.contextmanager
+def worker_group(workers: int) -> Iterator[None]:
+    """Around the serving of `workers` processes: their rendezvous directory, in the
+    environment they inherit (nothing for one process)."""
+    if workers < 2:
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix="llmgw-workers-")
+    os.environ[WORKER_GROUP] = directory
+    try:
+        yield
+    finally:
+        os.environ.pop(WORKER_GROUP, None)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def workers_problem(config: Config, workers: int) -> str | None:
     """Why `workers` processes of one edge cannot serve this config together, or None."""
     problem = shared_trace_problem(config.trace, workers)
@@ -233,7 +261,8 @@ def workers_problem(config: Config, workers: int) -> str | None:
         problem = (
             f"peers: with --workers {workers} every process would bind {config.peers.listen}; "
             "run one process per replica (its own pod, or its own listen port) and list "
-            "them all in peers.addresses"
+            "them all in peers.addresses (without peers:, the workers of one process share "
+            "what they route by themselves)"
         )
     return problem
 

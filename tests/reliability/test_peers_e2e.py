@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -68,11 +69,17 @@ def applied(n: int, *children: Child) -> bool:
     return received(*children) >= n
 
 
-def turn(client: httpx.Client, url: str, session: str, messages: list[dict[str, str]]) -> str:
+def turn(
+    client: httpx.Client,
+    url: str,
+    session: str,
+    messages: list[dict[str, str]],
+    headers: dict[str, str] | None = None,
+) -> str:
     r = client.post(
         url + "/v1/chat/completions",
         json={"model": "m1", "messages": messages, "max_tokens": 4},
-        headers={"x-session-id": session},
+        headers={"x-session-id": session, **(headers or {})},
     )
     assert r.status_code == 200, r.text
     m = re.match(r"endpoint=(\S+)", r.headers["x-llmgw-decision"])
@@ -147,3 +154,29 @@ def test_two_extproc_replicas_behind_one_envoy_send_every_turn_home_with_peers(
     # Envoy sent streams to both replicas: each routed some turns, and heard of the others'.
     assert all(metric(r, "llmgw_decisions_total") > 0 for r in replicas)
     assert all(received(r) > 0 for r in replicas)
+
+
+def test_the_workers_of_one_proxy_share_what_they_route(
+    sim: ThreadedFleet, spawn_proxy: SpawnFn, tmp_path: Path
+) -> None:
+    """`llmgw proxy --workers 2`: each connection lands on either worker process, so a
+    conversation's turns meet both; they peer on loopback without any `peers:` config."""
+    config = config_for(sim, None)
+    config["trace"] = {"path": str(tmp_path / "trace.{pid}.jsonl")}  # one file per worker
+    proxy = spawn_proxy(config, workers=2)
+    home = 0
+    sessions = 2 * SESSIONS  # alone, all home by luck: ~(5/8)^16 < 0.1 %
+    with httpx.Client(timeout=10) as client:
+        close = {"connection": "close"}  # a new connection per request: either worker
+        for k in range(sessions):
+            session = f"w-{k}"
+            first = [{"role": "user", "content": f"{session}: {NOTES} What is step one?"}]
+            where = turn(client, proxy.url("http"), session, first, close)
+            # (The pick's datagram leaves before the request goes upstream; the turn's
+            # ~100 ms prefill is far longer than its trip over loopback.)
+            second = [*first, {"role": "assistant", "content": "Step one is the inventory."},
+                      {"role": "user", "content": "And step two?"}]  # fmt: skip
+            home += turn(client, proxy.url("http"), session, second, close) == where
+    assert home == sessions
+    served = [len(f.read_text().splitlines()) for f in tmp_path.glob("trace.*.jsonl")]
+    assert len(served) == 2 and min(served) > 0, served  # both workers routed turns

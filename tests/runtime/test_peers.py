@@ -7,6 +7,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +15,17 @@ import pytest
 from llmgw.config import Config, load_dict
 from llmgw.errors import ConfigError
 from llmgw.gateway import Gateway
-from llmgw.runtime.peers import MAX_DATAGRAM, Record, decode, encode, indexes
+from llmgw.runtime.peers import (
+    MAX_DATAGRAM,
+    Peers,
+    Record,
+    decode,
+    encode,
+    indexes,
+    workers_spec,
+)
 from llmgw.runtime.ports import free_port
-from llmgw.runtime.router import Router, workers_problem
+from llmgw.runtime.router import WORKER_GROUP, Router, workers_problem
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import RequestInfo
@@ -80,41 +89,51 @@ def _config(port: int, peer_ports: list[int], **model: Any) -> Config:
     )
 
 
+Arrived = Callable[[Router, int], Awaitable[None]]
+
+
 @asynccontextmanager
-async def _pair() -> AsyncIterator[tuple[Router, Router, Callable[[Router, int], Awaitable[None]]]]:
-    """Two routers peering on loopback; `arrived(router, n)` waits for its nth datagram."""
-    ports = [free_port(), free_port()]
-    routers = [Router(_config(p, ports), scrape=False, seed=k) for k, p in enumerate(ports)]
+async def _started(*routers: Router) -> AsyncIterator[Arrived]:
+    """Start the routers (peering); `arrived(router, n)` waits for its nth datagram."""
     seen = {id(r): asyncio.Condition() for r in routers}
     counts = {id(r): 0 for r in routers}
-    for router in routers:
-        await router.start()
-        assert router.peers is not None
-        received = router.peers.datagram_received
-
-        def hooked(data: bytes, addr: Any, r: Router = router, inner: Any = received) -> None:
-            inner(data, addr)
-            counts[id(r)] += 1
-            cond = seen[id(r)]
-
-            async def tell() -> None:
-                async with cond:
-                    cond.notify_all()
-
-            asyncio.get_running_loop().create_task(tell())
-
-        router.peers.datagram_received = hooked  # type: ignore[method-assign]
-
-    async def arrived(router: Router, n: int) -> None:
-        cond = seen[id(router)]
-        async with cond:
-            await asyncio.wait_for(cond.wait_for(lambda: counts[id(router)] >= n), 5)
-
     try:
-        yield routers[0], routers[1], arrived
+        for router in routers:
+            await router.start()
+            assert router.peers is not None
+            received = router.peers.datagram_received
+
+            def hooked(data: bytes, addr: Any, r: Router = router, inner: Any = received) -> None:
+                inner(data, addr)
+                counts[id(r)] += 1
+                cond = seen[id(r)]
+
+                async def tell() -> None:
+                    async with cond:
+                        cond.notify_all()
+
+                asyncio.get_running_loop().create_task(tell())
+
+            router.peers.datagram_received = hooked  # type: ignore[method-assign]
+
+        async def arrived(router: Router, n: int) -> None:
+            cond = seen[id(router)]
+            async with cond:
+                await asyncio.wait_for(cond.wait_for(lambda: counts[id(router)] >= n), 5)
+
+        yield arrived
     finally:
         for router in routers:
             await router.stop()
+
+
+@asynccontextmanager
+async def _pair() -> AsyncIterator[tuple[Router, Router, Arrived]]:
+    """Two routers peering on loopback."""
+    ports = [free_port(), free_port()]
+    a, b = (Router(_config(p, ports), scrape=False, seed=k) for k, p in enumerate(ports))
+    async with _started(a, b) as arrived:
+        yield a, b, arrived
 
 
 def _index(router: Router) -> PrefixIndex:
@@ -290,3 +309,36 @@ def test_worker_processes_of_one_edge_cannot_share_the_peers_port() -> None:
     problem = workers_problem(config, 2)
     assert problem is not None and "peers" in problem and "127.0.0.1:9005" in problem
     assert workers_problem(config.model_copy(update={"peers": None}), 2) is None
+
+
+async def test_worker_processes_of_one_edge_peer_through_their_group_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(WORKER_GROUP, str(tmp_path))  # what `--workers N` sets for them
+    config = load_dict({"models": {"m": {"endpoints": ENDPOINTS, "strategy": "latency"}}})
+    a, b = Router(config, scrape=False, seed=0), Router(config, scrape=False, seed=1)
+    async with _started(a, b) as arrived:
+        assert a.peers is not None and b.peers is not None
+        assert len(list(tmp_path.glob("*.port"))) == 2
+        await a.peers.resolve()  # a registered first: it finds b at its next lookup
+        for sender, receiver in ((a, b), (b, a)):
+            prompt = f"from {id(sender)} " + HISTORY
+            request = RequestInfo("m", "r", session_key="w", prompt=prompt, prompt_tokens=700)
+            chosen = sender.scheduler.pick(request).endpoint.id
+            await arrived(receiver, 1)
+            hashes = _index(receiver).hashes(prompt)
+            assert _index(receiver).match(hashes) == {chosen: len(hashes)}
+    assert list(tmp_path.glob("*.port")) == []  # each unregistered at stop
+
+
+async def test_a_dead_workers_registration_is_skipped(tmp_path: Path) -> None:
+    (tmp_path / "999999999-4000.port").write_text("4000")  # no such process
+    (tmp_path / "junk.port").write_text("x")
+    config = load_dict({"models": {"m": {"endpoints": ENDPOINTS}}})
+    router = Router(config, scrape=False)
+    peers = Peers(workers_spec(), lambda: router.scheduler, siblings=tmp_path)
+    await peers.start()
+    try:
+        assert peers.stats.peers == 0
+    finally:
+        await peers.stop()
