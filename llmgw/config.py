@@ -275,12 +275,17 @@ class PeersSpec(_Strict):
     the prefix blocks it routes, and where, to the others over UDP, so every replica's
     prefix index holds the whole fleet's traffic, not its own share."""
 
-    listen: str  # host:port this replica receives on, e.g. 0.0.0.0:9004
+    listen: str  # host:port this replica receives on, e.g. 0.0.0.0:9005
     # Every peer, host:port; a name resolving to several addresses (a headless Service)
     # names them all. Re-resolved every `resolve_interval` seconds; datagrams from any
     # other address are dropped. This replica may be among them (it skips itself).
     addresses: tuple[str, ...] = Field(min_length=1)
     resolve_interval: float = Field(default=10.0, gt=0)
+    # The name of an environment variable holding a secret every replica shares: datagrams
+    # then carry an HMAC-SHA256 tag, and untagged or wrongly tagged ones are dropped. Read
+    # at start (a replica without it does not start), not at load: configs are checked
+    # where secrets are not.
+    secret_env: str | None = Field(default=None, min_length=1)
 
     @field_validator("listen")
     @classmethod

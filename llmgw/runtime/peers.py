@@ -12,7 +12,8 @@ same model, as if it had routed it. UDP because a lost hint costs one cache miss
 and must never hold a request: no connection to keep, no backpressure, no head-of-line
 blocking. Inserts queued in one event-loop turn go out together (records packed up to
 `MAX_DATAGRAM` bytes). Datagrams are accepted only from the peers' resolved addresses and
-only for endpoints this replica also routes to.
+only for endpoints this replica also routes to; with a shared secret (`secret_env`), only
+with its HMAC-SHA256 tag (16 bytes appended).
 
 Wire format, big-endian (hand-written with `struct`: a datagram is a header and flat
 records; a schema library would add a dependency for ~20 lines):
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import socket
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw.config import PeersSpec
+from llmgw.runtime.controlplanes import StartError
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scheduler import Scheduler
 
@@ -78,6 +81,25 @@ def encode(sender: bytes, records: Sequence[Record], limit: int = MAX_DATAGRAM) 
     if count:
         out.append(_HEADER.pack(MAGIC, sender, count) + b"".join(parts))
     return out
+
+
+TAG = 16  # bytes of HMAC-SHA256 kept (128 bits) when the replicas share a secret
+
+
+class Unauthenticated(ValueError):
+    """A datagram without the tag the shared secret gives."""
+
+
+def seal(datagram: bytes, key: bytes) -> bytes:
+    return datagram + hmac.digest(key, datagram, "sha256")[:TAG]
+
+
+def unseal(data: bytes, key: bytes) -> bytes:
+    """The datagram inside `data`; raises Unauthenticated unless its tag is `key`'s."""
+    body, tag = data[:-TAG], data[-TAG:]
+    if len(data) <= TAG or not hmac.compare_digest(tag, hmac.digest(key, body, "sha256")[:TAG]):
+        raise Unauthenticated("missing or wrong tag")
+    return body
 
 
 def decode(data: bytes) -> tuple[bytes, list[Record]]:
@@ -194,6 +216,13 @@ class Peers(asyncio.DatagramProtocol):
         self.spec = spec
         self._scheduler = scheduler
         self.siblings = siblings
+        secret = os.environ.get(spec.secret_env) if spec.secret_env else None
+        if spec.secret_env and not secret:
+            raise StartError(
+                f"peers.secret_env: the environment variable {spec.secret_env} is not set or "
+                "empty (every replica needs the same secret)"
+            )
+        self._key = secret.encode() if secret else None
         self.sender = os.urandom(8)
         self.stats = PeerStats()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -207,19 +236,24 @@ class Peers(asyncio.DatagramProtocol):
         self._flush_scheduled = False
         self._applying = False
         self._resolver: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # a datagram from a peer not known yet: look again now
+        self._target_set: set[tuple[str, int]] = set()
         self._family = socket.AF_INET
         self.port = 0  # bound port (the configured one, or the kernel's for port 0)
 
     async def start(self) -> None:
-        """Bind and resolve; raises OSError when the port cannot be bound (nothing left
+        """Bind and resolve; raises StartError when the port cannot be bound (nothing left
         open then)."""
         self._loop = loop = asyncio.get_running_loop()
         self._closed = asyncio.Event()
         host, port = split_host_port(self.spec.listen)
         self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        transport, _ = await loop.create_datagram_endpoint(
-            lambda: self, local_addr=(host, port), family=self._family
-        )
+        try:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: self, local_addr=(host, port), family=self._family
+            )
+        except OSError as exc:
+            raise StartError(f"peers.listen {self.spec.listen}: cannot bind: {exc}") from exc
         self._transport = transport
         try:
             self.port = transport.get_extra_info("sockname")[1]
@@ -235,6 +269,21 @@ class Peers(asyncio.DatagramProtocol):
             transport.close()
             raise
         self._resolver = asyncio.create_task(self._resolve_forever())
+        self._hello()
+
+    def _hello(self) -> None:
+        """An empty datagram to every peer known now: one that started earlier and does not
+        know this replica yet looks its peers up again at once, instead of at its next
+        `resolve_interval` (inserts sent to nobody are lost)."""
+        transport = self._transport
+        if transport is None:
+            return
+        datagram = _HEADER.pack(MAGIC, self.sender, 0)
+        if self._key is not None:
+            datagram = seal(datagram, self._key)
+        for target in self._targets:
+            with contextlib.suppress(OSError):
+                transport.sendto(datagram, target)
 
     async def stop(self) -> None:
         if self._resolver is not None:
@@ -298,7 +347,11 @@ class Peers(asyncio.DatagramProtocol):
         if buffered is not None and buffered() > MAX_BUFFERED:
             self.stats.drop("send_buffer_full", len(records))
             return
-        for datagram in encode(self.sender, records):
+        key = self._key
+        limit = MAX_DATAGRAM - TAG if key is not None else MAX_DATAGRAM
+        for datagram in encode(self.sender, records, limit):
+            if key is not None:
+                datagram = seal(datagram, key)  # noqa: PLW2901
             for target in self._targets:
                 try:
                     transport.sendto(datagram, target)
@@ -314,16 +367,23 @@ class Peers(asyncio.DatagramProtocol):
             self._closed.set()
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
-        if str(addr[0]) not in self._allowed:
+        ip = str(addr[0])
+        if ip not in self._allowed:
             self.stats.drop("unknown_sender")
+            self._wake.set()  # perhaps a replica that just started: resolve again (bounded)
             return
         try:
-            sender, records = decode(data)
+            sender, records = decode(unseal(data, self._key) if self._key is not None else data)
+        except Unauthenticated:
+            self.stats.drop("unauthenticated")
+            return
         except ValueError:
             self.stats.drop("malformed")
             return
         if sender == self.sender:
             return
+        if (ip, addr[1]) not in self._target_set:  # a peer this one does not send to yet
+            self._wake.set()
         scheduler = self._scheduler()
         now = scheduler.registry.clock()
         self._applying = True
@@ -359,6 +419,7 @@ class Peers(asyncio.DatagramProtocol):
         targets = set().union(*self._resolved.values())
         me = {(ip, self.port) for ip, _ in targets if self._is_local(ip)}
         self._targets = sorted(targets - me)
+        self._target_set = set(self._targets)
         self._allowed = {ip for ip, _ in targets}
         self.stats.peers = len(self._targets)
 
@@ -371,9 +432,16 @@ class Peers(asyncio.DatagramProtocol):
         return ip == host or (ip.startswith("127.") and host in ("0.0.0.0", "127.0.0.1"))
 
     async def _resolve_forever(self) -> None:
+        # Woken early by a datagram from an unknown peer, at most once per `floor` seconds
+        # (a directory read for sibling workers; DNS otherwise, so a stranger's datagrams
+        # cannot make it query more than once a second).
+        floor = 0.1 if self.siblings is not None else 1.0
         while True:
-            await asyncio.sleep(self.spec.resolve_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.spec.resolve_interval)
+            self._wake.clear()
             try:
                 await self.resolve()
             except Exception:  # never let the lookups die: log and try again next time
                 log.exception("resolving the peers failed")
+            await asyncio.sleep(floor)

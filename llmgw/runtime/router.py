@@ -136,8 +136,8 @@ class Router:
             self.scraper.resync()
 
     async def start(self) -> None:
-        """Raises StartError when Kubernetes discovery is refused (RBAC) and OSError when
-        the peers' port cannot be bound (before anything else starts)."""
+        """Raises StartError when Kubernetes discovery is refused (RBAC), or the peers' port
+        cannot be bound or their secret is missing (before anything else starts)."""
         group = os.environ.get(WORKER_GROUP)
         if self.config.peers is not None or group:
             from llmgw.runtime.peers import Peers, workers_spec  # noqa: PLC0415

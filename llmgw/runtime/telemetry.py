@@ -297,7 +297,7 @@ class _RegistryCollector(Collector):
         dropped = CounterMetricFamily(
             f"{p}_peer_dropped",
             "Peer datagrams or records not applied or not sent (unknown_sender, malformed, "
-            "unknown_endpoint, send_error, overflow, send_buffer_full)",
+            "unauthenticated, unknown_endpoint, send_error, overflow, send_buffer_full)",
             labels=["reason"],
         )
         for reason, n in sorted(stats.dropped.items()):

@@ -179,6 +179,9 @@ def test_the_k8s_router_replicas_find_each_other_as_peers() -> None:
     assert config.peers is not None
     assert config.peers.listen == f"0.0.0.0:{peer_port['containerPort']}"
     assert config.peers.addresses == (f"llmgw-peers.llmgw.svc.cluster.local:{port['port']}",)
+    # The secret the config names reaches the container from a Secret.
+    (env,) = [e for e in extproc["env"] if e["name"] == config.peers.secret_env]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "llmgw-peers", "key": "secret"}
 
 
 def test_compose_stack_is_consistent_and_envoy_validates(tmp_path: Path) -> None:

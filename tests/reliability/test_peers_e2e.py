@@ -69,6 +69,13 @@ def applied(n: int, *children: Child) -> bool:
     return received(*children) >= n
 
 
+def every_worker_peers(child: Child) -> bool:
+    return all(
+        metric(child, "llmgw_peers") == 1
+        for _ in range(6)  # `metric` opens a new connection each time
+    )
+
+
 def turn(
     client: httpx.Client,
     url: str,
@@ -164,6 +171,9 @@ def test_the_workers_of_one_proxy_share_what_they_route(
     config = config_for(sim, None)
     config["trace"] = {"path": str(tmp_path / "trace.{pid}.jsonl")}  # one file per worker
     proxy = spawn_proxy(config, workers=2)
+    # /healthz answered from one worker; wait until the workers know each other (six
+    # scrapes on fresh connections, which land on either worker, all say one peer).
+    wait_for(functools.partial(every_worker_peers, proxy), 10, "both workers peering")
     home = 0
     sessions = 2 * SESSIONS  # alone, all home by luck: ~(5/8)^16 < 0.1 %
     with httpx.Client(timeout=10) as client:

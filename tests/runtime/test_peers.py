@@ -15,6 +15,7 @@ import pytest
 from llmgw.config import Config, load_dict
 from llmgw.errors import ConfigError
 from llmgw.gateway import Gateway
+from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.peers import (
     MAX_DATAGRAM,
     Peers,
@@ -77,13 +78,14 @@ def test_anything_but_a_whole_datagram_is_refused(data: bytes) -> None:
         decode(data)
 
 
-def _config(port: int, peer_ports: list[int], **model: Any) -> Config:
+def _config(port: int, peer_ports: list[int], secret_env: str | None = None) -> Config:
     return load_dict(
         {
-            "models": {"m": {"endpoints": ENDPOINTS, "strategy": "latency", **model}},
+            "models": {"m": {"endpoints": ENDPOINTS, "strategy": "latency"}},
             "peers": {
                 "listen": f"127.0.0.1:{port}",
                 "addresses": [f"127.0.0.1:{p}" for p in peer_ports],
+                "secret_env": secret_env,
             },
         }
     )
@@ -92,11 +94,21 @@ def _config(port: int, peer_ports: list[int], **model: Any) -> Config:
 Arrived = Callable[[Router, int], Awaitable[None]]
 
 
+_RECEIVED_DROPS = ("unknown_sender", "malformed", "unauthenticated", "unknown_endpoint")
+
+
+def _handled(router: Router) -> int:
+    """Records applied plus datagrams or records refused, at this router (a hello from a
+    peer that just started changes neither)."""
+    assert router.peers is not None
+    stats = router.peers.stats
+    return stats.received + sum(stats.dropped.get(r, 0) for r in _RECEIVED_DROPS)
+
+
 @asynccontextmanager
 async def _started(*routers: Router) -> AsyncIterator[Arrived]:
-    """Start the routers (peering); `arrived(router, n)` waits for its nth datagram."""
+    """Start the routers (peering); `arrived(router, n)` waits until it has handled n."""
     seen = {id(r): asyncio.Condition() for r in routers}
-    counts = {id(r): 0 for r in routers}
     try:
         for router in routers:
             await router.start()
@@ -105,7 +117,6 @@ async def _started(*routers: Router) -> AsyncIterator[Arrived]:
 
             def hooked(data: bytes, addr: Any, r: Router = router, inner: Any = received) -> None:
                 inner(data, addr)
-                counts[id(r)] += 1
                 cond = seen[id(r)]
 
                 async def tell() -> None:
@@ -119,7 +130,7 @@ async def _started(*routers: Router) -> AsyncIterator[Arrived]:
         async def arrived(router: Router, n: int) -> None:
             cond = seen[id(router)]
             async with cond:
-                await asyncio.wait_for(cond.wait_for(lambda: counts[id(router)] >= n), 5)
+                await asyncio.wait_for(cond.wait_for(lambda: _handled(router) >= n), 5)
 
         yield arrived
     finally:
@@ -286,14 +297,23 @@ def test_an_index_tells_its_listener_of_every_insert_and_nothing_without_one() -
     assert told == [("e", [1, 2, 3], "s")]
 
 
-async def test_a_taken_port_fails_the_start_before_anything_runs() -> None:
+async def test_a_taken_port_or_a_missing_secret_fails_the_start_before_anything_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
         taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
         router = Router(_config(port, [port]), scrape=False)
-        with pytest.raises(OSError):
+        with pytest.raises(StartError, match=f"peers.listen 127.0.0.1:{port}: cannot bind"):
             await router.start()
         assert router.peers is None
+    monkeypatch.delenv("NO_SUCH_KEY", raising=False)
+    router = Router(_config(free_port(), [port], "NO_SUCH_KEY"), scrape=False)
+    with pytest.raises(
+        StartError, match=r"peers\.secret_env: the environment variable NO_SUCH_KEY"
+    ):
+        await router.start()
+    assert router.peers is None
 
 
 def test_gateway_reload_names_the_peers_change() -> None:
@@ -342,3 +362,64 @@ async def test_a_dead_workers_registration_is_skipped(tmp_path: Path) -> None:
         assert peers.stats.peers == 0
     finally:
         await peers.stop()
+
+
+async def test_with_a_shared_secret_only_tagged_datagrams_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PEERS_KEY", "correct horse")
+    monkeypatch.setenv("OTHER_KEY", "battery staple")
+    ports = [free_port(), free_port(), free_port()]
+    a, b, c = (
+        Router(_config(p, ports, env), scrape=False, seed=k)
+        for k, (p, env) in enumerate(
+            zip(ports, ["PEERS_KEY", "PEERS_KEY", "OTHER_KEY"], strict=True)
+        )
+    )
+    async with _started(a, b, c) as arrived:
+        assert b.peers is not None and c.peers is not None
+        await arrived(b, 1)  # c's hello, signed with the other key
+        assert b.peers.stats.dropped == {"unauthenticated": 1}
+        prompt = "signed " + HISTORY
+        request = RequestInfo("m", "r", session_key="k", prompt=prompt, prompt_tokens=700)
+        chosen = a.scheduler.pick(request).endpoint.id
+        await arrived(b, 2)
+        await arrived(c, 1)
+        hashes = _index(b).hashes(prompt)
+        assert _index(b).match(hashes) == {chosen: len(hashes)} and b.peers.stats.received == 1
+        assert c.peers.stats.dropped == {"unauthenticated": 1} and c.peers.stats.received == 0
+        assert _index(c).size() == 0
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # untagged, from a peer's IP
+            s.sendto(encode(b"x" * 8, [("m", ENDPOINTS[0], None, 256, [1])])[0],
+                     ("127.0.0.1", b.peers.port))  # fmt: skip
+            await arrived(b, 3)
+        assert b.peers.stats.dropped == {"unauthenticated": 2} and b.peers.stats.received == 1
+
+
+async def _until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Poll `condition` on the loop until it holds (a condition wait with a deadline)."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+    assert condition(), what
+
+
+async def test_a_replica_that_starts_later_is_known_at_once_not_at_the_next_lookup(
+    tmp_path: Path,
+) -> None:
+    config = load_dict({"models": {"m": {"endpoints": ENDPOINTS}}})
+    router = Router(config, scrape=False)
+    slow = workers_spec(interval=60.0)  # no periodic lookup within this test
+    first = Peers(slow, lambda: router.scheduler, siblings=tmp_path)
+    second = Peers(slow, lambda: router.scheduler, siblings=tmp_path)
+    await first.start()
+    try:
+        assert first.stats.peers == 0
+        await second.start()  # finds `first` in the directory and says hello
+        try:
+            assert second.stats.peers == 1
+            await _until(lambda: first.stats.peers == 1, "the first learned of the second")
+        finally:
+            await second.stop()
+    finally:
+        await first.stop()
