@@ -210,9 +210,11 @@ class Peers(asyncio.DatagramProtocol):
         scheduler: Callable[[], Scheduler],
         *,
         siblings: Path | None = None,
+        key: bytes | None = None,
     ) -> None:
         """`siblings`: the worker processes of one edge (`--workers N`) find each other in
-        this directory instead of `spec.addresses` (each writes `<pid>-<port>.port`)."""
+        this directory instead of `spec.addresses` (each writes `<pid>-<port>.port`);
+        `key`: their shared secret, given rather than named by `spec.secret_env`."""
         self.spec = spec
         self._scheduler = scheduler
         self.siblings = siblings
@@ -222,7 +224,7 @@ class Peers(asyncio.DatagramProtocol):
                 f"peers.secret_env: the environment variable {spec.secret_env} is not set or "
                 "empty (every replica needs the same secret)"
             )
-        self._key = secret.encode() if secret else None
+        self._key = key if key is not None else secret.encode() if secret else None
         self.sender = os.urandom(8)
         self.stats = PeerStats()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -236,7 +238,9 @@ class Peers(asyncio.DatagramProtocol):
         self._flush_scheduled = False
         self._applying = False
         self._resolver: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()  # a datagram from a peer not known yet: look again now
+        # Set by a datagram from a peer not known yet: look again now (made in `start`, on
+        # the loop that waits on it).
+        self._wake: asyncio.Event | None = None
         self._target_set: set[tuple[str, int]] = set()
         self._family = socket.AF_INET
         self.port = 0  # bound port (the configured one, or the kernel's for port 0)
@@ -246,6 +250,7 @@ class Peers(asyncio.DatagramProtocol):
         open then)."""
         self._loop = loop = asyncio.get_running_loop()
         self._closed = asyncio.Event()
+        self._wake = asyncio.Event()
         host, port = split_host_port(self.spec.listen)
         self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -260,8 +265,11 @@ class Peers(asyncio.DatagramProtocol):
             if self.siblings is not None:
                 mine = self._registration()
                 tmp = mine.with_suffix(".tmp")
-                tmp.write_text(str(self.port))
-                tmp.replace(mine)  # atomic: a sibling never reads half a number
+                try:
+                    tmp.write_text(str(self.port))
+                    tmp.replace(mine)  # atomic: a sibling never reads half a number
+                except OSError as exc:
+                    raise StartError(f"worker group {self.siblings}: {exc}") from exc
             await self.resolve()
             self.attach()
         except BaseException:
@@ -368,22 +376,24 @@ class Peers(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         ip = str(addr[0])
-        if ip not in self._allowed:
-            self.stats.drop("unknown_sender")
-            self._wake.set()  # perhaps a replica that just started: resolve again (bounded)
-            return
         try:
-            sender, records = decode(unseal(data, self._key) if self._key is not None else data)
-        except Unauthenticated:
+            body = unseal(data, self._key) if self._key is not None else data
+        except Unauthenticated:  # checked first: a stranger without the key wakes nothing
             self.stats.drop("unauthenticated")
             return
+        if ip not in self._allowed:
+            self.stats.drop("unknown_sender")
+            self._wake_resolver()  # perhaps a replica that just started (bounded rate)
+            return
+        try:
+            sender, records = decode(body)
         except ValueError:
             self.stats.drop("malformed")
             return
         if sender == self.sender:
             return
         if (ip, addr[1]) not in self._target_set:  # a peer this one does not send to yet
-            self._wake.set()
+            self._wake_resolver()
         scheduler = self._scheduler()
         now = scheduler.registry.clock()
         self._applying = True
@@ -395,6 +405,10 @@ class Peers(asyncio.DatagramProtocol):
                     self.stats.drop("unknown_endpoint")
         finally:
             self._applying = False
+
+    def _wake_resolver(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
     def error_received(self, exc: Exception) -> None:  # ICMP unreachable: a peer not up yet
         self.stats.drop("send_error")
@@ -436,10 +450,12 @@ class Peers(asyncio.DatagramProtocol):
         # (a directory read for sibling workers; DNS otherwise, so a stranger's datagrams
         # cannot make it query more than once a second).
         floor = 0.1 if self.siblings is not None else 1.0
+        wake = self._wake
+        assert wake is not None
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.spec.resolve_interval)
-            self._wake.clear()
+                await asyncio.wait_for(wake.wait(), self.spec.resolve_interval)
+            wake.clear()
             try:
                 await self.resolve()
             except Exception:  # never let the lookups die: log and try again next time

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -138,14 +139,21 @@ class Router:
     async def start(self) -> None:
         """Raises StartError when Kubernetes discovery is refused (RBAC), or the peers' port
         cannot be bound or their secret is missing (before anything else starts)."""
-        group = os.environ.get(WORKER_GROUP)
+        # Taken out of the environment: engines this process launches, and any router it
+        # starts later, are not workers of the group.
+        group, group_key = os.environ.pop(WORKER_GROUP, None), os.environ.pop(WORKER_KEY, None)
         if self.config.peers is not None or group:
             from llmgw.runtime.peers import Peers, workers_spec  # noqa: PLC0415
 
             if self.config.peers is not None:
                 peers = Peers(self.config.peers, lambda: self.scheduler)
             else:  # a worker of `--workers N`: its siblings are its peers
-                peers = Peers(workers_spec(), lambda: self.scheduler, siblings=Path(str(group)))
+                peers = Peers(
+                    workers_spec(),
+                    lambda: self.scheduler,
+                    siblings=Path(str(group)),
+                    key=group_key.encode() if group_key else None,
+                )
             await peers.start()
             self.peers = peers
         if self.scraper is not None:
@@ -236,22 +244,39 @@ class Router:
 # Set by an edge started with `--workers N` (N > 1) for its worker processes: a directory
 # where each registers its peers port, so the workers share what they route.
 WORKER_GROUP = "_LLMGW_WORKER_GROUP"
+WORKER_KEY = "_LLMGW_WORKER_KEY"  # their shared secret: other local users cannot join
+_GROUP_PREFIX = "llmgw-workers-"
 
 
 @contextlib.contextmanager
 def worker_group(workers: int) -> Iterator[None]:
-    """Around the serving of `workers` processes: their rendezvous directory, in the
-    environment they inherit (nothing for one process)."""
+    """Around the serving of `workers` processes: their rendezvous directory and secret, in
+    the environment they inherit (nothing for one process). Directories that parents
+    killed outright left behind (their pid is in the name) are removed first."""
     if workers < 2:
         yield
         return
-    directory = tempfile.mkdtemp(prefix="llmgw-workers-")
+    _sweep_groups()
+    directory = tempfile.mkdtemp(prefix=f"{_GROUP_PREFIX}{os.getpid()}-")
     os.environ[WORKER_GROUP] = directory
+    os.environ[WORKER_KEY] = secrets.token_hex(32)
     try:
         yield
     finally:
         os.environ.pop(WORKER_GROUP, None)
+        os.environ.pop(WORKER_KEY, None)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _sweep_groups() -> None:
+    for stale in Path(tempfile.gettempdir()).glob(f"{_GROUP_PREFIX}*-*"):
+        pid = stale.name.removeprefix(_GROUP_PREFIX).split("-", 1)[0]
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except (ValueError, OSError):  # not ours to judge (another user's, a bad name)
+            continue
 
 
 def workers_problem(config: Config, workers: int) -> str | None:

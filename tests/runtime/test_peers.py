@@ -4,7 +4,10 @@ format, and two routers over loopback UDP learning each other's placements."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import socket
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,7 +29,13 @@ from llmgw.runtime.peers import (
     workers_spec,
 )
 from llmgw.runtime.ports import free_port
-from llmgw.runtime.router import WORKER_GROUP, Router, workers_problem
+from llmgw.runtime.router import (
+    WORKER_GROUP,
+    WORKER_KEY,
+    Router,
+    worker_group,
+    workers_problem,
+)
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import RequestInfo
@@ -106,11 +115,16 @@ def _handled(router: Router) -> int:
 
 
 @asynccontextmanager
-async def _started(*routers: Router) -> AsyncIterator[Arrived]:
-    """Start the routers (peering); `arrived(router, n)` waits until it has handled n."""
+async def _started(
+    *routers: Router, before: Callable[[], None] | None = None
+) -> AsyncIterator[Arrived]:
+    """Start the routers (peering), calling `before` ahead of each start; `arrived(router,
+    n)` waits until it has handled n."""
     seen = {id(r): asyncio.Condition() for r in routers}
     try:
         for router in routers:
+            if before is not None:
+                before()
             await router.start()
             assert router.peers is not None
             received = router.peers.datagram_received
@@ -331,24 +345,48 @@ def test_worker_processes_of_one_edge_cannot_share_the_peers_port() -> None:
     assert workers_problem(config.model_copy(update={"peers": None}), 2) is None
 
 
-async def test_worker_processes_of_one_edge_peer_through_their_group_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(WORKER_GROUP, str(tmp_path))  # what `--workers N` sets for them
+async def test_worker_processes_of_one_edge_peer_through_their_group_directory() -> None:
     config = load_dict({"models": {"m": {"endpoints": ENDPOINTS, "strategy": "latency"}}})
     a, b = Router(config, scrape=False, seed=0), Router(config, scrape=False, seed=1)
-    async with _started(a, b) as arrived:
-        assert a.peers is not None and b.peers is not None
-        assert len(list(tmp_path.glob("*.port"))) == 2
-        await a.peers.resolve()  # a registered first: it finds b at its next lookup
-        for sender, receiver in ((a, b), (b, a)):
-            prompt = f"from {id(sender)} " + HISTORY
-            request = RequestInfo("m", "r", session_key="w", prompt=prompt, prompt_tokens=700)
-            chosen = sender.scheduler.pick(request).endpoint.id
-            await arrived(receiver, 1)
-            hashes = _index(receiver).hashes(prompt)
-            assert _index(receiver).match(hashes) == {chosen: len(hashes)}
-    assert list(tmp_path.glob("*.port")) == []  # each unregistered at stop
+    with worker_group(2):  # what `--workers 2` sets up for its processes
+        env = {k: os.environ[k] for k in (WORKER_GROUP, WORKER_KEY)}
+        group = Path(env[WORKER_GROUP])
+        # Each worker process inherits the variables; here both routers share one process.
+        async with _started(a, b, before=lambda: os.environ.update(env)) as arrived:
+            assert a.peers is not None and b.peers is not None
+            assert WORKER_GROUP not in os.environ and WORKER_KEY not in os.environ  # taken
+            assert len(list(group.glob("*.port"))) == 2
+            await _until(lambda: a.peers is not None and a.peers.stats.peers == 1, "a knows b")
+            for sender, receiver in ((a, b), (b, a)):
+                prompt = f"from {id(sender)} " + HISTORY
+                request = RequestInfo("m", "r", session_key="w", prompt=prompt, prompt_tokens=700)
+                chosen = sender.scheduler.pick(request).endpoint.id
+                await arrived(receiver, 1)
+                hashes = _index(receiver).hashes(prompt)
+                assert _index(receiver).match(hashes) == {chosen: len(hashes)}
+            # Another local process on loopback without the group's secret: refused.
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.sendto(encode(b"x" * 8, [("m", ENDPOINTS[0], None, 256, [1])])[0],
+                         ("127.0.0.1", b.peers.port))  # fmt: skip
+                await arrived(b, 2)
+            assert b.peers.stats.dropped == {"unauthenticated": 1}
+        assert list(group.glob("*.port")) == []  # each unregistered at stop
+    assert not group.exists() and WORKER_GROUP not in os.environ
+
+
+def test_a_group_directory_whose_parent_was_killed_is_swept(tmp_path: Path) -> None:
+    base = Path(tempfile.gettempdir())
+    stale = base / "llmgw-workers-999999999-abc"  # no such process
+    live = base / f"llmgw-workers-{os.getpid()}-keep"
+    for d in (stale, live):
+        d.mkdir(exist_ok=True)
+    try:
+        with worker_group(2):
+            pass
+        assert not stale.exists() and live.exists()
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
 
 
 async def test_a_dead_workers_registration_is_skipped(tmp_path: Path) -> None:
@@ -398,10 +436,12 @@ async def test_with_a_shared_secret_only_tagged_datagrams_count(
 
 async def _until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
     """Poll `condition` on the loop until it holds (a condition wait with a deadline)."""
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
-    assert condition(), what
+    try:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout} s: {what}") from None
 
 
 async def test_a_replica_that_starts_later_is_known_at_once_not_at_the_next_lookup(
