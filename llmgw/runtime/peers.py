@@ -38,8 +38,9 @@ from pathlib import Path
 
 from llmgw.config import PeersSpec
 from llmgw.runtime.controlplanes import StartError
+from llmgw.runtime.scraper import split_address
 from llmgw.scheduling.prefix import PrefixIndex
-from llmgw.scheduling.scheduler import Scheduler
+from llmgw.scheduling.scheduler import ModelRouter, Scheduler
 
 log = logging.getLogger("llmgw.peers")
 
@@ -134,13 +135,18 @@ def decode(data: bytes) -> tuple[bytes, list[Record]]:
     return sender, records
 
 
+def _router_indexes(router: ModelRouter) -> Iterator[PrefixIndex]:
+    for scorer, _ in router.scorers:
+        index = getattr(scorer, "index", None)
+        if isinstance(index, PrefixIndex):
+            yield index
+
+
 def indexes(scheduler: Scheduler) -> Iterator[tuple[str, PrefixIndex]]:
     """(model, index) for every prefix index of the scheduler's routers."""
     for model, router in scheduler.routers.items():
-        for scorer, _ in router.scorers:
-            index = getattr(scorer, "index", None)
-            if isinstance(index, PrefixIndex):
-                yield model, index
+        for index in _router_indexes(router):
+            yield model, index
 
 
 def apply(scheduler: Scheduler, record: Record, now: float) -> bool:
@@ -152,9 +158,8 @@ def apply(scheduler: Scheduler, record: Record, now: float) -> bool:
     if router is None or scheduler.registry.get(model, endpoint) is None:
         return False
     applied = False
-    for scorer, _ in router.scorers:
-        index = getattr(scorer, "index", None)
-        if isinstance(index, PrefixIndex) and index.block_chars == block_chars:
+    for index in _router_indexes(router):
+        if index.block_chars == block_chars:
             index.insert(endpoint, hashes, key, now)
             applied = True
     return applied
@@ -178,17 +183,11 @@ def workers_spec(interval: float = 0.5) -> PeersSpec:
     return PeersSpec.model_construct(listen="127.0.0.1:0", addresses=(), resolve_interval=interval)
 
 
-def split_host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 @dataclass
 class PeerStats:
     """Counts for `/metrics` (`llmgw_peer_*`)."""
 
     sent: int = 0  # records sent (to each peer once)
-    datagrams: int = 0
     received: int = 0  # records applied
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> records or datagrams
     peers: int = 0  # addresses sent to (this replica's own skipped where recognised)
@@ -230,7 +229,7 @@ class Peers(asyncio.DatagramProtocol):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.DatagramTransport | None = None
         self._closed: asyncio.Event | None = None  # set once the socket is closed
-        self._targets: list[tuple[str, int]] = []
+        self._targets: set[tuple[str, int]] = set()
         self._allowed: set[str] = set()
         # Per configured address, what it last resolved to: a failed lookup keeps it.
         self._resolved: dict[str, set[tuple[str, int]]] = {}
@@ -241,7 +240,6 @@ class Peers(asyncio.DatagramProtocol):
         # Set by a datagram from a peer not known yet: look again now (made in `start`, on
         # the loop that waits on it).
         self._wake: asyncio.Event | None = None
-        self._target_set: set[tuple[str, int]] = set()
         self._family = socket.AF_INET
         self.port = 0  # bound port (the configured one, or the kernel's for port 0)
 
@@ -251,7 +249,7 @@ class Peers(asyncio.DatagramProtocol):
         self._loop = loop = asyncio.get_running_loop()
         self._closed = asyncio.Event()
         self._wake = asyncio.Event()
-        host, port = split_host_port(self.spec.listen)
+        host, port = split_address(self.spec.listen)
         self._family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             transport, _ = await loop.create_datagram_endpoint(
@@ -263,11 +261,8 @@ class Peers(asyncio.DatagramProtocol):
         try:
             self.port = transport.get_extra_info("sockname")[1]
             if self.siblings is not None:
-                mine = self._registration()
-                tmp = mine.with_suffix(".tmp")
                 try:
-                    tmp.write_text(str(self.port))
-                    tmp.replace(mine)  # atomic: a sibling never reads half a number
+                    self._registration().touch()  # the name says it all: <pid>-<port>
                 except OSError as exc:
                     raise StartError(f"worker group {self.siblings}: {exc}") from exc
             await self.resolve()
@@ -365,8 +360,6 @@ class Peers(asyncio.DatagramProtocol):
                     transport.sendto(datagram, target)
                 except OSError:
                     self.stats.drop("send_error")
-                    continue
-                self.stats.datagrams += 1
         self.stats.sent += len(records)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -392,7 +385,7 @@ class Peers(asyncio.DatagramProtocol):
             return
         if sender == self.sender:
             return
-        if (ip, addr[1]) not in self._target_set:  # a peer this one does not send to yet
+        if (ip, addr[1]) not in self._targets:  # a peer this one does not send to yet
             self._wake_resolver()
         scheduler = self._scheduler()
         now = scheduler.registry.clock()
@@ -421,7 +414,7 @@ class Peers(asyncio.DatagramProtocol):
             self._resolved = {"siblings": _sibling_ports(self.siblings)}
         loop = asyncio.get_running_loop()
         for address in self.spec.addresses:
-            host, port = split_host_port(address)
+            host, port = split_address(address)
             try:
                 infos = await loop.getaddrinfo(
                     host, port, family=self._family, type=socket.SOCK_DGRAM
@@ -432,8 +425,7 @@ class Peers(asyncio.DatagramProtocol):
             self._resolved[address] = {(str(i[4][0]), int(i[4][1])) for i in infos}
         targets = set().union(*self._resolved.values())
         me = {(ip, self.port) for ip, _ in targets if self._is_local(ip)}
-        self._targets = sorted(targets - me)
-        self._target_set = set(self._targets)
+        self._targets = targets - me
         self._allowed = {ip for ip, _ in targets}
         self.stats.peers = len(self._targets)
 
@@ -442,7 +434,7 @@ class Peers(asyncio.DatagramProtocol):
         return self.siblings / f"{os.getpid()}-{self.port}.port"
 
     def _is_local(self, ip: str) -> bool:
-        host, _ = split_host_port(self.spec.listen)
+        host, _ = split_address(self.spec.listen)
         return ip == host or (ip.startswith("127.") and host in ("0.0.0.0", "127.0.0.1"))
 
     async def _resolve_forever(self) -> None:

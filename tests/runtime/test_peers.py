@@ -200,7 +200,7 @@ async def test_a_failed_lookup_keeps_the_last_peers_and_a_bad_name_does_not_stop
 ) -> None:
     async with _pair() as (a, _, _arrived):
         assert a.peers is not None
-        before = (list(a.peers._targets), set(a.peers._allowed))
+        before = (set(a.peers._targets), set(a.peers._allowed))
         assert before[0]
         loop = asyncio.get_running_loop()
 
