@@ -49,8 +49,9 @@ from llmgw.config import Config, load_dict
 from llmgw.errors import LlmgwError
 from llmgw.hashring import HashRing
 from llmgw.kvevents import decode_batch
-from llmgw.registry import Registry
+from llmgw.registry import EndpointState, Registry, own_load
 from llmgw.request import build_request
+from llmgw.runtime.peers import RemoteLoad
 from llmgw.runtime.peers import apply as apply_peer
 from llmgw.runtime.peers import indexes as peer_indexes
 from llmgw.runtime.scraper import Scraper
@@ -192,7 +193,9 @@ class LlmgwContender:
     `routers` > 1: that many router replicas (a Scheduler each, own prefix index) behind a
     plain load balancer that picks one per request at random; they share the Registry
     (load, scrapes: optimistic for all alike) and, with KV events, the exact index (each
-    router subscribes to the same engines).
+    router subscribes to the same engines). `split`: each router has its own Registry, as
+    deployed (each scrapes the engines and counts only its own requests in flight);
+    `shared` shares their prefix-index inserts and `share_load` their load (`peers:`).
 
     `engine_kv_model=False`: the latency scorer's approximate index ignores each engine's
     KV size (`cache_config_info`) and keeps up to its default capacity per endpoint: an
@@ -209,11 +212,16 @@ class LlmgwContender:
         routers: int = 1,
         engine_kv_model: bool = True,
         shared: bool = False,
+        split: bool = False,
+        share_load: bool = False,
     ) -> None:
         self.name = name
         self.strategy = strategy
         self.routers = routers
         self.shared = shared
+        self.split = split
+        self.share_load = share_load
+        self.registries: list[Registry] = []
         self.engine_kv_model = engine_kv_model
         self.schedulers: list[Scheduler] = []
         # A scorer with a tokenizer matches on the engines' KV events: feed them.
@@ -232,10 +240,19 @@ class LlmgwContender:
     def bind(self, n: int, registry: Registry | None, seed: int) -> None:
         config = router_config(n, self.strategy, self.scrape_interval, seed)
         self.config = config
-        self.schedulers = [Scheduler(config, registry, seed=seed + k) for k in range(self.routers)]
+        registries: list[Registry | None] = [registry] * self.routers
+        if self.split and registry is not None:
+            self.registries = [registry]
+            self.registries += [Registry(clock=registry.clock) for _ in range(self.routers - 1)]
+            registries = list(self.registries)
+        self.schedulers = [
+            Scheduler(config, registries[k], seed=seed + k) for k in range(self.routers)
+        ]
         self.scheduler = self.schedulers[0]
         if self.shared:
             share_indexes(self.schedulers)
+        if self.share_load:
+            share_load([s.registry for s in self.schedulers])
         if not self.engine_kv_model:
             for scheduler in self.schedulers:
                 for scorer, _ in scheduler.router(MODEL).scorers:
@@ -294,6 +311,27 @@ def share_indexes(schedulers: list[Scheduler]) -> None:
                     applying[0] = False
 
             index.on_insert = told
+
+
+def share_load(registries: list[Registry]) -> None:
+    """Each router's load (in flight, prefill queued; `registry.own_load`) counted by the
+    others at once: `peers:` load sharing over a network with no delay or loss."""
+    remotes = [RemoteLoad() for _ in registries]
+    for k, registry in enumerate(registries):
+        sender = bytes([k])
+        others = [(r, remotes[j]) for j, r in enumerate(registries) if j != k]
+
+        def told(
+            model: str,
+            state: EndpointState,
+            sender: bytes = sender,
+            others: list[tuple[Registry, RemoteLoad]] = others,
+        ) -> None:
+            inflight, pending = own_load(state)
+            for other, remote in others:
+                remote.update(other, sender, (model, state.id, inflight, pending), 0.0)
+
+        registry.on_load = told
 
 
 class _Local:
@@ -519,11 +557,18 @@ TWO_ROUTERS: dict[str, str | dict[str, Any]] = {
 }
 # The same two routers sharing what they route (`peers:`).
 SHARED_ROUTERS: dict[str, str | dict[str, Any]] = {"llmgw:latency-2routers-peers": "latency"}
+# Two routers as deployed: each its own registry (its own scrapes and in-flight counts);
+# alone, sharing inserts only (`peers:` until session 38), and inserts and load.
+SPLIT_ROUTERS: dict[str, tuple[bool, bool]] = {
+    "llmgw:latency-2routers-split": (False, False),
+    "llmgw:latency-2routers-split-inserts": (True, False),
+    "llmgw:latency-2routers-split-peers": (True, True),
+}
 
 
 def contender_names() -> list[str]:
     """Every llmgw preset (as `llmgw:<name>`), built-in variants, then the references."""
-    builtin = [*BUILTIN, *NO_KV_MODEL, *TWO_ROUTERS, *SHARED_ROUTERS]
+    builtin = [*BUILTIN, *NO_KV_MODEL, *TWO_ROUTERS, *SHARED_ROUTERS, *SPLIT_ROUTERS]
     return [f"llmgw:{name}" for name in PRESETS] + builtin + list(REFERENCES)
 
 
@@ -551,6 +596,12 @@ def make_contender(
     if name in SHARED_ROUTERS:
         strategy = SHARED_ROUTERS[name]
         return LlmgwContender(name, strategy, scrape_interval, routers=2, shared=True)
+    if name in SPLIT_ROUTERS:
+        inserts, load = SPLIT_ROUTERS[name]
+        return LlmgwContender(
+            name, "latency", scrape_interval, routers=2, shared=inserts, split=True,
+            share_load=load,
+        )  # fmt: skip
     if name.startswith("llmgw:") and name[6:] in PRESETS:
         return LlmgwContender(name, name[6:], scrape_interval)
     if name in REFERENCES:
@@ -685,11 +736,18 @@ def simulate(
         registry = Registry(clock=lambda: now)
     contender.bind(n, registry, seed)
     contender_first_tokens = getattr(contender, "first_tokens", True)
+    # Router replicas with a registry each (`LlmgwContender.split`) scrape the engines each.
+    registries: list[Registry] = getattr(contender, "registries", None) or (
+        [registry] if registry is not None else []
+    )
+    scrapers: list[Scraper] = []
     if registry is not None:
         config = getattr(contender, "config", None) or router_config(n, seed=seed)
-        registry.staleness = config.scrape.staleness
-        scraper = Scraper(config, registry)
-    targets = scraper.targets() if scraper is not None else {}
+        for each in registries:
+            each.staleness = config.scrape.staleness
+            scrapers.append(Scraper(config, each))
+        scraper = scrapers[0]
+    targets = [s.targets() for s in scrapers]
 
     kv_events = registry is not None and bool(getattr(contender, "uses_kv_events", False))
     engines = [
@@ -830,18 +888,24 @@ def simulate(
             assert registry is not None
             seq_no, payload = kv_wire.pop(b)
             batch = decode_batch(seq_no, msgpack.unpackb(payload))
-            registry.kv_index.apply_batch(address(a), batch, now)
+            for each in registries:
+                each.kv_index.apply_batch(address(a), batch, now)
         elif kind == _SCRAPE and scraper is not None:
             addr = address(a)
             page = render(pages[a]).decode()
-            scraper.ingest(addr, targets[addr], page if metrics is None else only(page, metrics))
+            page = page if metrics is None else only(page, metrics)
+            for reader, known in zip(scrapers, targets, strict=True):
+                reader.ingest(addr, known[addr], page)
             scrapes += 1
             spread = scrape_interval * scrape_jitter
             push(now + scrape_interval + rng.uniform(-spread, spread), _SCRAPE, a)
 
     hits = sum(e.stats.prefix_hits_tokens for e in engines)
     queries = sum(e.stats.prefix_queries_tokens for e in engines)
-    inflight = [s.inflight for s in registry.states(MODEL)] if registry is not None else []
+    inflight = [  # each endpoint's, summed over the routers' registries
+        sum(state.inflight for each in registries if (state := each.get(MODEL, s.id)))
+        for s in (registry.states(MODEL) if registry is not None else [])
+    ]
     return RunResult(
         contender=contender.name,
         requests=prepared.total,

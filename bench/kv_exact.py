@@ -161,13 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--replicas", type=int, default=REPLICAS)
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--plot", default=str(RESULTS / "kv_exact.png"))
+    parser.add_argument("--name", default="kv_exact", help="results file: bench/results/NAME.json")
+    parser.add_argument("--plot", help="the plot's path (default bench/results/NAME.png; '' none)")
     parser.add_argument("--replot", help="redraw the plot from a results JSON, run nothing")
     args = parser.parse_args(argv)
     if args.replot:
         data = json.loads(Path(args.replot).read_text())
         names = list(dict.fromkeys(r["contender"] for r in data["rows"]))
-        plot(data["rows"], names, Path(args.plot))
+        plot(data["rows"], names, Path(args.plot or RESULTS / f"{args.name}.png"))
         return 0
     table = cells()
     names = args.cells.split(",") if args.cells else list(table)
@@ -192,11 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table([{k: v for k, v in r.items() if k != "cell"} for r in rows
                             if r["cell"] == name]))  # fmt: skip
     print(f"\nwall {wall:.0f} s, cpu in cells {sum(r['cpu_s'] for r in results):.0f} s")
-    write_results("kv_exact", {"seeds": seeds, "replicas": args.replicas, "rows": rows,
+    write_results(args.name, {"seeds": seeds, "replicas": args.replicas, "rows": rows,
                                "cells": results})  # fmt: skip
-    if args.plot:
-        plot(rows, contenders, Path(args.plot))
-        print(f"wrote {args.plot}")
+    path = str(RESULTS / f"{args.name}.png") if args.plot is None else args.plot
+    if path:
+        plot(rows, contenders, Path(path))
+        print(f"wrote {path}")
     return 0
 
 

@@ -69,6 +69,8 @@ class EndpointState:
         "pending_prefill",
         "prefills",
         "released_since_scrape",
+        "remote_inflight",
+        "remote_pending",
         "reports_first_token",
         "restarts",
         "scrape_error",
@@ -83,6 +85,10 @@ class EndpointState:
         self.endpoint = endpoint
         self.id = endpoint.address  # an attribute, not a property: read per endpoint per pick
         self.inflight = 0
+        # What the other router replicas (`peers:`) report in flight here and their prefill
+        # tokens queued here (the sums over peers; `llmgw.runtime.peers.RemoteLoad`).
+        self.remote_inflight = 0
+        self.remote_pending = 0.0
         # Requests this router saw end since the last scrape: the engine's counts still
         # include them until the next scrape (a replica that just answered looks busy).
         self.released_since_scrape = 0
@@ -176,6 +182,9 @@ class Registry:
         self.restart_epoch = 0
         # What each endpoint's engine reported cached (KV events; empty when none are fed).
         self.kv_index = ExactPrefixIndex()
+        # Called with (model, state) after this router's load there changed (a request sent,
+        # its first token, its end, a scrape closing prefills): `peers:` tells the others.
+        self.on_load: Callable[[str, EndpointState], None] | None = None
 
     def configure(self, *, breaker: BreakerSettings, staleness: float) -> None:
         """New breaker settings and staleness (a config reload); live state is kept."""
@@ -243,6 +252,8 @@ class Registry:
         if state is None:
             return False
         state.inflight += 1
+        if self.on_load is not None:
+            self.on_load(model, state)
         return state.breaker.on_dispatch()
 
     def release(
@@ -267,6 +278,8 @@ class Registry:
         now = self.clock()
         state.inflight = max(0, state.inflight - 1)
         state.released_since_scrape += 1
+        if self.on_load is not None:
+            self.on_load(model, state)
         if outcome is Outcome.CANCELLED:
             if probe:
                 state.breaker.release_probe()
@@ -289,6 +302,14 @@ class Registry:
         state = self._by_id.get((model, endpoint_id))
         if state is None:
             return 0.0, None
+        out = self._add_prefill(state, tokens, unstreamed, ready_at)
+        if self.on_load is not None:
+            self.on_load(model, state)
+        return out
+
+    def _add_prefill(
+        self, state: EndpointState, tokens: float, unstreamed: bool, ready_at: float | None
+    ) -> tuple[float, PendingPrefill | None]:
         ahead = state.pending_prefill
         state.pending_prefill += tokens
         if state.reports_first_token:  # exact already: nothing for scrapes to count
@@ -341,6 +362,8 @@ class Registry:
         now = self.clock()
         if ready_at > now:
             state.busy_until = max(now, state.busy_until - (ready_at - now))
+        if self.on_load is not None:
+            self.on_load(model, state)
 
     # -- scrapes -------------------------------------------------------------------------
     def record_scrape(self, model: str, endpoint_id: str, metrics: EngineMetrics) -> None:
@@ -382,6 +405,8 @@ class Registry:
         state.released_since_scrape = 0
         state.scrape_error = None
         state.serves_model = True
+        if self.on_load is not None:
+            self.on_load(model, state)
 
     def record_scrape_error(
         self, model: str, endpoint_id: str, error: str, *, model_absent: bool = False
@@ -401,6 +426,18 @@ class Registry:
             s.breaker.available(now)  # advance open -> half_open for reporting
             out[(model, eid)] = s.breaker.state
         return out
+
+
+def own_load(state: EndpointState) -> tuple[int, float]:
+    """What this router has in flight at the endpoint and its prefill tokens queued there
+    as far as it can tell, for its peers: exact where the edge sees first tokens; as of
+    the last scrape where the engine counts them; none where only time drains the work
+    (that estimate is in seconds of this router's model, not tokens)."""
+    if state.reports_first_token:
+        return state.inflight, state.pending_prefill
+    if state.counts_first_tokens:
+        return state.inflight, state.counted_prefill
+    return state.inflight, 0.0
 
 
 def _count_first_tokens(state: EndpointState, first_tokens: float) -> None:

@@ -15,12 +15,24 @@ blocking. Inserts queued in one event-loop turn go out together (records packed 
 only for endpoints this replica also routes to; with a shared secret (`secret_env`), only
 with its HMAC-SHA256 tag (16 bytes appended).
 
+Replicas also share their load: each one's requests in flight per endpoint and the prefill
+tokens it queued there (`registry.own_load`). Each router counts only its own between
+scrapes, so a replica its peer just filled looked idle to it: two peering proxies routed
+1.12-1.17x worse than one where load decides (a busy session home). A router's load
+changes are sent as they happen (coalesced per loop turn, only what changed), refreshed
+every `LOAD_REFRESH` seconds, and forgotten `LOAD_TTL` seconds after a peer last told
+them (a peer that died stops counting); a stopping replica sends its zeros. The sums over
+peers land on each endpoint's state (`remote_inflight`, `remote_pending`), which the
+scorers add to their own.
+
 Wire format, big-endian (hand-written with `struct`: a datagram is a header and flat
 records; a schema library would add a dependency for ~20 lines):
-    header: b"LGP1", sender id (8 bytes, random per process), record count (u16)
-    record: model length (u16), endpoint length (u16), key length (u16), block size in
-            characters (u32), hash count (u16), then model, endpoint, key (UTF-8) and the
-            hashes (i64 each)
+    header: magic (4 bytes), sender id (8 bytes, random per process), record count (u16)
+    b"LGP1", prefix-index inserts; record: model length (u16), endpoint length (u16), key
+            length (u16), block size in characters (u32), hash count (u16), then model,
+            endpoint, key (UTF-8) and the hashes (i64 each)
+    b"LGL1", load; record: model length (u16), endpoint length (u16), requests in flight
+            (u32), prefill tokens queued (f32), then model and endpoint (UTF-8)
 """
 
 from __future__ import annotations
@@ -35,8 +47,10 @@ import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from llmgw.config import PeersSpec
+from llmgw.registry import EndpointState, Registry, own_load
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.scraper import split_address
 from llmgw.scheduling.prefix import PrefixIndex
@@ -45,8 +59,14 @@ from llmgw.scheduling.scheduler import ModelRouter, Scheduler
 log = logging.getLogger("llmgw.peers")
 
 MAGIC = b"LGP1"
+LOAD_MAGIC = b"LGL1"
 _HEADER = struct.Struct(">4s8sH")
 _RECORD = struct.Struct(">HHHIH")
+_LOAD = struct.Struct(">HHIf")
+# A peer's load is resent this often while non-zero, and forgotten this long after it last
+# came (a lost update heals within a refresh; a dead peer's load stops counting).
+LOAD_REFRESH = 1.0
+LOAD_TTL = 3.0
 # Kept under common path MTUs' reassembly limits with room to spare; a record longer than
 # one datagram keeps its leading blocks (the prefix is what matching walks).
 MAX_DATAGRAM = 8192
@@ -55,6 +75,7 @@ MAX_PENDING = 10_000  # records waiting for the next flush; past it new ones are
 MAX_BUFFERED = 1 << 20  # bytes the transport may hold unsent before a flush is dropped
 
 Record = tuple[str, str, str | None, int, list[int]]  # model, endpoint, key, block chars, hashes
+LoadRecord = tuple[str, str, int, float]  # model, endpoint, in flight, prefill tokens queued
 
 
 def encode(sender: bytes, records: Sequence[Record], limit: int = MAX_DATAGRAM) -> list[bytes]:
@@ -135,6 +156,115 @@ def decode(data: bytes) -> tuple[bytes, list[Record]]:
     return sender, records
 
 
+def encode_load(
+    sender: bytes, records: Sequence[LoadRecord], limit: int = MAX_DATAGRAM
+) -> list[bytes]:
+    """Load datagrams of at most `limit` bytes carrying `records`, in order."""
+    out: list[bytes] = []
+    parts: list[bytes] = []
+    size = _HEADER.size
+    for model, endpoint, inflight, pending in records:
+        m, e = model.encode(), endpoint.encode()
+        record = _LOAD.pack(len(m), len(e), min(inflight, 0xFFFFFFFF), pending) + m + e
+        if size + len(record) > limit and parts:
+            out.append(_HEADER.pack(LOAD_MAGIC, sender, len(parts)) + b"".join(parts))
+            parts, size = [], _HEADER.size
+        parts.append(record)
+        size += len(record)
+    if parts:
+        out.append(_HEADER.pack(LOAD_MAGIC, sender, len(parts)) + b"".join(parts))
+    return out
+
+
+def decode_load(data: bytes) -> tuple[bytes, list[LoadRecord]]:
+    """(sender id, load records); raises ValueError on anything but a whole load datagram."""
+    if len(data) < _HEADER.size:
+        raise ValueError("shorter than a header")
+    magic, sender, count = _HEADER.unpack_from(data)
+    if magic != LOAD_MAGIC:
+        raise ValueError("not an llmgw peer load datagram")
+    at = _HEADER.size
+    records: list[LoadRecord] = []
+    try:
+        for _ in range(count):
+            lm, le, inflight, pending = _LOAD.unpack_from(data, at)
+            at += _LOAD.size
+            if at + lm + le > len(data):
+                raise ValueError("record runs past the datagram")
+            model = data[at : at + lm].decode()
+            endpoint = data[at + lm : at + lm + le].decode()
+            at += lm + le
+            if not pending >= 0.0:  # NaN, negative, -inf: not a queue
+                raise ValueError("pending prefill tokens out of range")
+            records.append((model, endpoint, inflight, pending))
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(str(exc)) from None
+    if at != len(data):
+        raise ValueError("bytes past the last record")
+    return sender, records
+
+
+class RemoteLoad:
+    """What each peer last reported in flight and queued per endpoint; the sums over peers
+    are written into the registry's states (`remote_inflight`, `remote_pending`)."""
+
+    def __init__(self, ttl: float = LOAD_TTL) -> None:
+        self.ttl = ttl
+        # (model, endpoint) -> sender -> (in flight, tokens queued, when it came)
+        self._by: dict[tuple[str, str], dict[bytes, tuple[int, float, float]]] = {}
+
+    def update(self, registry: Registry, sender: bytes, record: LoadRecord, now: float) -> bool:
+        """Take one peer's report; False when this replica does not route to that endpoint."""
+        model, endpoint, inflight, pending = record
+        state = registry.get(model, endpoint)
+        if state is None:
+            return False
+        key = (model, endpoint)
+        peers = self._by.get(key)
+        if inflight or pending:
+            if peers is None:
+                peers = self._by[key] = {}
+            peers[sender] = (inflight, pending, now)
+        elif peers is not None:
+            peers.pop(sender, None)
+        _sum_into(state, peers)
+        if peers is not None and not peers:
+            del self._by[key]
+        return True
+
+    def expire(self, registry: Registry, now: float) -> int:
+        """Forget reports older than `ttl`; returns how many were forgotten."""
+        forgotten = 0
+        for key, peers in list(self._by.items()):
+            old = [sender for sender, (_, _, at) in peers.items() if now - at > self.ttl]
+            if not old:
+                continue
+            for sender in old:
+                del peers[sender]
+            forgotten += len(old)
+            state = registry.get(*key)
+            if state is not None:
+                _sum_into(state, peers)
+            if not peers:
+                del self._by[key]
+        return forgotten
+
+    def clear(self, registry: Registry) -> None:
+        for key in self._by:
+            state = registry.get(*key)
+            if state is not None:
+                _sum_into(state, None)
+        self._by.clear()
+
+
+def _sum_into(state: EndpointState, peers: dict[bytes, tuple[int, float, float]] | None) -> None:
+    inflight, pending = 0, 0.0
+    for n, tokens, _ in (peers or {}).values():
+        inflight += n
+        pending += tokens
+    state.remote_inflight, state.remote_pending = inflight, pending
+
+
 def _router_indexes(router: ModelRouter) -> Iterator[PrefixIndex]:
     for scorer, _ in router.scorers:
         index = getattr(scorer, "index", None)
@@ -189,6 +319,8 @@ class PeerStats:
 
     sent: int = 0  # records sent (to each peer once)
     received: int = 0  # records applied
+    load_sent: int = 0  # load updates sent (one endpoint's, to each peer once)
+    load_received: int = 0  # peers' load updates taken
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> records or datagrams
     peers: int = 0  # addresses sent to (this replica's own skipped where recognised)
 
@@ -234,6 +366,12 @@ class Peers(asyncio.DatagramProtocol):
         # Per configured address, what it last resolved to: a failed lookup keeps it.
         self._resolved: dict[str, set[tuple[str, int]]] = {}
         self._pending: list[Record] = []
+        # Endpoints whose load changed since the last flush, and what each peer was last
+        # told (non-zero only: those are refreshed).
+        self._load_dirty: dict[tuple[str, str], EndpointState] = {}
+        self._load_told: dict[tuple[str, str], tuple[int, float]] = {}
+        self.remote = RemoteLoad()
+        self._keeper: asyncio.Task[None] | None = None
         self._flush_scheduled = False
         self._applying = False
         self._resolver: asyncio.Task[None] | None = None
@@ -272,6 +410,7 @@ class Peers(asyncio.DatagramProtocol):
             transport.close()
             raise
         self._resolver = asyncio.create_task(self._resolve_forever())
+        self._keeper = asyncio.create_task(self._keep_load_forever())
         self._hello()
 
     def _hello(self) -> None:
@@ -289,12 +428,17 @@ class Peers(asyncio.DatagramProtocol):
                 transport.sendto(datagram, target)
 
     async def stop(self) -> None:
-        if self._resolver is not None:
-            self._resolver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._resolver
-            self._resolver = None
+        for task in (self._resolver, self._keeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._resolver = self._keeper = None
         self.detach()
+        # Goodbye: the peers stop counting this replica's load now, not `LOAD_TTL` later.
+        self._send_load([(m, e, 0, 0.0) for (m, e) in self._load_told])
+        self._load_told.clear()
+        self.remote.clear(self._scheduler().registry)
         if self.siblings is not None:
             self._registration().unlink(missing_ok=True)
         if self._transport is not None:
@@ -304,13 +448,35 @@ class Peers(asyncio.DatagramProtocol):
                 await self._closed.wait()
 
     def attach(self) -> None:
-        """Hook every prefix index of the current scheduler (again after a reload)."""
-        for model, index in indexes(self._scheduler()):
+        """Hook every prefix index of the current scheduler, and its registry's load changes
+        (again after a reload)."""
+        scheduler = self._scheduler()
+        for model, index in indexes(scheduler):
             index.on_insert = self._sender(model, index.block_chars)
+        scheduler.registry.on_load = self._load_changed
 
     def detach(self) -> None:
-        for _, index in indexes(self._scheduler()):
+        scheduler = self._scheduler()
+        for _, index in indexes(scheduler):
             index.on_insert = None
+        scheduler.registry.on_load = None
+
+    def _load_changed(self, model: str, state: EndpointState) -> None:
+        loop = self._loop
+        if loop is None or self._transport is None or not self._targets:
+            return
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:  # no loop in this thread
+            here = False
+        if here:
+            self._mark(model, state)
+        else:
+            loop.call_soon_threadsafe(self._mark, model, state)
+
+    def _mark(self, model: str, state: EndpointState) -> None:
+        self._load_dirty[(model, state.id)] = state
+        self._schedule_flush()
 
     def _sender(self, model: str, block_chars: int) -> Callable[[str, list[int], str | None], None]:
         def told(endpoint: str, hashes: list[int], key: str | None) -> None:
@@ -334,25 +500,55 @@ class Peers(asyncio.DatagramProtocol):
             self.stats.drop("overflow")
             return
         self._pending.append(record)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
         if not self._flush_scheduled and self._loop is not None:
             self._loop.call_soon(self._flush)
             self._flush_scheduled = True
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._load_dirty:
+            dirty, self._load_dirty = self._load_dirty, {}
+            told = self._load_told
+            changed: list[LoadRecord] = []
+            for key, state in dirty.items():
+                now = own_load(state)
+                if told.get(key, (0, 0.0)) != now:
+                    changed.append((key[0], key[1], *now))
+                    if now[0] or now[1]:
+                        told[key] = now
+                    else:
+                        told.pop(key, None)
+            self._send_load(changed)
         records, self._pending = self._pending, []
+        if records:
+            self._send(encode, records, self.stats)
+
+    def _send_load(self, records: list[LoadRecord]) -> None:
+        if records and self._send(encode_load, records, None):
+            self.stats.load_sent += len(records)
+
+    def _send(
+        self,
+        encoder: Callable[[bytes, Sequence[Any], int], list[bytes]],
+        records: Sequence[Any],
+        count: PeerStats | None,
+    ) -> bool:
+        """Send `records` to every peer (inserts counted in `count`); False if dropped."""
         transport = self._transport
-        if transport is None or not records:
-            return
+        if transport is None:
+            return False
         # Selector transports buffer what the kernel refuses, without limit (not in the
         # DatagramTransport interface, hence the lookup).
         buffered = getattr(transport, "get_write_buffer_size", None)
         if buffered is not None and buffered() > MAX_BUFFERED:
             self.stats.drop("send_buffer_full", len(records))
-            return
+            return False
         key = self._key
         limit = MAX_DATAGRAM - TAG if key is not None else MAX_DATAGRAM
-        for datagram in encode(self.sender, records, limit):
+        for datagram in encoder(self.sender, records, limit):
             if key is not None:
                 datagram = seal(datagram, key)  # noqa: PLW2901
             for target in self._targets:
@@ -360,7 +556,21 @@ class Peers(asyncio.DatagramProtocol):
                     transport.sendto(datagram, target)
                 except OSError:
                     self.stats.drop("send_error")
-        self.stats.sent += len(records)
+        if count is not None:
+            count.sent += len(records)
+        return True
+
+    async def _keep_load_forever(self) -> None:
+        """Refresh this replica's non-zero load at the peers and forget theirs gone quiet."""
+        while True:
+            await asyncio.sleep(LOAD_REFRESH)
+            try:
+                told = self._load_told
+                self._send_load([(m, e, n, t) for (m, e), (n, t) in told.items()])
+                registry = self._scheduler().registry
+                self.remote.expire(registry, registry.clock())
+            except Exception:  # never let the refresh die: log and go on
+                log.exception("refreshing the peers' load failed")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -379,7 +589,12 @@ class Peers(asyncio.DatagramProtocol):
             self._wake_resolver()  # perhaps a replica that just started (bounded rate)
             return
         try:
-            sender, records = decode(body)
+            records: list[Record] = []
+            loads: list[LoadRecord] = []
+            if body[:4] == LOAD_MAGIC:
+                sender, loads = decode_load(body)
+            else:
+                sender, records = decode(body)
         except ValueError:
             self.stats.drop("malformed")
             return
@@ -388,6 +603,15 @@ class Peers(asyncio.DatagramProtocol):
         if (ip, addr[1]) not in self._targets:  # a peer this one does not send to yet
             self._wake_resolver()
         scheduler = self._scheduler()
+        if loads:
+            registry = scheduler.registry
+            now = registry.clock()
+            for load in loads:
+                if self.remote.update(registry, sender, load, now):
+                    self.stats.load_received += 1
+                else:
+                    self.stats.drop("unknown_endpoint")
+            return
         now = scheduler.registry.clock()
         self._applying = True
         try:

@@ -33,7 +33,10 @@ Series (prefix `llmgw_`):
 - `model_state{model,state}` (1 for the current state), `model_starts_total{model}`,
   `model_last_start_seconds{model}` (the last cold start): on-demand models, if bound.
 - `peers`, `peer_records_sent_total`, `peer_records_received_total`,
-  `peer_dropped_total{reason}`: router replicas sharing what they route (`peers:`).
+  `peer_load_updates_sent_total`, `peer_load_updates_received_total`,
+  `peer_inflight{model,endpoint}`, `peer_queued_prefill_tokens{model,endpoint}`,
+  `peer_dropped_total{reason}`: router replicas sharing what they route and their load
+  (`peers:`).
 
 Every instance has its own `CollectorRegistry`, so tests and several servers in one
 process do not collide. Labelled children are cached: the hot path is a dict lookup
@@ -294,6 +297,32 @@ class _RegistryCollector(Collector):
             "Peers' prefix-index inserts applied here",
             value=stats.received,
         )
+        yield CounterMetricFamily(
+            f"{p}_peer_load_updates_sent",
+            "Load updates sent to peers (one endpoint's in flight and queued prefill)",
+            value=stats.load_sent,
+        )
+        yield CounterMetricFamily(
+            f"{p}_peer_load_updates_received",
+            "Peers' load updates taken here",
+            value=stats.load_received,
+        )
+        inflight = GaugeMetricFamily(
+            f"{p}_peer_inflight",
+            "Requests the peers report in flight per endpoint",
+            labels=["model", "endpoint"],
+        )
+        queued = GaugeMetricFamily(
+            f"{p}_peer_queued_prefill_tokens",
+            "Prefill tokens the peers report queued per endpoint",
+            labels=["model", "endpoint"],
+        )
+        for model in sorted(self.registry.models()):
+            for state in self.registry.states(model):
+                inflight.add_metric([model, state.id], state.remote_inflight)
+                queued.add_metric([model, state.id], state.remote_pending)
+        yield inflight
+        yield queued
         dropped = CounterMetricFamily(
             f"{p}_peer_dropped",
             "Peer datagrams or records not applied or not sent (unknown_sender, malformed, "

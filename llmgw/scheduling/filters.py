@@ -97,9 +97,10 @@ class FreshMetricsFilter:
 
 
 class BoundedLoadFilter:
-    """A guard against herding: drops endpoints whose in-flight count from this router is at
-    capacity ceil(c * (total + 1) / n) (consistent hashing with bounded loads), where c is
-    the model's `session.bounded_load` (default 1.5). Keeps all when every one is at capacity.
+    """A guard against herding: drops endpoints whose in-flight count (this router's and its
+    `peers:`') is at capacity ceil(c * (total + 1) / n) (consistent hashing with bounded
+    loads), where c is the model's `session.bounded_load` (default 1.5). Keeps all when
+    every one is at capacity.
     """
 
     name = "bounded-load"
@@ -112,9 +113,9 @@ class BoundedLoadFilter:
         c = ctx.spec.session.bounded_load or self.default_factor
         total = 0
         for s in states:
-            total += s.inflight
+            total += s.inflight + s.remote_inflight
         capacity = math.ceil(c * (total + 1) / len(states))
-        kept = [s for s in candidates if s.inflight < capacity]
+        kept = [s for s in candidates if s.inflight + s.remote_inflight < capacity]
         return _kept(candidates, kept) if kept else candidates
 
 
@@ -141,12 +142,12 @@ class BlindImbalanceFilter:
         if not candidates:
             return candidates
         now, staleness = ctx.now, ctx.staleness
-        low = high = candidates[0].inflight
+        low = high = candidates[0].inflight + candidates[0].remote_inflight
         total = 0
         for s in candidates:  # returns at the first one that shows its load (nearly always)
             if s.reports_first_token or s.fresh_metrics(now, staleness) is not None:
                 return candidates
-            load = s.inflight
+            load = s.inflight + s.remote_inflight
             total += load
             if load < low:
                 low = load
@@ -156,4 +157,4 @@ class BlindImbalanceFilter:
         if high - low <= gap:
             return candidates
         near = low + gap / 2
-        return [s for s in candidates if s.inflight <= near]
+        return [s for s in candidates if s.inflight + s.remote_inflight <= near]

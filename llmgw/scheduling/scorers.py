@@ -81,17 +81,19 @@ class QueueScorer:
         append = queues.append
         for s in candidates:
             m = fresh[s]
+            inflight = s.inflight + s.remote_inflight  # peers' too (`peers:`)
             if m is None:
-                append(float(s.inflight))
+                append(float(inflight))
                 continue
             # Requests sent since the scrape are not in its queue yet: count the excess.
-            excess = s.inflight - m.running
+            excess = inflight - m.running
             append(m.waiting if m.waiting >= excess else excess)
         return relative(queues, self.smoothing)
 
 
 class InflightScorer:
-    """Fewer requests in flight from this router is better (exact, no scrape lag)."""
+    """Fewer requests in flight from this router (and its `peers:`) is better (no scrape
+    lag)."""
 
     name = "inflight"
 
@@ -99,7 +101,7 @@ class InflightScorer:
         self.smoothing = _smoothing(smoothing)
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:
-        return relative([float(s.inflight) for s in candidates], self.smoothing)
+        return relative([float(s.inflight + s.remote_inflight) for s in candidates], self.smoothing)
 
 
 class LoadScorer:
@@ -117,7 +119,7 @@ class LoadScorer:
         append = loads.append
         for s in candidates:
             m = fresh[s]
-            inflight = s.inflight
+            inflight = s.inflight + s.remote_inflight
             if m is None:
                 append(inflight)
                 continue
@@ -192,7 +194,7 @@ class SessionScorer:
         c = self.bounded_load or ctx.spec.session.bounded_load or 0.0
         ring_order: Sequence[str]
         if c >= 1.0:
-            loads = {s.id: s.inflight for s in ctx.all_states}
+            loads = {s.id: s.inflight + s.remote_inflight for s in ctx.all_states}
             ring_order = ctx.ring.bounded_candidates(key, loads, c)
         else:
             ring_order = ctx.ring.candidate_tuple(key)
@@ -641,7 +643,8 @@ class LatencyScorer:
                 if serv is not None:
                     own = s.calibration.service.value
                     serv = own if own is not None else serv * slow
-            load = s.inflight + 0.0  # a float: compiled (mypyc), an int is another type
+            # A float (compiled, mypyc: an int is another type); peers' requests count too.
+            load = s.inflight + s.remote_inflight + 0.0
             if s.reports_first_token:  # the edge sees first tokens: exact pending work
                 queue = s.pending_prefill * per_token * slow
             elif s.counts_first_tokens:
@@ -656,6 +659,8 @@ class LatencyScorer:
                 queue = s.busy_until - now
                 if queue < 0:
                     queue = 0.0
+            if s.remote_pending > 0.0:  # the prefill work other routers queued there
+                queue += s.remote_pending * per_token * slow
             m = s.metrics
             # Fresh metrics only: the rule of `registry.fresh_metrics_of`, inline.
             if m is not None and s.scrape_error is None and now - s.scraped_at <= staleness:

@@ -18,13 +18,19 @@ import pytest
 from llmgw.config import Config, load_dict
 from llmgw.errors import ConfigError
 from llmgw.gateway import Gateway
+from llmgw.registry import Registry
+from llmgw.runtime import peers as peers_module
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.peers import (
     MAX_DATAGRAM,
+    LoadRecord,
     Peers,
     Record,
+    RemoteLoad,
     decode,
+    decode_load,
     encode,
+    encode_load,
     indexes,
     workers_spec,
 )
@@ -38,7 +44,7 @@ from llmgw.runtime.router import (
 )
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scheduler import Scheduler
-from llmgw.types import RequestInfo
+from llmgw.types import Endpoint, Outcome, RequestInfo
 
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 5)]
 SENDER = b"12345678"
@@ -111,7 +117,9 @@ def _handled(router: Router) -> int:
     peer that just started changes neither)."""
     assert router.peers is not None
     stats = router.peers.stats
-    return stats.received + sum(stats.dropped.get(r, 0) for r in _RECEIVED_DROPS)
+    return (
+        stats.received + stats.load_received + sum(stats.dropped.get(r, 0) for r in _RECEIVED_DROPS)
+    )
 
 
 @asynccontextmanager
@@ -463,3 +471,108 @@ async def test_a_replica_that_starts_later_is_known_at_once_not_at_the_next_look
             await second.stop()
     finally:
         await first.stop()
+
+
+# -- load --------------------------------------------------------------------------------
+
+
+def test_load_records_round_trip_split_and_refuse_what_is_not_a_queue() -> None:
+    records: list[LoadRecord] = [("m", "10.0.0.1:8000", 3, 1536.0), ("modèle", "[::1]:80", 0, 0.0)]
+    (datagram,) = encode_load(SENDER, records)
+    assert decode_load(datagram) == (SENDER, records)
+    many = [("m", f"10.0.{i // 250}.{i % 250}:8000", i, float(i)) for i in range(600)]
+    datagrams = encode_load(SENDER, many)
+    assert len(datagrams) > 1 and all(len(d) <= MAX_DATAGRAM for d in datagrams)
+    assert [r for d in datagrams for r in decode_load(d)[1]] == many
+    for bad in (
+        encode_load(SENDER, [("m", "e", 1, float("nan"))])[0],
+        encode_load(SENDER, [("m", "e", 1, -1.0)])[0],
+        datagram[:-2],
+        datagram + b"!",
+        encode(SENDER, [("m", "e", None, 8, [1])])[0],  # an insert datagram
+    ):
+        with pytest.raises(ValueError):
+            decode_load(bad)
+
+
+def test_remote_load_sums_peers_forgets_the_quiet_and_a_zero_report_leaves() -> None:
+    registry = Registry(clock=lambda: 0.0)
+    registry.set_endpoints("m", [Endpoint(e, "m") for e in ENDPOINTS[:2]])
+    state = registry.get("m", ENDPOINTS[0])
+    assert state is not None
+    remote = RemoteLoad(ttl=3.0)
+    assert remote.update(registry, b"peer-one", ("m", ENDPOINTS[0], 2, 800.0), now=0.0)
+    assert remote.update(registry, b"peer-two", ("m", ENDPOINTS[0], 1, 100.0), now=2.0)
+    assert not remote.update(registry, b"peer-two", ("m", "10.9.9.9:1", 5, 5.0), now=2.0)
+    assert (state.remote_inflight, state.remote_pending) == (3, 900.0)
+    assert remote.expire(registry, now=3.0) == 0  # 3 s old: not past the ttl
+    assert remote.expire(registry, now=3.5) == 1  # peer-one went quiet
+    assert (state.remote_inflight, state.remote_pending) == (1, 100.0)
+    remote.update(registry, b"peer-two", ("m", ENDPOINTS[0], 0, 0.0), now=4.0)
+    assert (state.remote_inflight, state.remote_pending) == (0, 0.0)
+    assert remote.expire(registry, now=100.0) == 0  # nothing left to forget
+
+
+def _state(router: Router, endpoint: str) -> Any:
+    state = router.scheduler.registry.get("m", endpoint)
+    assert state is not None
+    return state
+
+
+def _explain(router: Router, prompt: str) -> str:
+    return _queue_at(router, prompt)[0]
+
+
+def _queue_at(router: Router, prompt: str) -> tuple[str, dict[str, float]]:
+    """Where `router` would send `prompt` now, and its predicted queue (s) per endpoint."""
+    request = RequestInfo("m", "x", prompt=prompt, prompt_tokens=len(prompt) // 4)
+    decision = router.scheduler.explain(request).decision
+    assert decision is not None
+    why = decision.rationale
+    (column,) = [c for c in why.columns if c.term_names]
+    queues = {e: column.terms_at(i)["queue_s"] for i, e in enumerate(why.endpoint_ids)}
+    return decision.endpoint.id, queues
+
+
+async def test_a_peer_counts_the_requests_this_router_has_in_flight_and_their_prefill() -> None:
+    async with _pair() as (a, b, _arrived):
+        prompt = "a question about a long document " * 200
+        x = _explain(b, prompt)  # where B would send it with no load anywhere
+        assert _explain(b, prompt) == x
+        # A sends three long prompts there; its edge sees first tokens (an exact queue).
+        registry_a = a.scheduler.registry
+        _state(a, x).reports_first_token = True
+        for _ in range(3):
+            registry_a.acquire("m", x)
+            registry_a.add_prefill("m", x, 1600.0)
+        await _until(lambda: _state(b, x).remote_inflight == 3, "B counts A's three requests")
+        assert _state(b, x).remote_pending == pytest.approx(4800.0)
+        assert _state(b, x).inflight == 0  # B's own count is untouched
+        moved, queues = _queue_at(b, prompt)
+        assert moved != x  # the work queued there now shows: 4,800 tokens of prefill
+        assert queues[x] > 0.0 and all(q == 0.0 for e, q in queues.items() if e != x)
+        for _ in range(3):
+            registry_a.first_token("m", x, 0.0, 1600.0)
+            registry_a.release("m", x, Outcome.SUCCESS)
+        await _until(lambda: _state(b, x).remote_inflight == 0, "B sees A's requests end")
+        assert _state(b, x).remote_pending == 0.0
+        assert _explain(b, prompt) == x
+
+
+async def test_a_stopping_peer_takes_its_load_away_and_a_live_one_keeps_it_past_the_ttl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(peers_module, "LOAD_REFRESH", 0.02)
+    async with _pair() as (a, b, arrived):
+        assert b.peers is not None
+        b.peers.remote.ttl = 0.1  # five refreshes
+        x = ENDPOINTS[1]
+        a.scheduler.registry.acquire("m", x)
+        await _until(lambda: _state(b, x).remote_inflight == 1, "B counts A's request")
+        received = b.peers.stats.load_received
+        await arrived(b, _handled(b) + 20)  # twenty refreshes later: 0.4 s, 4x the ttl
+        assert b.peers.stats.load_received >= received + 20
+        assert _state(b, x).remote_inflight == 1
+        await a.stop()  # says goodbye: no ttl to wait out
+        await _until(lambda: _state(b, x).remote_inflight == 0, "B forgets A's load")
+        assert b.peers.stats.dropped.get("unknown_endpoint", 0) == 0
