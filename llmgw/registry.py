@@ -213,6 +213,9 @@ class Registry:
             new.append(state)
         for gone in old.values():
             self._by_id.pop((model, gone.id), None)
+            # What peers counted there stops counting (it comes back at their next report
+            # if the endpoint does).
+            gone.remote_inflight, gone.remote_pending = 0, 0.0
             if gone.inflight > 0:
                 self._draining[(model, gone.id)] = gone
             self.kv_index.forget(gone.id)
@@ -310,7 +313,7 @@ class Registry:
     def _add_prefill(
         self, state: EndpointState, tokens: float, unstreamed: bool, ready_at: float | None
     ) -> tuple[float, PendingPrefill | None]:
-        ahead = state.pending_prefill
+        ahead = state.pending_prefill + state.remote_pending  # peers' queued work too
         state.pending_prefill += tokens
         if state.reports_first_token:  # exact already: nothing for scrapes to count
             if not unstreamed:
@@ -418,6 +421,8 @@ class Registry:
         state.scrape_error = error
         if model_absent:
             state.serves_model = False
+        if self.on_load is not None:  # its queued prefill is no longer told (`own_load`)
+            self.on_load(model, state)
 
     def breaker_states(self) -> dict[tuple[str, str], BreakerState]:
         now = self.clock()
@@ -431,11 +436,12 @@ class Registry:
 def own_load(state: EndpointState) -> tuple[int, float]:
     """What this router has in flight at the endpoint and its prefill tokens queued there
     as far as it can tell, for its peers: exact where the edge sees first tokens; as of
-    the last scrape where the engine counts them; none where only time drains the work
-    (that estimate is in seconds of this router's model, not tokens)."""
+    the last scrape where the engine counts them, while scrapes succeed (a failed one
+    leaves them counting only as requests end, prompts long since decoding); none where
+    only time drains the work (that estimate is in seconds of this router's model)."""
     if state.reports_first_token:
         return state.inflight, state.pending_prefill
-    if state.counts_first_tokens:
+    if state.counts_first_tokens and state.scrape_error is None:
         return state.inflight, state.counted_prefill
     return state.inflight, 0.0
 

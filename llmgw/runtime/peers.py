@@ -67,6 +67,7 @@ _LOAD = struct.Struct(">HHIf")
 # came (a lost update heals within a refresh; a dead peer's load stops counting).
 LOAD_REFRESH = 1.0
 LOAD_TTL = 3.0
+_F32_MAX = 3.4028234663852886e38
 # Kept under common path MTUs' reassembly limits with room to spare; a record longer than
 # one datagram keeps its leading blocks (the prefix is what matching walks).
 MAX_DATAGRAM = 8192
@@ -165,7 +166,10 @@ def encode_load(
     size = _HEADER.size
     for model, endpoint, inflight, pending in records:
         m, e = model.encode(), endpoint.encode()
-        record = _LOAD.pack(len(m), len(e), min(inflight, 0xFFFFFFFF), pending) + m + e
+        if _LOAD.size + len(m) + len(e) > limit - _HEADER.size or len(m) > 0xFFFF:
+            continue  # names no datagram can carry: never the case for real names
+        n = min(max(inflight, 0), 0xFFFFFFFF)
+        record = _LOAD.pack(len(m), len(e), n, min(max(pending, 0.0), _F32_MAX)) + m + e
         if size + len(record) > limit and parts:
             out.append(_HEADER.pack(LOAD_MAGIC, sender, len(parts)) + b"".join(parts))
             parts, size = [], _HEADER.size
@@ -194,7 +198,7 @@ def decode_load(data: bytes) -> tuple[bytes, list[LoadRecord]]:
             model = data[at : at + lm].decode()
             endpoint = data[at + lm : at + lm + le].decode()
             at += lm + le
-            if not pending >= 0.0:  # NaN, negative, -inf: not a queue
+            if not 0.0 <= pending <= _F32_MAX:  # NaN, negative, infinite: not a queue
                 raise ValueError("pending prefill tokens out of range")
             records.append((model, endpoint, inflight, pending))
     except (struct.error, UnicodeDecodeError) as exc:
@@ -462,8 +466,10 @@ class Peers(asyncio.DatagramProtocol):
         scheduler.registry.on_load = None
 
     def _load_changed(self, model: str, state: EndpointState) -> None:
+        # Marked even with no peers known: what each would be told stays true (`_load_told`)
+        # for when they are.
         loop = self._loop
-        if loop is None or self._transport is None or not self._targets:
+        if loop is None or self._transport is None:
             return
         try:
             here = asyncio.get_running_loop() is loop
@@ -538,7 +544,7 @@ class Peers(asyncio.DatagramProtocol):
     ) -> bool:
         """Send `records` to every peer (inserts counted in `count`); False if dropped."""
         transport = self._transport
-        if transport is None:
+        if transport is None or not self._targets:
             return False
         # Selector transports buffer what the kernel refuses, without limit (not in the
         # DatagramTransport interface, hence the lookup).
@@ -565,12 +571,15 @@ class Peers(asyncio.DatagramProtocol):
         while True:
             await asyncio.sleep(LOAD_REFRESH)
             try:
-                told = self._load_told
-                self._send_load([(m, e, n, t) for (m, e), (n, t) in told.items()])
                 registry = self._scheduler().registry
                 self.remote.expire(registry, registry.clock())
-            except Exception:  # never let the refresh die: log and go on
-                log.exception("refreshing the peers' load failed")
+            except Exception:  # never let either die: log and go on
+                log.exception("forgetting the peers' quiet load failed")
+            try:
+                told = self._load_told
+                self._send_load([(m, e, n, t) for (m, e), (n, t) in told.items()])
+            except Exception:
+                log.exception("refreshing this replica's load at the peers failed")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None

@@ -100,7 +100,7 @@ def run_pick(
     if cap is not None and registry.warming(request.model):
         # New replicas not scraped yet take a bounded share (their ring arcs overflow
         # to the next replica), unless nothing else is left.
-        kept = [s for s in states if not (s.warming and s.inflight >= cap)]
+        kept = [s for s in states if not (s.warming and s.inflight + s.remote_inflight >= cap)]
         if kept and len(kept) < len(states):
             drops.append(("warmup", len(states) - len(kept)))
             candidates = kept

@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import socket
+import struct
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -18,7 +19,7 @@ import pytest
 from llmgw.config import Config, load_dict
 from llmgw.errors import ConfigError
 from llmgw.gateway import Gateway
-from llmgw.registry import Registry
+from llmgw.registry import Registry, own_load
 from llmgw.runtime import peers as peers_module
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.peers import (
@@ -484,9 +485,16 @@ def test_load_records_round_trip_split_and_refuse_what_is_not_a_queue() -> None:
     datagrams = encode_load(SENDER, many)
     assert len(datagrams) > 1 and all(len(d) <= MAX_DATAGRAM for d in datagrams)
     assert [r for d in datagrams for r in decode_load(d)[1]] == many
+    assert decode_load(encode_load(SENDER, [("m", "e", -1, -5.0)])[0])[1] == [("m", "e", 0, 0.0)]
+
+    def load_datagram(pending: float) -> bytes:
+        return struct.pack(">4s8sHHHIf", b"LGL1", SENDER, 1, 1, 1, 2, pending) + b"me"
+
+    assert decode_load(load_datagram(3.0))[1] == [("m", "e", 2, 3.0)]
     for bad in (
-        encode_load(SENDER, [("m", "e", 1, float("nan"))])[0],
-        encode_load(SENDER, [("m", "e", 1, -1.0)])[0],
+        load_datagram(float("nan")),
+        load_datagram(-1.0),
+        load_datagram(float("inf")),
         datagram[:-2],
         datagram + b"!",
         encode(SENDER, [("m", "e", None, 8, [1])])[0],  # an insert datagram
@@ -559,7 +567,7 @@ async def test_a_peer_counts_the_requests_this_router_has_in_flight_and_their_pr
         assert _explain(b, prompt) == x
 
 
-async def test_a_stopping_peer_takes_its_load_away_and_a_live_one_keeps_it_past_the_ttl(
+async def test_a_live_peers_load_is_refreshed_past_the_ttl(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(peers_module, "LOAD_REFRESH", 0.02)
@@ -573,6 +581,67 @@ async def test_a_stopping_peer_takes_its_load_away_and_a_live_one_keeps_it_past_
         await arrived(b, _handled(b) + 20)  # twenty refreshes later: 0.4 s, 4x the ttl
         assert b.peers.stats.load_received >= received + 20
         assert _state(b, x).remote_inflight == 1
-        await a.stop()  # says goodbye: no ttl to wait out
-        await _until(lambda: _state(b, x).remote_inflight == 0, "B forgets A's load")
         assert b.peers.stats.dropped.get("unknown_endpoint", 0) == 0
+
+
+async def test_a_stopping_peer_takes_its_load_away_at_once() -> None:
+    async with _pair() as (a, b, _arrived):
+        assert b.peers is not None and b.peers.remote.ttl >= 3.0  # expiry cannot do it
+        x = ENDPOINTS[1]
+        a.scheduler.registry.acquire("m", x)
+        await _until(lambda: _state(b, x).remote_inflight == 1, "B counts A's request")
+        await a.stop()  # says goodbye
+        await _until(lambda: _state(b, x).remote_inflight == 0, "B forgets A's load", 1.0)
+
+
+async def test_load_that_changed_while_no_peer_was_known_is_told_right_when_one_is() -> None:
+    async with _pair() as (a, b, _arrived):
+        assert a.peers is not None
+        x = ENDPOINTS[2]
+        registry = a.scheduler.registry
+        registry.acquire("m", x)
+        await _until(lambda: _state(b, x).remote_inflight == 1, "B counts A's request")
+        targets = a.peers._targets
+        a.peers._targets = set()  # B is gone from A's lookups for a while
+        registry.release("m", x, Outcome.SUCCESS)
+        registry.acquire("m", ENDPOINTS[3])
+        await asyncio.sleep(0)  # the flush: to nobody
+        assert a.peers._load_told == {("m", ENDPOINTS[3]): (1, 0.0)}
+        a.peers._targets = targets
+        registry.acquire("m", ENDPOINTS[3])  # the next change there, or the next refresh
+        await _until(lambda: _state(b, ENDPOINTS[3]).remote_inflight == 2, "B counts 2")
+        # (B learns that x's request ended `LOAD_TTL` later: zeros are not refreshed.)
+
+
+def test_an_endpoint_that_leaves_stops_carrying_its_peers_load() -> None:
+    registry = Registry(clock=lambda: 0.0)
+    endpoints = [Endpoint(e, "m") for e in ENDPOINTS[:2]]
+    registry.set_endpoints("m", endpoints)
+    registry.acquire("m", ENDPOINTS[0])  # in flight here: it drains when it leaves
+    remote = RemoteLoad()
+    remote.update(registry, b"peer-one", ("m", ENDPOINTS[0], 3, 900.0), now=0.0)
+    state = registry.get("m", ENDPOINTS[0])
+    assert state is not None and state.remote_inflight == 3
+    registry.set_endpoints("m", endpoints[1:])
+    registry.set_endpoints("m", endpoints)  # back, with its own request still in flight
+    assert registry.get("m", ENDPOINTS[0]) is state and state.inflight == 1
+    assert (state.remote_inflight, state.remote_pending) == (0, 0.0)
+
+
+def test_what_a_router_tells_its_peers_in_each_mode_of_counting_prefill() -> None:
+    registry = Registry(clock=lambda: 0.0)
+    registry.set_endpoints("m", [Endpoint(ENDPOINTS[0], "m")])
+    state = registry.get("m", ENDPOINTS[0])
+    assert state is not None
+    registry.acquire("m", ENDPOINTS[0])
+    registry.add_prefill("m", ENDPOINTS[0], 500.0)
+    # Neither first tokens seen nor counted: time drains the estimate, in seconds; not told.
+    assert own_load(state) == (1, 0.0)
+    state.counts_first_tokens = True  # the engine's first-token count closes them
+    assert own_load(state) == (1, 500.0)
+    registry.record_scrape_error("m", ENDPOINTS[0], "connection refused")
+    assert own_load(state) == (1, 0.0)  # not while scrapes fail: nothing would close them
+    state.reports_first_token = True  # the edge sees first tokens: exact
+    assert own_load(state) == (1, 500.0)
+    registry.first_token("m", ENDPOINTS[0], 0.0, 500.0)
+    assert own_load(state) == (1, 0.0)
