@@ -190,3 +190,41 @@ def test_the_workers_of_one_proxy_share_what_they_route(
     assert home == sessions
     served = [len(f.read_text().splitlines()) for f in tmp_path.glob("trace.*.jsonl")]
     assert len(served) == 2 and min(served) > 0, served  # both workers routed turns
+
+
+def test_a_request_in_flight_through_one_router_counts_at_the_other(
+    sim: ThreadedFleet, spawn_proxy: SpawnFn
+) -> None:
+    """Between scrapes a router sees only its own requests: with `peers:` the other's
+    count too, from the moment one is sent until it ends."""
+    ports = [free_port(), free_port()]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    a, b = (
+        spawn_proxy(
+            config_for(sim, {"listen": f"127.0.0.1:{p}", "addresses": addresses}), name=f"l{p}"
+        )
+        for p in ports
+    )
+    wait_for(lambda: metric(a, "llmgw_peers") == 1 == metric(b, "llmgw_peers"), 5, "peering")
+    body = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": NOTES}],
+        "max_tokens": 1500,  # ~3 s of decode at 2 ms a token
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=20) as client,
+        client.stream("POST", a.url("http") + "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        endpoint = re.match(r"endpoint=(\S+)", r.headers["x-llmgw-decision"])
+        assert endpoint is not None
+        series = f'llmgw_peer_inflight{{endpoint="{endpoint.group(1)}",model="m1"}}'
+        wait_for(lambda: f"{series} 1.0" in httpx.get(b.url("http") + "/metrics").text, 5,
+                 "b counting a's request there")  # fmt: skip
+        assert metric(a, "llmgw_peer_inflight") == 0  # a's own is not a peer's
+        assert metric(b, "llmgw_inflight") == 0
+        for _ in r.iter_bytes():
+            pass
+    wait_for(lambda: metric(b, "llmgw_peer_inflight") == 0, 5, "b seeing it end")
+    assert metric(b, "llmgw_peer_load_updates_received_total") >= 2
