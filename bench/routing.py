@@ -78,7 +78,7 @@ from bench.workloads.grid import (  # noqa: E402
     Regime,
     regime_workload,
 )
-from llmgw.extproc.envoyconfig import BODY_MODES  # noqa: E402
+from llmgw.extproc.envoyconfig import BODY_MODES, EXTPROC_CLUSTER  # noqa: E402
 from llmgw.runtime.ports import free_port  # noqa: E402
 from llmgw.scheduling.strategies import PRESETS  # noqa: E402
 from llmgw.sim.fleet import spawn  # noqa: E402
@@ -146,11 +146,14 @@ def _port_free(port: int) -> bool:
 @dataclass(frozen=True)
 class Contender:
     name: str
-    edge: str  # envoy | asgi | asgi2 | vllm-router | sglang-router | client
+    edge: str  # envoy | envoy2 | asgi | asgi2 | vllm-router | sglang-router | client
     strategy: str | dict[str, Any] | None = None
     policy: str | None = None
     body_mode: str = "override"  # envoy: `llmgw envoy-config --body-mode`
 
+
+# Edges that run two llmgw replicas (a deployment question: their contenders run when named).
+REPLICATED = frozenset({"asgi2", "envoy2"})
 
 # Presets that are not routing policies for this traffic (throughput / long-context
 # tunings) or only noise (`random`); every other preset is a contender automatically.
@@ -183,6 +186,10 @@ def all_contenders() -> list[Contender]:
     # (an HA deployment), alone or sharing what they route (`peers:`). Run when named.
     out.append(Contender("asgi2:default", "asgi2", None))
     out.append(Contender("asgi2:peers", "asgi2", None, policy="peers"))
+    # Two `llmgw extproc` replicas behind one Envoy (its ext_proc cluster balances the
+    # streams over both): the Kubernetes example's shape. Run when named.
+    out.append(Contender("envoy2:default", "envoy2", None))
+    out.append(Contender("envoy2:peers", "envoy2", None, policy="peers"))
     for policy in ("consistent_hash", "cache_aware", "sticky_least_loaded"):
         out.append(Contender(f"vllm-router:{policy}", "vllm-router", policy=policy))
     out.append(Contender("sglang-router:cache_aware", "sglang-router", policy="cache_aware"))
@@ -240,6 +247,49 @@ def _envoy() -> str:
 
 
 @contextlib.contextmanager
+def _envoy_with_extprocs(
+    configs: list[Path], body_mode: str, port: int, scratch: Path
+) -> Iterator[None]:
+    """Envoy listening on `port`, its ext_proc cluster balancing over one `llmgw extproc`
+    per config (round robin per stream: per request)."""
+    python = _python()
+    grpc = [free_port() for _ in configs]
+    admin = free_port()
+    envoy_yaml = scratch / "envoy.yaml"
+    subprocess.run(
+        [python, "-m", "llmgw.cli", "envoy-config", "--config", str(configs[0]),
+         "--shape", "override-host", "--listen", f"127.0.0.1:{port}",
+         "--admin", f"127.0.0.1:{admin}", "--extproc", f"127.0.0.1:{grpc[0]}",
+         "--body-mode", body_mode, "--out", str(envoy_yaml)],
+        check=True, cwd=ROOT,
+    )  # fmt: skip
+    if len(grpc) > 1:
+        bootstrap = yaml.safe_load(envoy_yaml.read_text())
+        (cluster,) = [
+            c for c in bootstrap["static_resources"]["clusters"] if c["name"] == EXTPROC_CLUSTER
+        ]
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                         "port_value": g}}}}
+            for g in grpc
+        ]  # fmt: skip
+        envoy_yaml.write_text(yaml.safe_dump(bootstrap))
+    envoy = [_envoy(), "-c", str(envoy_yaml), "--disable-hot-restart"]
+    envoy += ["--concurrency", "1", "-l", "warning"]
+    with contextlib.ExitStack() as stack:
+        for k, (config, g) in enumerate(zip(configs, grpc, strict=True)):
+            health, metrics = free_port(), free_port()
+            extproc = [python, "-m", "llmgw.cli", "extproc", "--config", str(config)]
+            extproc += ["--host", "127.0.0.1", "--grpc-port", str(g), "--grpc-health-port"]
+            extproc += ["0", "--health-port", str(health), "--metrics-port", str(metrics)]
+            extproc += ["--log-level", "warning"]
+            ready = f"http://127.0.0.1:{health}/readyz"
+            stack.enter_context(Service(extproc, ready, name=f"llmgw-extproc-{k}"))
+        stack.enter_context(Service(envoy, f"http://127.0.0.1:{admin}/ready", name="envoy"))
+        yield
+
+
+@contextlib.contextmanager
 def start_contender(
     contender: Contender,
     upstreams: list[str],
@@ -254,24 +304,30 @@ def start_contender(
     if contender.edge == "client":
         yield ""
         return
-    if contender.edge == "asgi2":
-        ports = [port, free_port()]
+    if contender.edge in REPLICATED:
         listen = [free_port(), free_port()]
-        with contextlib.ExitStack() as stack:
-            for k, proxy_port in enumerate(ports):
-                replica = llmgw_config(upstreams, contender.strategy)
-                if contender.policy == "peers":
-                    replica["peers"] = {
-                        "listen": f"127.0.0.1:{listen[k]}",
-                        "addresses": [f"127.0.0.1:{p}" for p in listen],
-                    }
-                path = scratch / f"asgi2-{k}.yaml"
-                path.write_text(yaml.safe_dump(replica))
-                cmd = [python, "-m", "llmgw.cli", "proxy", "--config", str(path)]
-                cmd += ["--port", str(proxy_port)]
-                ready = f"http://127.0.0.1:{proxy_port}/readyz"
-                stack.enter_context(Service(cmd, ready, name=f"llmgw-proxy-{k}"))
-            yield " ".join(f"http://127.0.0.1:{p}" for p in ports)
+        configs: list[Path] = []
+        for k in range(2):
+            replica = llmgw_config(upstreams, contender.strategy)
+            if contender.policy == "peers":
+                replica["peers"] = {
+                    "listen": f"127.0.0.1:{listen[k]}",
+                    "addresses": [f"127.0.0.1:{p}" for p in listen],
+                }
+            configs.append(scratch / f"{contender.edge}-{k}.yaml")
+            configs[k].write_text(yaml.safe_dump(replica))
+        if contender.edge == "asgi2":
+            ports = [port, free_port()]
+            with contextlib.ExitStack() as stack:
+                for k, proxy_port in enumerate(ports):
+                    cmd = [python, "-m", "llmgw.cli", "proxy", "--config", str(configs[k])]
+                    cmd += ["--port", str(proxy_port)]
+                    ready = f"http://127.0.0.1:{proxy_port}/readyz"
+                    stack.enter_context(Service(cmd, ready, name=f"llmgw-proxy-{k}"))
+                yield " ".join(f"http://127.0.0.1:{p}" for p in ports)
+            return
+        with _envoy_with_extprocs(configs, contender.body_mode, port, scratch):
+            yield f"http://127.0.0.1:{port}"
         return
     if contender.edge in ("envoy", "asgi"):
         stem = re.sub(r"[:/]", "-", contender.name)
@@ -284,25 +340,7 @@ def start_contender(
             with Service(cmd, f"http://127.0.0.1:{port}/readyz", name="llmgw-proxy"):
                 yield f"http://127.0.0.1:{port}"
             return
-        grpc, health, metrics, admin = free_port(), free_port(), free_port(), free_port()
-        extproc = [python, "-m", "llmgw.cli", "extproc", "--config", str(config)]
-        extproc += ["--host", "127.0.0.1", "--grpc-port", str(grpc), "--grpc-health-port", "0"]
-        extproc += ["--health-port"]
-        extproc += [str(health), "--metrics-port", str(metrics), "--log-level", "warning"]
-        envoy_yaml = scratch / "envoy.yaml"
-        subprocess.run(
-            [python, "-m", "llmgw.cli", "envoy-config", "--config", str(config),
-             "--shape", "override-host", "--listen", f"127.0.0.1:{port}",
-             "--admin", f"127.0.0.1:{admin}", "--extproc", f"127.0.0.1:{grpc}",
-             "--body-mode", contender.body_mode, "--out", str(envoy_yaml)],
-            check=True, cwd=ROOT,
-        )  # fmt: skip
-        envoy = [_envoy(), "-c", str(envoy_yaml), "--disable-hot-restart"]
-        envoy += ["--concurrency", "1", "-l", "warning"]
-        with (
-            Service(extproc, f"http://127.0.0.1:{health}/readyz", name="llmgw-extproc"),
-            Service(envoy, f"http://127.0.0.1:{admin}/ready", name="envoy"),
-        ):
+        with _envoy_with_extprocs([config], contender.body_mode, port, scratch):
             yield f"http://127.0.0.1:{port}"
         return
     assert contender.policy is not None
@@ -742,7 +780,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.quick:
         contenders = [c for c in contenders if c.name in QUICK_CONTENDERS]
     else:  # router replicas are a deployment question, asked by name
-        contenders = [c for c in contenders if c.edge != "asgi2"]
+        contenders = [c for c in contenders if c.edge not in REPLICATED]
     for spec in args.tries:
         label, _, strategy = spec.partition("=")
         contenders.append(Contender(f"envoy:{label}", "envoy", json.loads(strategy)))
