@@ -45,19 +45,29 @@ def test_contract_parses_live_metrics_and_queue_and_kv_move_under_load(
     idle = extract(inst.metrics(), CONTRACTS[Engine.VLLM], model="tiny")
     assert idle.waiting == 0 and idle.running == 0
     seen_waiting = seen_kv = 0.0
-    # 12 requests of 256 forced tokens on 2 seats: the queue lasts several decode
-    # rounds, far longer than one /metrics poll (a run with 64 tokens that could stop
-    # at EOS once finished before a poll saw anything waiting).
+
+    def poll() -> float:
+        nonlocal seen_waiting, seen_kv
+        m = extract(inst.metrics(), CONTRACTS[Engine.VLLM], model="tiny")
+        seen_waiting = max(seen_waiting, m.waiting)
+        seen_kv = max(seen_kv, m.kv_usage)
+        return m.running
+
+    # Two long requests take both seats (max-num-seqs 2) for seconds; ten short ones sent
+    # once they run wait behind them. Sent together, 12 requests of 256 tokens queued for
+    # ~0.3-4 s, and one /metrics answer from the busy server took up to 2.6 s: a poll could
+    # miss the whole queue (CI failed so twice in ~15 runs).
     requests = 12
+    deadline = time.monotonic() + 90
     with concurrent.futures.ThreadPoolExecutor(requests) as pool:
-        futures = [
-            pool.submit(chat, inst.url, f"hello {i} " * 20, 256, True) for i in range(requests)
+        futures = [pool.submit(chat, inst.url, f"seat {i} " * 20, 1800, True) for i in range(2)]
+        while poll() < 2 and not any(f.done() for f in futures):
+            assert time.monotonic() < deadline, "the two long requests never both ran"
+        futures += [
+            pool.submit(chat, inst.url, f"hello {i} " * 20, 16, True) for i in range(requests - 2)
         ]
-        deadline = time.monotonic() + 90
         while not all(f.done() for f in futures) and time.monotonic() < deadline:
-            m = extract(inst.metrics(), CONTRACTS[Engine.VLLM], model="tiny")
-            seen_waiting = max(seen_waiting, m.waiting)
-            seen_kv = max(seen_kv, m.kv_usage)
+            poll()
         for f in futures:
             f.result()
     assert seen_waiting > 0, "max-num-seqs 2 with 12 concurrent requests must queue"
