@@ -207,6 +207,30 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ),
         ],
     ),
+    (
+        "Router replicas (peers)",
+        [
+            (
+                "Peers' requests in flight per endpoint (added to this replica's own)",
+                "short",
+                [("{{endpoint}}", f"sum by (endpoint) (llmgw_peer_inflight{{{M}}})")],
+            ),
+            (
+                "Peer sharing: inserts and load updates per second, drops by reason",
+                "ops",
+                [
+                    ("inserts sent", f"sum(rate(llmgw_peer_records_sent_total{W}))"),
+                    ("inserts received", f"sum(rate(llmgw_peer_records_received_total{W}))"),
+                    ("load updates sent", f"sum(rate(llmgw_peer_load_updates_sent_total{W}))"),
+                    (
+                        "load updates received",
+                        f"sum(rate(llmgw_peer_load_updates_received_total{W}))",
+                    ),
+                    ("dropped: {{reason}}", f"sum by (reason) (rate(llmgw_peer_dropped_total{W}))"),
+                ],
+            ),
+        ],
+    ),
 ]
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}

@@ -17,6 +17,7 @@ from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.testing import address_of, serve
 from llmgw.config import Config, load_dict
 from llmgw.extproc.server import ExtProcServer
+from llmgw.runtime.ports import free_port
 from llmgw.sim import SimFleet
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "llmgw.json"
@@ -81,13 +82,20 @@ def test_the_dashboard_is_current_grafana_json_with_unique_panels() -> None:
             assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}"
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("outcome", "error", "reason", "in flight", "kv", "breaker", "model state",
-                  "cold start", "predicted", "stage", "freshness"):  # fmt: skip
+                  "cold start", "predicted", "stage", "freshness", "peer"):  # fmt: skip
         assert topic in titles, topic
 
 
 def config_for(fleet: SimFleet) -> Config:
+    """With `peers:` (a replica of its own; the peer series are exported only with it)."""
     addresses = [address_of(u) for u in fleet.urls]
-    return load_dict({"models": {"m1": {"endpoints": addresses, "strategy": "latency"}}})
+    listen = f"127.0.0.1:{free_port()}"
+    return load_dict(
+        {
+            "models": {"m1": {"endpoints": addresses, "strategy": "latency"}},
+            "peers": {"listen": listen, "addresses": [listen]},
+        }
+    )
 
 
 @pytest.fixture
