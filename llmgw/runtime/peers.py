@@ -20,7 +20,7 @@ tokens it queued there (`registry.own_load`). Each router counts only its own be
 scrapes, so a replica its peer just filled looked idle to it: two peering proxies routed
 1.12-1.17x worse than one where load decides (a busy session home). A router's load
 changes are sent as they happen (coalesced per loop turn, only what changed), refreshed
-every `LOAD_REFRESH` seconds, and forgotten `LOAD_TTL` seconds after a peer last told
+every `LOAD_REFRESH` seconds (a zero for `LOAD_TTL` after the load went to zero), and forgotten `LOAD_TTL` seconds after a peer last told
 them (a peer that died stops counting); a stopping replica sends its zeros. The sums over
 peers land on each endpoint's state (`remote_inflight`, `remote_pending`), which the
 scorers add to their own.
@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import os
 import socket
 import struct
@@ -371,9 +372,11 @@ class Peers(asyncio.DatagramProtocol):
         self._resolved: dict[str, set[tuple[str, int]]] = {}
         self._pending: list[Record] = []
         # Endpoints whose load changed since the last flush, and what each peer was last
-        # told (non-zero only: those are refreshed).
+        # told (non-zero only: those are refreshed); endpoints whose load went to zero, with
+        # the refreshes left that repeat the zero (a lost one would count for `LOAD_TTL`).
         self._load_dirty: dict[tuple[str, str], EndpointState] = {}
         self._load_told: dict[tuple[str, str], tuple[int, float]] = {}
+        self._load_zeroed: dict[tuple[str, str], int] = {}
         self.remote = RemoteLoad()
         self._keeper: asyncio.Task[None] | None = None
         self._flush_scheduled = False
@@ -442,6 +445,7 @@ class Peers(asyncio.DatagramProtocol):
         # Goodbye: the peers stop counting this replica's load now, not `LOAD_TTL` later.
         self._send_load([(m, e, 0, 0.0) for (m, e) in self._load_told])
         self._load_told.clear()
+        self._load_zeroed.clear()
         self.remote.clear(self._scheduler().registry)
         if self.siblings is not None:
             self._registration().unlink(missing_ok=True)
@@ -525,8 +529,10 @@ class Peers(asyncio.DatagramProtocol):
                     changed.append((key[0], key[1], *now))
                     if now[0] or now[1]:
                         told[key] = now
+                        self._load_zeroed.pop(key, None)
                     else:
                         told.pop(key, None)
+                        self._load_zeroed[key] = max(1, math.ceil(LOAD_TTL / LOAD_REFRESH))
             self._send_load(changed)
         records, self._pending = self._pending, []
         if records:
@@ -567,7 +573,8 @@ class Peers(asyncio.DatagramProtocol):
         return True
 
     async def _keep_load_forever(self) -> None:
-        """Refresh this replica's non-zero load at the peers and forget theirs gone quiet."""
+        """Refresh this replica's load at the peers (non-zero, and zeros for `LOAD_TTL`
+        after the load went to zero) and forget theirs gone quiet."""
         while True:
             await asyncio.sleep(LOAD_REFRESH)
             try:
@@ -577,7 +584,15 @@ class Peers(asyncio.DatagramProtocol):
                 log.exception("forgetting the peers' quiet load failed")
             try:
                 told = self._load_told
-                self._send_load([(m, e, n, t) for (m, e), (n, t) in told.items()])
+                updates = [(m, e, n, t) for (m, e), (n, t) in told.items()]
+                zeroed = self._load_zeroed
+                for key, left in list(zeroed.items()):
+                    updates.append((key[0], key[1], 0, 0.0))
+                    if left > 1:
+                        zeroed[key] = left - 1
+                    else:
+                        del zeroed[key]
+                self._send_load(updates)
             except Exception:
                 log.exception("refreshing this replica's load at the peers failed")
 
