@@ -240,11 +240,10 @@ class LlmgwContender:
     def bind(self, n: int, registry: Registry | None, seed: int) -> None:
         config = router_config(n, self.strategy, self.scrape_interval, seed)
         self.config = config
-        registries: list[Registry | None] = [registry] * self.routers
         if self.split and registry is not None:
-            self.registries = [registry]
-            self.registries += [Registry(clock=registry.clock) for _ in range(self.routers - 1)]
-            registries = list(self.registries)
+            extra = [Registry(clock=registry.clock) for _ in range(self.routers - 1)]
+            self.registries = [registry, *extra]
+        registries: list[Registry | None] = [*self.registries] or [registry] * self.routers
         self.schedulers = [
             Scheduler(config, registries[k], seed=seed + k) for k in range(self.routers)
         ]
@@ -731,7 +730,6 @@ def simulate(
     n = len(prepared.engines)
     now = 0.0
     registry: Registry | None = None
-    scraper: Scraper | None = None
     if contender.uses_registry:
         registry = Registry(clock=lambda: now)
     contender.bind(n, registry, seed)
@@ -746,7 +744,6 @@ def simulate(
         for each in registries:
             each.staleness = config.scrape.staleness
             scrapers.append(Scraper(config, each))
-        scraper = scrapers[0]
     targets = [s.targets() for s in scrapers]
 
     kv_events = registry is not None and bool(getattr(contender, "uses_kv_events", False))
@@ -785,7 +782,7 @@ def simulate(
     for conv in prepared.workload.conversations:
         push(conv.start_s, _ARRIVAL, conv.index, 0)
     conv_pos = {c.index: i for i, c in enumerate(prepared.workload.conversations)}
-    if scraper is not None:
+    if scrapers:
         for i in range(n):
             push(rng.uniform(0, scrape_interval), _SCRAPE, i)
 
@@ -890,7 +887,7 @@ def simulate(
             batch = decode_batch(seq_no, msgpack.unpackb(payload))
             for each in registries:
                 each.kv_index.apply_batch(address(a), batch, now)
-        elif kind == _SCRAPE and scraper is not None:
+        elif kind == _SCRAPE and scrapers:
             addr = address(a)
             page = render(pages[a]).decode()
             page = page if metrics is None else only(page, metrics)

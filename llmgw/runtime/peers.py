@@ -20,8 +20,9 @@ tokens it queued there (`registry.own_load`). Each router counts only its own be
 scrapes, so a replica its peer just filled looked idle to it: two peering proxies routed
 1.12-1.17x worse than one where load decides (a busy session home). A router's load
 changes are sent as they happen (coalesced per loop turn, only what changed), refreshed
-every `LOAD_REFRESH` seconds (a zero for `LOAD_TTL` after the load went to zero), and forgotten `LOAD_TTL` seconds after a peer last told
-them (a peer that died stops counting); a stopping replica sends its zeros. The sums over
+every `LOAD_REFRESH` seconds (a zero for `LOAD_TTL` after the load went to zero), and
+forgotten `LOAD_TTL` seconds after a peer last told them (a peer that died stops
+counting); a stopping replica sends its zeros. The sums over
 peers land on each endpoint's state (`remote_inflight`, `remote_pending`), which the
 scorers add to their own.
 
@@ -472,17 +473,21 @@ class Peers(asyncio.DatagramProtocol):
     def _load_changed(self, model: str, state: EndpointState) -> None:
         # Marked even with no peers known: what each would be told stays true (`_load_told`)
         # for when they are.
-        loop = self._loop
-        if loop is None or self._transport is None:
-            return
+        if self._loop is not None and self._transport is not None:
+            self._on_loop(self._loop, self._mark, model, state)
+
+    @staticmethod
+    def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[..., None], *args: Any) -> None:
+        """`call(*args)` now on the loop's thread, else handed to the loop (a pick in a
+        worker thread)."""
         try:
             here = asyncio.get_running_loop() is loop
         except RuntimeError:  # no loop in this thread
             here = False
         if here:
-            self._mark(model, state)
+            call(*args)
         else:
-            loop.call_soon_threadsafe(self._mark, model, state)
+            loop.call_soon_threadsafe(call, *args)
 
     def _mark(self, model: str, state: EndpointState) -> None:
         self._load_dirty[(model, state.id)] = state
@@ -493,15 +498,7 @@ class Peers(asyncio.DatagramProtocol):
             loop = self._loop
             if self._applying or loop is None or self._transport is None or not self._targets:
                 return
-            record = (model, endpoint, key, block_chars, hashes)
-            try:
-                here = asyncio.get_running_loop() is loop
-            except RuntimeError:  # no loop in this thread
-                here = False
-            if here:
-                self._enqueue(record)
-            else:
-                loop.call_soon_threadsafe(self._enqueue, record)
+            self._on_loop(loop, self._enqueue, (model, endpoint, key, block_chars, hashes))
 
         return told
 
@@ -524,31 +521,28 @@ class Peers(asyncio.DatagramProtocol):
             told = self._load_told
             changed: list[LoadRecord] = []
             for key, state in dirty.items():
-                now = own_load(state)
-                if told.get(key, (0, 0.0)) != now:
-                    changed.append((key[0], key[1], *now))
-                    if now[0] or now[1]:
-                        told[key] = now
+                load = own_load(state)
+                if told.get(key, (0, 0.0)) != load:
+                    changed.append((key[0], key[1], *load))
+                    if load[0] or load[1]:
+                        told[key] = load
                         self._load_zeroed.pop(key, None)
                     else:
                         told.pop(key, None)
                         self._load_zeroed[key] = max(1, math.ceil(LOAD_TTL / LOAD_REFRESH))
             self._send_load(changed)
         records, self._pending = self._pending, []
-        if records:
-            self._send(encode, records, self.stats)
+        if records and self._send(encode, records):
+            self.stats.sent += len(records)
 
     def _send_load(self, records: list[LoadRecord]) -> None:
-        if records and self._send(encode_load, records, None):
+        if records and self._send(encode_load, records):
             self.stats.load_sent += len(records)
 
     def _send(
-        self,
-        encoder: Callable[[bytes, Sequence[Any], int], list[bytes]],
-        records: Sequence[Any],
-        count: PeerStats | None,
+        self, encoder: Callable[[bytes, Sequence[Any], int], list[bytes]], records: Sequence[Any]
     ) -> bool:
-        """Send `records` to every peer (inserts counted in `count`); False if dropped."""
+        """Send `records` to every peer; False if they were dropped (or no peer is known)."""
         transport = self._transport
         if transport is None or not self._targets:
             return False
@@ -568,8 +562,6 @@ class Peers(asyncio.DatagramProtocol):
                     transport.sendto(datagram, target)
                 except OSError:
                     self.stats.drop("send_error")
-        if count is not None:
-            count.sent += len(records)
         return True
 
     async def _keep_load_forever(self) -> None:
