@@ -530,7 +530,10 @@ async def run_one(
     timeout_s: float,
     pick_url: UrlPicker | None = None,
     metrics_path: str = "/metrics",
+    records_to: Path | None = None,
 ) -> dict[str, Any]:
+    """One workload against one contender: the summary; with `records_to`, each request's
+    record as a JSON line there too (turn, replica, TTFT: where the tail comes from)."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
         await reset_all(http, upstreams, metrics_path)
@@ -552,6 +555,9 @@ async def run_one(
         await asyncio.sleep(0.3)  # let the last counters settle (responses end before steps)
         after = await scrape_all(http, upstreams, metrics_path)
     summary = summarize(records, wall, before, after, sampler.samples, sampler.restarted)
+    if records_to is not None:
+        with records_to.open("w") as out:
+            out.writelines(json.dumps(r.to_json()) + "\n" for r in records)
     decisions = [r.decision for r in records if r.decision]
     if decisions:
         summary["decision_examples"] = decisions[:3]
@@ -713,6 +719,9 @@ def _run_group(
                                 workload,
                                 timeout_s,
                                 _picker(contender, upstreams, base),
+                                records_to=None
+                                if trace_dir is None
+                                else trace_dir / f"{contender.name}@{name}.records.jsonl",
                             )
                         )
                         summary["offered_req_s"] = workload.params["offered_req_s"]
@@ -755,7 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         metavar="DIR",
         help="write each llmgw contender's decision trace to DIR/<contender>.jsonl "
-        "(appended: one file per contender, both pressure levels)",
+        "(appended: one file per contender, both pressure levels), and every contender's "
+        "requests (turn, replica, TTFT) to DIR/<contender>@<cell>.records.jsonl",
     )
     args = parser.parse_args(argv)
     if args.trace is not None:

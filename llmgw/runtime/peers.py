@@ -46,10 +46,10 @@ import math
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from llmgw.config import PeersSpec
 from llmgw.registry import EndpointState, Registry, own_load
@@ -79,33 +79,65 @@ MAX_BUFFERED = 1 << 20  # bytes the transport may hold unsent before a flush is 
 
 Record = tuple[str, str, str | None, int, list[int]]  # model, endpoint, key, block chars, hashes
 LoadRecord = tuple[str, str, int, float]  # model, endpoint, in flight, prefill tokens queued
+_R = TypeVar("_R", Record, LoadRecord)
 
 
-def encode(sender: bytes, records: Sequence[Record], limit: int = MAX_DATAGRAM) -> list[bytes]:
-    """Datagrams of at most `limit` bytes carrying `records`, in order."""
+def _frames(magic: bytes, sender: bytes, records: Iterable[bytes], limit: int) -> list[bytes]:
+    """Packed records, in order, in datagrams of at most `limit` bytes: a header each."""
     out: list[bytes] = []
     parts: list[bytes] = []
-    size, count = _HEADER.size, 0
+    size = _HEADER.size
+    for record in records:
+        if size + len(record) > limit and parts:
+            out.append(_HEADER.pack(magic, sender, len(parts)) + b"".join(parts))
+            parts, size = [], _HEADER.size
+        parts.append(record)
+        size += len(record)
+    if parts:
+        out.append(_HEADER.pack(magic, sender, len(parts)) + b"".join(parts))
+    return out
+
+
+def _unframe(
+    data: bytes, magic: bytes, read: Callable[[bytes, int], tuple[_R, int]]
+) -> tuple[bytes, list[_R]]:
+    """(sender id, the records `read` takes one at a time from `data`'s offset): ValueError
+    unless `data` is one whole datagram of kind `magic`."""
+    if len(data) < _HEADER.size:
+        raise ValueError("shorter than a header")
+    kind, sender, count = _HEADER.unpack_from(data)
+    if kind != magic:
+        raise ValueError(f"not an llmgw peer datagram of kind {magic.decode()}")
+    at = _HEADER.size
+    records: list[_R] = []
+    try:
+        for _ in range(count):
+            record, at = read(data, at)
+            records.append(record)
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(str(exc)) from None
+    if at != len(data):
+        raise ValueError("bytes past the last record")
+    return sender, records
+
+
+def _packed_inserts(records: Sequence[Record], limit: int) -> Iterator[bytes]:
     for model, endpoint, key, block_chars, hashes in records:
         m, e = model.encode(), endpoint.encode()
         k = key.encode() if key is not None else b""
         if len(k) > _MAX_KEY:
             k = b""
-        head = _RECORD.size + len(m) + len(e) + len(k)
-        room = (limit - _HEADER.size - head) // 8
+        room = (limit - _HEADER.size - _RECORD.size - len(m) - len(e) - len(k)) // 8
         if room < 1:
             continue  # names too long to carry any block: never the case for real names
-        if size + head + 8 * min(len(hashes), room) > limit and count:
-            out.append(_HEADER.pack(MAGIC, sender, count) + b"".join(parts))
-            parts, size, count = [], _HEADER.size, 0
         n = min(len(hashes), room, 0xFFFF)
-        parts.append(_RECORD.pack(len(m), len(e), len(k), block_chars, n) + m + e + k)
-        parts.append(struct.pack(f">{n}q", *hashes[:n]))
-        size += head + 8 * n
-        count += 1
-    if count:
-        out.append(_HEADER.pack(MAGIC, sender, count) + b"".join(parts))
-    return out
+        head = _RECORD.pack(len(m), len(e), len(k), block_chars, n)
+        yield head + m + e + k + struct.pack(f">{n}q", *hashes[:n])
+
+
+def encode(sender: bytes, records: Sequence[Record], limit: int = MAX_DATAGRAM) -> list[bytes]:
+    """Datagrams of at most `limit` bytes carrying `records`, in order."""
+    return _frames(MAGIC, sender, _packed_inserts(records, limit), limit)
 
 
 TAG = 16  # bytes of HMAC-SHA256 kept (128 bits) when the replicas share a secret
@@ -127,87 +159,58 @@ def unseal(data: bytes, key: bytes) -> bytes:
     return body
 
 
+def _read_insert(data: bytes, at: int) -> tuple[Record, int]:
+    lm, le, lk, block_chars, n = _RECORD.unpack_from(data, at)
+    at += _RECORD.size
+    end = at + lm + le + lk + 8 * n
+    if end > len(data):
+        raise ValueError("record runs past the datagram")
+    model = data[at : at + lm].decode()
+    at += lm
+    endpoint = data[at : at + le].decode()
+    at += le
+    key = data[at : at + lk].decode() if lk else None
+    hashes = list(struct.unpack_from(f">{n}q", data, at + lk))
+    return (model, endpoint, key, block_chars, hashes), end
+
+
 def decode(data: bytes) -> tuple[bytes, list[Record]]:
     """(sender id, records); raises ValueError on anything that is not a whole datagram."""
-    if len(data) < _HEADER.size:
-        raise ValueError("shorter than a header")
-    magic, sender, count = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise ValueError("not an llmgw peer datagram")
-    at = _HEADER.size
-    records: list[Record] = []
-    try:
-        for _ in range(count):
-            lm, le, lk, block_chars, n = _RECORD.unpack_from(data, at)
-            at += _RECORD.size
-            end = at + lm + le + lk + 8 * n
-            if end > len(data):
-                raise ValueError("record runs past the datagram")
-            model = data[at : at + lm].decode()
-            at += lm
-            endpoint = data[at : at + le].decode()
-            at += le
-            key = data[at : at + lk].decode() if lk else None
-            at += lk
-            hashes = list(struct.unpack_from(f">{n}q", data, at))
-            at = end
-            records.append((model, endpoint, key, block_chars, hashes))
-    except (struct.error, UnicodeDecodeError) as exc:
-        raise ValueError(str(exc)) from None
-    if at != len(data):
-        raise ValueError("bytes past the last record")
-    return sender, records
+    return _unframe(data, MAGIC, _read_insert)
+
+
+def _packed_loads(records: Sequence[LoadRecord], limit: int) -> Iterator[bytes]:
+    for model, endpoint, inflight, pending in records:
+        m, e = model.encode(), endpoint.encode()
+        if _LOAD.size + len(m) + len(e) > limit - _HEADER.size or len(m) > 0xFFFF:
+            continue  # names no datagram can carry: never the case for real names
+        n = min(max(inflight, 0), 0xFFFFFFFF)
+        yield _LOAD.pack(len(m), len(e), n, min(max(pending, 0.0), _F32_MAX)) + m + e
 
 
 def encode_load(
     sender: bytes, records: Sequence[LoadRecord], limit: int = MAX_DATAGRAM
 ) -> list[bytes]:
     """Load datagrams of at most `limit` bytes carrying `records`, in order."""
-    out: list[bytes] = []
-    parts: list[bytes] = []
-    size = _HEADER.size
-    for model, endpoint, inflight, pending in records:
-        m, e = model.encode(), endpoint.encode()
-        if _LOAD.size + len(m) + len(e) > limit - _HEADER.size or len(m) > 0xFFFF:
-            continue  # names no datagram can carry: never the case for real names
-        n = min(max(inflight, 0), 0xFFFFFFFF)
-        record = _LOAD.pack(len(m), len(e), n, min(max(pending, 0.0), _F32_MAX)) + m + e
-        if size + len(record) > limit and parts:
-            out.append(_HEADER.pack(LOAD_MAGIC, sender, len(parts)) + b"".join(parts))
-            parts, size = [], _HEADER.size
-        parts.append(record)
-        size += len(record)
-    if parts:
-        out.append(_HEADER.pack(LOAD_MAGIC, sender, len(parts)) + b"".join(parts))
-    return out
+    return _frames(LOAD_MAGIC, sender, _packed_loads(records, limit), limit)
+
+
+def _read_load(data: bytes, at: int) -> tuple[LoadRecord, int]:
+    lm, le, inflight, pending = _LOAD.unpack_from(data, at)
+    at += _LOAD.size
+    end = at + lm + le
+    if end > len(data):
+        raise ValueError("record runs past the datagram")
+    if not 0.0 <= pending <= _F32_MAX:  # NaN, negative, infinite: not a queue
+        raise ValueError("pending prefill tokens out of range")
+    model = data[at : at + lm].decode()
+    endpoint = data[at + lm : end].decode()
+    return (model, endpoint, inflight, pending), end
 
 
 def decode_load(data: bytes) -> tuple[bytes, list[LoadRecord]]:
     """(sender id, load records); raises ValueError on anything but a whole load datagram."""
-    if len(data) < _HEADER.size:
-        raise ValueError("shorter than a header")
-    magic, sender, count = _HEADER.unpack_from(data)
-    if magic != LOAD_MAGIC:
-        raise ValueError("not an llmgw peer load datagram")
-    at = _HEADER.size
-    records: list[LoadRecord] = []
-    try:
-        for _ in range(count):
-            lm, le, inflight, pending = _LOAD.unpack_from(data, at)
-            at += _LOAD.size
-            if at + lm + le > len(data):
-                raise ValueError("record runs past the datagram")
-            model = data[at : at + lm].decode()
-            endpoint = data[at + lm : at + lm + le].decode()
-            at += lm + le
-            if not 0.0 <= pending <= _F32_MAX:  # NaN, negative, infinite: not a queue
-                raise ValueError("pending prefill tokens out of range")
-            records.append((model, endpoint, inflight, pending))
-    except (struct.error, UnicodeDecodeError) as exc:
-        raise ValueError(str(exc)) from None
-    if at != len(data):
-        raise ValueError("bytes past the last record")
-    return sender, records
+    return _unframe(data, LOAD_MAGIC, _read_load)
 
 
 class RemoteLoad:
