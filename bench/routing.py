@@ -78,7 +78,7 @@ from bench.workloads.grid import (  # noqa: E402
     Regime,
     regime_workload,
 )
-from llmgw.extproc.envoyconfig import BODY_MODES, EXTPROC_CLUSTER  # noqa: E402
+from llmgw.extproc.envoyconfig import BODY_MODES  # noqa: E402
 from llmgw.runtime.ports import free_port  # noqa: E402
 from llmgw.scheduling.strategies import PRESETS  # noqa: E402
 from llmgw.sim.fleet import spawn  # noqa: E402
@@ -259,21 +259,11 @@ def _envoy_with_extprocs(
     subprocess.run(
         [python, "-m", "llmgw.cli", "envoy-config", "--config", str(configs[0]),
          "--shape", "override-host", "--listen", f"127.0.0.1:{port}",
-         "--admin", f"127.0.0.1:{admin}", "--extproc", f"127.0.0.1:{grpc[0]}",
+         "--admin", f"127.0.0.1:{admin}",
+         "--extproc", ",".join(f"127.0.0.1:{g}" for g in grpc),
          "--body-mode", body_mode, "--out", str(envoy_yaml)],
         check=True, cwd=ROOT,
     )  # fmt: skip
-    if len(grpc) > 1:
-        bootstrap = yaml.safe_load(envoy_yaml.read_text())
-        (cluster,) = [
-            c for c in bootstrap["static_resources"]["clusters"] if c["name"] == EXTPROC_CLUSTER
-        ]
-        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
-                                                         "port_value": g}}}}
-            for g in grpc
-        ]  # fmt: skip
-        envoy_yaml.write_text(yaml.safe_dump(bootstrap))
     envoy = [_envoy(), "-c", str(envoy_yaml), "--disable-hot-restart"]
     envoy += ["--concurrency", "1", "-l", "warning"]
     with contextlib.ExitStack() as stack:

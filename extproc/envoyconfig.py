@@ -77,6 +77,19 @@ def _socket(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+def _extproc_addresses(addresses: str) -> list[str]:
+    """`host:port[,host:port...]`: several llmgw replicas (Envoy balances its ext_proc
+    streams, one per request, over them round robin; `peers:` keeps their views shared)."""
+    out = [a.strip() for a in addresses.split(",") if a.strip()]
+    for address in out or [addresses]:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"ext_proc address {address!r}: give host:port, or several separated by commas"
+            )
+    return list(dict.fromkeys(out))
+
+
 def _static_cluster(
     name: str, addresses: list[str], *, http2: bool = False, connect_timeout: str = "1s"
 ) -> dict[str, Any]:
@@ -204,8 +217,9 @@ def build(
         cluster["circuit_breakers"] = envoylimits.circuit_breakers(len(addresses))
         cluster["outlier_detection"] = envoylimits.outlier_detection()
     extproc_cluster = _static_cluster(
-        EXTPROC_CLUSTER, [extproc_address], http2=True, connect_timeout=timing.connect
-    )
+        EXTPROC_CLUSTER, _extproc_addresses(extproc_address), http2=True,
+        connect_timeout=timing.connect,
+    )  # fmt: skip
     if extproc_tls or extproc_ca:
         extproc_cluster["transport_socket"] = envoylimits.upstream_tls(ca_file=extproc_ca)
     max_body = config.limits.max_body_bytes
@@ -448,7 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shape", choices=SHAPES, default="original-dst")
     parser.add_argument("--listen", default="0.0.0.0:8080", help="client listener host:port")
     parser.add_argument("--admin", default="127.0.0.1:9901", help="admin host:port")
-    parser.add_argument("--extproc", default="127.0.0.1:9002", help="ext_proc server host:port")
+    parser.add_argument(
+        "--extproc",
+        default="127.0.0.1:9002",
+        help="ext_proc server host:port; several llmgw replicas separated by commas "
+        "(Envoy balances requests over them; give them `peers:`)",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--fail-open",

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -136,6 +137,40 @@ def test_extproc_tls_adds_a_tls_socket_and_the_command_defaults_to_it(
     generated = yaml.safe_load(out.read_text())
     clusters = {c["name"]: c for c in generated["static_resources"]["clusters"]}
     assert "transport_socket" not in clusters["llmgw-extproc"]
+
+
+def test_several_extproc_replicas_are_one_cluster_envoy_balances_and_bad_ones_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def extproc_cluster(address: str) -> dict[str, Any]:
+        bootstrap = build(load_file(EXAMPLE), shape="override-host", extproc_address=address)
+        clusters: list[dict[str, Any]] = bootstrap["static_resources"]["clusters"]
+        (cluster,) = (c for c in clusters if c["name"] == "llmgw-extproc")
+        return cluster
+
+    def hosts(cluster: dict[str, Any]) -> list[tuple[str, int]]:
+        (group,) = cluster["load_assignment"]["endpoints"]
+        sockets = [e["endpoint"]["address"]["socket_address"] for e in group["lb_endpoints"]]
+        return [(s["address"], s["port_value"]) for s in sockets]
+
+    both = extproc_cluster("10.0.0.1:9002, 10.0.0.2:9012,10.0.0.1:9002")
+    assert hosts(both) == [("10.0.0.1", 9002), ("10.0.0.2", 9012)]  # duplicates once
+    assert both["type"] == "STATIC" and "lb_policy" not in both  # round robin per stream
+    named = extproc_cluster("llmgw-0.llmgw:9002,[::1]:9002")
+    assert hosts(named) == [("llmgw-0.llmgw", 9002), ("::1", 9002)]
+    assert named["type"] == "STRICT_DNS"
+    for bad in ("10.0.0.1", "10.0.0.1:9002,:9002", "10.0.0.1:port", "10.0.0.1:70000", ","):
+        with pytest.raises(ValueError, match=r"ext_proc address .*host:port"):
+            extproc_cluster(bad)
+    out = tmp_path / "envoy.yaml"
+    argv = ["--config", str(EXAMPLE), "--shape", "override-host", "--out", str(out)]
+    assert main([*argv, "--extproc", "127.0.0.1:9002,127.0.0.1:9003"]) == 0
+    generated = yaml.safe_load(out.read_text())
+    clusters = generated["static_resources"]["clusters"]
+    (cluster,) = (c for c in clusters if c["name"] == "llmgw-extproc")
+    assert hosts(cluster) == [("127.0.0.1", 9002), ("127.0.0.1", 9003)]
+    assert main([*argv, "--extproc", "127.0.0.1"]) == 2
+    assert "ext_proc address '127.0.0.1': give host:port" in capsys.readouterr().err
 
 
 def test_original_dst_uses_the_header_and_has_a_fail_open_default() -> None:

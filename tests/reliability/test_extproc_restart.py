@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from llmgw.config import load_dict
-from llmgw.extproc.envoyconfig import EXTPROC_CLUSTER
 from llmgw.hashring import HashRing
 from llmgw.runtime.ports import free_port
 from llmgw.sim import ThreadedFleet
@@ -42,19 +41,12 @@ def envoy_for(
 ) -> EnvoyProcess:
     bootstrap = loopback_bootstrap(
         load_dict(config),
-        f"127.0.0.1:{grpc_ports[0]}",
+        ",".join(f"127.0.0.1:{p}" for p in grpc_ports),
         shape=shape,
         fail_open=fail_open,
         message_timeout=2.0,
         connect_timeout=0.25,
     )
-    cluster = next(
-        c for c in bootstrap["static_resources"]["clusters"] if c["name"] == EXTPROC_CLUSTER
-    )
-    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-        for p in grpc_ports
-    ]
     return EnvoyProcess(bootstrap)
 
 
