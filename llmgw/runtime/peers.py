@@ -75,6 +75,7 @@ _F32_MAX = 3.4028234663852886e38
 MAX_DATAGRAM = 8192
 _MAX_KEY = 512  # longer session keys travel without the key (sharing counts skip them)
 MAX_PENDING = 10_000  # records waiting for the next flush; past it new ones are dropped
+_MAX_SOURCES = 4096  # peer (ip, port) pairs whose last sender id is kept
 MAX_BUFFERED = 1 << 20  # bytes the transport may hold unsent before a flush is dropped
 
 Record = tuple[str, str, str | None, int, list[int]]  # model, endpoint, key, block chars, hashes
@@ -258,6 +259,20 @@ class RemoteLoad:
                 del self._by[key]
         return forgotten
 
+    def forget(self, registry: Registry, sender: bytes) -> int:
+        """Drop everything `sender` reported (it restarted under a new id); how many."""
+        forgotten = 0
+        for key, peers in list(self._by.items()):
+            if peers.pop(sender, None) is None:
+                continue
+            forgotten += 1
+            state = registry.get(*key)
+            if state is not None:
+                _sum_into(state, peers)
+            if not peers:
+                del self._by[key]
+        return forgotten
+
     def clear(self, registry: Registry) -> None:
         for key in self._by:
             state = registry.get(*key)
@@ -382,6 +397,10 @@ class Peers(asyncio.DatagramProtocol):
         self._load_told: dict[tuple[str, str], tuple[int, float]] = {}
         self._load_zeroed: dict[tuple[str, str], int] = {}
         self.remote = RemoteLoad()
+        # The id each peer address last sent with: a new one there is that replica
+        # restarted (a crash says no goodbye), so its old self's load is dropped at once,
+        # not counted beside the new one's until the ttl.
+        self._sender_at: dict[tuple[str, int], bytes] = {}
         self._keeper: asyncio.Task[None] | None = None
         self._flush_scheduled = False
         self._applying = False
@@ -619,9 +638,17 @@ class Peers(asyncio.DatagramProtocol):
             return
         if sender == self.sender:
             return
-        if (ip, addr[1]) not in self._targets:  # a peer this one does not send to yet
+        source = (ip, int(addr[1]))
+        if source not in self._targets:  # a peer this one does not send to yet
             self._wake_resolver()
         scheduler = self._scheduler()
+        before = self._sender_at.get(source)
+        if before != sender:
+            if before is not None:
+                self.remote.forget(scheduler.registry, before)
+            elif len(self._sender_at) >= _MAX_SOURCES:  # bounded; only peers' ips get here
+                self._sender_at.clear()
+            self._sender_at[source] = sender
         if loads:
             registry = scheduler.registry
             now = registry.clock()

@@ -594,6 +594,31 @@ async def test_a_stopping_peer_takes_its_load_away_at_once() -> None:
         await _until(lambda: _state(b, x).remote_inflight == 0, "B forgets A's load", 1.0)
 
 
+async def test_a_peer_that_restarts_under_a_new_id_is_not_counted_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(peers_module, "LOAD_REFRESH", 60.0)  # no refresh in between
+    async with _pair() as (a, b, arrived):
+        assert a.peers is not None and a.peers._transport is not None
+        assert b.peers is not None and b.peers.remote.ttl >= 3.0  # expiry cannot do it
+        x, y = ENDPOINTS[1], ENDPOINTS[2]
+        a.scheduler.registry.acquire("m", x)
+        await _until(lambda: _state(b, x).remote_inflight == 1, "B counts A's request")
+        # A crashed (no goodbye) and came back on its port under a new id, one request at y.
+        handled = _handled(b)
+        reborn = encode_load(b"reborn!!", [("m", y, 1, 0.0)])[0]
+        a.peers._transport.sendto(reborn, ("127.0.0.1", b.peers.port))
+        await arrived(b, handled + 1)
+        assert (_state(b, x).remote_inflight, _state(b, y).remote_inflight) == (0, 1)
+        # Another id from another address is a peer of its own, not a restart.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+            other.sendto(
+                encode_load(b"another!", [("m", y, 2, 0.0)])[0], ("127.0.0.1", b.peers.port)
+            )
+            await arrived(b, handled + 2)
+        assert _state(b, y).remote_inflight == 3
+
+
 async def test_load_that_changed_while_no_peer_was_known_is_told_right_when_one_is(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
