@@ -70,7 +70,7 @@ from bench.loadclient import (  # noqa: E402
     run,
 )
 from bench.peers import PEER_POLICIES, Service, ensure_peers, peer_command  # noqa: E402
-from bench.workloads import Workload, percentile  # noqa: E402
+from bench.workloads import Workload, percentile, quantile_interval  # noqa: E402
 from bench.workloads.grid import (  # noqa: E402
     QUICK_REGIMES,
     REGIMES,
@@ -496,6 +496,9 @@ def summarize(
         "wall_s": round(wall, 2),
         "ttft_p50_ms": _ms(percentile(ttfts, 50)),
         "ttft_p90_ms": _ms(percentile(ttfts, 90)),
+        # Where the p90 of this workload's requests could have fallen (95 %): a
+        # contender's lead inside the others' intervals is not a finding.
+        "ttft_p90_ci_ms": [_ms(v) for v in quantile_interval(ttfts, 90)],
         "ttft_p99_ms": _ms(percentile(ttfts, 99)),
         "e2e_p50_ms": _ms(percentile(e2es, 50)),
         "e2e_p90_ms": _ms(percentile(e2es, 90)),
@@ -578,6 +581,7 @@ TABLE_COLUMNS = (
     ("contender", "contender"),
     ("ttft_p50_ms", "TTFT p50"),
     ("ttft_p90_ms", "TTFT p90"),
+    ("ttft_p90_ci_ms", "p90 95% CI"),
     ("ttft_p99_ms", "TTFT p99"),
     ("e2e_p90_ms", "e2e p90"),
     ("output_tok_s", "out tok/s"),
@@ -597,6 +601,8 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     for name, r in rows.items():
         row = {label: name if key == "contender" else r.get(key) for key, label in TABLE_COLUMNS}
         row["p90/best"] = _ratio(r.get("ttft_p90_ms"), best)
+        lo, hi = r.get("ttft_p90_ci_ms") or (None, None)
+        row["p90 95% CI"] = f"{lo:.0f}-{hi:.0f}" if lo is not None and hi is not None else None
         out.append(row)
     return format_table(out)
 

@@ -428,6 +428,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
+def quantile_interval(values: list[float], q: float, level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free `level` confidence interval for the q-th percentile (q in
+    (0, 100)) of what `values` sample: the order statistics between which a Binomial(n,
+    q/100) count of values falls with that probability. NaNs when empty; at small n it
+    widens to the sample's extremes. Over ~160 requests the p90's interval spans about
+    -10 % / +40 % of the p90 itself: differences of a few percent are not findings."""
+    n = len(values)
+    if not n:
+        return math.nan, math.nan
+    ordered = sorted(values)
+    p = q / 100
+    tail = (1 - level) / 2
+    log_p, log_q, log_n = math.log(p), math.log1p(-p), math.lgamma(n + 1)
+    cdf, lo, hi = 0.0, -1, n - 1
+    for k in range(n + 1):
+        cdf += math.exp(
+            log_n - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * log_p + (n - k) * log_q
+        )
+        if lo < 0 and cdf > tail:
+            lo = max(0, k - 1)
+        if cdf >= 1 - tail:
+            hi = min(n - 1, k)
+            break
+    return ordered[lo], ordered[hi]
+
+
 __all__ = [
     "WORKLOADS",
     "Conversation",
@@ -439,5 +465,6 @@ __all__ = [
     "mixed_lengths",
     "multi_turn_chat",
     "percentile",
+    "quantile_interval",
     "shared_prefixes",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 import sys
 from collections import Counter
 from pathlib import Path
@@ -10,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.workloads import WORKLOADS, build, percentile
+from bench.workloads import WORKLOADS, build, percentile, quantile_interval
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -87,6 +89,24 @@ def test_scale_changes_size_not_shape() -> None:
 def test_unknown_workload_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="known: chat"):
         build("nope")
+
+
+def test_quantile_interval_covers_the_true_p90_as_often_as_it_says() -> None:
+    rng = random.Random(7)
+    true_p90 = math.log(10)  # of an exponential with mean 1
+    for n in (30, 160):
+        covered = 0
+        for _ in range(400):
+            sample = [rng.expovariate(1.0) for _ in range(n)]
+            lo, hi = quantile_interval(sample, 90)
+            assert lo <= percentile(sample, 90) <= hi
+            covered += lo <= true_p90 <= hi
+        assert 0.91 <= covered / 400 <= 0.99, (n, covered)
+    wide = quantile_interval([rng.expovariate(1.0) for _ in range(100)], 90)
+    narrow = quantile_interval([rng.expovariate(1.0) for _ in range(10_000)], 90)
+    assert narrow[1] - narrow[0] < (wide[1] - wide[0]) / 4
+    assert quantile_interval([5.0], 90) == (5.0, 5.0)
+    assert all(math.isnan(v) for v in quantile_interval([], 90))
 
 
 def test_percentile_is_nearest_rank() -> None:
