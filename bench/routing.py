@@ -6,6 +6,7 @@ over a named list of cells that spans load x prompt mix x sessions x cache press
     .venv/bin/python bench/routing.py --quick          # 3 cells, 8 contenders, < 5 min
     .venv/bin/python bench/routing.py --cells chat-history,docs-shared --only envoy:chat
     .venv/bin/python bench/routing.py --list           # the cells and contenders
+    .venv/bin/python bench/routing.py --seeds 1,2,3    # three runs, requests pooled per cell
 
 Cells (`bench/workloads/grid.py`, `REGIMES`): load 0.3 / 0.6 / 0.85 of a capacity
 computed from the simulator's parameters (`EngineSpeed`: prefill cost per uncached
@@ -29,7 +30,8 @@ multi-turn with think times); TTFT is timed on the client at the first chunk car
 content (the role chunk does not count). Before each run the replicas drain and reset
 (prefix caches cleared). Per cell and contender: TTFT p50/p90/p99, e2e p90, output
 tokens/s, prefix hit rate (simulator counters), requests per replica max/mean, errors
-and 429s. Writes bench/results/routing_grid.json and routing_grid_heatmap.png (TTFT p90
+and 429s; each p90 with a 95 % interval (order statistics: a cell of ~160 requests
+cannot tell 1.05x apart, so `--seeds` pools several runs' requests per cell). Writes bench/results/routing_grid.json and routing_grid_heatmap.png (TTFT p90
 over the best contender of the cell). Compare contenders within one run, not across runs.
 """
 
@@ -735,6 +737,103 @@ def _run_group(
             print(f"  ({contender.name}, {level} pressure: {time.monotonic() - t:.0f} s)")
 
 
+def _run_seed(
+    args: argparse.Namespace,
+    seed: int,
+    cell_names: list[str],
+    contenders: list[Contender],
+    peers: dict[str, str],
+    trace: Path | None,
+) -> tuple[dict[str, tuple[Regime, Workload]], dict[str, dict[str, dict[str, Any]]], list[Any]]:
+    """One seed's grid: (its cells' workloads, results per cell and contender, the rows of
+    TTFT p90 / best); prints each cell's table and the summary."""
+    window = args.window or (5.0 if args.quick else None)
+    groups: dict[str, dict[str, tuple[Regime, Workload]]] = {}
+    for name in cell_names:
+        regime = REGIMES[name]
+        if window is not None:
+            regime = Regime(**{**regime.__dict__, "window_s": window})
+        level = pressure_level(regime)
+        workload = regime_workload(regime, engine_speed(level), seed=seed)
+        groups.setdefault(level, {})[name] = (regime, workload)
+        print(f"cell {name}: {workload.description}; {workload.requests} requests")
+    results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
+    for level, cells in groups.items():
+        print(f"== fleet with {KV_BLOCKS[level]} KV blocks a replica ({level} pressure) ==")
+        _run_group(level, cells, contenders, peers, args.timeout, results, trace)
+    print()
+    every = {n: w for cells in groups.values() for n, w in cells.items()}
+    for name in cell_names:
+        regime, workload = every[name]
+        print(f"== {name}: {workload.description} ({workload.requests} requests) ==")
+        print(table(results[name]))
+        print()
+    summary_rows = []
+    for c in contenders:
+        row: dict[str, Any] = {"contender": c.name}
+        for name in cell_names:
+            row[name] = _ratio(
+                results[name].get(c.name, {}).get("ttft_p90_ms"), best_p90(results[name])
+            )
+        summary_rows.append(row)
+    print("== TTFT p90 / best contender, per cell ==")
+    print(format_table(summary_rows))
+    return every, results, summary_rows
+
+
+def pool(
+    records: Path | None, seeds: list[int], cell_names: list[str], contenders: list[Contender]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Each cell's requests of every seed together, per contender: TTFT p90 and its 95 %
+    interval, over the best pooled p90 of the cell; printed as two tables (ratios, then the
+    intervals, `*` where one lies wholly above the best contender's)."""
+    assert records is not None
+    out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
+    for cell in cell_names:
+        for c in contenders:
+            ttfts: list[float] = []
+            errors = 0
+            for seed in seeds:
+                path = records / f"s{seed}" / f"{c.name}@{cell}.records.jsonl"
+                if not path.exists():
+                    continue
+                for line in path.read_text().splitlines():
+                    r = json.loads(line)
+                    ok = r["status"] == 200 and r["error"] is None
+                    if ok and r["ttft_s"] is not None:
+                        ttfts.append(r["ttft_s"])
+                    errors += not ok
+            if ttfts:
+                lo, hi = quantile_interval(ttfts, 90)
+                out[cell][c.name] = {
+                    "ttft_p90_ms": _ms(percentile(ttfts, 90)),
+                    "ttft_p90_ci_ms": [_ms(lo), _ms(hi)],
+                    "requests": len(ttfts) + errors,
+                    "errors": errors,
+                }
+    ratios, intervals = [], []
+    for c in contenders:
+        ratio: dict[str, Any] = {"contender": c.name}
+        interval: dict[str, Any] = {"contender": c.name}
+        for cell in cell_names:
+            rows = out[cell]
+            mine, best = rows.get(c.name), best_p90(rows)
+            ratio[cell] = _ratio(mine["ttft_p90_ms"], best) if mine else None
+            if mine is None:
+                interval[cell] = None
+                continue
+            lo, hi = mine["ttft_p90_ci_ms"]
+            best_hi = min(r["ttft_p90_ci_ms"][1] for r in rows.values() if r["ttft_p90_ms"] == best)
+            interval[cell] = f"{lo:.0f}-{hi:.0f}" + ("*" if lo > best_hi else "")
+        ratios.append(ratio)
+        intervals.append(interval)
+    print(f"\n== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender, per cell ==")
+    print(format_table(ratios))
+    print("\n== pooled TTFT p90, 95 % interval in ms (* wholly above the best contender's) ==")
+    print(format_table(intervals))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 cells, 8 contenders, < 5 min")
@@ -743,6 +842,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print cells and contenders")
     parser.add_argument("--window", type=float, help="arrival window per cell, seconds")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--seeds",
+        help="comma-separated seeds: the grid once per seed, then each cell's requests of "
+        "all seeds pooled (p90 with a 95%% interval); instead of --seed",
+    )
     parser.add_argument("--no-install", action="store_true", help="do not pip-install peers")
     parser.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
     parser.add_argument("--out", default="routing_grid", help="bench/results/NAME.json")
@@ -800,17 +904,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"skipping {c.name}: not installed")
             contenders.remove(c)
 
-    window = args.window or (5.0 if args.quick else None)
-    groups: dict[str, dict[str, tuple[Regime, Workload]]] = {}
-    for name in cell_names:
-        regime = REGIMES[name]
-        if window is not None:
-            regime = Regime(**{**regime.__dict__, "window_s": window})
-        level = pressure_level(regime)
-        workload = regime_workload(regime, engine_speed(level), seed=args.seed)
-        groups.setdefault(level, {})[name] = (regime, workload)
-        print(f"cell {name}: {workload.description}; {workload.requests} requests")
-
     loop_policy = None
     with contextlib.suppress(ImportError):
         import uvloop  # noqa: PLC0415
@@ -819,38 +912,33 @@ def main(argv: list[str] | None = None) -> int:
     if loop_policy is not None:
         asyncio.set_event_loop_policy(loop_policy)
 
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
     started = time.monotonic()
-    results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
-    for level, cells in groups.items():
-        print(f"== fleet with {KV_BLOCKS[level]} KV blocks a replica ({level} pressure) ==")
-        _run_group(level, cells, contenders, peers, args.timeout, results, args.trace)
-
-    print()
-    every = {n: w for cells in groups.values() for n, w in cells.items()}
-    for name in cell_names:
-        regime, workload = every[name]
-        print(f"== {name}: {workload.description} ({workload.requests} requests) ==")
-        print(table(results[name]))
-        print()
-    summary_rows = []
-    for c in contenders:
-        row: dict[str, Any] = {"contender": c.name}
-        for name in cell_names:
-            row[name] = _ratio(
-                results[name].get(c.name, {}).get("ttft_p90_ms"), best_p90(results[name])
-            )
-        summary_rows.append(row)
-    print("== TTFT p90 / best contender, per cell ==")
-    print(format_table(summary_rows))
+    with contextlib.ExitStack() as stack:
+        records = args.trace
+        if records is None and len(seeds) > 1:  # pooling reads each request's record
+            records = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="routing-")))
+        runs = []
+        for seed in seeds:
+            if len(seeds) > 1:
+                print(f"\n######## seed {seed} ########")
+            trace = records / f"s{seed}" if records is not None and len(seeds) > 1 else records
+            if trace is not None:
+                trace.mkdir(parents=True, exist_ok=True)
+            runs.append(_run_seed(args, seed, cell_names, contenders, peers, trace))
+        pooled = pool(records, seeds, cell_names, contenders) if len(seeds) > 1 else None
     elapsed = time.monotonic() - started
     print(f"\ntotal {elapsed:.0f} s")
+    every, results, summary_rows = runs[0]
+    levels = sorted({pressure_level(regime) for regime, _ in every.values()})
     data = {
         "benchmark": "routing_grid",
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "quick": args.quick,
-        "seed": args.seed,
-        "sim_args": {level: sim_args(level, 0) for level in groups},
+        "seed": seeds[0],
+        "seeds": seeds,
+        "sim_args": {level: sim_args(level, 0) for level in levels},
         "cells": {
             n: {
                 "regime": regime.__dict__,
@@ -866,6 +954,10 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p90_over_best": summary_rows,
         "elapsed_s": round(elapsed, 1),
     }
+    if pooled is not None:
+        data["results_by_seed"] = {str(seed): run[1] for seed, run in zip(seeds, runs, strict=True)}
+        data["pooled"] = pooled
+        results = pooled  # the heat map: the pooled p90s
     path = write_results(args.out, data)
     print(f"wrote {path}")
     png = heatmap(results, RESULTS / f"{args.out}_heatmap.png")
