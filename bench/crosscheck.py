@@ -35,6 +35,7 @@ from bench.peers import PEER_POLICIES, ensure_peers  # noqa: E402
 from bench.routing import (  # noqa: E402
     _picker,
     _python,
+    above_best,
     add_body_mode_option,
     all_contenders,
     base_port,
@@ -167,13 +168,15 @@ def main(argv: list[str] | None = None) -> int:
             if s is None or not s.get("ttft_p90_ms") or not p90s:
                 row[n] = None
                 continue
-            row[n] = f"{s['ttft_p90_ms']:.0f} ({s['ttft_p90_ms'] / min(p90s):.2f}x)"
+            mark = "*" if above_best(s, results[n]) else ""
+            row[n] = f"{s['ttft_p90_ms']:.0f} ({s['ttft_p90_ms'] / min(p90s):.2f}x){mark}"
         rows.append(row)
     command = "python bench/crosscheck.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (
         f"# {command.strip()}\n# engines: bench/xsim, {args.replicas} replicas, rates x {scale:g} "
         f"(metrics {args.metrics}, cache info "
-        f"{args.cache_info}); TTFT p90 ms (x the best in the column); "
+        f"{args.cache_info}); TTFT p90 ms (x the best in the column; * its 95% interval wholly "
+        f"above the best's); "
         f"{time.monotonic() - started:.0f} s\n" + format_table(rows)
     )
     print(text)

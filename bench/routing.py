@@ -615,6 +615,19 @@ def best_p90(rows: dict[str, dict[str, Any]]) -> float | None:
     return min(values) if values else None
 
 
+def above_best(row: dict[str, Any], rows: dict[str, dict[str, Any]]) -> bool:
+    """`row`'s p90 interval lies wholly above that of the cell's best contender (a loss
+    the requests measured, not the noise of which ones ran)."""
+    best = best_p90(rows)
+    lo = (row.get("ttft_p90_ci_ms") or [None])[0]
+    highs = [
+        r["ttft_p90_ci_ms"][1]
+        for r in rows.values()
+        if r.get("ttft_p90_ms") == best and r.get("ttft_p90_ci_ms")
+    ]
+    return lo is not None and bool(highs) and lo > min(highs)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
@@ -823,8 +836,7 @@ def pool(
                 interval[cell] = None
                 continue
             lo, hi = mine["ttft_p90_ci_ms"]
-            best_hi = min(r["ttft_p90_ci_ms"][1] for r in rows.values() if r["ttft_p90_ms"] == best)
-            interval[cell] = f"{lo:.0f}-{hi:.0f}" + ("*" if lo > best_hi else "")
+            interval[cell] = f"{lo:.0f}-{hi:.0f}" + ("*" if above_best(mine, rows) else "")
         ratios.append(ratio)
         intervals.append(interval)
     print(f"\n== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender, per cell ==")

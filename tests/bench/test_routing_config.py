@@ -3,13 +3,14 @@ decision trace where `--trace` asks for it."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.loadclient import RequestRecord
-from bench.routing import all_contenders, llmgw_config, summarize
+from bench.routing import above_best, all_contenders, llmgw_config, pool, summarize
 from llmgw.config import load_dict
 
 
@@ -46,3 +47,33 @@ def test_summaries_count_a_restarted_replica_from_zero_and_unread_tokens() -> No
     summary = summarize([_record(40), _record(20)], 1.0, before, restarted, [])
     assert summary["served_per_replica"] == [4, 3] and summary["restarted"]
     assert summary["unread_tokens"] is None
+
+
+def test_seeds_pool_each_cells_requests_and_mark_only_a_measured_loss(tmp_path: Path) -> None:
+    ring, rr, least = (
+        next(c for c in all_contenders() if c.name == n)
+        for n in ("client:ring", "client:round-robin", "vllm-router:cache_aware")
+    )
+
+    def write(seed: int, contender: str, ttfts: list[float | None]) -> None:
+        folder = tmp_path / f"s{seed}"
+        folder.mkdir(exist_ok=True)
+        records = [
+            RequestRecord(k, 0, None, 0.0, t, 1.0, 200 if t is not None else 503, 5, 10)
+            for k, t in enumerate(ttfts)
+        ]
+        lines = (json.dumps(r.to_json()) for r in records)
+        (folder / f"{contender}@cell.records.jsonl").write_text("\n".join(lines) + "\n")
+
+    for seed in (1, 2):  # ring 0.100-0.1495 s; round-robin 1 ms slower; the third 5x
+        write(seed, ring.name, [0.1 + k / 2000 for k in range(100)])
+        write(seed, rr.name, [0.101 + k / 2000 for k in range(100)] + [None])
+        write(seed, least.name, [0.5 + k / 2000 for k in range(100)])
+    pooled = pool(tmp_path, [1, 2], ["cell"], [ring, rr, least])["cell"]
+    assert pooled[ring.name]["ttft_p90_ms"] == 144.5  # rank 180 of 200 pooled
+    assert pooled[rr.name]["requests"] == 202 and pooled[rr.name]["errors"] == 2
+    assert not above_best(pooled[ring.name], pooled)
+    assert not above_best(pooled[rr.name], pooled)  # 1.007x: inside the best's interval
+    assert above_best(pooled[least.name], pooled)
+    lo, hi = pooled[ring.name]["ttft_p90_ci_ms"]
+    assert lo < 144.5 < hi
