@@ -76,6 +76,7 @@ MAX_DATAGRAM = 8192
 _MAX_KEY = 512  # longer session keys travel without the key (sharing counts skip them)
 MAX_PENDING = 10_000  # records waiting for the next flush; past it new ones are dropped
 _MAX_SOURCES = 4096  # peer (ip, port) pairs whose last sender id is kept
+_RETIRED_KEPT = 4  # ids a source had before its current one, dropped if they come late
 MAX_BUFFERED = 1 << 20  # bytes the transport may hold unsent before a flush is dropped
 
 Record = tuple[str, str, str | None, int, list[int]]  # model, endpoint, key, block chars, hashes
@@ -399,8 +400,10 @@ class Peers(asyncio.DatagramProtocol):
         self.remote = RemoteLoad()
         # The id each peer address last sent with: a new one there is that replica
         # restarted (a crash says no goodbye), so its old self's load is dropped at once,
-        # not counted beside the new one's until the ttl.
+        # not counted beside the new one's until the ttl; and the ids it had before, whose
+        # late (reordered) datagrams are dropped rather than undo that (`stale_sender`).
         self._sender_at: dict[tuple[str, int], bytes] = {}
+        self._retired: dict[tuple[str, int], list[bytes]] = {}
         self._keeper: asyncio.Task[None] | None = None
         self._flush_scheduled = False
         self._applying = False
@@ -644,10 +647,18 @@ class Peers(asyncio.DatagramProtocol):
         scheduler = self._scheduler()
         before = self._sender_at.get(source)
         if before != sender:
+            retired = self._retired.get(source)
+            if retired is not None and sender in retired:
+                self.stats.drop("stale_sender")
+                return
             if before is not None:
                 self.remote.forget(scheduler.registry, before)
+                retired = self._retired.setdefault(source, [])
+                retired.append(before)
+                del retired[:-_RETIRED_KEPT]
             elif len(self._sender_at) >= _MAX_SOURCES:  # bounded; only peers' ips get here
                 self._sender_at.clear()
+                self._retired.clear()
             self._sender_at[source] = sender
         if loads:
             registry = scheduler.registry

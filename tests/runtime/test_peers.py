@@ -110,7 +110,13 @@ def _config(port: int, peer_ports: list[int], secret_env: str | None = None) -> 
 Arrived = Callable[[Router, int], Awaitable[None]]
 
 
-_RECEIVED_DROPS = ("unknown_sender", "malformed", "unauthenticated", "unknown_endpoint")
+_RECEIVED_DROPS = (
+    "unknown_sender",
+    "malformed",
+    "unauthenticated",
+    "unknown_endpoint",
+    "stale_sender",
+)
 
 
 def _handled(router: Router) -> int:
@@ -610,12 +616,18 @@ async def test_a_peer_that_restarts_under_a_new_id_is_not_counted_twice(
         a.peers._transport.sendto(reborn, ("127.0.0.1", b.peers.port))
         await arrived(b, handled + 1)
         assert (_state(b, x).remote_inflight, _state(b, y).remote_inflight) == (0, 1)
+        # A datagram of the old self that was late on the wire (reordered) undoes nothing.
+        late = encode_load(a.peers.sender, [("m", x, 7, 0.0)])[0]
+        a.peers._transport.sendto(late, ("127.0.0.1", b.peers.port))
+        await arrived(b, handled + 2)
+        assert b.peers.stats.dropped.get("stale_sender") == 1
+        assert (_state(b, x).remote_inflight, _state(b, y).remote_inflight) == (0, 1)
         # Another id from another address is a peer of its own, not a restart.
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
             other.sendto(
                 encode_load(b"another!", [("m", y, 2, 0.0)])[0], ("127.0.0.1", b.peers.port)
             )
-            await arrived(b, handled + 2)
+            await arrived(b, handled + 3)
         assert _state(b, y).remote_inflight == 3
 
 
