@@ -78,16 +78,26 @@ def _socket(host: str, port: int) -> dict[str, Any]:
 
 
 def _extproc_addresses(addresses: str) -> list[str]:
-    """`host:port[,host:port...]`: several llmgw replicas (Envoy balances its ext_proc
-    streams, one per request, over them round robin; `peers:` keeps their views shared)."""
-    out = [a.strip() for a in addresses.split(",") if a.strip()]
-    for address in out or [addresses]:
+    """`host:port[,host:port...]` (an IPv6 host in brackets): several llmgw replicas, which
+    Envoy balances its ext_proc streams over (one per request, round robin; `peers:` keeps
+    their views shared). Each checked, each once."""
+    out: dict[tuple[str, int], str] = {}
+    for item in addresses.split(",") if addresses.strip(",") else [addresses]:
+        address = item.strip()
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        bare = host.removeprefix("[").removesuffix("]")
+        ok = bool(bare) and port.isascii() and port.isdigit() and 0 < int(port) < 65536
+        if ok and ":" in bare:  # IPv6: bracketed, and an address
+            ok = host == f"[{bare}]" and _is_ip(bare)
+        elif ok:
+            ok = host == bare and not any(c.isspace() or c in "[]/" for c in host)
+        if not ok:
             raise ValueError(
-                f"ext_proc address {address!r}: give host:port, or several separated by commas"
+                f"ext_proc address {address!r}: give host:port ([v6 address]:port), or "
+                "several separated by commas"
             )
-    return list(dict.fromkeys(out))
+        out.setdefault((bare, int(port)), f"{host}:{int(port)}")
+    return list(out.values())
 
 
 def _static_cluster(
@@ -222,6 +232,12 @@ def build(
     )  # fmt: skip
     if extproc_tls or extproc_ca:
         extproc_cluster["transport_socket"] = envoylimits.upstream_tls(ca_file=extproc_ca)
+    # A dead or draining replica of several must not keep its share of the requests (each
+    # would fail, or pass unrouted with fail-open): Envoy asks each one's grpc.health.v1
+    # (NOT_SERVING from SIGTERM on) and ejects one whose streams fail. With every replica
+    # down, Envoy's panic mode still tries them: a single replica behaves as before.
+    extproc_cluster["health_checks"] = [envoylimits.extproc_health_check()]
+    extproc_cluster["outlier_detection"] = envoylimits.outlier_detection()
     max_body = config.limits.max_body_bytes
     listener = _listener(
         _socket(listen_host, listen_port),

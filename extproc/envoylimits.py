@@ -68,6 +68,19 @@ def outlier_detection() -> dict[str, Any]:
     }
 
 
+def extproc_health_check() -> dict[str, Any]:
+    """Envoy's active gRPC health check of each ext_proc replica (llmgw serves
+    grpc.health.v1 on the ext_proc port for this service: SERVING until SIGTERM)."""
+    return {
+        "timeout": "1s",
+        "interval": "1s",
+        "no_traffic_interval": "1s",  # the default 60 s would miss a replica that died idle
+        "unhealthy_threshold": 2,
+        "healthy_threshold": 1,
+        "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
+    }
+
+
 def upstream_tls(*, ca_file: str | None = None, sni: str | None = None) -> dict[str, Any]:
     """The ext_proc cluster's TLS: like GIE's gateways, no verification unless a CA is given
     (llmgw's default certificate is self-signed)."""

@@ -153,13 +153,15 @@ def test_several_extproc_replicas_are_one_cluster_envoy_balances_and_bad_ones_ar
         sockets = [e["endpoint"]["address"]["socket_address"] for e in group["lb_endpoints"]]
         return [(s["address"], s["port_value"]) for s in sockets]
 
-    both = extproc_cluster("10.0.0.1:9002, 10.0.0.2:9012,10.0.0.1:9002")
+    both = extproc_cluster("10.0.0.1:9002, 10.0.0.2:9012,10.0.0.1:09002")
     assert hosts(both) == [("10.0.0.1", 9002), ("10.0.0.2", 9012)]  # duplicates once
     assert both["type"] == "STATIC" and "lb_policy" not in both  # round robin per stream
     named = extproc_cluster("llmgw-0.llmgw:9002,[::1]:9002")
     assert hosts(named) == [("llmgw-0.llmgw", 9002), ("::1", 9002)]
     assert named["type"] == "STRICT_DNS"
-    for bad in ("10.0.0.1", "10.0.0.1:9002,:9002", "10.0.0.1:port", "10.0.0.1:70000", ","):
+    bad_ones = ("10.0.0.1", "10.0.0.1:9002,:9002", "10.0.0.1:port", "10.0.0.1:70000", ",")
+    bad_ones += ("::1", "fe80::1", "10.0.0.1 :9002", "h:\u00b2", "[::1:9002", "[zz::]:1")
+    for bad in bad_ones:
         with pytest.raises(ValueError, match=r"ext_proc address .*host:port"):
             extproc_cluster(bad)
     out = tmp_path / "envoy.yaml"

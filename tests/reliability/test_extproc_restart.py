@@ -170,3 +170,36 @@ def test_two_extproc_replicas_give_identical_decisions(
     # Envoy spread the streams over both replicas: each decided on its own.
     assert _decisions(first) > 0 and _decisions(second) > 0
     assert _decisions(first) + _decisions(second) == 90
+
+
+def test_a_killed_replica_of_two_stops_getting_requests(
+    sim: ThreadedFleet, spawn_extproc: SpawnFn
+) -> None:
+    """Envoy health-checks each ext_proc replica and ejects one whose streams fail: a dead
+    replica of two costs a few requests, not half of them from then on (fail-closed)."""
+    config = config_for(sim)
+    first = spawn_extproc(config, name="a")
+    second = spawn_extproc(config, name="b")
+    ports = [first.ports["grpc"], second.ports["grpc"]]
+    with envoy_for(config, ports, shape="override-host", fail_open=False) as envoy:
+        load = Recorder(envoy.url)
+        load.start()
+        try:
+            wait_for(lambda: _decisions(first) > 0 and _decisions(second) > 0, 10, "both decide")
+            second.process.send_signal(signal.SIGKILL)
+            second.process.wait(5)
+            down = load.count()
+
+            def settled() -> bool:
+                since = load.results[down:]
+                return len(since) >= 40 and all(r == (200, True) for r in since[-30:])
+
+            wait_for(settled, 15, "the live replica routing every request")
+            after = load.count()
+            wait_for(lambda: load.count() > after + 50, 10, "requests after the ejection")
+        finally:
+            load.stop()
+    assert load.errors == []
+    assert all(r == (200, True) for r in load.results[after:])
+    lost = [r for r in load.results[down:after] if r != (200, True)]
+    assert all(r == (500, False) for r in lost)  # fail-closed, never a hang or a 200 unrouted
