@@ -625,7 +625,7 @@ def above_best(row: dict[str, Any], rows: dict[str, dict[str, Any]]) -> bool:
         for r in rows.values()
         if r.get("ttft_p90_ms") == best and r.get("ttft_p90_ci_ms")
     ]
-    return lo is not None and bool(highs) and lo > min(highs)
+    return lo is not None and bool(highs) and lo > max(highs)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -798,29 +798,39 @@ def pool(
     records: Path | None, seeds: list[int], cell_names: list[str], contenders: list[Contender]
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Each cell's requests of every seed together, per contender: TTFT p90 and its 95 %
-    interval, over the best pooled p90 of the cell; printed as two tables (ratios, then the
-    intervals, `*` where one lies wholly above the best contender's)."""
+    interval, over the best pooled p90 of the cell, and each seed's p90; printed as two
+    tables (ratios, then the intervals). The interval treats requests as independent, and
+    runs differ by more (one seed's hot sessions piled on one replica, the next's did not):
+    a contender is marked `*`, a loss, only when its interval lies wholly above the best
+    contender's and it was slower than that one in every seed. A contender missing a
+    seed's records (it failed to start) is left out of that cell."""
     assert records is not None
     out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
     for cell in cell_names:
         for c in contenders:
+            paths = [records / f"s{seed}" / f"{c.name}@{cell}.records.jsonl" for seed in seeds]
+            if not all(p.exists() for p in paths):
+                print(f"  {c.name} on {cell}: a seed's records are missing; left out")
+                continue
             ttfts: list[float] = []
+            per_seed: list[float | None] = []
             errors = 0
-            for seed in seeds:
-                path = records / f"s{seed}" / f"{c.name}@{cell}.records.jsonl"
-                if not path.exists():
-                    continue
+            for path in paths:
+                seed_ttfts = []
                 for line in path.read_text().splitlines():
                     r = json.loads(line)
                     ok = r["status"] == 200 and r["error"] is None
                     if ok and r["ttft_s"] is not None:
-                        ttfts.append(r["ttft_s"])
+                        seed_ttfts.append(r["ttft_s"])
                     errors += not ok
+                per_seed.append(_ms(percentile(seed_ttfts, 90)))
+                ttfts += seed_ttfts
             if ttfts:
                 lo, hi = quantile_interval(ttfts, 90)
                 out[cell][c.name] = {
                     "ttft_p90_ms": _ms(percentile(ttfts, 90)),
                     "ttft_p90_ci_ms": [_ms(lo), _ms(hi)],
+                    "seed_p90_ms": per_seed,
                     "requests": len(ttfts) + errors,
                     "errors": errors,
                 }
@@ -835,15 +845,26 @@ def pool(
             if mine is None:
                 interval[cell] = None
                 continue
+            mine["loss"] = above_best(mine, rows) and any(
+                r["ttft_p90_ms"] == best and _slower_every_seed(mine, r) for r in rows.values()
+            )
             lo, hi = mine["ttft_p90_ci_ms"]
-            interval[cell] = f"{lo:.0f}-{hi:.0f}" + ("*" if above_best(mine, rows) else "")
+            interval[cell] = f"{lo:.0f}-{hi:.0f}" + ("*" if mine["loss"] else "")
         ratios.append(ratio)
         intervals.append(interval)
     print(f"\n== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender, per cell ==")
     print(format_table(ratios))
-    print("\n== pooled TTFT p90, 95 % interval in ms (* wholly above the best contender's) ==")
+    print(
+        "\n== pooled TTFT p90, 95 % interval in ms (* a loss: wholly above the best "
+        "contender's, and slower than it in every seed) =="
+    )
     print(format_table(intervals))
     return out
+
+
+def _slower_every_seed(row: dict[str, Any], best: dict[str, Any]) -> bool:
+    pairs = zip(row["seed_p90_ms"], best["seed_p90_ms"], strict=True)
+    return all(a is not None and b is not None and a > b for a, b in pairs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -925,6 +946,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.set_event_loop_policy(loop_policy)
 
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
+    seeds = list(dict.fromkeys(seeds))  # a seed twice would pool its requests twice
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
         records = args.trace

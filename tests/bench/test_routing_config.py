@@ -49,10 +49,13 @@ def test_summaries_count_a_restarted_replica_from_zero_and_unread_tokens() -> No
     assert summary["unread_tokens"] is None
 
 
-def test_seeds_pool_each_cells_requests_and_mark_only_a_measured_loss(tmp_path: Path) -> None:
-    ring, rr, least = (
-        next(c for c in all_contenders() if c.name == n)
-        for n in ("client:ring", "client:round-robin", "vllm-router:cache_aware")
+def test_seeds_pool_each_cells_requests_and_mark_only_a_loss_in_every_seed(
+    tmp_path: Path,
+) -> None:
+    names = ["client:ring", "client:round-robin", "vllm-router:cache_aware"]
+    names += ["vllm-router:consistent_hash", "sglang-router:cache_aware"]
+    ring, rr, slow, once, partial = (
+        next(c for c in all_contenders() if c.name == n) for n in names
     )
 
     def write(seed: int, contender: str, ttfts: list[float | None]) -> None:
@@ -65,15 +68,25 @@ def test_seeds_pool_each_cells_requests_and_mark_only_a_measured_loss(tmp_path: 
         lines = (json.dumps(r.to_json()) for r in records)
         (folder / f"{contender}@cell.records.jsonl").write_text("\n".join(lines) + "\n")
 
-    for seed in (1, 2):  # ring 0.100-0.1495 s; round-robin 1 ms slower; the third 5x
-        write(seed, ring.name, [0.1 + k / 2000 for k in range(100)])
-        write(seed, rr.name, [0.101 + k / 2000 for k in range(100)] + [None])
-        write(seed, least.name, [0.5 + k / 2000 for k in range(100)])
-    pooled = pool(tmp_path, [1, 2], ["cell"], [ring, rr, least])["cell"]
+    def spread(start: float) -> list[float | None]:
+        return [start + k / 2000 for k in range(100)]  # start .. start + 0.0495 s
+
+    for seed in (1, 2):
+        write(seed, ring.name, spread(0.1))
+        write(seed, rr.name, [*spread(0.101), None])  # 1 ms slower, one request failed
+        write(seed, slow.name, spread(0.5))  # 5x, in both seeds
+        write(seed, once.name, spread(0.9 if seed == 1 else 0.05))  # slow in one seed only
+    write(1, partial.name, spread(0.01))  # seed 2's records missing: left out
+    pooled = pool(tmp_path, [1, 2], ["cell"], [ring, rr, slow, once, partial])["cell"]
+    assert partial.name not in pooled
     assert pooled[ring.name]["ttft_p90_ms"] == 144.5  # rank 180 of 200 pooled
+    assert pooled[ring.name]["seed_p90_ms"] == [144.5, 144.5]
     assert pooled[rr.name]["requests"] == 202 and pooled[rr.name]["errors"] == 2
-    assert not above_best(pooled[ring.name], pooled)
-    assert not above_best(pooled[rr.name], pooled)  # 1.007x: inside the best's interval
-    assert above_best(pooled[least.name], pooled)
     lo, hi = pooled[ring.name]["ttft_p90_ci_ms"]
     assert lo < 144.5 < hi
+    assert not above_best(pooled[ring.name], pooled)
+    assert not above_best(pooled[rr.name], pooled)  # 1.007x: inside the best's interval
+    assert not pooled[rr.name]["loss"]
+    assert above_best(pooled[slow.name], pooled) and pooled[slow.name]["loss"]
+    # Far above in the pooled interval, but faster than the best in seed 2: no finding.
+    assert above_best(pooled[once.name], pooled) and not pooled[once.name]["loss"]

@@ -107,6 +107,16 @@ def test_quantile_interval_covers_the_true_p90_as_often_as_it_says() -> None:
     assert narrow[1] - narrow[0] < (wide[1] - wide[0]) / 4
     assert quantile_interval([5.0], 90) == (5.0, 5.0)
     assert all(math.isnan(v) for v in quantile_interval([], 90))
+    # The ranks themselves (1-based 23 and 30 of 30, 136 and 152 of 160): the binomial
+    # count's 2.5 % and 97.5 % points, which the coverage above could not pin to one.
+    assert quantile_interval([float(i) for i in range(30)], 90) == (22.0, 29.0)
+    assert quantile_interval([float(i) for i in range(160)], 90) == (135.0, 151.0)
+    assert quantile_interval([float(i) for i in range(1000)], 90) == (880.0, 918.0)
+    for bad_q in (0, 100):
+        with pytest.raises(ValueError, match="inside"):
+            quantile_interval([1.0, 2.0], bad_q)
+    with pytest.raises(ValueError, match="NaN"):
+        quantile_interval([1.0, math.nan], 90)
 
 
 def test_percentile_is_nearest_rank() -> None:
