@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ sys.path.insert(0, str(HERE.parent))
 from bench._tools import format_table, write_results  # noqa: E402
 from bench.peers import PEER_POLICIES, ensure_peers  # noqa: E402
 from bench.routing import (  # noqa: E402
+    Contender,
     _picker,
     _python,
     above_best,
@@ -40,6 +42,8 @@ from bench.routing import (  # noqa: E402
     all_contenders,
     base_port,
     body_mode_contenders,
+    pool,
+    pooled_text,
     run_one,
     start_contender,
     warm_up,
@@ -88,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(SPECS))
     parser.add_argument("--only", default=",".join(DEFAULT_CONTENDERS))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--seeds",
+        help="comma-separated seeds: every workload once per seed, then each workload's "
+        "requests of all seeds pooled (p90 with a 95%% interval); instead of --seed",
+    )
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument(
         "--scale", type=float, default=None, help="arrival rates x this (default replicas / 4)"
@@ -121,11 +130,57 @@ def main(argv: list[str] | None = None) -> int:
         else:
             contenders.append(by_name[n])
     scale = args.scale if args.scale is not None else args.replicas / 4
-    workloads = {n: build(n, args.seed, scale) for n in names}
+    seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(","))) if args.seeds else []
+    seeds = seeds or [args.seed]
+    started = time.monotonic()
+    texts: list[str] = []
+    by_seed: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        records = None
+        if len(seeds) > 1:  # pooling reads each request's record
+            records = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="xcheck-")))
+        for seed in seeds:
+            trace = records / f"s{seed}" if records is not None else None
+            if trace is not None:
+                trace.mkdir()
+                print(f"\n######## seed {seed} ########")
+            results = _run_seed(args, seed, scale, names, contenders, peers, trace)
+            by_seed[str(seed)] = results
+            texts.append(f"## seed {seed}\n" + format_table(_rows(results, names, contenders)))
+        pooled = pool(records, seeds, names, contenders) if records is not None else None
+    if pooled is not None:
+        texts.append(pooled_text(pooled, seeds, contenders))
+    command = "python bench/crosscheck.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = (
+        f"# {command.strip()}\n# engines: bench/xsim, {args.replicas} replicas, rates x {scale:g} "
+        f"(metrics {args.metrics}, cache info "
+        f"{args.cache_info}); TTFT p90 ms (x the best in the column; * its 95% interval wholly "
+        f"above the best's, and with seeds pooled slower than it in every seed); "
+        f"{time.monotonic() - started:.0f} s\n" + "\n\n".join(texts)
+    )
+    print(text)
+    (HERE / "results" / f"{args.out}.txt").write_text(text + "\n")
+    data: dict[str, Any] = {"args": vars(args), "results": by_seed[str(seeds[0])]}
+    if pooled is not None:
+        data |= {"results_by_seed": by_seed, "pooled": pooled}
+    write_results(args.out, data)
+    return 0
+
+
+def _run_seed(
+    args: argparse.Namespace,
+    seed: int,
+    scale: float,
+    names: list[str],
+    contenders: list[Contender],
+    peers: dict[str, str],
+    records: Path | None,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every contender on every workload of one seed (one engine process per fleet)."""
+    workloads = {n: build(n, seed, scale) for n in names}
     for n, wl in workloads.items():
         print(f"{n}: {wl.description}, {wl.requests} requests, {wl.params['offered_req_s']} req/s")
     results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in names}
-    started = time.monotonic()
     # One engine process per (KV size, fault flags): workloads that share both share it.
     fleets = sorted({(SPECS[n].fleet, SPECS[n].engine_args()) for n in names})
     for fleet_name, engine_args in fleets:
@@ -143,9 +198,14 @@ def main(argv: list[str] | None = None) -> int:
                         if base:
                             asyncio.run(warm_up(base))
                         for n in group:
+                            to = (
+                                None
+                                if records is None
+                                else records / f"{contender.name}@{n}.records.jsonl"
+                            )
                             summary = asyncio.run(
                                 run_one(base, fleet.urls, workloads[n], args.timeout,
-                                        _picker(contender, fleet.urls, base), "/xsim/metrics")
+                                        _picker(contender, fleet.urls, base), "/xsim/metrics", to)
                             )  # fmt: skip
                             summary.pop("load_samples", None)
                             results[n][contender.name] = summary
@@ -159,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
                             )
         finally:
             fleet.close()
+    return results
+
+
+def _rows(
+    results: dict[str, dict[str, dict[str, Any]]], names: list[str], contenders: list[Contender]
+) -> list[dict[str, Any]]:
     rows = []
     for c in contenders:
         row: dict[str, Any] = {"contender": c.name}
@@ -171,18 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             mark = "*" if above_best(s, results[n]) else ""
             row[n] = f"{s['ttft_p90_ms']:.0f} ({s['ttft_p90_ms'] / min(p90s):.2f}x){mark}"
         rows.append(row)
-    command = "python bench/crosscheck.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = (
-        f"# {command.strip()}\n# engines: bench/xsim, {args.replicas} replicas, rates x {scale:g} "
-        f"(metrics {args.metrics}, cache info "
-        f"{args.cache_info}); TTFT p90 ms (x the best in the column; * its 95% interval wholly "
-        f"above the best's); "
-        f"{time.monotonic() - started:.0f} s\n" + format_table(rows)
-    )
-    print(text)
-    (HERE / "results" / f"{args.out}.txt").write_text(text + "\n")
-    write_results(args.out, {"args": vars(args), "results": results})
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -797,13 +797,12 @@ def _run_seed(
 def pool(
     records: Path | None, seeds: list[int], cell_names: list[str], contenders: list[Contender]
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """Each cell's requests of every seed together, per contender: TTFT p90 and its 95 %
-    interval, over the best pooled p90 of the cell, and each seed's p90; printed as two
-    tables (ratios, then the intervals). The interval treats requests as independent, and
-    runs differ by more (one seed's hot sessions piled on one replica, the next's did not):
-    a contender is marked `*`, a loss, only when its interval lies wholly above the best
-    contender's and it was slower than that one in every seed. A contender missing a
-    seed's records (it failed to start) is left out of that cell."""
+    """Each cell's requests of every seed together, per contender: TTFT p90, its 95 %
+    interval and each seed's p90 (`pooled_text` writes the tables). The interval treats
+    requests as independent, and runs differ by more (one seed's hot sessions piled on one
+    replica, the next's did not): a contender is a `loss` only when its interval lies
+    wholly above the best contender's and it was slower than that one in every seed. A
+    contender missing a seed's records (it failed to start) is left out of that cell."""
     assert records is not None
     out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
     for cell in cell_names:
@@ -834,32 +833,39 @@ def pool(
                     "requests": len(ttfts) + errors,
                     "errors": errors,
                 }
+    for rows in out.values():
+        best = best_p90(rows)
+        for mine in rows.values():
+            mine["loss"] = above_best(mine, rows) and any(
+                r["ttft_p90_ms"] == best and _slower_every_seed(mine, r) for r in rows.values()
+            )
+    return out
+
+
+def pooled_text(
+    pooled: dict[str, dict[str, dict[str, Any]]], seeds: list[int], contenders: list[Contender]
+) -> str:
+    """`pool`'s result as two tables: each p90 over the cell's best, then the intervals."""
     ratios, intervals = [], []
     for c in contenders:
         ratio: dict[str, Any] = {"contender": c.name}
         interval: dict[str, Any] = {"contender": c.name}
-        for cell in cell_names:
-            rows = out[cell]
-            mine, best = rows.get(c.name), best_p90(rows)
-            ratio[cell] = _ratio(mine["ttft_p90_ms"], best) if mine else None
+        for cell, rows in pooled.items():
+            mine = rows.get(c.name)
+            ratio[cell] = _ratio(mine["ttft_p90_ms"], best_p90(rows)) if mine else None
             if mine is None:
                 interval[cell] = None
                 continue
-            mine["loss"] = above_best(mine, rows) and any(
-                r["ttft_p90_ms"] == best and _slower_every_seed(mine, r) for r in rows.values()
-            )
             lo, hi = mine["ttft_p90_ci_ms"]
             interval[cell] = f"{lo:.0f}-{hi:.0f}" + ("*" if mine["loss"] else "")
         ratios.append(ratio)
         intervals.append(interval)
-    print(f"\n== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender, per cell ==")
-    print(format_table(ratios))
-    print(
-        "\n== pooled TTFT p90, 95 % interval in ms (* a loss: wholly above the best "
-        "contender's, and slower than it in every seed) =="
+    return (
+        f"== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender ==\n"
+        + format_table(ratios)
+        + "\n\n== pooled TTFT p90, 95 % interval in ms (* a loss: wholly above the best "
+        "contender's, and slower than it in every seed) ==\n" + format_table(intervals)
     )
-    print(format_table(intervals))
-    return out
 
 
 def _slower_every_seed(row: dict[str, Any], best: dict[str, Any]) -> bool:
@@ -961,6 +967,8 @@ def main(argv: list[str] | None = None) -> int:
                 trace.mkdir(parents=True, exist_ok=True)
             runs.append(_run_seed(args, seed, cell_names, contenders, peers, trace))
         pooled = pool(records, seeds, cell_names, contenders) if len(seeds) > 1 else None
+    if pooled is not None:
+        print("\n" + pooled_text(pooled, seeds, contenders))
     elapsed = time.monotonic() - started
     print(f"\ntotal {elapsed:.0f} s")
     every, results, summary_rows = runs[0]

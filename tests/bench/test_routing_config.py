@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.loadclient import RequestRecord
-from bench.routing import above_best, all_contenders, llmgw_config, pool, summarize
+from bench.routing import above_best, all_contenders, llmgw_config, pool, pooled_text, summarize
 from llmgw.config import load_dict
 
 
@@ -77,7 +77,9 @@ def test_seeds_pool_each_cells_requests_and_mark_only_a_loss_in_every_seed(
         write(seed, slow.name, spread(0.5))  # 5x, in both seeds
         write(seed, once.name, spread(0.9 if seed == 1 else 0.05))  # slow in one seed only
     write(1, partial.name, spread(0.01))  # seed 2's records missing: left out
-    pooled = pool(tmp_path, [1, 2], ["cell"], [ring, rr, slow, once, partial])["cell"]
+    contenders = [ring, rr, slow, once, partial]
+    everything = pool(tmp_path, [1, 2], ["cell"], contenders)
+    pooled = everything["cell"]
     assert partial.name not in pooled
     assert pooled[ring.name]["ttft_p90_ms"] == 144.5  # rank 180 of 200 pooled
     assert pooled[ring.name]["seed_p90_ms"] == [144.5, 144.5]
@@ -90,3 +92,6 @@ def test_seeds_pool_each_cells_requests_and_mark_only_a_loss_in_every_seed(
     assert above_best(pooled[slow.name], pooled) and pooled[slow.name]["loss"]
     # Far above in the pooled interval, but faster than the best in seed 2: no finding.
     assert above_best(pooled[once.name], pooled) and not pooled[once.name]["loss"]
+    text = pooled_text(everything, [1, 2], contenders)
+    marked = [line.split()[0] for line in text.splitlines() if line.rstrip().endswith("*")]
+    assert marked == [slow.name]
