@@ -245,34 +245,31 @@ class RemoteLoad:
 
     def expire(self, registry: Registry, now: float) -> int:
         """Forget reports older than `ttl`; returns how many were forgotten."""
-        forgotten = 0
-        for key, peers in list(self._by.items()):
-            old = [sender for sender, (_, _, at) in peers.items() if now - at > self.ttl]
-            if not old:
-                continue
-            for sender in old:
-                del peers[sender]
-            forgotten += len(old)
-            state = registry.get(*key)
-            if state is not None:
-                _sum_into(state, peers)
-            if not peers:
-                del self._by[key]
-        return forgotten
+        ttl = self.ttl
+        return self._drop(registry, lambda _, report: now - report[2] > ttl)
 
     def forget(self, registry: Registry, sender: bytes) -> int:
         """Drop everything `sender` reported (it restarted under a new id); how many."""
-        forgotten = 0
+        return self._drop(registry, lambda who, _: who == sender)
+
+    def _drop(
+        self, registry: Registry, which: Callable[[bytes, tuple[int, float, float]], bool]
+    ) -> int:
+        """Drop the reports `which` picks, re-summing the endpoints they were about."""
+        dropped = 0
         for key, peers in list(self._by.items()):
-            if peers.pop(sender, None) is None:
+            gone = [sender for sender, report in peers.items() if which(sender, report)]
+            if not gone:
                 continue
-            forgotten += 1
+            for sender in gone:
+                del peers[sender]
+            dropped += len(gone)
             state = registry.get(*key)
             if state is not None:
                 _sum_into(state, peers)
             if not peers:
                 del self._by[key]
-        return forgotten
+        return dropped
 
     def clear(self, registry: Registry) -> None:
         for key in self._by:
