@@ -6,6 +6,7 @@
     .venv/bin/python bench/crosscheck.py --metrics none        # engines publish nothing
     .venv/bin/python bench/crosscheck.py --cache-info          # engines say their KV size
     .venv/bin/python bench/crosscheck.py --replicas 8          # 8 replicas, rates x 2
+    .venv/bin/python bench/crosscheck.py --seeds 1,2,3 --workloads chat-moderate  # pooled
 
 `bench/routing.py` ranks routers on llmgw's own simulator and regime grid; this runs the
 same contenders (started by routing.py's own code: llmgw through a real Envoy, `llmgw
@@ -13,7 +14,9 @@ proxy`, the peer routers, client-side hashing and round-robin) on
 `bench/xsim/engine.py` (its own tokenizer, scheduler, costs and metrics subset) with
 `bench/xsim/workloads.py`. TTFT is timed at the client's first content chunk. Prints TTFT
 p90 per contender x workload with the ratio to the best, writes
-bench/results/<out>.json and <out>.txt. One run: compare within it.
+bench/results/<out>.json and <out>.txt. One run: compare within it; each p90 has a 95 %
+interval, and `--seeds` pools several runs' requests per workload (a single run's p90
+moves by more than a few percent).
 """
 
 from __future__ import annotations
