@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,8 @@ from bench.routing import (  # noqa: E402
     pool,
     pooled_text,
     run_one,
+    seed_records,
+    seeds_of,
     start_contender,
     warm_up,
 )
@@ -133,24 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             contenders.append(by_name[n])
     scale = args.scale if args.scale is not None else args.replicas / 4
-    seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(","))) if args.seeds else []
-    seeds = seeds or [args.seed]
+    seeds = seeds_of(args)
     started = time.monotonic()
     texts: list[str] = []
     by_seed: dict[str, Any] = {}
-    with contextlib.ExitStack() as stack:
-        records = None
-        if len(seeds) > 1:  # pooling reads each request's record
-            records = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="xcheck-")))
-        for seed in seeds:
-            trace = records / f"s{seed}" if records is not None else None
-            if trace is not None:
-                trace.mkdir()
+    with seed_records(seeds) as folders:
+        for seed, folder in zip(seeds, folders, strict=True):
+            if len(seeds) > 1:
                 print(f"\n######## seed {seed} ########")
-            results = _run_seed(args, seed, scale, names, contenders, peers, trace)
+            results = _run_seed(args, seed, scale, names, contenders, peers, folder)
             by_seed[str(seed)] = results
             texts.append(f"## seed {seed}\n" + format_table(_rows(results, names, contenders)))
-        pooled = pool(records, seeds, names, contenders) if records is not None else None
+        root = folders[0].parent if folders[0] is not None else None
+        pooled = pool(root, seeds, names, contenders) if root is not None else None
     if pooled is not None:
         texts.append(pooled_text(pooled, seeds, contenders))
     command = "python bench/crosscheck.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -31,8 +31,9 @@ content (the role chunk does not count). Before each run the replicas drain and 
 (prefix caches cleared). Per cell and contender: TTFT p50/p90/p99, e2e p90, output
 tokens/s, prefix hit rate (simulator counters), requests per replica max/mean, errors
 and 429s; each p90 with a 95 % interval (order statistics: a cell of ~160 requests
-cannot tell 1.05x apart, so `--seeds` pools several runs' requests per cell). Writes bench/results/routing_grid.json and routing_grid_heatmap.png (TTFT p90
-over the best contender of the cell). Compare contenders within one run, not across runs.
+cannot tell 1.05x apart, so `--seeds` pools several runs' requests per cell). Writes
+bench/results/routing_grid.json and routing_grid_heatmap.png (TTFT p90 over the best
+contender of the cell). Compare contenders within one run, not across runs.
 """
 
 from __future__ import annotations
@@ -794,8 +795,32 @@ def _run_seed(
     return every, results, summary_rows
 
 
+def seeds_of(args: argparse.Namespace) -> list[int]:
+    """`--seeds a,b,c` (each once, in order), else `--seed`."""
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
+    return list(dict.fromkeys(seeds))  # a seed twice would pool its requests twice
+
+
+@contextlib.contextmanager
+def seed_records(seeds: list[int], given: Path | None = None) -> Iterator[list[Path | None]]:
+    """Where each seed's run writes its requests' records: `given` itself for one seed;
+    for several (pooling reads them) a folder `s<seed>` each under `given`, or under a
+    temporary folder removed on exit."""
+    if len(seeds) < 2:
+        yield [given]
+        return
+    with contextlib.ExitStack() as stack:
+        root = given or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pool-")))
+        folders: list[Path | None] = []
+        for seed in seeds:
+            folder = root / f"s{seed}"
+            folder.mkdir(parents=True, exist_ok=True)
+            folders.append(folder)
+        yield folders
+
+
 def pool(
-    records: Path | None, seeds: list[int], cell_names: list[str], contenders: list[Contender]
+    records: Path, seeds: list[int], cell_names: list[str], contenders: list[Contender]
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """Each cell's requests of every seed together, per contender: TTFT p90, its 95 %
     interval and each seed's p90 (`pooled_text` writes the tables). The interval treats
@@ -803,7 +828,6 @@ def pool(
     replica, the next's did not): a contender is a `loss` only when its interval lies
     wholly above the best contender's and it was slower than that one in every seed. A
     contender missing a seed's records (it failed to start) is left out of that cell."""
-    assert records is not None
     out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
     for cell in cell_names:
         for c in contenders:
@@ -951,22 +975,16 @@ def main(argv: list[str] | None = None) -> int:
     if loop_policy is not None:
         asyncio.set_event_loop_policy(loop_policy)
 
-    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [args.seed]
-    seeds = list(dict.fromkeys(seeds))  # a seed twice would pool its requests twice
+    seeds = seeds_of(args)
     started = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        records = args.trace
-        if records is None and len(seeds) > 1:  # pooling reads each request's record
-            records = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="routing-")))
+    with seed_records(seeds, args.trace) as folders:
         runs = []
-        for seed in seeds:
+        for seed, folder in zip(seeds, folders, strict=True):
             if len(seeds) > 1:
                 print(f"\n######## seed {seed} ########")
-            trace = records / f"s{seed}" if records is not None and len(seeds) > 1 else records
-            if trace is not None:
-                trace.mkdir(parents=True, exist_ok=True)
-            runs.append(_run_seed(args, seed, cell_names, contenders, peers, trace))
-        pooled = pool(records, seeds, cell_names, contenders) if len(seeds) > 1 else None
+            runs.append(_run_seed(args, seed, cell_names, contenders, peers, folder))
+        root = folders[0].parent if len(seeds) > 1 and folders[0] is not None else None
+        pooled = pool(root, seeds, cell_names, contenders) if root is not None else None
     if pooled is not None:
         print("\n" + pooled_text(pooled, seeds, contenders))
     elapsed = time.monotonic() - started

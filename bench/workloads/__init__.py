@@ -433,10 +433,11 @@ def quantile_interval(values: list[float], q: float, level: float = 0.95) -> tup
     (0, 100)) of what `values` sample: the order statistics between which a Binomial(n,
     q/100) count of values falls with that probability. NaNs when empty; at small n it
     widens to the sample's extremes and covers less (the p90's: 0.87 at 20 values, 0.64 at
-    10; 0.95 from 29 on). It treats requests as independent draws: one run's requests share
-    bursts, and runs differ by more than this (see `bench/routing.py --seeds`). On `bench/routing.py`'s cells (27-333 requests a seed)
-    it spans -2 % / +5 % of the p90 (prefill-heavy) to -22 % / +58 % (docs-hot-light);
-    chat-history's ~160 requests: -13 % / +17 %. A lead of a few percent is no finding."""
+    10; 0.95 from 29 on). It treats requests as independent draws: one run's requests
+    share bursts, and runs differ by more than this (see `bench/routing.py --seeds`). On
+    `bench/routing.py`'s cells (27-333 requests a seed) it spans -2 % / +5 % of the p90
+    (prefill-heavy) to -22 % / +58 % (docs-hot-light); chat-history's ~160 requests: -13 %
+    / +17 %. A lead of a few percent is no finding."""
     if not 0 < q < 100:
         raise ValueError(f"percentile {q} is not inside (0, 100)")
     if any(math.isnan(v) for v in values):
