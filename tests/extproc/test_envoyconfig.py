@@ -14,6 +14,7 @@ import yaml
 
 from llmgw.config import load_dict, load_file
 from llmgw.extproc.envoyconfig import SHAPES, build, main, render
+from llmgw.extproc.grpchealth import PROCESS_SERVICE
 from llmgw.testing.extproc import BootstrapOptions, loopback_bootstrap, make_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,6 +157,8 @@ def test_several_extproc_replicas_are_one_cluster_envoy_balances_and_bad_ones_ar
     both = extproc_cluster("10.0.0.1:9002, 10.0.0.2:9012,10.0.0.1:09002")
     assert hosts(both) == [("10.0.0.1", 9002), ("10.0.0.2", 9012)]  # duplicates once
     assert both["type"] == "STATIC" and "lb_policy" not in both  # round robin per stream
+    (check,) = both["health_checks"]  # the service each replica's grpc.health.v1 serves
+    assert check["grpc_health_check"]["service_name"] == PROCESS_SERVICE
     named = extproc_cluster("llmgw-0.llmgw:9002,[::1]:9002")
     assert hosts(named) == [("llmgw-0.llmgw", 9002), ("::1", 9002)]
     assert named["type"] == "STRICT_DNS"
