@@ -21,8 +21,23 @@ from llmgw.scheduling.plugins import SCORERS
 from llmgw.scheduling.strategies import resolve
 from llmgw.types import CHARS_PER_TOKEN, RequestInfo
 
-# Paths whose JSON body names the model (OpenAI-compatible APIs).
-BODY_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+# Paths whose JSON body names the model: the OpenAI-compatible APIs, and vLLM's and SGLang's
+# other JSON ones (reranking, scoring, pooling, classification, tokenizing).
+BODY_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/rerank",
+    "/v2/rerank",
+    "/rerank",
+    "/v1/score",
+    "/score",
+    "/pooling",
+    "/classify",
+    "/tokenize",
+    "/detokenize",
+)
 # Request header limits past which a client gets 431 (both edges: the proxy checks them as
 # it parses, the generated Envoy config with a Lua filter before ext_proc).
 CLIENT_MAX_HEADERS = 90
@@ -198,6 +213,11 @@ def build_request(
         )
     model = headers.get(config.model_header) or (fields.model if fields else None)
     if not model:
+        if not path.split("?", 1)[0].startswith(BODY_PATHS):
+            raise BadRequest(
+                f"cannot tell the model: llmgw reads 'model' from the body only on "
+                f"{', '.join(BODY_PATHS)}; send a {config.model_header} header"
+            )
         raise BadRequest(
             f"cannot tell the model: send a JSON body with 'model' or a {config.model_header} header"
         )

@@ -99,6 +99,23 @@ def test_no_model_anywhere_is_a_400_naming_the_header() -> None:
         build_request(cfg(), {}, "/v1/models", None)
 
 
+def test_off_list_path_without_the_header_says_where_the_body_is_read() -> None:
+    """The body is not read off the list: the message must not ask for a body 'model'."""
+    with pytest.raises(BadRequest) as info:
+        build_request(cfg(), {}, "/v1/images/generations", None)
+    message = str(info.value)
+    assert "only on /v1/chat/completions" in message and "x-llmgw-model header" in message
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",
+                                  "/pooling", "/classify", "/tokenize"])  # fmt: skip
+def test_engines_other_json_paths_take_the_model_from_the_body(path: str) -> None:
+    """vLLM's and SGLang's reranking, scoring, pooling and tokenizing bodies name the model."""
+    payload = orjson.dumps({"model": "plain", "query": "q", "documents": ["a", "b"]})
+    assert needs_body(cfg(), {}, path)
+    assert build_request(cfg(), {}, path, payload).model == "plain"
+
+
 def test_session_header_names_are_configured_per_model_in_order() -> None:
     c = cfg()
     both = {"x-conversation-id": "conv-1", "x-session-id": "sess-1"}
