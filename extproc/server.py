@@ -143,8 +143,10 @@ class ExtProcServer:
                         await write(part)
         finally:
             # Response end, client abort or stream cancel: release exactly once.
-            exchange.close()
-            self.open_streams -= 1
+            try:
+                exchange.close()
+            finally:
+                self.open_streams -= 1
 
     def local_answer(self, path: str) -> tuple[int, bytes] | None:
         """GET paths answered through the gateway without an upstream: the model list (the

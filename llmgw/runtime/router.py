@@ -33,7 +33,7 @@ from llmgw.runtime.activator import Activator
 from llmgw.runtime.controlplanes import ControlPlane
 from llmgw.runtime.controlplanes.composite import control_plane_for
 from llmgw.runtime.scraper import Scraper
-from llmgw.runtime.trace import shared_trace_problem
+from llmgw.runtime.trace import trace_problem
 from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
 
@@ -280,8 +280,9 @@ def _sweep_groups() -> None:
 
 
 def workers_problem(config: Config, workers: int) -> str | None:
-    """Why `workers` processes of one edge cannot serve this config together, or None."""
-    problem = shared_trace_problem(config.trace, workers)
+    """Why `workers` processes of one edge cannot serve this config together (or one
+    cannot write its trace), or None."""
+    problem = trace_problem(config.trace, workers)
     if problem is None and workers > 1 and config.peers is not None:
         problem = (
             f"peers: with --workers {workers} every process would bind {config.peers.listen}; "

@@ -15,7 +15,9 @@ Decision, and the outcome. Prompt text, headers and request ids are not written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import os
 import random
 import time
@@ -273,7 +275,8 @@ class RotatingFile:
     def _timed_flush(self) -> None:
         self._timer = None
         self._flushed = time.monotonic()
-        self.flush()
+        with contextlib.suppress(OSError):  # the next write meets it again, and counts it
+            self.flush()
 
     def _rotate(self) -> None:
         self.close()
@@ -309,6 +312,8 @@ def _flush_later(delay: float, flush: Callable[[], None]) -> asyncio.TimerHandle
 
 
 _UNSAMPLED = object()
+log = logging.getLogger("llmgw.trace")
+WARN_EVERY = 60.0  # seconds between warnings that trace lines are being lost
 
 
 class TraceWriter:
@@ -321,6 +326,8 @@ class TraceWriter:
         self.sample = spec.sample
         self.edge = edge
         self.written = 0
+        self.lost = 0  # lines a write error lost (a missing directory, a full disk)
+        self._warned = float("-inf")
         self._random = (rng or random.Random()).random
         # Views taken at dispatch, by lifecycle, until it ends (only sampled requests).
         self._views: dict[int, Any] = {}
@@ -346,7 +353,16 @@ class TraceWriter:
         record = trace_record(lifecycle, outcome, self.edge, view)
         if record is None:
             return
-        self._file.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+        try:
+            self._file.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+        except OSError as exc:
+            # The request has been served: losing its line must not fail its answer.
+            self.lost += 1
+            now = time.monotonic()
+            if now - self._warned >= WARN_EVERY:
+                self._warned = now
+                log.warning("decision trace: %s; %d lines lost so far", exc, self.lost)
+            return
         self.written += 1
 
     def flush(self) -> None:
@@ -361,13 +377,21 @@ def trace_writer(spec: TraceSpec, edge: str) -> TraceWriter | None:
     return TraceWriter(spec, edge) if spec.path is not None else None
 
 
-def shared_trace_problem(spec: TraceSpec, workers: int) -> str | None:
-    """Why `workers` processes cannot write this trace (they would rotate one file)."""
-    if workers > 1 and spec.path is not None and "{pid}" not in spec.path:
+def trace_problem(spec: TraceSpec, workers: int) -> str | None:
+    """Why this trace cannot be written (checked at start), or None: `workers` processes
+    would rotate one file, or its directory is missing or not writable."""
+    if spec.path is None:
+        return None
+    if workers > 1 and "{pid}" not in spec.path:
         return (
             f"trace.path: with --workers {workers}, put {{pid}} in the path "
             "(one file per process), e.g. /var/log/llmgw/trace.{pid}.jsonl"
         )
+    folder = Path(spec.path).absolute().parent
+    if not folder.is_dir():
+        return f"trace.path: the directory {folder} does not exist; create it first"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"trace.path: this process cannot create files in {folder}"
     return None
 
 

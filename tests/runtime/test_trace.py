@@ -21,7 +21,15 @@ from llmgw.extproc.translate import Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import Hooks, Lifecycle
 from llmgw.registry import FULL_SCRAPES, Registry
-from llmgw.runtime.trace import RotatingFile, TraceWriter, close_trace, session_hash, traced
+from llmgw.runtime.router import workers_problem
+from llmgw.runtime.trace import (
+    RotatingFile,
+    TraceWriter,
+    close_trace,
+    session_hash,
+    trace_problem,
+    traced,
+)
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.sim import SimFleet
 from llmgw.testing.extproc import (
@@ -205,18 +213,52 @@ def test_bad_trace_settings_name_the_field(field: dict[str, Any]) -> None:
 
 
 def test_workers_must_not_share_one_trace_file(tmp_path: Path) -> None:
-    from llmgw.runtime.trace import shared_trace_problem  # noqa: PLC0415
-
     shared = TraceSpec(path=str(tmp_path / "t.jsonl"))
-    assert shared_trace_problem(shared, 1) is None
-    assert "{pid}" in (shared_trace_problem(shared, 2) or "")
+    assert trace_problem(shared, 1) is None
+    assert "{pid}" in (trace_problem(shared, 2) or "")
     per_process = TraceSpec(path=str(tmp_path / "t.{pid}.jsonl"))
-    assert shared_trace_problem(per_process, 4) is None
+    assert trace_problem(per_process, 4) is None
     writer = TraceWriter(per_process, "test")
     gateway = Gateway(Scheduler(config(["10.0.0.1:8000"]), seed=1))
     run_lifecycle(gateway, Hooks("test", finished=writer), 0)
     writer.close()
     assert (tmp_path / f"t.{os.getpid()}.jsonl").exists()
+
+
+def test_a_trace_directory_that_is_missing_is_refused_at_start(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir"
+    problem = trace_problem(TraceSpec(path=str(missing / "t.jsonl")), 1)
+    assert problem is not None and str(missing) in problem and "does not exist" in problem
+    assert "exist" in (workers_problem(config(["10.0.0.1:8000"], path=str(missing / "t")), 1) or "")
+
+
+def test_a_trace_write_error_loses_the_line_not_the_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The directory went away after start (a volume unmounted, a full disk): the response
+    ends as it would have, the line is counted lost, the stream's counters come back."""
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    cfg = config(["10.0.0.1:8000", "10.0.0.2:8000"], path=str(folder / "trace.jsonl"))
+    gateway = Gateway(Scheduler(cfg, seed=1))
+    writer = TraceWriter(cfg.trace, "extproc")
+    hooks = Hooks("extproc", finished=writer, dispatched=writer.dispatched)
+    folder.rmdir()
+    for turn in range(2):
+        exchange = Exchange(gateway, hooks)
+        headers = chat_headers(**{"x-session-id": SESSION, "content-type": "application/json"})
+        parse(exchange.handle(request_headers(headers)))
+        parse(exchange.handle(request_body(body(turn))))
+        parse(exchange.handle(response_headers(200)))
+        assert parse(exchange.handle(response_trailers())) is not None
+        exchange.close()
+    assert writer.lost == 2 and writer.written == 0
+    assert sum(s.inflight for s in gateway.scheduler.registry.states("m1")) == 0
+    assert [r.levelname for r in caplog.records if r.name == "llmgw.trace"] == ["WARNING"]
+    folder.mkdir()  # back: the next line is written
+    run_lifecycle(gateway, hooks, 2)
+    writer.close()
+    assert writer.written == 1 and len(lines(folder / "trace.jsonl")) == 1
 
 
 async def test_a_buffered_line_reaches_the_file_within_a_second_even_when_traffic_stops(
