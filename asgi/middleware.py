@@ -44,7 +44,7 @@ from llmgw.lifecycle import (
     Hooks,
     Lifecycle,
 )
-from llmgw.request import BODY_PATHS, check_body_size, needs_body, wrong_method
+from llmgw.request import BODY_PATHS, check_body_size, needs_body, on_paths, wrong_method
 from llmgw.runtime.driver import activate
 from llmgw.runtime.router import Router, router_for
 from llmgw.runtime.trace import close_trace, traced
@@ -175,7 +175,7 @@ class SchedulerMiddleware:
 
     def _routed(self, scope: Scope) -> bool:
         path: str = scope["path"]
-        if path.startswith(self.paths):
+        if on_paths(path, self.paths):
             return True
         wanted = self._model_header()
         return any(name.lower() == wanted for name, _ in scope["headers"])

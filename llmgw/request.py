@@ -38,6 +38,15 @@ BODY_PATHS = (
     "/tokenize",
     "/detokenize",
 )
+
+
+def on_paths(path: str, paths: tuple[str, ...] = BODY_PATHS) -> bool:
+    """Is `path` (its query aside) one of `paths`, or below one? Whole segments only:
+    `/tokenizer_info` is not `/tokenize`."""
+    bare = path.split("?", 1)[0]
+    return bare in paths or any(bare.startswith(p + "/") for p in paths)
+
+
 # Request header limits past which a client gets 431 (both edges: the proxy checks them as
 # it parses, the generated Envoy config with a Lua filter before ext_proc).
 CLIENT_MAX_HEADERS = 90
@@ -151,9 +160,11 @@ def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("request body needs a string field 'model'")
-    stream = payload.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("field 'stream' must be a boolean")
+    stream = payload.get("stream")
+    if stream is None:  # absent, or null: the OpenAI API's "boolean or null"
+        stream = False
+    elif not isinstance(stream, bool):
+        raise BadRequest("field 'stream' must be a boolean or null")
     messages = payload.get("messages")
     if messages is not None and not isinstance(messages, list):
         raise BadRequest("field 'messages' must be an array")
@@ -164,7 +175,7 @@ def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
 
 def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:
     """Is the body needed to route: no model header, or a strategy that reads the prompt?"""
-    if not path.split("?", 1)[0].startswith(BODY_PATHS):
+    if not on_paths(path):
         return False
     model = headers.get(config.model_header)
     if not model:  # absent, or sent empty: the body names it
@@ -205,7 +216,7 @@ def build_request(
 ) -> RequestInfo:
     """Headers are lower-cased names. Raises the core's typed errors on bad input."""
     fields: BodyFields | None = None
-    if body is not None and path.split("?", 1)[0].startswith(BODY_PATHS):
+    if body is not None and on_paths(path):
         fields = parse_body(
             body,
             max_bytes=config.limits.max_body_bytes,
@@ -213,7 +224,7 @@ def build_request(
         )
     model = headers.get(config.model_header) or (fields.model if fields else None)
     if not model:
-        if not path.split("?", 1)[0].startswith(BODY_PATHS):
+        if not on_paths(path):
             raise BadRequest(
                 f"cannot tell the model: llmgw reads 'model' from the body only on "
                 f"{', '.join(BODY_PATHS)}; send a {config.model_header} header"

@@ -116,6 +116,17 @@ def test_engines_other_json_paths_take_the_model_from_the_body(path: str) -> Non
     assert build_request(cfg(), {}, path, payload).model == "plain"
 
 
+def test_stream_null_is_not_streamed_as_the_openai_api_allows() -> None:
+    assert build_request(cfg(), {}, CHAT, body(stream=None)).stream is False
+
+
+@pytest.mark.parametrize("path", ["/tokenizer_info", "/scores", "/v1/chat/completionsx"])
+def test_a_path_that_only_begins_like_a_body_path_is_not_one(path: str) -> None:
+    """vLLM's GET /tokenizer_info must not be read as a /tokenize body ("not valid JSON")."""
+    assert not needs_body(cfg(), {}, path)
+    assert build_request(cfg(), {"x-llmgw-model": "plain"}, path, b"").model == "plain"
+
+
 def test_session_header_names_are_configured_per_model_in_order() -> None:
     c = cfg()
     both = {"x-conversation-id": "conv-1", "x-session-id": "sess-1"}
