@@ -105,13 +105,13 @@ class Forwarder:
 
         task = asyncio.current_task()
         assert task is not None
-        watch = DisconnectWatch(receive, task)
+        watch = DisconnectWatch(receive, task, limits.client_write_timeout)
         response: UpstreamResponse | None = None
         try:
             response = await self._exchange(
                 dispatch, scope["method"], target.decode("latin-1"), headers, body
             )
-            await self._relay(dispatch, response, send)
+            await self._relay(dispatch, response, watch.bounded(send))
         except UpstreamUnreachable as error:
             await send_error(send, error)
         except UpstreamError as error:
@@ -123,6 +123,9 @@ class Forwarder:
             if not watch.gone:
                 raise
             task.uncancel()  # the client went away: the middleware records CANCELLED
+            if watch.stalled:  # no disconnect for the middleware to see: ended here
+                log.info("client accepted no response byte for client_write_timeout: dropped")
+                dispatch.finish(Outcome.CANCELLED)
         finally:
             watch.stop()
             if response is not None:
@@ -194,23 +197,66 @@ class Forwarder:
 
 
 class DisconnectWatch:
-    """Cancels the forwarding task when the client disconnects.
+    """Cancels the forwarding task when the client disconnects, or stops reading: a send
+    to it that has not returned after `write_timeout` seconds (a client that keeps its
+    socket open and reads nothing would hold the engine's slot and the upstream connection).
 
     Waiting on `receive()` takes a task of its own; most exchanges are over before
     `_WATCH_AFTER`, so the watcher is only started when one takes longer (a timer handle
-    costs far less than a task). Uvicorn remembers a disconnect, so none is missed.
+    costs far less than a task). Uvicorn remembers a disconnect, so none is missed. Sends
+    are timed by one timer a `write_timeout`, not one per send (a stream sends hundreds).
     """
 
-    __slots__ = ("_receive", "_task", "_timer", "_watcher", "gone")
+    __slots__ = (
+        "_loop",
+        "_receive",
+        "_sending_since",
+        "_task",
+        "_timer",
+        "_watcher",
+        "_write_timeout",
+        "_write_timer",
+        "gone",
+        "stalled",
+    )
 
-    def __init__(self, receive: Receive, task: asyncio.Task[None]) -> None:
+    def __init__(self, receive: Receive, task: asyncio.Task[None], write_timeout: float) -> None:
         self._receive = receive
         self._task = task
         self._watcher: asyncio.Task[None] | None = None
         self.gone = False
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            _WATCH_AFTER, self._start
-        )
+        self.stalled = False  # gone because a send stalled for write_timeout
+        self._loop = loop = asyncio.get_running_loop()
+        self._write_timeout = write_timeout
+        self._sending_since: float | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = loop.call_later(_WATCH_AFTER, self._start)
+
+    def bounded(self, send: Send) -> Send:
+        """`send`, timed: one that has not returned after `write_timeout` ends the request."""
+
+        async def timed(message: Message) -> None:
+            self._sending_since = since = self._loop.time()
+            if self._write_timer is None:
+                self._write_timer = self._loop.call_at(
+                    since + self._write_timeout, self._check_write
+                )
+            await send(message)
+            self._sending_since = None
+
+        return timed
+
+    def _check_write(self) -> None:
+        self._write_timer = None
+        since = self._sending_since
+        if since is None or self.gone:  # between sends: the next one arms it again
+            return
+        due = since + self._write_timeout
+        if self._loop.time() < due:
+            self._write_timer = self._loop.call_at(due, self._check_write)
+            return
+        self.gone = self.stalled = True
+        self._task.cancel()
 
     def _start(self) -> None:
         self._timer = None
@@ -225,6 +271,9 @@ class DisconnectWatch:
                 return
 
     def stop(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -64,7 +64,9 @@ class PoolLimits:
     max_connections: int = 512  # per endpoint
     connect_timeout: float = 5.0
     read_timeout: float = 600.0  # longest silence between two response bytes
-    idle_timeout: float = 30.0  # an idle keep-alive connection older than this is closed
+    # An idle keep-alive connection older than this is closed: below uvicorn's 5 s keep-alive,
+    # which vLLM and SGLang serve with (past it the engine has closed its end).
+    idle_timeout: float = 4.0
 
 
 class UpstreamResponse:
@@ -367,11 +369,14 @@ class _Connection(asyncio.Protocol):
         response = self.response
         if response is None or response.complete or self.closed:
             return
-        deadline = self._last_activity + self.pool.limits.read_timeout
-        if self._paused or self.loop.time() < deadline:  # a paused socket is the reader's doing
-            self._timer = self.loop.call_at(
-                max(deadline, self.loop.time() + 0.001), self._check_timeout
-            )
+        read_timeout = self.pool.limits.read_timeout
+        deadline = self._last_activity + read_timeout
+        now = self.loop.time()
+        if self._paused:  # the reader's doing (the forwarder bounds a stalled client): look later
+            self._timer = self.loop.call_at(now + read_timeout, self._check_timeout)
+            return
+        if now < deadline:
+            self._timer = self.loop.call_at(deadline, self._check_timeout)
             return
         response._fail(UpstreamTimeout(self.address, "no byte from it for read_timeout"))
         self.abort()
@@ -435,10 +440,23 @@ class UpstreamPool:
             waiter = asyncio.get_running_loop().create_future()
             host.waiters.append(waiter)
             try:
-                await waiter
-            finally:
+                async with asyncio.timeout(self.limits.connect_timeout):
+                    await waiter
+            except BaseException as exc:
                 if not waiter.done():
                     waiter.cancel()
+                elif not waiter.cancelled():
+                    # Woken, then cancelled or timed out before taking the connection: pass
+                    # the wake-up on, or the next waiter sleeps beside an idle connection.
+                    self._wake_one(host)
+                if isinstance(exc, TimeoutError):
+                    raise ConnectFailed(
+                        address,
+                        f"all {self.limits.max_connections} connections busy for "
+                        f"{self.limits.connect_timeout:g} s (limits.upstream_max_connections)",
+                    ) from None
+                raise
+            now = time.monotonic()
 
     async def _connect(self, address: str, host: _HostPool) -> _Connection:
         name, _, port = address.rpartition(":")
@@ -479,6 +497,12 @@ class UpstreamPool:
                 host.idle.remove(conn)
             self._wake_one(host)
 
+    def _drop_idle(self, address: str) -> None:
+        host = self._host(address)
+        idle, host.idle = host.idle, []
+        for conn in idle:
+            conn.abort()
+
     @staticmethod
     def _wake_one(host: _HostPool) -> None:
         while host.waiters:
@@ -516,7 +540,10 @@ class UpstreamPool:
             except ResetBeforeResponse as exc:
                 response.close()
                 if exc.reused:
-                    continue  # a pooled connection the server had already closed: once more, fresh
+                    # A pooled connection the server had already closed: its idle neighbours
+                    # aged alike, so drop them and go once more on a fresh one.
+                    self._drop_idle(address)
+                    continue
                 raise
             except BaseException:
                 response.close()

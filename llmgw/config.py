@@ -256,12 +256,16 @@ class LimitsSpec(_Strict):
     upstream_max_connections: int = Field(default=512, ge=1)
     upstream_connect_timeout: float = Field(default=5.0, gt=0)
     upstream_read_timeout: float = Field(default=600.0, gt=0)  # longest silence mid-response
-    upstream_idle_timeout: float = Field(default=30.0, gt=0)  # idle keep-alive kept this long
+    # Idle keep-alive kept this long: below uvicorn's 5 s, which vLLM and SGLang serve with.
+    upstream_idle_timeout: float = Field(default=4.0, gt=0)
     # A client's request: its head must arrive whole within client_header_timeout s of the
     # connection (or, on a kept-alive one, of its first byte); its body may pause at most
     # client_body_timeout s between two reads (nginx's two timeouts). Then 408 and close.
     client_header_timeout: float = Field(default=60.0, gt=0)
     client_body_timeout: float = Field(default=60.0, gt=0)
+    # The proxy's answer: a client that accepts no response byte for this long (its socket
+    # open, nothing read) is dropped and its request ends as cancelled.
+    client_write_timeout: float = Field(default=60.0, gt=0)
 
 
 class AdminSpec(_Strict):

@@ -1,0 +1,183 @@
+"""The proxy's upstream pool and relay under a full pool, stale keep-alive connections and a
+client that stops reading: every wait is bounded, nothing is charged to a healthy engine."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import orjson
+import pytest
+
+from llmgw.asgi.app import ProxyApp
+from llmgw.asgi.protocol import guarded
+from llmgw.asgi.testing import (
+    MODEL,
+    SSE_HEAD,
+    ScriptedUpstream,
+    UpstreamRequest,
+    chunk,
+    json_response,
+    make_config,
+    outcome_count,
+    serve,
+)
+from llmgw.asgi.upstream import ConnectFailed, PoolLimits, UpstreamPool
+from llmgw.testing.wait import eventually
+
+CHAT = "/v1/chat/completions"
+BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
+
+
+async def answer_ok(
+    _request: UpstreamRequest, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    writer.write(json_response(200, b"{}"))  # keep-alive
+    await writer.drain()
+
+
+async def test_a_full_pool_fails_over_after_connect_timeout_instead_of_waiting() -> None:
+    """All connections to an endpoint busy: the wait is bounded like a connect, and says why."""
+    upstream = await ScriptedUpstream(answer_ok).start()
+    pool = UpstreamPool(PoolLimits(max_connections=1, connect_timeout=0.2))
+    try:
+        held = await pool.request(upstream.address, "POST", "/x", [], b"{}")
+        with pytest.raises(ConnectFailed, match=r"all 1 connections busy for 0\.2 s"):
+            await asyncio.wait_for(pool.request(upstream.address, "POST", "/x", [], b"{}"), 5)
+        held.release()
+        again = await pool.request(upstream.address, "POST", "/x", [], b"{}")
+        assert again.status == 200
+        again.release()
+    finally:
+        await pool.aclose()
+        await upstream.stop()
+
+
+async def test_a_waiter_cancelled_after_its_wake_up_passes_it_on() -> None:
+    """b is woken for the freed connection but its client left: c must get the connection."""
+    upstream = await ScriptedUpstream(answer_ok).start()
+    pool = UpstreamPool(PoolLimits(max_connections=1, connect_timeout=5))
+    try:
+        first = await pool.request(upstream.address, "POST", "/x", [], b"{}")
+        b = asyncio.create_task(pool.request(upstream.address, "POST", "/x", [], b"{}"))
+        c = asyncio.create_task(pool.request(upstream.address, "POST", "/x", [], b"{}"))
+        await eventually(lambda: len(pool._host(upstream.address).waiters) == 2)
+        first.release()  # wakes b ...
+        b.cancel()  # ... whose client went away in the same turn
+        await asyncio.gather(b, return_exceptions=True)
+        answered = await asyncio.wait_for(c, 2)
+        assert answered.status == 200
+        answered.release()
+    finally:
+        await pool.aclose()
+        await upstream.stop()
+
+
+async def test_stale_keep_alive_connections_are_dropped_and_the_retry_goes_fresh() -> None:
+    """Two idle connections the engine has closed (its keep-alive expired together): the
+    request is sent again on a new connection, not on the other stale one."""
+    hold = asyncio.Event()
+    served: dict[int, int] = {}
+
+    async def script(
+        _request: UpstreamRequest, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        n = served[id(writer)] = served.get(id(writer), 0) + 1
+        if n > 1:
+            writer.close()  # this connection's keep-alive ran out as the request came
+            return
+        await hold.wait()
+        writer.write(json_response(200, b"{}"))
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(script).start()
+    pool = UpstreamPool(PoolLimits(max_connections=4))
+    try:
+        warm = [
+            asyncio.create_task(pool.request(upstream.address, "POST", "/x", [], b"{}"))
+            for _ in range(2)
+        ]
+        await eventually(lambda: len(upstream.requests) == 2)
+        hold.set()
+        for response in await asyncio.gather(*warm):
+            await response.read()
+            response.release()
+        assert pool.stats()[upstream.address] == (2, 2)
+        response = await asyncio.wait_for(
+            pool.request(upstream.address, "POST", "/x", [], b"{}"), 5
+        )
+        assert response.status == 200
+        assert len(served) == 3  # the stale one, then a fresh connection (not the other)
+        response.release()
+    finally:
+        await pool.aclose()
+        await upstream.stop()
+
+
+async def test_a_paused_response_does_not_spin_the_read_timer() -> None:
+    """A stalled reader pauses the socket: the read timeout looks again a read_timeout later,
+    not every millisecond."""
+    upstream = await ScriptedUpstream(answer_ok).start()
+    pool = UpstreamPool(PoolLimits(read_timeout=30))
+    try:
+        response = await pool.request(upstream.address, "POST", "/x", [], b"{}")
+        conn = response._conn
+        conn.response = response
+        response.complete = False
+        conn.pause_reading()
+        conn._last_activity -= 60  # silent past the read timeout, while paused
+        conn._check_timeout()
+        assert conn._timer is not None
+        assert conn._timer.when() - conn.loop.time() > 29
+        response.close()
+    finally:
+        await pool.aclose()
+        await upstream.stop()
+
+
+async def test_a_client_that_stops_reading_is_dropped_after_client_write_timeout() -> None:
+    """Its socket open, nothing read: the request ends (cancelled), the lease and the
+    upstream connection are freed, and the engine is not blamed."""
+
+    async def endless(
+        _request: UpstreamRequest, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(SSE_HEAD)
+        piece = chunk(b"data: " + b"x" * 16384 + b"\n\n")
+        try:
+            for _ in range(4000):  # far more than the socket buffers hold
+                writer.write(piece)
+                await writer.drain()
+        except ConnectionError:
+            return
+
+    upstream = await ScriptedUpstream(endless).start()
+    config = make_config([upstream.address], limits={"client_write_timeout": 0.3})
+    app = ProxyApp(config, scrape=False)
+
+    def inflight() -> int:
+        return sum(s.inflight for s in app.router.registry.states(MODEL))
+
+    async with serve(app, http=guarded(config.limits)) as base:
+        port = int(base.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        writer.write(
+            b"POST " + CHAT.encode() + b" HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\n" + b"content-length: %d\r\n\r\n" % len(BODY) + BODY
+        )
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        transport = writer.transport
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()  # the client reads nothing more
+        await eventually(lambda: inflight() == 1)
+        try:
+            await eventually(lambda: inflight() == 0, timeout=5)
+            assert outcome_count(app.telemetry, upstream.address, "cancelled") == 1
+            assert outcome_count(app.telemetry, upstream.address, "success") == 0
+            assert outcome_count(app.telemetry, upstream.address, "failure") == 0
+        finally:
+            writer.close()  # the server's side of it waits on this client's reads until then
+    await upstream.stop()
