@@ -18,12 +18,12 @@ from collections.abc import Callable
 import orjson
 
 from llmgw.asgi.forwarder import Forwarder, pool_limits
-from llmgw.asgi.middleware import SchedulerMiddleware, send_error
+from llmgw.asgi.middleware import Disconnected, SchedulerMiddleware, read_body, send_error
 from llmgw.asgi.types import Receive, Scope, Send
 from llmgw.asgi.upstream import UpstreamPool
 from llmgw.catalog import catalog_answer, is_catalog_path
 from llmgw.config import Config
-from llmgw.errors import BadRequest, MethodNotAllowed
+from llmgw.errors import BodyTooLarge, LlmgwError, MethodNotAllowed
 from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
 from llmgw.runtime.router import ConfigWatcher, Router
@@ -132,22 +132,25 @@ class ProxyApp:
         if scope["method"] != "POST":
             await send_error(send, MethodNotAllowed(f"{EXPLAIN_PATH} answers POST only"))
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:  # the query is small; read it whole (bounded)
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size <= MAX_QUERY_BYTES:
-                chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        if size > MAX_QUERY_BYTES:
-            await send_error(send, BadRequest(f"explain query is over {MAX_QUERY_BYTES} bytes"))
+        config = self.router.gateway.config
+        if not config.admin.explain:  # answered before the body is read
+            status, body = explain(self.router.gateway, b"")
+            await self._send(send, status, "application/json", body)
             return
-        status, body = explain(self.router.gateway, b"".join(chunks))
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        try:  # like a request's body: 413 early (its length said so), 408 on a stall
+            if length.isdigit() and int(length) > MAX_QUERY_BYTES:
+                raise BodyTooLarge("")
+            query = await read_body(receive, MAX_QUERY_BYTES, config.limits.client_body_timeout)
+        except Disconnected:
+            return
+        except BodyTooLarge:
+            await send_error(send, BodyTooLarge(f"explain query is over {MAX_QUERY_BYTES} bytes"))
+            return
+        except LlmgwError as error:
+            await send_error(send, error)
+            return
+        status, body = explain(self.router.gateway, query)
         await self._send(send, status, "application/json", body)
 
     async def _send(self, send: Send, status: int, content_type: str, body: bytes) -> None:

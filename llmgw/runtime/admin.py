@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import orjson
 
-from llmgw.errors import BadRequest, LlmgwError, RouteNotFound
+from llmgw.errors import BadRequest, BodyTooLarge, LlmgwError, RouteNotFound
 from llmgw.explain import EXPLAIN_PATH, explain_request, explanation_dict
 from llmgw.gateway import Gateway
 
@@ -27,7 +27,7 @@ def explain(gateway: Gateway, body: bytes) -> tuple[int, bytes]:
                 f"{EXPLAIN_PATH} is off: set `admin: {{explain: true}}` in the config"
             )
         if len(body) > MAX_QUERY_BYTES:
-            raise BadRequest(f"explain query is over {MAX_QUERY_BYTES} bytes")
+            raise BodyTooLarge(f"explain query is over {MAX_QUERY_BYTES} bytes")
         try:
             query = orjson.loads(body)
         except orjson.JSONDecodeError as exc:

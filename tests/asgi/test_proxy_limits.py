@@ -367,3 +367,30 @@ async def test_two_refusals_in_one_read_answer_once(
     status, error, _ = _status_and_error(answer)
     assert status == 400 and "Host" in error["message"] and closed
     assert len(STATUS_LINE.findall(answer)) == 1 and engine.requests == []
+
+
+@pytest.mark.parametrize(
+    ("explain", "data", "want"),
+    [
+        (True, b'{"model": "m1"', 408),  # a query that stops arriving: 408, not a held task
+        (True, None, 413),  # a Content-Length past the limit: refused before it is read
+        (False, b'{"model": "m1"', 404),  # off: answered before the body is read
+    ],
+    ids=["stalled", "too large", "off"],
+)
+async def test_an_explain_query_is_read_like_a_request_body(
+    engine: ScriptedUpstream, explain: bool, data: bytes | None, want: int
+) -> None:
+    config = make_config([engine.address], limits=QUICK, admin={"explain": explain})
+    app, protocol = _proxy(config)
+    length = len(data) + 10 if data is not None else 64 << 20
+    head = f"POST /admin/explain HTTP/1.1\r\nhost: llm\r\ncontent-length: {length}\r\n\r\n"
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        try:
+            writer.write(head.encode() + (data or b""))
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), DEADLINE)
+        finally:
+            writer.close()
+    assert line.split()[1] == str(want).encode()
