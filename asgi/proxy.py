@@ -22,6 +22,7 @@ from llmgw.config import load_file
 from llmgw.errors import ConfigError
 from llmgw.logs import configure
 from llmgw.request import CLIENT_MAX_HEADERS_KB
+from llmgw.runtime.cliargs import port_number, positive_int
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.router import worker_group, workers_problem
 
@@ -32,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", required=True, help="llmgw config file (YAML)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000)
     parser.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         default=1,
         help="processes sharing the port; each routes on its own (same ring, own inflight)",
     )
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     server = draining_server(uvicorn.Config(app, **options), app, args.drain_delay)
     try:
         server.run()
+    except KeyboardInterrupt:  # Ctrl+C: uvicorn has shut down, then re-raised the signal
+        pass
     except SystemExit:  # uvicorn exits (code 3) when the lifespan startup failed
         if not isinstance(app.start_error, StartError):
             raise

@@ -47,6 +47,7 @@ from llmgw.extproc.translate import Exchange
 from llmgw.lifecycle import AwaitActivation
 from llmgw.logs import configure
 from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
+from llmgw.runtime.cliargs import port_number, positive_int
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.driver import activate
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
@@ -317,18 +318,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", required=True, help="llmgw config file (YAML)")
     parser.add_argument("--host", default="0.0.0.0", help="bind address (default 0.0.0.0)")
-    parser.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
+    parser.add_argument("--grpc-port", type=port_number, default=9002, help="ext_proc gRPC port")
     parser.add_argument(
         "--grpc-health-port",
-        type=int,
+        type=port_number,
         default=9003,
         help="grpc.health.v1 port with GIE's service names (liveness, readiness, "
         "inference-extension); default 9003 as GIE",
     )
     parser.add_argument(
-        "--health-port", type=int, default=9004, help="HTTP /healthz /readyz /models/status"
+        "--health-port", type=port_number, default=9004, help="HTTP /healthz /readyz /models/status"
     )
-    parser.add_argument("--metrics-port", type=int, default=9090)
+    parser.add_argument("--metrics-port", type=port_number, default=9090)
     tls = parser.add_argument_group("TLS on the ext_proc port (default: self-signed, like GIE)")
     tls.add_argument("--tls-cert", help="PEM certificate (chain) file; needs --tls-key")
     tls.add_argument("--tls-key", help="PEM private key file; needs --tls-cert")
@@ -348,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         default=1,
         help="processes sharing the gRPC port (SO_REUSEPORT); each has its own registry",
     )
@@ -457,9 +458,6 @@ def main(argv: list[str]) -> int:
         print(exc, file=sys.stderr)
         return 2
     config = _with_flags(config, args)
-    if args.workers < 1:
-        print("llmgw extproc: --workers must be >= 1", file=sys.stderr)
-        return 2
     problem = workers_problem(config, args.workers)
     if problem is not None:
         print(f"llmgw extproc: {problem}", file=sys.stderr)

@@ -196,6 +196,14 @@ def test_proxy_sigterm_drains(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn) -> 
     assert time.monotonic() - sent < 0.6 + 8
 
 
+def test_proxy_ctrl_c_exits_cleanly(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn) -> None:
+    """SIGINT (Ctrl+C): a shutdown, exit 0, no KeyboardInterrupt traceback."""
+    proxy = spawn_proxy(config_for(slow_sim, [0, 1]))
+    proxy.process.send_signal(signal.SIGINT)
+    assert proxy.process.wait(10) == 0
+    assert "Traceback" not in proxy.log()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_proxy_process_bounds_request_heads_with_or_without_workers(
     sim: ThreadedFleet, spawn_proxy: SpawnFn, workers: int
