@@ -34,7 +34,6 @@ from llmgw import native
 from llmgw.catalog import catalog_answer
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
-from llmgw.extproc.envoylimits import GRPC_MESSAGE_MARGIN
 from llmgw.extproc.grpchealth import (
     PROCESS_SERVICE,
     LiveHealth,
@@ -215,12 +214,14 @@ class ExtProcServer:
         return dict(self._ports)
 
     async def start(self) -> None:
-        # The same bound Envoy's side gets in the generated config (envoylimits).
-        max_message = self.config.limits.max_body_bytes + GRPC_MESSAGE_MARGIN
+        # No gRPC bound on messages: the gateway's buffer bounds a body, and one past
+        # limits.max_body_bytes gets its 413 from `Exchange`. With max_body_bytes + a margin
+        # here (Envoy's own bound in llmgw's config), a gateway buffering more (a GIE
+        # gateway in BUFFERED mode) had its stream killed: a 500, or fail-open unrouted.
         server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", max_message),
-                ("grpc.max_send_message_length", max_message),
+                ("grpc.max_receive_message_length", -1),
+                ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 1 if self._reuse_port else 0),
             ]
         )

@@ -72,7 +72,7 @@ from llmgw.lifecycle import (
     debug_summary,
 )
 from llmgw.request import check_body_size, needs_body, wrong_method
-from llmgw.types import Decision, Endpoint, Outcome
+from llmgw.types import Decision, Endpoint, Outcome, outcome_for_status
 
 # GIE's conformance suite (behind `conformance_headers`): the EPP picks among the IPs in
 # the request header, and names the endpoint that served in the response header.
@@ -626,7 +626,11 @@ class Exchange:
         """Release the lease: the response's outcome if seen, else the client went away.
 
         When Envoy sends response bodies, a stream that closes before the body's end (or
-        trailers) was cut: the client went away mid-stream, whatever the status said.
+        trailers) was cut: the client went away mid-stream, unless the status already said
+        the engine failed (a 5xx, 429), which the breaker must hear however the body ended.
         """
         cut = self._response_mode != NONE and not self._response_ended
-        self.lifecycle.finish(Outcome.CANCELLED if cut else None)
+        if cut and (self.status is None or outcome_for_status(self.status) is Outcome.SUCCESS):
+            self.lifecycle.finish(Outcome.CANCELLED)
+        else:
+            self.lifecycle.finish()

@@ -19,11 +19,13 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
+from llmgw.config import load_dict
 from llmgw.extproc.server import ExtProcServer, build_parser
 from llmgw.runtime.ports import free_port
 from llmgw.testing.extproc import (
     chat_headers,
     make_config,
+    request_body,
     request_headers,
     response_headers,
     set_headers,
@@ -73,6 +75,33 @@ async def test_a_stream_routes_then_releases_when_envoy_closes_it(server: ExtPro
         await call.done_writing()
         assert await call.read() is grpc.aio.EOF
         await eventually(lambda: total_inflight(server) == 0)
+
+
+async def test_a_buffered_body_past_any_grpc_margin_gets_the_413_not_a_dead_stream() -> None:
+    """A gateway that buffers more than max_body_bytes + 1 MiB (a GIE gateway in BUFFERED
+    mode): the body's 413 comes from llmgw, not RESOURCE_EXHAUSTED from gRPC."""
+    models = {"m1": {"endpoints": ["127.0.0.1:9100"], "strategy": "ring"}}
+    config = load_dict({"models": models, "limits": {"max_body_bytes": 4096}})
+    srv = ExtProcServer(config, host="127.0.0.1", grpc_port=0, health_port=None,
+                        metrics_port=None, scrape=False)  # fmt: skip
+    await srv.start()
+    try:
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        address = f"127.0.0.1:{srv.ports['grpc']}"
+        async with grpc.aio.insecure_channel(address, options=options) as channel:
+            call = stream(channel)
+            await call.write(request_headers(chat_headers()))  # the body is asked for
+            assert isinstance(await call.read(), ProcessingResponse)
+            await call.write(
+                request_body(b'{"model": "m1", "prompt": "' + b"x" * (2 << 20) + b'"}')
+            )
+            answer = await call.read()
+            assert isinstance(answer, ProcessingResponse)
+            assert answer.immediate_response.status.code == 413
+            call.cancel()
+        await eventually(lambda: srv.open_streams == 0)
+    finally:
+        await srv.stop(1.0)
 
 
 async def test_cancelled_stream_releases_the_lease(server: ExtProcServer) -> None:

@@ -196,6 +196,18 @@ def test_a_stream_cut_after_a_200_head_is_cancelled_not_success() -> None:
     assert events == [Outcome.CANCELLED]
 
 
+@pytest.mark.parametrize(("status", "want"), [(500, Outcome.FAILURE), (503, Outcome.BACKPRESSURE)])
+def test_an_error_head_then_a_cut_is_charged_to_the_engine(status: int, want: Outcome) -> None:
+    """The head said the engine failed: however the body ends, the breaker hears it."""
+    events: list[Outcome] = []
+    ex = exchange(hooks=_outcomes(events))
+    ex.handle(first(chat_headers()))
+    ex.handle(body(CHAT, end=True))
+    ex.handle(response_headers(status))
+    ex.close()  # the upstream reset mid-body, or the client left: Envoy ends the stream
+    assert events == [want]
+
+
 def test_a_response_that_ends_is_success() -> None:
     events: list[Outcome] = []
     ex = exchange(hooks=_outcomes(events))
