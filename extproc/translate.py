@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
+import orjson
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -274,6 +275,13 @@ def streamed_response_body(chunk: bytes, *, end_of_stream: bool) -> bytes:
     return _streamed_body("response_body", chunk, end_of_stream)
 
 
+def _is_json_object(data: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(data), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
 def _override(request_body_mode: int, response_body_mode: int) -> ProcessingMode:
     """The processing mode llmgw asks for (`mode_override`, needs `allow_mode_override`):
     response headers on (the outcome), the gateway's response body mode kept.
@@ -480,8 +488,15 @@ class Exchange:
             return CONTINUE_REQUEST_BODY
         if self._request_mode == BUFFERED_PARTIAL and not end:
             # The gateway's buffer filled (the body is cut), unless trailers ended the body
-            # (HTTP/2 sends them after it): then it is as long as it said it would be.
-            if self._headers.get("content-length") != str(self._body_size):
+            # (HTTP/2 sends them after it): then it is as long as it said it would be, or,
+            # sent without a length, it is a whole JSON object (a cut one never parses).
+            length = self._headers.get("content-length")
+            whole = (
+                length == str(self._body_size)
+                if length is not None
+                else _is_json_object(b"".join(self._body))
+            )
+            if not whole:
                 return self._refuse_too_large()
             end = self._body_ended = True
         if not (end or self._request_mode == BUFFERED):

@@ -261,6 +261,16 @@ def test_buffered_partial_body_that_trailers_end_is_routed_not_cut() -> None:
     assert kind(routed) == "request_body" and ex.decision is not None
 
 
+def test_buffered_partial_body_that_trailers_end_without_a_length_is_routed() -> None:
+    """HTTP/2 with trailers and no content-length: a whole JSON object is the whole body
+    (a body the buffer cut never parses), not one "larger than the gateway's buffer"."""
+    ex = exchange()
+    mode = ProcessingMode.BUFFERED_PARTIAL
+    ex.handle(first(chat_headers(), request_mode=mode, response_mode=0))
+    (routed,) = decode(ex.handle(body(CHAT, end=False)))
+    assert kind(routed) == "request_body" and ex.decision is not None
+
+
 def test_buffered_partial_body_of_a_request_routed_at_the_headers_passes() -> None:
     ex = exchange()  # ring strategy + model header: the body is not needed to route
     mode = ProcessingMode.BUFFERED_PARTIAL
