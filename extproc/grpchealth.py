@@ -4,7 +4,7 @@ Two instances, two meanings:
 
 - the health port (GIE's 9003): `liveness` means `/healthz` (always SERVING while the
   process answers); `readiness`, `inference-extension`, `""` and the ext_proc service name
-  mean `/readyz` (started, not draining, every model routable somewhere) — the names GIE's
+  mean `/readyz` (started, not draining; not the model servers' health) — the names GIE's
   charts and gateways probe.
 - the ext_proc port: `""` and the ext_proc service name are SERVING until SIGTERM (a gateway
   health-checking its ext_proc cluster must keep sending requests while llmgw answers them,

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import orjson
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -14,6 +15,7 @@ from llmgw.errors import ConfigError
 from llmgw.extproc.server import ExtProcServer, build_parser, server_tls
 from llmgw.extproc.tls import ServerTls
 from llmgw.runtime.controlplanes import StartError
+from llmgw.runtime.health import readiness
 from llmgw.testing.extproc import make_config
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -84,9 +86,9 @@ async def test_draining_fails_readiness_names_but_not_liveness(server: ExtProcSe
     assert await check(server.ports["grpc"], "") == NOT_SERVING  # the ext_proc port's own
 
 
-async def test_readiness_is_not_serving_when_no_endpoint_is_available() -> None:
-    """Like /readyz: every endpoint's breaker open -> NOT_SERVING; the ext_proc port's
-    own health stays SERVING (llmgw still answers those requests with a clear 503)."""
+async def test_readiness_stays_serving_when_no_endpoint_is_available() -> None:
+    """Every endpoint's breaker open: the router stays in its Service (it answers a clear
+    503), and /readyz's body says no model is routable."""
     srv = await start()
     try:
         registry = srv.router.registry
@@ -95,9 +97,11 @@ async def test_readiness_is_not_serving_when_no_endpoint_is_available() -> None:
             for _ in range(50):
                 state.breaker.record(False, now)
         assert not any(s.breaker.available(now) for s in registry.states("m1"))
-        assert await check(srv.ports["grpc_health"], "readiness") == NOT_SERVING
+        assert await check(srv.ports["grpc_health"], "readiness") == SERVING
         assert await check(srv.ports["grpc_health"], "liveness") == SERVING
         assert await check(srv.ports["grpc"], EXT_PROC) == SERVING
+        ready, body = readiness(srv.router, started=True, draining=False)
+        assert ready and orjson.loads(body)["routable"] is False
     finally:
         await srv.stop(1.0)
 
