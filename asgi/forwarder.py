@@ -59,6 +59,22 @@ HOP_BY_HOP = frozenset(
 # Request headers never forwarded: hop-by-hop, the ones the upstream client sets itself,
 # and llmgw's internal ones (the middleware adds them for the inner app, not the engine).
 REQUEST_DROP = HOP_BY_HOP | {b"host", b"content-length", b"expect"} | INTERNAL_HEADER_NAMES
+
+
+def _passed_on(
+    headers: list[tuple[bytes, bytes]], drop: frozenset[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """`headers` without `drop` and without those a `Connection` header names: they are
+    this hop's too (RFC 9110 7.6.1)."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            named.update(t.strip().lower() for t in value.split(b","))
+    if named:
+        return [(n, v) for n, v in headers if n not in drop and n not in named]
+    return [(n, v) for n, v in headers if n not in drop]
+
+
 _REFUSING = (429, 503)  # an engine saying "not now": another replica may take it
 _WATCH_AFTER = 0.02  # seconds before a slow exchange starts watching for a disconnect
 _DEBUG_HEADER = DECISION_HEADER.encode("latin-1")
@@ -101,7 +117,7 @@ class Forwarder:
         target = scope.get("raw_path") or scope["path"].encode()
         if query:
             target = target + b"?" + query
-        headers = [(n, v) for n, v in scope["headers"] if n not in REQUEST_DROP]
+        headers = _passed_on(scope["headers"], REQUEST_DROP)
 
         task = asyncio.current_task()
         assert task is not None
@@ -163,7 +179,7 @@ class Forwarder:
 
     async def _relay(self, dispatch: Lifecycle, response: UpstreamResponse, send: Send) -> None:
         dispatch.response(response.status)  # before the first byte: an error is no first token
-        headers = [(n, v) for n, v in response.headers if n not in HOP_BY_HOP]
+        headers = _passed_on(response.headers, HOP_BY_HOP)
         if response.status in (204, 304):  # no body follows: a length would make uvicorn
             headers = [(n, v) for n, v in headers if n != b"content-length"]  # wait for one
         if dispatch.config.debug_headers and dispatch.decision is not None:

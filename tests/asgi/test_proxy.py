@@ -148,6 +148,28 @@ async def test_internal_headers_are_not_forwarded_upstream() -> None:
         assert name not in sent, f"{name} leaked upstream"
 
 
+async def test_headers_a_connection_header_names_stay_on_their_hop_both_ways() -> None:
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        extra = "connection: x-engine-hop\r\nx-engine-hop: 1\r\nx-kept: 2\r\n"
+        writer.write(json_response(200, b"{}", extra))
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([upstream.address]))
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            headers = {"connection": "keep-alive, X-Client-Hop", "x-client-hop": "1", "x-s": "s"}
+            reply = await client.post(CHAT, content=BODY, headers=headers)
+            assert reply.status_code == 200
+            assert "x-engine-hop" not in reply.headers and reply.headers["x-kept"] == "2"
+    finally:
+        await upstream.stop()
+    sent = upstream.requests[0].headers
+    assert "x-client-hop" not in sent and sent["x-s"] == "s"
+
+
 async def test_first_upstream_chunk_marks_the_first_token_once() -> None:
     release = asyncio.Event()
 
