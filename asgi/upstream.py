@@ -356,6 +356,13 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.response = response
         self.uses += 1
+        if self.closed:  # closed by the engine since it was connected or pooled: nothing sent
+            response._fail(
+                ResetBeforeResponse(
+                    self.address, "connection closed before the request", reused=True
+                )
+            )
+            return
         self._expecting = True
         self._head_only = head
         self._head_raw = 0

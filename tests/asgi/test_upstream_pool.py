@@ -22,7 +22,13 @@ from llmgw.asgi.testing import (
     outcome_count,
     serve,
 )
-from llmgw.asgi.upstream import ConnectFailed, PoolLimits, UpstreamPool
+from llmgw.asgi.upstream import (
+    ConnectFailed,
+    PoolLimits,
+    ResetBeforeResponse,
+    UpstreamPool,
+    UpstreamResponse,
+)
 from llmgw.testing.wait import eventually
 
 CHAT = "/v1/chat/completions"
@@ -181,3 +187,31 @@ async def test_a_client_that_stops_reading_is_dropped_after_client_write_timeout
         finally:
             writer.close()  # the server's side of it waits on this client's reads until then
     await upstream.stop()
+
+
+async def test_a_request_on_a_connection_closed_before_it_fails_at_once() -> None:
+    """Closed by the engine between connect (or checkout) and the write: no timer runs on a
+    closed connection, so without this the head was awaited forever."""
+
+    async def answer_then_close(
+        _request: UpstreamRequest, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(json_response(200, b"{}"))  # says keep-alive, then goes
+        await writer.drain()
+        writer.close()
+
+    upstream = await ScriptedUpstream(answer_then_close).start()
+    pool = UpstreamPool(PoolLimits(read_timeout=30))
+    try:
+        response = await pool.request(upstream.address, "POST", "/x", [], b"{}")
+        conn = response._conn
+        await response.read()
+        response.release()
+        await eventually(lambda: conn.closed)  # the engine's close has been seen
+        late = UpstreamResponse(conn)
+        conn.send(b"POST /x HTTP/1.1\r\n\r\n", late, 30, head=False)
+        with pytest.raises(ResetBeforeResponse):
+            await asyncio.wait_for(late._head(), 2)
+    finally:
+        await pool.aclose()
+        await upstream.stop()
