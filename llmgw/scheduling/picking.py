@@ -72,7 +72,7 @@ def run_pick(
     if router.restart_epoch != registry.restart_epoch:  # an engine restarted somewhere
         router.forget_restarted(states, registry.restart_epoch)
     if request.subset is not None:
-        states = [s for s in states if s.endpoint.address in request.subset]
+        states = [s for s in states if _in_subset(s.endpoint.address, request.subset)]
         if not states:
             raise NoHealthyEndpoint(
                 f"none of the gateway's subset hint ({', '.join(sorted(request.subset))}) "
@@ -162,3 +162,12 @@ def run_pick(
         tokens,
         ctx.now,
     )
+
+
+def _in_subset(address: str, subset: frozenset[str]) -> bool:
+    """The gateway's hint names endpoints as ip:port, or (as GIE's reference picker reads
+    it) by IP alone: every port of that IP."""
+    if address in subset:
+        return True
+    host = address.rpartition(":")[0]
+    return host in subset or host.strip("[]") in subset

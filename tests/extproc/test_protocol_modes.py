@@ -352,6 +352,18 @@ def test_subset_hint_limits_the_pick(hint: object) -> None:
         assert destination(answer) == ("127.0.0.1:9102", "127.0.0.1:9102")
 
 
+def test_a_subset_hint_by_ip_alone_allows_that_ips_endpoints() -> None:
+    """GIE's reference picker matches the hint's entries by IP: a gateway may send no port."""
+    picked = set()
+    for i in range(20):
+        ex = exchange()
+        headers = chat_headers(**{"x-llmgw-model": "m1", "x-request-id": f"r{i}"})
+        hint = {SUBSET: {SUBSET_KEY: ["127.0.0.1"]}}
+        (answer,) = decode(ex.handle(first(headers, metadata=hint)))
+        picked.add(destination(answer)[0].split(",")[0])
+    assert len(picked) > 1 and all(p.startswith("127.0.0.1:") for p in picked)
+
+
 @pytest.mark.parametrize("hint", [[], ["10.0.0.1:80"]])
 def test_subset_hint_with_no_eligible_endpoint_is_503(hint: list[str]) -> None:
     ex = exchange()
