@@ -339,6 +339,9 @@ def _subset_hint(message: ProcessingRequest) -> tuple[str, ...] | None:
     return tuple(v.strip() for v in value if isinstance(v, str) and v.strip())
 
 
+MALFORMED = object()  # a metadata value that has no JSON form
+
+
 def metadata_value(message: ProcessingRequest, namespace: str, key: str) -> Any:
     """`metadata_context.filter_metadata[namespace][key]` as plain Python, or None."""
     if not message.HasField("metadata_context"):
@@ -349,7 +352,10 @@ def metadata_value(message: ProcessingRequest, namespace: str, key: str) -> Any:
     fields = spaces[namespace].fields
     if key not in fields:
         return None
-    return MessageToDict(fields[key])  # Value -> str | list | ...
+    try:
+        return MessageToDict(fields[key])  # Value -> str | list | ...
+    except ValueError:  # NaN or Infinity in it: no JSON value; the callers refuse a non-str
+        return MALFORMED
 
 
 class Exchange:

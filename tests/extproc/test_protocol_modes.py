@@ -374,6 +374,14 @@ def test_subset_hint_with_no_eligible_endpoint_is_503(hint: list[str]) -> None:
     assert "subset hint" in orjson.loads(reply.immediate_response.body)["error"]["message"]
 
 
+def test_a_subset_hint_with_no_json_form_is_a_503_not_a_dead_stream() -> None:
+    ex = exchange()
+    headers = chat_headers(**{"x-llmgw-model": "m1"})
+    (reply,) = decode(ex.handle(first(headers, metadata={SUBSET: {SUBSET_KEY: [float("nan")]}})))
+    assert reply.immediate_response is not None
+    assert reply.immediate_response.status.code == 503  # type: ignore[union-attr]
+
+
 def test_served_endpoint_metadata_charges_the_host_that_served() -> None:
     events: list[tuple[str, Outcome]] = []
     ex = exchange(hooks=Hooks(outcome=lambda _m, e, o: events.append((e, o))))
