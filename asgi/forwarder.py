@@ -182,7 +182,12 @@ class Forwarder:
     ) -> None:
         """Each send is timed (`watch.sending()` before, `sending_since = None` after) inline:
         a wrapping coroutine cost 250 ns a send, and a stream sends hundreds."""
-        dispatch.response(response.status)  # before the first byte: an error is no first token
+        # Before the first byte: an error is no first token, nor is a whole answer's.
+        content_type = response.header(b"content-type")
+        dispatch.response(
+            response.status,
+            content_type=content_type.decode("latin-1") if content_type is not None else None,
+        )
         headers = _passed_on(response.headers, HOP_BY_HOP)
         if response.status in (204, 304):  # no body follows: a length would make uvicorn
             headers = [(n, v) for n, v in headers if n != b"content-length"]  # wait for one

@@ -128,7 +128,13 @@ def header_map(headers: HttpHeaders) -> dict[str, str]:
 
 def response_status(headers: HttpHeaders) -> tuple[int, str | None]:
     """`:status` and the `x-llmgw-upstream` value, without building a dict of every header."""
-    status, upstream = 0, None
+    status, upstream, _ = response_head(headers)
+    return status, upstream
+
+
+def response_head(headers: HttpHeaders) -> tuple[int, str | None, str | None]:
+    """`response_status`, and the content type."""
+    status, upstream, content_type = 0, None, None
     for h in headers.headers.headers:
         key = h.key
         if key == ":status":
@@ -139,7 +145,10 @@ def response_status(headers: HttpHeaders) -> tuple[int, str | None]:
         elif key == UPSTREAM_HEADER:
             raw = h.raw_value
             upstream = raw.decode("utf-8", "replace") if raw else h.value
-    return status, upstream
+        elif key == "content-type":
+            raw = h.raw_value
+            content_type = raw.decode("latin-1") if raw else h.value
+    return status, upstream, content_type
 
 
 def _set(name: str, value: str) -> HeaderValueOption:
@@ -608,9 +617,9 @@ class Exchange:
     def _response_headers(self, message: ProcessingRequest) -> bytes:
         headers = message.response_headers
         lifecycle = self.lifecycle
-        status, upstream = response_status(headers)
+        status, upstream, content_type = response_head(headers)
         self.status = status
-        lifecycle.response(status)
+        lifecycle.response(status, content_type=content_type)
         served = metadata_value(message, METADATA_NAMESPACE, SERVED_KEY)
         if isinstance(served, str) and served:
             lifecycle.answered_by(served.split(",", 1)[0].strip())

@@ -47,13 +47,14 @@ INTERNAL_HEADERS = frozenset({DESTINATION_HEADER, DECISION_HEADER, UPSTREAM_HEAD
 GENERATING_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
-def _unstreamed(request: RequestInfo) -> bool:
-    """The body was read and asks for the whole answer at once."""
-    return (
-        request.body_size > 0
-        and not request.stream
-        and request.path.split("?", 1)[0].startswith(GENERATING_PATHS)
-    )
+def _unstreamed(request: RequestInfo, streamed: bool | None = None) -> bool:
+    """A generation answered whole at once: its body asked so, or, unread, its answer is not
+    an event stream (`streamed`: what the response's content type said, None unknown)."""
+    if not request.path.split("?", 1)[0].startswith(GENERATING_PATHS):
+        return False
+    if request.body_size > 0:
+        return not request.stream
+    return streamed is False
 
 
 @dataclass(slots=True)
@@ -101,6 +102,7 @@ class Lifecycle:
         "_in_use",
         "_started",
         "_status",
+        "_streamed",
         "decision",
         "endpoint",
         "gateway",
@@ -123,6 +125,7 @@ class Lifecycle:
         self.lease: Lease | None = None
         self._attempt = 0
         self._status: int | None = None
+        self._streamed: bool | None = None  # the answer is an event stream (None: unknown)
         self.ttft: float | None = None  # seconds from dispatch to the first response byte
         self._in_use = False
         self._started = time.perf_counter() if started is None else started
@@ -222,7 +225,7 @@ class Lifecycle:
         if lease is None or lease.first_token_seen or lease.done:
             return
         request, status = self.request, self._status
-        if (request is not None and _unstreamed(request)) or (
+        if (request is not None and _unstreamed(request, self._streamed)) or (
             status is not None and not 200 <= status < 300
         ):
             lease.first_token(observed=False)
@@ -237,9 +240,13 @@ class Lifecycle:
             primary = lease.endpoint_id == decision.endpoint.id
             hook(decision.model, observed, decision.predicted_ttft if primary else None)
 
-    def response(self, status: int) -> None:
-        """The response status seen by the edge (decides the outcome at `finish`)."""
+    def response(self, status: int, *, content_type: str | None = None) -> None:
+        """The response status seen by the edge (decides the outcome at `finish`), and its
+        content type where known: a generation whose body was not read (the model came in a
+        header) is known unstreamed when its answer is not an event stream."""
         self._status = status
+        if content_type is not None:
+            self._streamed = content_type.lstrip().lower().startswith("text/event-stream")
 
     def fall_back(self, outcome: Outcome) -> Endpoint | None:
         """Finish the current attempt with `outcome` and lease the next fallback endpoint.

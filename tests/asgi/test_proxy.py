@@ -239,6 +239,37 @@ async def test_an_error_answer_is_no_first_token() -> None:
     assert (state.inflight, state.pending_prefill) == (0, 0.0)
 
 
+@pytest.mark.parametrize(
+    ("content_type", "observed"), [("application/json", 0), ("text/event-stream", 1)]
+)
+async def test_a_header_routed_generation_is_timed_only_if_its_answer_streams(
+    content_type: str, observed: int
+) -> None:
+    """The model in a header and a strategy that reads no prompt: the body is not parsed,
+    so the answer's content type tells a whole answer (its first byte is its last, no TTFT)
+    from a stream."""
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        head = f"HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: 2\r\n\r\n"
+        writer.write(head.encode() + b"{}")
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([upstream.address]))  # ring: reads no prompt
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            reply = await client.post(CHAT, content=BODY, headers={"x-llmgw-model": MODEL})
+            assert reply.status_code == 200
+    finally:
+        await upstream.stop()
+    count = app.telemetry.registry.get_sample_value(
+        "llmgw_ttft_observed_seconds_count", {"model": MODEL}
+    )
+    assert (count or 0) == observed
+
+
 async def test_429_falls_back_to_the_next_replica(fleet: SimFleet) -> None:
     addresses = [address_of(u) for u in fleet.urls]
     app = proxy_for(make_config(addresses))
