@@ -47,7 +47,7 @@ _METRIC_ROLES = ("waiting", "running", "kv_usage", "finished", "model_label", *O
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class EndpointSpec(_Strict):

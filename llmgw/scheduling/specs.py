@@ -21,7 +21,7 @@ Params = dict[str, float | int | str | bool]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PickerSpec(_Strict):

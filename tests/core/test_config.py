@@ -251,6 +251,24 @@ INVALID: list[tuple[str, Any, str, str]] = [
         "models.chat.saturation.kv_ceiling",
         "less than or equal to 1",
     ),
+    (
+        "infinite-start-seconds",  # was accepted; Retry-After then overflowed at request time
+        one_model(launch={**LAUNCH, "expected_start_seconds": float("inf")}, scaling={"max": 1}),
+        "models.chat.launch.expected_start_seconds",
+        "finite number",
+    ),
+    (
+        "infinite-bounded-load",  # was accepted; every session pick then overflowed
+        one_model(endpoints=EP, session={"bounded_load": float("inf")}),
+        "models.chat.session.bounded_load",
+        "finite number",
+    ),
+    (
+        "nan-timeout",
+        {**one_model(endpoints=EP), "activation_timeout": float("nan")},
+        "activation_timeout",
+        "finite number",
+    ),
     ("no-models", {"models": {}}, "models", "at least one model"),
     ("models-missing", {"breaker": {}}, "models", "required field is missing"),
 ]
