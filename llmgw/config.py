@@ -398,11 +398,15 @@ def load_dict(data: Any, source: str = "config") -> Config:
         return normalize(Config.model_validate(data))
     except ValidationError as exc:
         raise ConfigError([_problem(e) for e in exc.errors()], source) from None
+    except RecursionError:
+        raise ConfigError(["<root>: nested too deeply to be a config"], source) from None
 
 
 def load_text(text: str, source: str = "config") -> Config:
     try:
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(["<yaml>: nested too deeply to be a config"], source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

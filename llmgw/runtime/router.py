@@ -376,4 +376,8 @@ class ConfigWatcher:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            self.check()
+            try:
+                self.check()
+            except Exception:  # a bug in applying one file must not stop every later reload
+                self.rejected += 1
+                log.exception("config reload failed, keeping the running config")

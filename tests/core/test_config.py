@@ -321,6 +321,12 @@ def test_yaml_syntax_error_names_line_and_column() -> None:
     assert problem.startswith("<yaml>: line 3, column 1: ")
 
 
+def test_yaml_nested_past_the_recursion_limit_is_a_config_error() -> None:
+    """Not a RecursionError traceback from check-config, nor a dead reload watcher."""
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_text("models: " + "[" * 5000 + "]" * 5000)
+
+
 def test_unclosed_flow_sequence_is_a_yaml_error() -> None:
     with pytest.raises(ConfigError) as info:
         load_text("models:\n  chat: {endpoints: [a:1\n")

@@ -1,0 +1,35 @@
+"""The config watcher keeps following the file after a reload that failed in any way."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from llmgw.config import Config
+from llmgw.runtime.router import ConfigWatcher
+from llmgw.testing.wait import eventually
+
+CONFIG = "models: {m1: {endpoints: ['10.0.0.1:8000']}}\n"
+
+
+async def test_a_reload_that_raises_does_not_stop_later_reloads(tmp_path: Path) -> None:
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(CONFIG)
+    applied: list[Config] = []
+
+    def apply(config: Config) -> None:
+        if not applied:
+            applied.append(config)
+            raise RuntimeError("a bug in applying this one")
+        applied.append(config)
+
+    watcher = ConfigWatcher(path, apply, interval=0.01)
+    task = asyncio.create_task(watcher.run())
+    try:
+        path.write_text(CONFIG + "# first edit\n")
+        await eventually(lambda: watcher.rejected == 1)
+        path.write_text(CONFIG + "# second edit, longer\n")
+        await eventually(lambda: watcher.reloads == 1)
+        assert len(applied) == 2 and not task.done()
+    finally:
+        task.cancel()
