@@ -142,13 +142,20 @@ class Scraper:
         await asyncio.gather(*(self.scrape_address(a, t) for a, t in self.targets().items()))
 
     async def _loop(self, address: str) -> None:
-        while True:
-            targets = self.targets().get(address)
-            if not targets:
-                return
-            await self.scrape_address(address, targets)
-            spread = self.interval * self.jitter
-            await asyncio.sleep(self.interval + self._rng.uniform(-spread, spread))
+        try:
+            while True:
+                targets = self.targets().get(address)
+                if not targets:
+                    return
+                await self.scrape_address(address, targets)
+                spread = self.interval * self.jitter
+                await asyncio.sleep(self.interval + self._rng.uniform(-spread, spread))
+        finally:
+            # The address left (or the scraper stops): its kept-alive connection goes too;
+            # with pods coming and going under new IPs they piled up, half-closed.
+            getter = self._getters.pop(address, None)
+            if getter is not None:
+                await getter.close()
 
     def _sync(self) -> None:
         """Start loops for new addresses, stop loops of addresses that left."""

@@ -10,6 +10,7 @@ from llmgw.config import endpoints_of, load_dict
 from llmgw.registry import Registry
 from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
 from llmgw.runtime.scraper import Scraper
+from llmgw.testing.wait import eventually
 
 VLLM_PAGE = """# HELP vllm:num_requests_waiting waiting
 # TYPE vllm:num_requests_waiting gauge
@@ -25,6 +26,7 @@ class FakeServer:
 
     respond: Callable[[], bytes | None]
     connections: int = 0
+    closed: int = 0  # connections the scraper closed (or the server ended)
     requests: int = 0
     hang: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
@@ -44,6 +46,7 @@ class FakeServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            self.closed += 1
             writer.close()
 
 
@@ -157,6 +160,21 @@ async def test_background_loop_scrapes_repeatedly(server: FakeServer) -> None:
             await asyncio.sleep(0.01)  # polling a condition under a deadline, not synchronisation
     await scraper.stop()
     assert registry.states("m")[0].metrics is not None
+
+
+async def test_an_endpoint_that_leaves_has_its_connection_closed(server: FakeServer) -> None:
+    """Pods come and go under new IPs: a departed address's kept-alive connection must go
+    with it (they were kept, half-closed once the engine timed them out: an fd each)."""
+    scraper, registry = make_scraper(server.port, interval=0.01)
+    await scraper.start()
+    try:
+        await eventually(lambda: server.requests >= 1)
+        assert server.closed == 0
+        registry.set_endpoints("m", [])
+        await eventually(lambda: server.closed == 1)
+        assert scraper._getters == {}
+    finally:
+        await scraper.stop()
 
 
 async def test_getter_reports_connection_refused() -> None:
