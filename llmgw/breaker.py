@@ -6,6 +6,11 @@ half_open admits at most `half_open_probes` requests at a time;
 half_open --(success_threshold successes)--> closed (k reset)
 half_open --(any failure)--> open (k += 1)
 
+Each half-open period has a number; a probe carries its period's (`on_dispatch`), and only
+the current period's probes hold its slots and decide it. A stream outlives a cooldown:
+a probe from an earlier period, ending late, neither frees a slot of this one nor counts
+toward closing it.
+
 Time is passed in (`now`), so tests drive it without sleeping.
 """
 
@@ -62,6 +67,7 @@ class Breaker:
         "_failures",
         "_successes",
         "opened_until",
+        "period",
         "probes_inflight",
         "settings",
         "state",
@@ -74,6 +80,7 @@ class Breaker:
         self.trips = 0  # k in base_cooldown * 2**k: consecutive re-openings
         self.opened_until = 0.0
         self.probes_inflight = 0
+        self.period = 0  # the half-open period's number (counts every half-opening)
         self._failures = 0
         self._successes = 0
 
@@ -93,6 +100,9 @@ class Breaker:
         elif after is BreakerState.CLOSED:
             self.trips = 0
             self.probes_inflight = 0
+        else:  # half-open: a new period of probes
+            self.period += 1
+            self.probes_inflight = 0
         self._failures = 0
         self._successes = 0
 
@@ -106,18 +116,24 @@ class Breaker:
             return self.probes_inflight < self.settings.half_open_probes
         return False
 
-    def on_dispatch(self) -> bool:
-        """Note a request sent; returns True if it is a half-open probe."""
+    def on_dispatch(self) -> int:
+        """Note a request sent; returns its half-open period's number if it is a probe
+        (give it back to `record` / `release_probe`), else 0."""
         if self.state is BreakerState.HALF_OPEN:
             self.probes_inflight += 1
-            return True
-        return False
+            return self.period
+        return 0
 
-    def record(self, success: bool, now: float, *, probe: bool = False) -> None:
-        if probe and self.probes_inflight > 0:
+    def _current(self, probe: int) -> bool:
+        """A probe of the half-open period in progress (0: not a probe)."""
+        return probe != 0 and probe == self.period and self.state is BreakerState.HALF_OPEN
+
+    def record(self, success: bool, now: float, *, probe: int = 0) -> None:
+        current = self._current(probe)
+        if current and self.probes_inflight > 0:
             self.probes_inflight -= 1
-        if self.state is BreakerState.HALF_OPEN and not probe:
-            # Only the probes' outcomes decide a half-open breaker.
+        if self.state is BreakerState.HALF_OPEN and not current:
+            # Only this period's probes' outcomes decide a half-open breaker.
             return
         if success:
             self._failures = 0
@@ -130,7 +146,7 @@ class Breaker:
             limit = self._failures >= self.settings.failure_threshold
             self._apply(BreakerEvent.FAILURE_LIMIT if limit else BreakerEvent.FAILURE, now)
 
-    def release_probe(self) -> None:
+    def release_probe(self, probe: int) -> None:
         """A probe ended without a verdict (client cancelled): free its slot."""
-        if self.probes_inflight > 0:
+        if self._current(probe) and self.probes_inflight > 0:
             self.probes_inflight -= 1

@@ -249,11 +249,12 @@ class Registry:
             yield from states
 
     # -- dispatch accounting -------------------------------------------------------------
-    def acquire(self, model: str, endpoint_id: str) -> bool:
-        """Count a request sent to the endpoint; returns True if it is a half-open probe."""
+    def acquire(self, model: str, endpoint_id: str) -> int:
+        """Count a request sent to the endpoint; returns its half-open period's number if
+        it is a probe (`Breaker.on_dispatch`), else 0."""
         state = self._by_id.get((model, endpoint_id))
         if state is None:
-            return False
+            return 0
         state.inflight += 1
         if self.on_load is not None:
             self.on_load(model, state)
@@ -265,7 +266,7 @@ class Registry:
         endpoint_id: str,
         outcome: Outcome,
         *,
-        probe: bool = False,
+        probe: int = 0,
         prefill_tokens: float = 0.0,
         prefill: PendingPrefill | None = None,
     ) -> None:
@@ -285,7 +286,7 @@ class Registry:
             self.on_load(model, state)
         if outcome is Outcome.CANCELLED:
             if probe:
-                state.breaker.release_probe()
+                state.breaker.release_probe(probe)
             return
         state.breaker.record(outcome is Outcome.SUCCESS, now, probe=probe)
 

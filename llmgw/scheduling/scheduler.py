@@ -125,7 +125,7 @@ class Lease:
     registry: Registry
     model: str
     endpoint_id: str
-    probe: bool
+    probe: int  # the half-open period it probes (`Breaker.on_dispatch`), 0: not a probe
     started: float | None = None
     ready_at: float | None = None
     prefill_tokens: float | None = None  # counted as pending prefill there until done

@@ -134,8 +134,9 @@ def test_breaker_transition(
             b.available(now)
         elif action.startswith("probe"):
             assert b.available(now)
-            assert b.on_dispatch() is True
-            b.record(action == "probe-ok", now, probe=True)
+            probe = b.on_dispatch()
+            assert probe
+            b.record(action == "probe-ok", now, probe=probe)
         else:
             b.record(action == "ok", now)
     assert b.state is final
@@ -144,7 +145,7 @@ def test_breaker_transition(
 def test_open_rejects_and_closed_admits() -> None:
     b = Breaker(BreakerSettings(failure_threshold=1, base_cooldown=2))
     assert b.available(0.0)
-    assert b.on_dispatch() is False  # a closed breaker's requests are not probes
+    assert b.on_dispatch() == 0  # a closed breaker's requests are not probes
     b.record(False, 0.0)
     assert not b.available(1.999)
 
@@ -162,8 +163,8 @@ def test_cooldown_doubles_on_each_reopening_and_is_capped() -> None:
         assert not b.available(until - 1e-6)
         assert b.available(until)
         now = until
-        b.on_dispatch()
-        b.record(False, now, probe=True)
+        probe = b.on_dispatch()
+        b.record(False, now, probe=probe)
     expected = [min(1.0 * 2**k, 10.0) for k in range(7)]
     assert cooldowns == pytest.approx(expected)
 
@@ -177,13 +178,13 @@ def test_closing_resets_the_backoff_exponent() -> None:
     for _ in range(3):  # three failed probes: cooldown now 8 s
         now = b.opened_until
         b.available(now)
-        b.on_dispatch()
-        b.record(False, now, probe=True)
+        probe = b.on_dispatch()
+        b.record(False, now, probe=probe)
     assert b.opened_until - now == pytest.approx(8.0)
     now = b.opened_until
     b.available(now)
-    b.on_dispatch()
-    b.record(True, now, probe=True)
+    probe = b.on_dispatch()
+    b.record(True, now, probe=probe)
     assert b.state is C and b.trips == 0
     b.record(False, now + 1)
     assert b.opened_until - (now + 1) == pytest.approx(1.0)
@@ -197,8 +198,8 @@ def test_long_outage_keeps_the_cooldown_at_the_cap_without_overflow() -> None:
     for _ in range(2000):
         now = b.opened_until
         assert b.available(now)
-        b.on_dispatch()
-        b.record(False, now, probe=True)
+        probe = b.on_dispatch()
+        b.record(False, now, probe=probe)
         cooldowns.append(b.opened_until - now)
     assert max(cooldowns) == pytest.approx(60.0)
     assert cooldowns[-1] == pytest.approx(60.0)
@@ -208,11 +209,13 @@ def test_half_open_admits_at_most_the_configured_probes_concurrently() -> None:
     s = BreakerSettings(failure_threshold=1, success_threshold=3, half_open_probes=2)
     b = half_opened(s)
     admitted = 0
+    probes = []
     while b.available(100.0) and admitted < 10:
-        assert b.on_dispatch() is True
+        probes.append(b.on_dispatch())
+        assert probes[-1]
         admitted += 1
     assert admitted == 2
-    b.record(True, 100.0, probe=True)  # one probe answers: one slot frees
+    b.record(True, 100.0, probe=probes[0])  # one probe answers: one slot frees
     assert b.available(100.0)
     b.on_dispatch()
     assert not b.available(100.0)
@@ -221,17 +224,17 @@ def test_half_open_admits_at_most_the_configured_probes_concurrently() -> None:
 def test_cancelled_probe_frees_its_slot_without_a_verdict() -> None:
     s = BreakerSettings(failure_threshold=1, success_threshold=1, half_open_probes=1)
     b = half_opened(s)
-    b.on_dispatch()
+    probe = b.on_dispatch()
     assert not b.available(100.0)
-    b.release_probe()
+    b.release_probe(probe)
     assert b.state is H
     assert b.available(100.0)
 
 
 def test_release_probe_never_goes_negative() -> None:
     b = half_opened(BreakerSettings(failure_threshold=1, half_open_probes=1))
-    b.release_probe()
-    b.release_probe()
+    b.release_probe(b.period)
+    b.release_probe(b.period)
     assert b.probes_inflight == 0
     b.on_dispatch()
     assert not b.available(100.0)  # the slot count was not pushed below zero
@@ -241,8 +244,25 @@ def test_reopening_clears_the_probe_slots_for_the_next_half_open() -> None:
     s = BreakerSettings(failure_threshold=1, half_open_probes=2, base_cooldown=1)
     b = half_opened(s)
     b.on_dispatch()
-    b.on_dispatch()
-    b.record(False, 100.0, probe=True)  # re-opens while the other probe is in flight
+    probe = b.on_dispatch()
+    b.record(False, 100.0, probe=probe)  # re-opens while the other probe is in flight
     assert b.state is OP
     assert b.available(b.opened_until)
     assert b.on_dispatch() and b.available(b.opened_until)  # both slots are free again
+
+
+def test_a_probe_of_an_earlier_half_open_period_neither_frees_a_slot_nor_closes_it() -> None:
+    """Streams outlive cooldowns: a probe sent before the breaker re-opened, ending in the
+    next half-open period, is not one of that period's probes."""
+    b = half_opened(BreakerSettings(failure_threshold=1, success_threshold=1, half_open_probes=2))
+    old = b.on_dispatch()  # a long stream
+    fail = b.on_dispatch()
+    b.record(False, 100.0, probe=fail)  # re-opens while `old` is still streaming
+    assert b.state is OP and b.available(b.opened_until)
+    new = b.on_dispatch()
+    assert new and new != old
+    b.record(True, b.opened_until, probe=old)  # the old probe ends well, late
+    assert b.state is H  # not closed by a probe of the earlier period
+    assert b.probes_inflight == 1  # nor did it free the slot `new` holds
+    b.record(True, b.opened_until, probe=new)
+    assert b.state is C

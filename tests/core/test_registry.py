@@ -48,8 +48,8 @@ def test_inflight_never_goes_negative(outcome: Outcome) -> None:
 
 def test_unknown_endpoint_is_ignored_by_acquire_and_release() -> None:
     reg = registry(A)
-    assert reg.acquire("m", "9.9.9.9:1") is False
-    assert reg.acquire("other", A) is False
+    assert reg.acquire("m", "9.9.9.9:1") == 0
+    assert reg.acquire("other", A) == 0
     reg.release("m", "9.9.9.9:1", Outcome.FAILURE)
     assert inflight(reg, A) == 0
 
@@ -156,9 +156,10 @@ def test_half_open_acquire_is_a_probe_and_a_cancelled_probe_frees_its_slot() -> 
     reg.release("m", A, Outcome.FAILURE)
     clock.advance(1.0)
     assert reg.breaker_states()[("m", A)] is BreakerState.HALF_OPEN
-    assert reg.acquire("m", A) is True
+    probe = reg.acquire("m", A)
+    assert probe
     assert not s.breaker.available(clock())
-    reg.release("m", A, Outcome.CANCELLED, probe=True)
+    reg.release("m", A, Outcome.CANCELLED, probe=probe)
     assert s.breaker.available(clock())
 
 

@@ -236,7 +236,7 @@ def test_lease_counts_inflight_and_finishes_once() -> None:
     d = sched.pick(req())
     lease = sched.acquire(d)
     state = reg.get("chat", d.endpoint.id)
-    assert state is not None and state.inflight == 1 and lease.probe is False
+    assert state is not None and state.inflight == 1 and lease.probe == 0
     lease.finish(Outcome.FAILURE)
     lease.finish(Outcome.FAILURE)  # idempotent: one request, one verdict
     assert state.inflight == 0
@@ -262,7 +262,7 @@ def test_lease_on_a_half_open_endpoint_is_a_probe() -> None:
     clock.advance(1.0)
     d = sched.pick(req())
     lease = sched.acquire(d)
-    assert lease.probe is True
+    assert lease.probe
     expect(NoHealthyEndpoint, 503, "no_healthy_endpoint", sched, req())  # its one slot is taken
     lease.finish(Outcome.CANCELLED)
     assert sched.pick(req()).endpoint.id == ADDRS[0]
