@@ -254,9 +254,19 @@ class Lifecycle:
         Returns it, or None when no fallback is left (the lease stays where it was).
         """
         decision, lease = self.decision, self.lease
-        if decision is None or lease is None or self._attempt >= len(decision.fallbacks):
+        if decision is None or lease is None:
             return None
-        return self._move(decision, lease, decision.fallbacks[self._attempt], outcome)
+        # The fallbacks were listed at the pick; a breaker may have opened since (a fleet
+        # failing together): skip those that would not admit a request now.
+        registry = self.snapshot.scheduler.registry
+        now = registry.clock()
+        fallbacks = decision.fallbacks
+        for index in range(self._attempt, len(fallbacks)):
+            state = registry.get(decision.model, fallbacks[index].id)
+            if state is not None and state.breaker.available(now):
+                self._attempt = index
+                return self._move(decision, lease, fallbacks[index], outcome)
+        return None
 
     def answered_by(self, address: str) -> None:
         """The response came from `address` (Envoy retried on a fallback): the attempts

@@ -129,6 +129,23 @@ def test_forwarding_edge_falls_back_in_order_then_runs_out() -> None:
     assert sum(inflight(gw).values()) == 1  # only the last attempt is in flight
 
 
+def test_a_fallback_whose_breaker_opened_since_the_pick_is_skipped() -> None:
+    """Fallbacks are listed at the pick; when replicas fail together, one that opened its
+    breaker meanwhile must not be sent the request (nor a half-open one an extra probe)."""
+    gw, _, _ = gateway()
+    lifecycle = Lifecycle(gw)
+    decision = lifecycle.route(HEADERS, CHAT, None)
+    assert isinstance(decision, Decision) and len(decision.fallbacks) >= 2
+    registry = gw.scheduler.registry
+    first = registry.get("chat", decision.fallbacks[0].id)
+    assert first is not None
+    for _ in range(10):
+        first.breaker.record(False, registry.clock())
+    assert not first.breaker.available(registry.clock())
+    assert lifecycle.fall_back(Outcome.FAILURE) == decision.fallbacks[1]
+    assert first.inflight == 0 and inflight(gw)[decision.fallbacks[1].id] == 1
+
+
 def test_first_token_reaches_the_lease_once_and_before_finish() -> None:
     gw, scheduler, _ = gateway()
     marks: list[str] = []
