@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import ipaddress
 import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from llmgw.scheduling.specs import StrategySpec
 from llmgw.scheduling.strategies import PRESETS
 from llmgw.types import Endpoint, Engine
 
+_HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 _METRIC_ROLES = ("waiting", "running", "kv_usage", "finished", "model_label", *OPTIONAL_ROLES)
 
@@ -95,11 +98,54 @@ class LaunchSpec(_Strict):
     port: int = Field(default=8000, ge=1, le=65535)
     expected_start_seconds: float = Field(default=30.0, gt=0)
 
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        bare = value.removeprefix("[").removesuffix("]")  # an IPv6 literal, bracketed or not
+        try:
+            ipaddress.ip_address(bare)
+        except ValueError:
+            if not _HOSTNAME.match(value):
+                raise ValueError(f"must be an IP address or a host name, got {value!r}") from None
+            return value
+        return bare
+
     @model_validator(mode="after")
     def _one_kind(self) -> LaunchSpec:
         if (self.command is None) == (self.deployment is None):
             raise ValueError("command: give exactly one of `command` (local) or `deployment` (k8s)")
+        if self.command is not None:
+            launch_argv(self.command, port=8000, host=self.host, model="m")
         return self
+
+
+def launch_argv(command: str, *, port: int, host: str, model: str) -> list[str]:
+    """`launch.command` with its placeholders filled, split as a shell would (no shell runs).
+    Raises ValueError saying what to fix."""
+    try:
+        filled = command.format(port=port, host=host, model=model)
+    except (KeyError, IndexError) as exc:
+        raise ValueError(
+            f"command: unknown placeholder {{{exc.args[0]}}} (known: {{port}}, {{host}}, "
+            "{model}; write a literal brace as {{ or }}, e.g. JSON arguments)"
+        ) from None
+    except ValueError as exc:
+        raise ValueError(
+            f"command: {exc} (placeholders are {{port}}, {{host}}, {{model}}; write a literal "
+            "brace as {{ or }}, e.g. JSON arguments)"
+        ) from None
+    try:
+        argv = shlex.split(filled)
+    except ValueError as exc:
+        raise ValueError(f"command: {exc} (quote it as a shell would)") from None
+    if not argv:
+        raise ValueError("command: is empty")
+    return argv
+
+
+def endpoint_address(host: str, port: int) -> str:
+    """host:port, an IPv6 literal in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class SessionSpec(_Strict):

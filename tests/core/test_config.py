@@ -11,7 +11,10 @@ from llmgw.config import (
     Config,
     ModelMode,
     ScalingSpec,
+    endpoint_address,
     endpoints_of,
+    host_port,
+    launch_argv,
     load_dict,
     load_file,
     load_text,
@@ -269,6 +272,30 @@ INVALID: list[tuple[str, Any, str, str]] = [
         "activation_timeout",
         "finite number",
     ),
+    (
+        "launch-json-argument-unescaped",  # passed, then every start failed with a KeyError
+        one_model(launch={"command": "vllm serve m --kv '{\"on\": true}'"}, scaling={"max": 1}),
+        "models.chat.launch.command",
+        "write a literal brace as {{ or }}",
+    ),
+    (
+        "launch-placeholder-typo",
+        one_model(launch={"command": "vllm serve m --port {prot}"}, scaling={"max": 1}),
+        "models.chat.launch.command",
+        "unknown placeholder {prot} (known: {port}, {host}, {model}",
+    ),
+    (
+        "launch-unclosed-quote",
+        one_model(launch={"command": "vllm serve 'm --port {port}"}, scaling={"max": 1}),
+        "models.chat.launch.command",
+        "No closing quotation",
+    ),
+    (
+        "launch-host-not-a-host",
+        one_model(launch={**LAUNCH, "host": "bad host"}, scaling={"max": 1}),
+        "models.chat.launch.host",
+        "must be an IP address or a host name",
+    ),
     ("no-models", {"models": {}}, "models", "at least one model"),
     ("models-missing", {"breaker": {}}, "models", "required field is missing"),
 ]
@@ -495,3 +522,19 @@ def test_picker_params_like_scorers_and_the_flat_shorthand() -> None:
         )
         assert picker.type == "softmax"
         assert picker.params == {"temperature": 0.2}
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_launch_host_gives_a_bracketed_endpoint_address(host: str) -> None:
+    """`::1` was joined as `::1:24900`, an address nothing downstream could parse."""
+    cfg = load_dict(one_model(launch={**LAUNCH, "host": host}, scaling={"max": 1}))
+    launch = cfg.models["chat"].launch
+    assert launch is not None and launch.host == "::1"
+    assert endpoint_address(launch.host, 24900) == "[::1]:24900"
+    assert host_port(endpoint_address(launch.host, 24900))
+
+
+def test_a_launch_command_with_escaped_braces_fills_its_placeholders() -> None:
+    argv = launch_argv("vllm serve {model} --port {port} --kv '{{\"on\": true}}'",
+                       port=9000, host="h", model="m")  # fmt: skip
+    assert argv == ["vllm", "serve", "m", "--port", "9000", "--kv", '{"on": true}']

@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shlex
 import signal
 import tempfile
 import time
 from pathlib import Path
 
-from llmgw.config import Config, LaunchSpec
+from llmgw.config import Config, LaunchSpec, endpoint_address, launch_argv
 from llmgw.runtime.controlplanes import CrashCallback, StartError
 from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
 from llmgw.runtime.ports import free_port
@@ -65,7 +64,10 @@ class LocalProcessControlPlane:
         spec = self.config.models[model]
         port = launch.base_port or free_port(launch.host)
         assert launch.command is not None
-        argv = shlex.split(launch.command.format(port=port, host=launch.host, model=model))
+        try:  # checked at config load: this only fails for a config built another way
+            argv = launch_argv(launch.command, port=port, host=launch.host, model=model)
+        except ValueError as exc:
+            raise StartError(f"launch.{exc}") from None
         # Output goes to a file, not a pipe: a chatty engine would block on a full pipe.
         fd, log_name = tempfile.mkstemp(prefix=f"llmgw-{model}-{port}-", suffix=".log")
         try:
@@ -81,7 +83,7 @@ class LocalProcessControlPlane:
         finally:
             os.close(fd)
         endpoint = Endpoint(
-            address=f"{launch.host}:{port}", model=model, pool=model, engine=spec.engine
+            address=endpoint_address(launch.host, port), model=model, pool=model, engine=spec.engine
         )
         replica = _Replica(process, endpoint, Path(log_name))
         timeout = spec.scaling.start_timeout if spec.scaling else 300.0
@@ -96,7 +98,7 @@ class LocalProcessControlPlane:
 
     async def _wait_healthy(self, replica: _Replica, launch: LaunchSpec, timeout: float) -> None:
         host, _, port = replica.endpoint.address.rpartition(":")
-        getter = KeepAliveGetter(host, int(port))
+        getter = KeepAliveGetter(host.strip("[]"), int(port))
         deadline = time.monotonic() + timeout
         try:
             while True:
