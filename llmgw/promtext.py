@@ -282,11 +282,19 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
 
     def total(names: tuple[str, ...], suffix: str = "") -> float | None:
         values = first(tuple(n + suffix for n in names)) if names else None
-        return sum(values) if values is not None else None
+        if values is None:
+            return None
+        summed = sum(values)
+        if not math.isfinite(summed):  # finite series whose sum overflows: read as absent
+            return None
+        return summed
 
+    waiting_total, running_total = sum(waiting), sum(running)
+    if not (math.isfinite(waiting_total) and math.isfinite(running_total)):
+        raise MetricsError("metrics page's waiting or running requests sum past a float")
     return EngineMetrics(
-        waiting=sum(waiting),
-        running=sum(running),
+        waiting=waiting_total,
+        running=running_total,
         kv_usage=min(1.0, max(0.0, *kv)),
         finished_total=total(contract.finished),
         prefill_seconds_sum=total(contract.prefill_time, "_sum"),

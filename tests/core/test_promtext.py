@@ -222,6 +222,18 @@ def test_nan_value_counts_as_missing() -> None:
         extract(page, CONTRACTS[Engine.VLLM])
 
 
+def test_finite_series_that_sum_past_a_float_are_an_error_not_infinity() -> None:
+    """Two 1.7e308 waiting series read as an infinite queue that the latency strategy then
+    picked (inf - inf in its arithmetic): the page is refused instead."""
+    page = (
+        'vllm:num_requests_waiting{engine="0"} 1.7e308\n'
+        'vllm:num_requests_waiting{engine="1"} 1.7e308\n'
+        "vllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.5\n"
+    )
+    with pytest.raises(MetricsError, match="sum past a float"):
+        extract(page, CONTRACTS[Engine.VLLM])
+
+
 MULTI = """vllm:num_requests_waiting{engine="0",model_name="a"} 1
 vllm:num_requests_waiting{engine="1",model_name="a"} 2
 vllm:num_requests_waiting{engine="0",model_name="b"} 40
