@@ -71,6 +71,7 @@ class Activator:
             self._ticker = asyncio.create_task(self._tick_loop(tick), name="activator tick")
 
     async def stop(self) -> None:
+        starting = list(self._starts)
         tasks = [
             t for t in (self._ticker, *self._starts.values(), *self._cleanups) if t is not None
         ]
@@ -80,6 +81,14 @@ class Activator:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        # Requests waiting for a start that will not finish: a failed start now, not a wait
+        # that finds the model still starting (woken again and again, or not at all if the
+        # start was cancelled before it ran) until their activation_timeout.
+        for model in starting:
+            machine = self.machines[model]
+            if not (machine.running or machine.failed):
+                machine.start_failed("the router is stopping", self.clock())
+            self._ready[model].set()
         await self.control_plane.close()
 
     def _request(self, model: str) -> None:
@@ -102,6 +111,9 @@ class Activator:
         except Exception as exc:  # a control-plane bug must not leave waiters hanging
             log.exception("start of %s crashed", model)
             machine.start_failed(f"{type(exc).__name__}: {exc}", self.clock())
+        except asyncio.CancelledError:  # the router stops: its waiters' start has failed
+            machine.start_failed("the router is stopping", self.clock())
+            raise
         else:
             self.registry.set_endpoints(model, endpoints)
             machine.started(self.clock())
@@ -130,9 +142,14 @@ class Activator:
                 remaining = deadline - self.clock()
                 if remaining <= 0:
                     raise machine.not_ready_error(self.clock())
+                ready = self._ready[model]
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(poll, remaining)):
-                        await self._ready[model].wait()
+                        await ready.wait()
+                if ready.is_set() and not (machine.running or machine.failed):
+                    # Woken by a start that ended neither way: a set event does not suspend
+                    # the next wait, and this loop would hold the event loop to its deadline.
+                    ready.clear()
         finally:
             machine.end_wait()
 

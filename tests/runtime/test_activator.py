@@ -281,3 +281,25 @@ def _cmdline(proc_dir: Path) -> str:
         return (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
     except OSError:
         return ""
+
+
+@pytest.mark.parametrize("in_control_plane", [False, True])
+async def test_a_start_cancelled_at_shutdown_fails_its_waiters_at_once(
+    in_control_plane: bool,
+) -> None:
+    """The start is cancelled (the router stops) while requests wait: they get a failed
+    start, not a wait that finds the model still starting until their timeout (woken again
+    and again once the start had reached the control plane: a busy loop; never woken if
+    it had not run yet)."""
+    cp = FakeControlPlane()
+    router = Router(config(timeout=30), control_plane=cp, scrape=False)
+    waiter = asyncio.create_task(router.decide(req("lazy")))
+    async with asyncio.timeout(5):
+        while router.activator is None or router.activator.machines["lazy"].waiters < 1:
+            await asyncio.sleep(0)
+        while in_control_plane and cp.wants < 1:
+            await asyncio.sleep(0)
+    activator = router.activator
+    await activator.stop()
+    with pytest.raises(ModelFailed, match="stopping"):
+        await asyncio.wait_for(waiter, 2)
