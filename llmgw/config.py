@@ -60,7 +60,20 @@ class EndpointSpec(_Strict):
     @field_validator("address")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        return host_port(value)
+        return canonical_address(host_port(value))
+
+
+def canonical_address(address: str) -> str:
+    """One spelling per server: the host lower-cased, an IPv6 literal compressed, the port
+    without leading zeros (`Node-A:08000` and `node-a:8000` were two endpoints of one
+    server: two ring replicas, its load split between them)."""
+    host, _, port = address.rpartition(":")
+    bare = host.removeprefix("[").removesuffix("]")
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return f"{host.lower()}:{int(port)}"
+    return f"[{ip.compressed}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
 
 
 def host_port(value: str) -> str:

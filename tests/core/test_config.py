@@ -538,3 +538,13 @@ def test_a_launch_command_with_escaped_braces_fills_its_placeholders() -> None:
     argv = launch_argv("vllm serve {model} --port {port} --kv '{{\"on\": true}}'",
                        port=9000, host="h", model="m")  # fmt: skip
     assert argv == ["vllm", "serve", "m", "--port", "9000", "--kv", '{"on": true}']
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [("Node-A:8000", "node-a:8000"), ("10.0.0.1:8000", "10.0.0.1:08000"),
+     ("[::1]:8000", "[0:0:0:0:0:0:0:1]:8000")],
+)  # fmt: skip
+def test_two_spellings_of_one_endpoint_are_a_duplicate(pair: tuple[str, str]) -> None:
+    with pytest.raises(ConfigError, match="duplicate address"):
+        load_dict(one_model(endpoints=list(pair)))
