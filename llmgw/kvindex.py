@@ -28,6 +28,7 @@ class SeqVerdict(enum.StrEnum):
     FIRST = "first"  # the first batch seen from this endpoint
     GAP = "gap"  # batches were missed: replay them or the index is incomplete
     RESTART = "restart"  # the sequence went back: a new engine process, empty cache
+    REPEAT = "repeat"  # the last batch again (a resend): nothing new
 
 
 # Engines put the GPU tier in `medium` (None on older releases); offloaded tiers (CPU,
@@ -50,6 +51,8 @@ class EndpointKv:
     gaps: int = 0
     restarts: int = 0
     orphans: int = 0  # stored blocks whose parent was unknown (skipped)
+    orphan_at: float = float("-inf")  # when the last one came
+    other_sizes: int = 0  # stored blocks of another block size (a hybrid model's groups)
     lag_s: float = 0.0  # last batch: received - engine timestamp (set by the subscriber)
 
 
@@ -154,15 +157,22 @@ class ExactPrefixIndex:
             return SeqVerdict.FIRST
         if seq == last + 1:
             return SeqVerdict.NEXT
-        return SeqVerdict.RESTART if seq <= last else SeqVerdict.GAP
+        if seq == last:
+            return SeqVerdict.REPEAT
+        return SeqVerdict.RESTART if seq < last else SeqVerdict.GAP
 
     def apply_batch(self, endpoint_id: str, batch: EventBatch, now: float) -> SeqVerdict:
         """Follow the sequence (a gap or late join: unknown; a restart: empty), then apply."""
         verdict = self.expect(endpoint_id, batch.seq)
         e = self._get(endpoint_id)
+        if verdict is SeqVerdict.REPEAT:
+            return verdict
         if verdict is SeqVerdict.RESTART:
             e.restarts += 1
-            self._clear(e, live=True)
+            if batch.seq == 0:  # a new engine's whole history follows
+                self._clear(e, live=True)
+            else:  # a new engine, its first batches missed
+                self._unknown(e, f"restarted, joined at sequence {batch.seq}", now)
         elif verdict is SeqVerdict.GAP:
             e.gaps += 1
             self._unknown(
@@ -191,13 +201,18 @@ class ExactPrefixIndex:
         for event in events:
             if isinstance(event, BlockStored):
                 if event.medium in _GPU_MEDIA:
-                    self._store(e, event)
+                    self._store(e, event, now)
             elif isinstance(event, BlockRemoved):
                 if event.medium in _GPU_MEDIA:
                     self._remove(e, event.block_hashes)
             else:  # AllBlocksCleared: an exact sync point
                 self._clear(e, live=True)
-        resynced = e.last_seq is not None and now - e.unknown_since >= self.resync_s
+        # Live again once the stream has been whole for resync_s and stored no block on a
+        # prefix this index never saw: an engine followed from the middle holds prefixes
+        # cached before (a system prompt); blocks extending them cannot be keyed, and live
+        # at once the endpoint would read as holding none of them.
+        since = e.unknown_since if e.unknown_since > e.orphan_at else e.orphan_at
+        resynced = e.last_seq is not None and now - since >= self.resync_s
         if e.state is KvState.UNKNOWN and resynced:
             e.state, e.reason = KvState.LIVE, "resynced"
         if self._total > self.capacity:
@@ -229,15 +244,20 @@ class ExactPrefixIndex:
         self._total -= len(e.blocks)
         e.blocks.clear()
         e.by_engine.clear()
+        e.block_size = None  # a restarted engine may run another block size
+        e.orphan_at = float("-inf")
         if live:
             e.state, e.reason = KvState.LIVE, "in sync"
 
-    def _store(self, e: EndpointKv, event: BlockStored) -> None:
+    def _store(self, e: EndpointKv, event: BlockStored, now: float) -> None:
         size = event.block_size
-        if e.block_size != size:
-            if e.block_size is not None:  # a new engine config: old keys mean nothing
-                self._clear(e, live=e.state is KvState.LIVE)
+        if e.block_size is None:
             e.block_size = size
+        elif size != e.block_size:
+            # A hybrid model's other cache groups publish other block sizes: follow the
+            # first size seen (a new engine config comes with a restart, which clears).
+            e.other_sizes += len(event.block_hashes)
+            return
         parent = event.parent_block_hash
         if parent is None:
             key = root_key(event.lora_name)
@@ -245,6 +265,7 @@ class ExactPrefixIndex:
             found = e.by_engine.get(parent)
             if found is None:
                 e.orphans += len(event.block_hashes)
+                e.orphan_at = now
                 return
             key = found
         tokens = event.token_ids
@@ -254,10 +275,15 @@ class ExactPrefixIndex:
             if len(chunk) < size:
                 break
             key = hash((key, chunk))
-            if key in blocks:
-                blocks.move_to_end(key)
-            else:
+            old = blocks.get(key)
+            if old is None:
                 self._total += 1
+            else:
+                blocks.move_to_end(key)
+                if old != engine_hash and by_engine.get(old) == key:
+                    # The same tokens under a new engine hash (another cache salt): the old
+                    # hash maps nothing any more, and would grow the map past the bound.
+                    del by_engine[old]
             blocks[key] = engine_hash
             by_engine[engine_hash] = key
 

@@ -19,8 +19,11 @@ from llmgw.config import Config
 from llmgw.errors import BadRequest, BodyTooLarge, MethodNotAllowed
 from llmgw.scheduling.plugins import SCORERS
 from llmgw.scheduling.strategies import resolve
+from llmgw.tokenize import ChatPrompt
 from llmgw.types import CHARS_PER_TOKEN, RequestInfo
 
+# Chat request fields a chat template renders besides the messages.
+_TEMPLATE_FIELDS = ("tools", "documents", "chat_template_kwargs", "add_generation_prompt")
 # Paths whose JSON body names the model: the OpenAI-compatible APIs, and vLLM's and SGLang's
 # other JSON ones (reranking, scoring, pooling, classification, tokenizing).
 BODY_PATHS = (
@@ -169,7 +172,16 @@ def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
     if messages is not None and not isinstance(messages, list):
         raise BadRequest("field 'messages' must be an array")
     prompt, chars = prompt_parts(payload, prefix_chars)
-    raw = messages if messages is not None else payload.get("prompt")
+    raw: Any = messages if messages is not None else payload.get("prompt")
+    if messages is not None:
+        extras = {k: payload[k] for k in _TEMPLATE_FIELDS if payload.get(k) is not None}
+        if extras:  # what else the chat template renders (vLLM passes these to it)
+            kwargs = extras.pop("chat_template_kwargs", None)
+            kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+            for name in ("documents", "add_generation_prompt"):
+                if name in extras:
+                    kwargs[name] = extras.pop(name)
+            raw = ChatPrompt(messages, extras.get("tools"), kwargs or None)
     return BodyFields(model=model, prompt=prompt, stream=stream, prompt_chars=chars, raw_prompt=raw)
 
 

@@ -22,6 +22,7 @@ import json
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,16 @@ def _sim_encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, .
     return sim_token_ids(text), tuple(range(0, len(text), SIM_CHARS_PER_TOKEN))
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A chat request's messages with what else its template renders: `tools`, and the
+    request's `chat_template_kwargs` (a request without either carries its messages list)."""
+
+    messages: list[Any]
+    tools: Any = None
+    kwargs: Any = None
+
+
 class PromptTokenizer:
     """`raw_prompt` (a messages list or a prompt string) -> token ids, cached two ways: by
     the whole rendered prompt (LRU), and per session: a conversation's next prompt extends
@@ -70,7 +81,7 @@ class PromptTokenizer:
     def __init__(
         self,
         name: str,
-        render_chat: Callable[[list[Any]], str],
+        render_chat: Callable[[ChatPrompt], str],
         encode: Encoder,
         restarts: Callable[[int], bool] = lambda _: True,
         max_tokens: int = 1_000_000,
@@ -95,9 +106,12 @@ class PromptTokenizer:
 
     def tokens(self, raw_prompt: Any, session: str | None = None) -> tuple[int, ...] | None:
         """None when the request carries no prompt this tokenizer can render."""
-        if isinstance(raw_prompt, list):
+        if isinstance(raw_prompt, (list, ChatPrompt)):
+            chat_prompt = (
+                raw_prompt if isinstance(raw_prompt, ChatPrompt) else ChatPrompt(raw_prompt)
+            )
             try:
-                chat, text = True, self._render_chat(raw_prompt)
+                chat, text = True, self._render_chat(chat_prompt)
             except Exception:  # a template error on odd messages: fall back, never fail the pick
                 return None
         elif isinstance(raw_prompt, str):
@@ -148,14 +162,16 @@ class PromptTokenizer:
 
 
 def sim_tokenizer() -> PromptTokenizer:
-    return PromptTokenizer("sim", sim_chat_prompt, _sim_encode)
+    return PromptTokenizer("sim", lambda chat: sim_chat_prompt(chat.messages), _sim_encode)
 
 
 def hf_tokenizer(path: str) -> PromptTokenizer:
     """From a tokenizer.json; a ValueError says what is missing."""
     try:
-        import jinja2.sandbox  # noqa: PLC0415 (optional extra, loaded only when configured)
+        import jinja2  # noqa: PLC0415 (optional extra, loaded only when configured)
         from tokenizers import Tokenizer  # noqa: PLC0415
+
+        from llmgw.chat_template import template_environment  # noqa: PLC0415
     except ImportError as exc:
         raise ValueError(
             f"tokenizer {path!r} needs the optional packages `tokenizers` and `jinja2` "
@@ -175,15 +191,23 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
     source = template_file.read_text() if template_file.is_file() else settings.get("chat_template")
     specials = {k: _token_text(settings.get(k)) for k in ("bos_token", "eos_token")}
 
-    def render(messages: list[Any]) -> str:
+    def render(chat: ChatPrompt) -> str:
         if not isinstance(source, str):
             raise ValueError(f"tokenizer {path!r}: no chat template beside it")
-        return str(template.render(messages=messages, add_generation_prompt=True, **specials))
+        context: dict[str, Any] = {**specials, "add_generation_prompt": True, "documents": None}
+        if isinstance(chat.kwargs, dict):  # the request's chat_template_kwargs, as vLLM does
+            context.update(chat.kwargs)
+        context["messages"], context["tools"] = chat.messages, chat.tools
+        return str(template.render(**context))
 
     template: Any = None
     if isinstance(source, str):
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(source)
+        try:
+            template = template_environment().from_string(source)
+        except jinja2.TemplateError as exc:
+            raise ValueError(
+                f"tokenizer {path!r}: its chat template does not compile: {exc}"
+            ) from None
 
     def encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         enc = tok.encode(text, add_special_tokens=special)

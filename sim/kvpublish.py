@@ -40,6 +40,8 @@ class KvEventPublisher:
         self._task: asyncio.Task[None] | None = None
         self.published = 0
         self.drop_next = 0  # tests: skip this many sequence numbers (a lost batch)
+        # vLLM 0.32 replays (topic, seq, payload); earlier releases sent no topic.
+        self.replay_topic = True
 
     @staticmethod
     def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:
@@ -85,12 +87,13 @@ class KvEventPublisher:
                 continue
             client, _, start_frame = frames
             start = int.from_bytes(start_frame, "big")
+            topic = (self.topic.encode(),) if self.replay_topic else ()
             for seq, payload in list(self._buffer):
                 if seq >= start:
                     await self._replay.send_multipart(
-                        (client, b"", self.topic.encode(), seq.to_bytes(8, "big"), payload)
+                        (client, b"", *topic, seq.to_bytes(8, "big"), payload)
                     )
-            await self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            await self._replay.send_multipart((client, b"", *(b"",) * len(topic), END_SEQ, b""))
 
     async def close(self) -> None:
         if self._task is not None:

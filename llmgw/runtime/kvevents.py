@@ -34,6 +34,7 @@ from llmgw.runtime.scraper import split_address
 log = logging.getLogger("llmgw.kvevents")
 
 END_SEQ = -1  # vLLM's replay end marker
+MAX_REPLAY = 10_000  # batches vLLM's publisher keeps for replay (its buffer_steps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +134,9 @@ class KvEventSubscriber:
             except (HttpGetError, OSError, zmq.ZMQError, ValueError) as exc:
                 index.mark_unknown(self.endpoint_id, f"{type(exc).__name__}: {exc}", self._now())
                 log.warning("kv events from %s: %s", self.endpoint_id, exc)
+            except Exception as exc:  # anything else: unknown and follow again, never a dead task
+                index.mark_unknown(self.endpoint_id, f"{type(exc).__name__}: {exc}", self._now())
+                log.exception("kv events from %s", self.endpoint_id)
             await asyncio.sleep(self.retry_s)  # back-off before reconnecting, not a sync
 
     def _now(self) -> float:
@@ -184,9 +188,13 @@ class KvEventSubscriber:
         if verdict is SeqVerdict.GAP and source.replay_endpoint is not None:
             last = index.endpoint(self.endpoint_id)
             start = (last.last_seq if last and last.last_seq is not None else -1) + 1
-            for missed in await self._replay(source, start, batch.seq):
-                self._apply(missed)
-                self.stats.replayed += 1
+            # More than an engine keeps to replay (vLLM: 10,000 batches) is not asked for:
+            # the endpoint goes unknown until resync (a forged far-ahead number asked for
+            # a range that could not fit in memory).
+            if batch.seq - start <= MAX_REPLAY:
+                for missed in await self._replay(source, start, batch.seq):
+                    self._apply(missed)
+                    self.stats.replayed += 1
         self._apply(batch)
 
     def _decode(self, frames: list[bytes]) -> EventBatch | None:
@@ -225,9 +233,14 @@ class KvEventSubscriber:
             async with asyncio.timeout(self.replay_timeout):
                 while True:
                     frames = await dealer.recv_multipart()
-                    if len(frames) != 4:
+                    # (empty, topic, seq, payload), or (empty, seq, payload) from vLLM
+                    # releases that sent no topic in replies.
+                    if len(frames) == 4:
+                        _, _, seq_frame, payload = frames
+                    elif len(frames) == 3:
+                        _, seq_frame, payload = frames
+                    else:
                         continue
-                    _, _, seq_frame, payload = frames
                     seq = decode_seq(seq_frame)
                     if seq == END_SEQ:
                         break
@@ -239,8 +252,8 @@ class KvEventSubscriber:
             log.warning("replay from %s failed: %s", self.endpoint_id, exc)
         finally:
             dealer.close(linger=0)
-        expected = list(range(start, stop))
-        return out if [b.seq for b in out] == expected else []
+        whole = len(out) == stop - start and all(b.seq == start + i for i, b in enumerate(out))
+        return out if whole else []
 
 
 class KvEventSubscribers:
@@ -269,6 +282,8 @@ class KvEventSubscribers:
             if eid not in targets or self.subscribers[eid].spec != targets[eid]:
                 self._tasks.pop(eid).cancel()
                 del self.subscribers[eid]
+                if eid not in targets:  # no longer followed: its blocks would freeze, live
+                    self.registry.kv_index.forget(eid)
         for eid, spec in targets.items():
             if eid not in self._tasks:
                 sub = self.subscribers[eid] = KvEventSubscriber(self.registry, eid, spec)

@@ -174,7 +174,12 @@ class Router:
         self._follow_kv_events()
 
     def _follow_kv_events(self) -> None:
-        if not self._scrape or not any(m.kv_events for m in self.config.models.values()):
+        if not self._scrape:
+            return
+        if not any(m.kv_events for m in self.config.models.values()):
+            if self.kv_events is not None:  # a reload removed the last stanza: follow none
+                self.kv_events.config = self.config
+                self.kv_events.sync()
             return
         if self.kv_events is None:
             # Imported here: pyzmq and msgpack are an optional extra (the config checked them).

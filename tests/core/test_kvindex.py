@@ -78,6 +78,8 @@ def test_unknown_and_unfed_endpoints_are_absent_from_matches() -> None:
         ((0, 2), ["first", "gap"], KvState.UNKNOWN),
         ((5,), ["first"], KvState.UNKNOWN),  # joined late: history unknown
         ((0, 1, 0), ["first", "next", "restart"], KvState.LIVE),  # new engine, empty cache
+        ((0, 1, 1), ["first", "next", "repeat"], KvState.LIVE),  # a resend changes nothing
+        ((0, 5, 3), ["first", "gap", "restart"], KvState.UNKNOWN),  # new engine, joined late
     ],
 )
 def test_sequence_numbers_decide_live_or_unknown(
@@ -117,6 +119,55 @@ def test_restart_empties_what_the_old_engine_held() -> None:
     index.apply_batch("a", EventBatch(0, 0.0, (stored(0, 0),)), now=1.0)
     assert index.match(TOKENS, ["a"]) == {"a": 4}
     assert index.endpoint("a").restarts == 1  # type: ignore[union-attr]
+
+
+def test_a_resent_batch_keeps_what_the_endpoint_holds() -> None:
+    """A duplicate of the last batch emptied the index as if the engine had restarted."""
+    index = ExactPrefixIndex()
+    batch = EventBatch(0, 0.0, (stored(0, 3),))
+    index.apply_batch("a", batch, now=0.0)
+    index.apply_batch("a", batch, now=0.1)
+    assert index.match(TOKENS, ["a"]) == {"a": 16} and index.endpoint("a").restarts == 0  # type: ignore[union-attr]
+
+
+def test_an_engine_followed_from_the_middle_stays_unknown_while_it_extends_unseen_prefixes() -> (
+    None
+):
+    """A router restarted beside a running engine: the engine's older prefixes were stored
+    before the join, so blocks extending them cannot be keyed. Live at resync time, the
+    endpoint would read as holding none of them while it held most of each prompt."""
+    index = ExactPrefixIndex(resync_s=5.0)
+    index.apply_batch("a", EventBatch(40, 0.0, ()), now=0.0)  # joined late
+    index.apply_batch("a", EventBatch(41, 0.0, (stored(2, 3),)), now=4.0)  # extends h1: unseen
+    index.apply_batch("a", EventBatch(42, 0.0, ()), now=6.0)
+    assert index.state("a") is KvState.UNKNOWN  # 5 s without an orphan: not yet
+    index.apply_batch("a", EventBatch(43, 0.0, (stored(0, 3, tokens=tuple(range(16))),)), now=9.5)
+    assert index.state("a") is KvState.LIVE  # whole for 5 s since the last orphan
+
+
+def test_a_hybrid_models_other_block_sizes_do_not_wipe_the_index() -> None:
+    """vLLM's hybrid models publish each cache group's blocks with its own size."""
+    other_group = BlockStored((b"g1",), None, TOKENS[:8], 8)
+    index = live_index(stored(0, 3), other_group, stored(0, 0))
+    assert index.match(TOKENS, ["a"]) == {"a": 16}
+    assert index.endpoint("a").other_sizes == 1  # type: ignore[union-attr]
+
+
+def test_a_restarted_engine_may_run_another_block_size() -> None:
+    index = live_index(stored(0, 3))
+    index.apply_batch("a", EventBatch(1, 0.0, ()), 0.5)
+    index.apply_batch("a", EventBatch(0, 0.0, (BlockStored((b"x",), None, TOKENS[:8], 8),)), 1.0)
+    assert index.match(TOKENS, ["a"]) == {"a": 8}
+
+
+def test_the_same_tokens_under_new_engine_hashes_keep_the_hash_map_bounded() -> None:
+    """A new cache salt, or a hostile publisher: the old engine hash must go with its key."""
+    index = live_index()
+    for n in range(200):
+        event = BlockStored((f"salt{n}".encode(),), None, TOKENS[:4], BS)
+        index.apply_batch("a", EventBatch(n + 1, 0.0, (event,)), now=0.0)
+    kv = index.endpoint("a")
+    assert kv is not None and len(kv.blocks) == 1 and len(kv.by_engine) == 1
 
 
 def test_capacity_drops_unknown_endpoints_then_the_largest_endpoints_oldest() -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from llmgw.config import load_dict
 from llmgw.kvevents import BlockStored, EventBatch
 from llmgw.kvindex import ExactPrefixIndex
 from llmgw.registry import Registry
+from llmgw.request import build_request
 from llmgw.scheduling.plugins import PluginError, make_scorer
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.scorers import LatencyScorer
@@ -18,6 +20,8 @@ from llmgw.tokenize import make_tokenizer, sim_chat_prompt, sim_token_ids
 from llmgw.types import RequestInfo
 
 from .helpers import context, state
+
+CHAT = "/v1/chat/completions"
 
 MESSAGES = [{"role": "system", "content": "s" * 3000}, {"role": "user", "content": "q" * 200}]
 TOKENS = sim_token_ids(sim_chat_prompt(MESSAGES))
@@ -187,9 +191,61 @@ def test_token_caches_hold_at_most_max_tokens() -> None:
         sim_chat_prompt,
     )
 
-    tok = PromptTokenizer("sim", sim_chat_prompt, _sim_encode, max_tokens=100)
+    tok = PromptTokenizer("sim", lambda c: sim_chat_prompt(c.messages), _sim_encode, max_tokens=100)
     for i in range(50):
         assert tok.tokens(f"{i:04d}" * 10, session=f"s{i}") is not None  # 10 tokens each
     assert tok._cache_tokens <= 100 and len(tok._cache) == 10
     assert tok._session_tokens <= 100 and len(tok._sessions) == 10
     assert tok.tokens("0049" * 10) is not None and tok.hits == 1  # the newest stayed
+
+
+def test_chat_templates_render_in_transformers_environment() -> None:
+    """What vLLM's templates use: loop controls, strftime_now (today, not a default date),
+    a tojson that keeps key order and does not escape HTML, the generation tag."""
+    pytest.importorskip("jinja2")
+    from datetime import datetime  # noqa: PLC0415
+
+    from llmgw.chat_template import template_environment  # noqa: PLC0415
+
+    source = (
+        "{% for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}|{% endfor %}"
+        "{{ tools | tojson }}|{{ strftime_now('%Y') }}"
+    )
+    text = (
+        template_environment()
+        .from_string(source)
+        .render(
+            messages=[
+                {"role": "user", "content": "a"},
+                {"role": "stop"},
+                {"role": "user", "content": "b"},
+            ],
+            tools=[{"z": "a<b & c's", "a": 1}],
+        )
+    )
+    assert text == f'a|[{{"z": "a<b & c\'s", "a": 1}}]|{datetime.now().year}'
+
+
+def test_a_chat_request_with_tools_renders_them_into_its_tokens(tmp_path: Path) -> None:
+    name = _wordlevel(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if tools %}more {% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    config = load_dict({"models": {"m": {"endpoints": ["a:1"]}}})
+    plain = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with_tools = {**plain, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    tokenizer = make_tokenizer(name)
+    ids = [
+        tokenizer.tokens(build_request(config, {}, CHAT, orjson.dumps(body)).raw_prompt)
+        for body in (plain, with_tools)
+    ]
+    assert ids[0] == (2, 4, 3) and ids[1] == (6, 2, 4, 3)
+
+
+def test_a_chat_template_that_does_not_compile_is_named_at_config_load(tmp_path: Path) -> None:
+    name = _wordlevel(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{% if %}")
+    with pytest.raises(ValueError, match="chat template does not compile"):
+        make_tokenizer(name)

@@ -11,15 +11,17 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from llmgw.config import KvEventsSpec
+from llmgw.config import Config, KvEventsSpec, load_dict
 from llmgw.kvindex import KvState
 from llmgw.registry import Registry
 from llmgw.runtime.kvevents import KvEventSubscriber, source_from_engine
+from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
 from llmgw.sim.replica import Replica
 from llmgw.sim.tokens import block_hashes, chat_prompt, token_ids
 
 pytest.importorskip("zmq")
+msgpack = pytest.importorskip("msgpack")
 
 BS = 16
 SYSTEM = "you are a helpful assistant. " * 30  # ~ 900 chars: several full blocks
@@ -88,7 +90,10 @@ async def test_discovered_events_predict_the_engines_cached_tokens(fleet: SimFle
         assert sub.stats.bad_messages == 0
 
 
-async def test_a_lost_batch_is_replayed(fleet: SimFleet) -> None:
+@pytest.mark.parametrize("topic_in_replies", [True, False])
+async def test_a_lost_batch_is_replayed(fleet: SimFleet, topic_in_replies: bool) -> None:
+    """Replies as vLLM 0.32 frames them (topic, seq, payload), and as earlier releases did
+    (seq, payload): those were skipped, and every gap went unknown after a second."""
     replica = fleet.replicas[0]
     registry = Registry()
     eid = f"127.0.0.1:{replica.port}"
@@ -96,6 +101,7 @@ async def test_a_lost_batch_is_replayed(fleet: SimFleet) -> None:
         await chat(replica, "one")
         await until(lambda: sub.stats.batches >= 1)
         assert replica.kv_publisher is not None
+        replica.kv_publisher.replay_topic = topic_in_replies
         replica.kv_publisher.drop_next = 1  # the next batch never reaches the SUB socket
         await chat(replica, "two " * 100)
         await chat(replica, "three " * 100)
@@ -119,6 +125,29 @@ async def test_a_gap_without_replay_marks_the_endpoint_unknown(fleet: SimFleet) 
         await until(lambda: sub.stats.gaps >= 1)
         assert registry.kv_index.state(eid) is KvState.UNKNOWN
         assert "missed batches" in registry.kv_index.endpoint(eid).reason  # type: ignore[union-attr]
+
+
+async def test_a_far_ahead_sequence_number_is_not_replayed_and_does_not_stop_following(
+    fleet: SimFleet,
+) -> None:
+    """One forged or corrupt number (2**62) asked the replay endpoint for that many batches:
+    the list of them did not fit in memory, the task died, and the endpoint stayed live with
+    its blocks frozen."""
+    replica = fleet.replicas[0]
+    publisher = replica.kv_publisher
+    assert publisher is not None
+    registry = Registry()
+    eid = f"127.0.0.1:{replica.port}"
+    async with following(replica, KvEventsSpec(discover=True), registry) as sub:
+        await chat(replica, "one")
+        await until(lambda: registry.kv_index.state(eid) is KvState.LIVE)
+        payload = msgpack.packb([0.0, [], 0])
+        publisher._pub.send_multipart((b"kv", (2**62).to_bytes(8, "big"), payload))
+        await until(lambda: sub.stats.gaps >= 1)
+        assert registry.kv_index.state(eid) is KvState.UNKNOWN
+        assert sub.stats.replayed == 0
+        await chat(replica, "two " * 100)  # still followed: a batch from the real sequence
+        await until(lambda: sub.stats.batches >= 3)
 
 
 async def test_engine_restart_empties_the_endpoint_within_a_second(fleet: SimFleet) -> None:
@@ -150,3 +179,32 @@ def test_engine_sources_answer_is_read_like_vllms() -> None:
     assert source_from_engine(b"{}", "h") is None
     off = b'{"0": {"enable_kv_cache_events": false, "endpoint": "tcp://*:1"}}'
     assert source_from_engine(off, "h") is None
+
+
+async def test_a_reload_that_drops_kv_events_stops_following_and_forgets(fleet: SimFleet) -> None:
+    """Dropping the last `kv_events:` stanza left the subscribers running on the old config;
+    dropping one model's left its endpoints live with frozen blocks."""
+    replica = fleet.replicas[0]
+    eid = f"127.0.0.1:{replica.port}"
+
+    def config(kv_events: bool) -> Config:
+        model: dict[str, object] = {"endpoints": [eid]}
+        if kv_events:
+            model["kv_events"] = {"discover": True}
+        return load_dict({"models": {"m1": model}})
+
+    router = Router(config(True), scrape=True)
+    await router.start()
+    try:
+        index = router.registry.kv_index
+        subscribers = router.kv_events
+        assert subscribers is not None
+        await until(lambda: eid in subscribers.subscribers)
+        await asyncio.wait_for(subscribers.subscribers[eid].connected.wait(), 5.0)
+        await chat(replica, "one")
+        await until(lambda: index.state(eid) is KvState.LIVE and index.size(eid) > 0)
+        router.reload(config(False))
+        assert subscribers.subscribers == {}
+        assert index.state(eid) is KvState.UNKNOWN and index.size(eid) == 0
+    finally:
+        await router.stop()
