@@ -74,7 +74,8 @@ class FakeKubernetes:
     def __init__(self) -> None:
         self.deployments: dict[tuple[str, str], FakeDeployment] = {}
         self.requests: list[RecordedRequest] = []
-        self.forbidden: set[str] = set()  # "patch-scale", "get-scale", "list-slices"
+        # "patch-scale", "get-scale", "list-slices", "watch-slices" (a Role granting list only)
+        self.forbidden: set[str] = set()
         self.watch_supported = True
         self.watches_served = 0
         self.expire_watches = 0  # answer this many watches with a 410 Expired ERROR event
@@ -515,8 +516,9 @@ class FakeKubernetes:
 
     async def _slices(self, request: web.Request) -> web.StreamResponse:
         await self._record(request)
-        if "list-slices" in self.forbidden:
-            verb = "watch" if request.query.get("watch") in ("true", "1") else "list"
+        watching = request.query.get("watch") in ("true", "1")
+        if "list-slices" in self.forbidden or (watching and "watch-slices" in self.forbidden):
+            verb = "watch" if watching else "list"
             return forbidden(request, verb, "endpointslices", "discovery.k8s.io")
         ns = request.match_info["ns"]
         selector = parse_selector(request.query.get("labelSelector", ""))

@@ -173,6 +173,28 @@ async def test_rbac_forbidden_is_a_startup_error_naming_verb_resource_and_role(
     assert "cannot list resource" in message  # the API server's own words
 
 
+async def test_a_role_granting_list_but_not_watch_polls_the_list_quietly(
+    kube: FakeKubernetes, followed: Followed, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A forbidden watch was retried at the back-off, which each good list reset: ten API
+    requests and an ERROR line a second, forever. It is a refused watch: the list is polled."""
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[8001], replicas=1)
+    kube.forbidden.add("watch-slices")
+    await followed(config_for(service={"namespace": NS, "name": "vllm"}), poll_interval=0.05)
+    await eventually(lambda: followed.addresses() == ports(8001))
+
+    def watches(requests: list[Any]) -> list[Any]:
+        return [r for r in requests if r.query.get("watch") in ("true", "1")]
+
+    await eventually(lambda: len(watches(kube.requests)) == 1)  # tried once, refused
+    first = len(kube.requests)
+    await eventually(lambda: len(kube.requests) >= first + 5)  # a few polls
+    assert not watches(kube.requests[first:])  # not retried until watch_retry has passed
+    refused = [r for r in caplog.records if "watching" in r.getMessage()]
+    assert len(refused) == 1 and "grant `watch`" in refused[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 async def test_a_router_whose_discovery_is_refused_stops_the_scraper_it_started(
     kube: FakeKubernetes, api: Any
 ) -> None:
@@ -296,3 +318,26 @@ async def test_the_servers_refuse_to_start_without_rbac_naming_what_to_apply(
     assert f"llmgw {command}: cannot start: RBAC" in message
     assert "may not list endpointslices.discovery.k8s.io in namespace 'models'" in message
     assert "llmgw-discovery" in message
+
+
+def test_a_malformed_kubeconfig_is_a_start_error_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cut-off YAML file printed a ParserError traceback from `llmgw extproc`."""
+    from llmgw.runtime.kube import load_client  # noqa: PLC0415
+
+    broken = tmp_path / "kubeconfig"
+    broken.write_text("apiVersion: v1\nclusters:\n- cluster: {server: [\n")
+    monkeypatch.setenv("KUBECONFIG", str(broken))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(StartError, match=f"no usable kubeconfig \\({broken}\\)"):
+        load_client()
+
+
+def test_rejected_credentials_are_not_reported_as_missing_rbac() -> None:
+    from kubernetes.client.exceptions import ApiException  # noqa: PLC0415
+
+    from llmgw.runtime.kube import forbidden  # noqa: PLC0415
+
+    message = str(forbidden("list", "pods", NS, ApiException(status=401, reason="Unauthorized")))
+    assert "rejected llmgw's credentials" in message and "Role" not in message

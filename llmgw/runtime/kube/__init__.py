@@ -28,10 +28,11 @@ def load_client() -> k8s.ApiClient:
         try:
             # KUBECONFIG read now, not when the client was imported (its default).
             _config_module.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        except (ConfigException, OSError) as exc:
+        except Exception as exc:  # ConfigException, OSError, a YAML or decoding error
+            where = os.environ.get("KUBECONFIG") or "~/.kube/config"
             raise StartError(
                 f"no Kubernetes credentials: not running in a cluster and no usable "
-                f"kubeconfig (KUBECONFIG or ~/.kube/config): {exc}"
+                f"kubeconfig ({where}): {type(exc).__name__}: {exc}"
             ) from None
     return k8s.ApiClient()
 
@@ -48,7 +49,14 @@ def status_message(exc: ApiException) -> str:
 
 
 def forbidden(verb: str, resource: str, namespace: str, exc: ApiException) -> StartError:
-    """RBAC refused: name the verb, the resource and the Role that grants it."""
+    """RBAC refused: name the verb, the resource and the Role that grants it (401: the
+    credentials themselves were rejected, which no Role fixes)."""
+    if exc.status == 401:
+        return StartError(
+            f"Kubernetes rejected llmgw's credentials on {verb} {resource} in namespace "
+            f"{namespace!r}: check the service account token (mounted, not expired) or the "
+            f"kubeconfig ({status_message(exc)})"
+        )
     return StartError(
         f"RBAC: llmgw's service account may not {verb} {resource} in namespace "
         f"{namespace!r}; apply the Role {DISCOVERY_ROLE!r} and its RoleBinding from "

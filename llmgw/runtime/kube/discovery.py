@@ -172,6 +172,7 @@ class Discovery:
         watch_timeout: int = 60,
         backoff: tuple[float, float] = (0.2, 30.0),
         startup_timeout: float = 10.0,
+        poll_interval: float = 1.0,
     ) -> None:
         self.config = config
         self.specs = {m: s.discovery for m, s in config.models.items() if s.discovery is not None}
@@ -182,6 +183,7 @@ class Discovery:
             "request_timeout": request_timeout,
             "watch_timeout": watch_timeout,
             "backoff": backoff,
+            "poll_interval": poll_interval,  # listing, where a watch is refused
         }
         # Two threads per model (a watch, plus a list or the pool's pod watch), two spare.
         self._threads = ThreadPoolExecutor(

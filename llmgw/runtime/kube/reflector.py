@@ -30,7 +30,7 @@ from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
 from llmgw.runtime.controlplanes import StartError
-from llmgw.runtime.kube import forbidden, status_message, unreachable
+from llmgw.runtime.kube import DISCOVERY_RBAC, forbidden, status_message, unreachable
 
 log = logging.getLogger("llmgw.k8s")
 
@@ -178,10 +178,10 @@ class Reflector:
                     if exc.status == 410:  # our version expired: list again, at once
                         self.expired += 1
                         log.info("watch of %s expired (410): listing again", self.what)
-                    elif exc.status in (401, 403):
-                        self._failed(exc, verb="watch")
-                        await self._back_off()
-                    else:  # refused (405, a proxy): poll the list for a while instead
+                    else:
+                        # Refused (403: a Role granting list but not watch; 405: a proxy):
+                        # poll the list for a while instead. Retried at the back-off, each
+                        # good list reset it: ten requests and an ERROR line a second.
                         self._watch_refused(exc)
                     break
                 except Exception as exc:
@@ -313,13 +313,19 @@ class Reflector:
             log.debug("%s: still failing: %s", self.what, message)
 
     def _watch_refused(self, exc: ApiException) -> None:
+        hint = ""
+        if exc.status == 403:
+            hint = f"; grant `watch` on it ({DISCOVERY_RBAC})"
+        elif exc.status == 401:
+            hint = "; the credentials were rejected (token or kubeconfig)"
         log.warning(
-            "watching %s refused (%s %s): listing every %gs for %gs",
+            "watching %s refused (%s %s): listing every %gs for %gs%s",
             self.what,
             exc.status,
             status_message(exc),
             self.poll_interval,
             self.watch_retry,
+            hint,
         )
         self.mode = "list"
         self._watch_retry_at = time.monotonic() + self.watch_retry
