@@ -156,9 +156,13 @@ def slice_addresses(
     slices: Iterable[Mapping[str, Any]], port: str | int | None = None, default_port: int = 8000
 ) -> list[str]:
     """`ip:port` of every endpoint that takes new requests: Ready (a nil `ready` counts as
-    ready, as the API says) and not terminating."""
+    ready, as the API says) and not terminating. A dual-stack Service lists each pod in an
+    IPv4 and an IPv6 slice: a pod is one endpoint, at its IPv4 address (as two it was
+    scraped twice and its load split between them)."""
     out: set[str] = set()
-    for slice_ in slices:
+    seen: set[tuple[str, str, int]] = set()  # (pod namespace, pod name, port) taken
+    ordered = sorted(slices, key=lambda s: s.get("addressType") != "IPv4")
+    for slice_ in ordered:
         number = slice_port(slice_, port, default_port)
         if number is None:
             continue
@@ -166,9 +170,30 @@ def slice_addresses(
             conditions = endpoint.get("conditions") or {}
             if conditions.get("ready") is False or conditions.get("terminating") is True:
                 continue
+            ref = endpoint.get("targetRef") or {}
+            if ref.get("name"):
+                pod = (str(ref.get("namespace", "")), str(ref["name"]), number)
+                if pod in seen:
+                    continue
+                seen.add(pod)
             for ip in endpoint.get("addresses") or []:
                 out.add(join(ip, number))
     return sorted(out)
+
+
+def missing_port(slices: Iterable[Mapping[str, Any]], port: str | int | None) -> str | None:
+    """When slices list endpoints but none has the wanted port: the ports they have (a
+    Service's own port given instead of the pods' is the usual slip), else None."""
+    have: set[str] = set()
+    for slice_ in slices:
+        if not slice_.get("endpoints"):
+            continue
+        if slice_port(slice_, port, 0) is not None:
+            return None
+        for p in slice_.get("ports") or []:
+            if p.get("port"):
+                have.add(f"{p['name']}:{p['port']}" if p.get("name") else str(p["port"]))
+    return ", ".join(sorted(have)) if have else None
 
 
 def pod_is_routable(pod: Mapping[str, Any]) -> bool:

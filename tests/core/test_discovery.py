@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from llmgw.config import ModelMode, load_dict, model_mode
-from llmgw.discovery import pod_addresses, pool_selection, slice_addresses
+from llmgw.discovery import missing_port, pod_addresses, pool_selection, slice_addresses
 from llmgw.errors import ConfigError
 from llmgw.gateway import restart_only_changes
 
@@ -180,6 +180,44 @@ def test_slice_addresses_keep_only_ready_endpoints_that_are_not_terminating(
     slices: list[dict[str, Any]], port: str | int | None, expected: list[str]
 ) -> None:
     assert slice_addresses(slices, port) == expected
+
+
+def _stack(family: str, ip: str, pod: str) -> dict[str, Any]:
+    return {
+        "addressType": family,
+        "ports": [{"name": "http", "port": 8000}],
+        "endpoints": [{"addresses": [ip], "targetRef": {"kind": "Pod", "name": pod}}],
+    }
+
+
+def test_a_dual_stack_service_lists_each_pod_once_at_its_ipv4_address() -> None:
+    """Two slices per pod (IPv4, IPv6) made each engine two endpoints: scraped twice, its
+    load split between the two."""
+    slices = [_stack("IPv6", "fd00::5", "p5"), _stack("IPv4", "10.1.0.5", "p5"),
+              _stack("IPv6", "fd00::6", "p6")]  # fmt: skip
+    assert slice_addresses(slices, "http") == ["10.1.0.5:8000", "[fd00::6]:8000"]
+
+
+@pytest.mark.parametrize(
+    ("port", "missing"), [("http", None), (8000, None), ("api", "http:8000"), (80, "http:8000")]
+)
+def test_a_port_no_slice_has_is_named_with_the_ports_they_have(
+    port: str | int, missing: str | None
+) -> None:
+    slices = [_stack("IPv4", "10.1.0.5", "p5"), {"addressType": "IPv4", "endpoints": []}]
+    assert missing_port(slices, port) == missing
+
+
+def test_on_demand_kubernetes_routes_to_launch_port_where_the_service_lists_it() -> None:
+    """A Service listing a metrics port first sent every request to the metrics port."""
+    from llmgw.runtime.controlplanes.k8s import ready_addresses  # noqa: PLC0415
+
+    slice_ = {
+        "ports": [{"name": "metrics", "port": 9090}, {"name": "api", "port": 8000}],
+        "endpoints": [{"addresses": ["10.1.0.5"]}],
+    }
+    assert ready_addresses([slice_], 8000) == ["10.1.0.5:8000"]
+    assert ready_addresses([slice_], 7000) == ["10.1.0.5:9090"]  # not listed: the old rule
 
 
 def _pod(

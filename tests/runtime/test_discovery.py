@@ -84,6 +84,18 @@ async def test_a_service_is_followed_through_its_endpointslices_as_pods_come_and
     assert all("127.0.0.1:7002" not in a or len(a) == 3 for _, a in followed.updates[2:])
 
 
+async def test_a_service_port_the_pods_lack_is_reported_not_silently_empty(
+    kube: FakeKubernetes, followed: Followed, caplog: pytest.LogCaptureFixture
+) -> None:
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001], replicas=1)
+    await eventually(lambda: sum(p.ready for p in kube.deployments[(NS, "vllm")].pods) == 1)
+    discovery = await followed(config_for(service={"namespace": NS, "name": "vllm", "port": 80}))
+    assert followed.addresses() == []
+    error = discovery.status("chat")["error"]
+    assert isinstance(error, str) and "has port 80" in error and "they have" in error
+    assert any("has port 80" in r.getMessage() for r in caplog.records)
+
+
 async def test_a_rolling_update_that_changes_every_address_ends_on_the_new_pods_only(
     kube: FakeKubernetes, followed: Followed
 ) -> None:

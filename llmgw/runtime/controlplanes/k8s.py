@@ -88,9 +88,14 @@ def target_of(model: str, launch: LaunchSpec, scaling_min: int, scaling_max: int
 
 def ready_addresses(slices: Iterable[Mapping[str, Any]], default_port: int) -> list[str]:
     """`ip:port` of every ready endpoint in EndpointSlice objects (API JSON, camelCase):
-    the discovery rule (`llmgw.discovery.slice_addresses`) with the port named `http`,
-    else the slice's first port, else `default_port`."""
-    return slice_addresses(slices, None, default_port)
+    the discovery rule (`llmgw.discovery.slice_addresses`) at `launch.port` where the
+    slices list it, else the port named `http`, else the slice's first port, else
+    `default_port` (a Service listing a metrics port first was routed there)."""
+    slices = list(slices)
+    listed = any(
+        int(p.get("port") or 0) == default_port for s in slices for p in s.get("ports") or []
+    )
+    return slice_addresses(slices, default_port if listed else None, default_port)
 
 
 def api_error(exc: ApiException, verb: str, target: Target) -> StartError:

@@ -28,6 +28,7 @@ from llmgw.discovery import (
     INFERENCE_POOL_VERSION,
     SERVICE_NAME_LABEL,
     DiscoverySpec,
+    missing_port,
     pod_addresses,
     pool_selection,
     selector_text,
@@ -70,7 +71,7 @@ class ModelFollower:
         self.publish = publish
         self.what = f"model {model} ({spec.describe()})"
         self.reflectors: list[Reflector] = []
-        self.pool_error: str | None = None
+        self.source_error: str | None = None
         self._pods: Reflector | None = None  # an InferencePool's pods, per selection
         self._selection: tuple[dict[str, str], list[int]] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -83,12 +84,7 @@ class ModelFollower:
                 service.namespace,
                 label_selector=f"{SERVICE_NAME_LABEL}={service.name}",
             )
-            port = service.port
-            self.reflectors.append(
-                kube.reflector(
-                    query, lambda items: publish(slice_addresses(items.values(), port)), self.what
-                )
-            )
+            self.reflectors.append(kube.reflector(query, self._slices_changed, self.what))
         elif spec.pods is not None:
             pods = spec.pods
             self.reflectors.append(self._pod_reflector(pods.namespace, pods.selector, [pods.port]))
@@ -103,6 +99,22 @@ class ModelFollower:
                 field_selector=f"metadata.name={pool.name}",
             )
             self.reflectors.append(kube.reflector(query, self._pool_changed, self.what))
+
+    def _slices_changed(self, items: Mapping[str, dict[str, Any]]) -> None:
+        service = self.spec.service
+        assert service is not None
+        others = missing_port(items.values(), service.port)
+        error = None
+        if others is not None:
+            error = (
+                f"no endpoint of service {service.namespace}/{service.name} has port "
+                f"{service.port!r} (they have {others}): give the pods' port, by name or "
+                "number, as discovery.service.port"
+            )
+            if error != self.source_error:
+                log.warning("%s: %s", self.what, error)
+        self.source_error = error
+        self.publish(slice_addresses(items.values(), service.port))
 
     def _pod_reflector(self, namespace: str, labels: dict[str, str], ports: list[int]) -> Reflector:
         query = Query(
@@ -122,15 +134,15 @@ class ModelFollower:
         obj = items.get(pool.name)
         selection: tuple[dict[str, str], list[int]] | None = None
         if obj is None:
-            self.pool_error = f"inferencepool {pool.namespace}/{pool.name} not found"
+            self.source_error = f"inferencepool {pool.namespace}/{pool.name} not found"
         else:
             try:
                 selection = pool_selection(obj)
-                self.pool_error = None
+                self.source_error = None
             except ValueError as exc:
-                self.pool_error = f"inferencepool {pool.namespace}/{pool.name}: {exc}"
-        if self.pool_error is not None:
-            log.error("%s: %s: no endpoints", self.what, self.pool_error)
+                self.source_error = f"inferencepool {pool.namespace}/{pool.name}: {exc}"
+        if self.source_error is not None:
+            log.error("%s: %s: no endpoints", self.what, self.source_error)
         if selection == self._selection:
             return
         self._selection = selection
@@ -272,5 +284,5 @@ class Discovery:
             "source": follower.spec.describe(),
             "endpoints": list(self.addresses.get(model, [])),
             "stale_seconds": follower.stale_seconds(),
-            "error": follower.pool_error or (errors[0] if errors else None),
+            "error": follower.source_error or (errors[0] if errors else None),
         }
