@@ -76,6 +76,7 @@ class FakeKubernetes:
         self.requests: list[RecordedRequest] = []
         # "patch-scale", "get-scale", "list-slices", "watch-slices" (a Role granting list only)
         self.forbidden: set[str] = set()
+        self.unserved: set[str] = set()  # resources answered 404: their CRD not installed
         self.watch_supported = True
         self.watches_served = 0
         self.expire_watches = 0  # answer this many watches with a 410 Expired ERROR event
@@ -315,6 +316,8 @@ class FakeKubernetes:
         self, request: web.Request, resource: str, group: str, forbid_key: str
     ) -> web.StreamResponse:
         await self._record(request)
+        if resource in self.unserved:  # the API server has no such resource (no CRD)
+            return web.Response(status=404, text="404 page not found\n")
         watching = request.query.get("watch") in ("true", "1")
         if forbid_key in self.forbidden:
             return forbidden(request, "watch" if watching else "list", resource, group)

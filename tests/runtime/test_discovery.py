@@ -271,6 +271,26 @@ async def test_forbidden_inference_pools_is_a_startup_error_naming_the_resource(
         await followed(config_for(inference_pool={"namespace": NS, "name": "chat-pool"}))
 
 
+async def test_a_pool_whose_pods_are_forbidden_is_a_startup_error(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    """The pool listed, its pods refused: the router started with no endpoints and an
+    ERROR line, where every other forbidden list stops the start."""
+    kube.put_pool("chat-pool", selector={"pool": "chat"}, ports=[8000], namespace=NS)
+    kube.forbidden.add("list-pods")
+    with pytest.raises(StartError, match="may not list pods"):
+        await followed(config_for(inference_pool={"namespace": NS, "name": "chat-pool"}))
+
+
+async def test_an_inference_pool_crd_not_installed_is_a_startup_error_saying_so(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    """A 404 on the collection read as 'Kubernetes API lost ... retrying', forever."""
+    kube.unserved.add("inferencepools")
+    with pytest.raises(StartError, match="CustomResourceDefinition installed"):
+        await followed(config_for(inference_pool={"namespace": NS, "name": "chat-pool"}))
+
+
 # Every port ephemeral: a fixed default (9003, 8000) may be taken on a shared machine.
 SERVER_ARGS = {
     "extproc": [

@@ -219,14 +219,18 @@ class Discovery:
             follower = ModelFollower(model, spec, kube, self._publisher(model))
             self.followers[model] = follower
             follower.start()
-        listed = [r.listed.wait() for f in self.followers.values() for r in f.reflectors]
         try:
             async with asyncio.timeout(self.startup_timeout):
+                listed = [r.listed.wait() for f in self.followers.values() for r in f.reflectors]
                 await asyncio.gather(*listed)
+                # An InferencePool's pods are listed once the pool was: wait for them too,
+                # or a Role that forbids pods let the router start with no endpoints.
+                pods = [f.all_reflectors() for f in self.followers.values()]
+                await asyncio.gather(*(r.listed.wait() for group in pods for r in group))
         except TimeoutError:
             log.warning("Kubernetes API did not answer within %gs: retrying", self.startup_timeout)
         refused = [
-            r.forbidden for f in self.followers.values() for r in f.reflectors if r.forbidden
+            r.forbidden for f in self.followers.values() for r in f.all_reflectors() if r.forbidden
         ]
         if refused:
             await self.stop()

@@ -111,7 +111,8 @@ class Reflector:
         self.stale_since: float | None = None  # wall clock of the first failed contact
         self._stale_mono: float | None = None
         self.last_error: str | None = None
-        self.forbidden: StartError | None = None  # RBAC refused the list (a startup error)
+        # RBAC refused the list, or the API does not serve it (no CRD): a startup error.
+        self.forbidden: StartError | None = None
         self.listed = asyncio.Event()  # the first list answered (or failed)
         self.lists = 0
         self.watches = 0
@@ -286,6 +287,13 @@ class Reflector:
                 error = self._on_forbidden(verb, exc)
                 self.forbidden = error
                 message = str(error)
+            elif exc.status == 404 and verb == "list":  # the collection is not served
+                message = (
+                    f"the Kubernetes API does not serve {self.query.describe()} (404): is its "
+                    "CustomResourceDefinition installed? (InferencePool: GIE's CRDs, API "
+                    f"group inference.networking.k8s.io/v1) ({status_message(exc)})"
+                )
+                self.forbidden = StartError(message)  # like RBAC: a start error, not a wait
             else:
                 message = f"API error {exc.status} on {verb} {self.query.describe()}: " + (
                     status_message(exc)
