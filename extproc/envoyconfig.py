@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,29 @@ _T = "type.googleapis.com/"
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+def _bind_address(address: str, what: str) -> tuple[str, int]:
+    """A listener's `ip:port` (Envoy binds IP literals only; IPv6 in brackets)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not _is_ip(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{what} {address!r}: give an IP address and a port in 1..65535, e.g. 0.0.0.0:8080 "
+            "or [::]:8080 (Envoy binds addresses, not host names)"
+        )
+    return host, int(port)
+
+
+MAX_MESSAGE_TIMEOUT = 3600.0  # Envoy's bound on the ext_proc filter's message_timeout
+
+
+def duration(seconds: float, what: str) -> str:
+    """Seconds as a protobuf Duration string Envoy parses ("1e+06s" is refused)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what}: {seconds!r} is not a duration in seconds (>= 0)")
+    text = f"{seconds:.9f}".rstrip("0").rstrip(".")
+    return f"{text or '0'}s"
 
 
 def _is_ip(host: str) -> bool:
@@ -212,13 +236,31 @@ def build(
         # Envoy must wait longer than llmgw's activation_timeout, or it cuts the wait short.
         launched = any(m.launch is not None for m in config.models.values())
         message_timeout = config.activation_timeout + 5.0 if launched else 2.0
+        if message_timeout > MAX_MESSAGE_TIMEOUT:
+            raise ValueError(
+                f"activation_timeout {config.activation_timeout:g} s: Envoy holds an ext_proc "
+                f"answer at most {MAX_MESSAGE_TIMEOUT:g} s (message_timeout), so an on-demand "
+                f"model's wait must end before: set activation_timeout below "
+                f"{MAX_MESSAGE_TIMEOUT - 5:g}"
+            )
+    elif not 0 < message_timeout <= MAX_MESSAGE_TIMEOUT:
+        raise ValueError(
+            f"--message-timeout {message_timeout:g}: give seconds in (0, {MAX_MESSAGE_TIMEOUT:g}]"
+        )
     if retries is None:
         retries = max(m.session.num_fallback_replicas for m in config.models.values())
     timing = _Timing(
-        route=f"{route_timeout:g}s",
-        idle=f"{read_timeout or config.limits.upstream_read_timeout:g}s",
-        connect=f"{connect_timeout:g}s",
+        route=duration(route_timeout, "--route-timeout"),
+        idle=duration(
+            read_timeout or config.limits.upstream_read_timeout, "limits.upstream_read_timeout"
+        ),
+        connect=duration(connect_timeout, "connect timeout"),
     )
+    if config.limits.max_body_bytes + (64 << 10) + envoylimits.GRPC_MESSAGE_MARGIN >= 1 << 32:
+        raise ValueError(
+            f"limits.max_body_bytes {config.limits.max_body_bytes}: Envoy's buffer limits are "
+            "32-bit: give at most 4 GB less 2 MB"
+        )
     if shape == "original-dst":
         routes, clusters = _original_dst_shape(addresses, timing)
     else:
@@ -380,7 +422,7 @@ def _ext_proc_filter(
             },
             "failure_mode_allow": fail_open,
             "allow_mode_override": allow_override,
-            "message_timeout": f"{message_timeout:g}s",
+            "message_timeout": duration(message_timeout, "message timeout"),
             "processing_mode": processing_mode,
             # Sent to llmgw: the subset hint, and `envoy.lb` (where a gateway reports the
             # endpoint that served); received from llmgw: the picked endpoints.
@@ -423,7 +465,7 @@ def _listener(
         "early_header_mutation_extensions": [strip_destination],
         "max_request_headers_kb": envoylimits.CODEC_MAX_HEADERS_KB,
         "common_http_protocol_options": {"max_headers_count": envoylimits.CODEC_MAX_HEADERS},
-        "request_headers_timeout": f"{header_timeout:g}s",
+        "request_headers_timeout": duration(header_timeout, "limits.client_header_timeout"),
         "local_reply_config": envoylimits.local_reply_config(max_body),
         "route_config": {
             "name": "llm",
@@ -525,8 +567,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = load_file(args.config)
-        listen_host, listen_port = _split(args.listen)
-        admin_host, admin_port = _split(args.admin)
+        listen_host, listen_port = _bind_address(args.listen, "--listen")
+        admin_host, admin_port = _bind_address(args.admin, "--admin")
         text = render(
             build(
                 config,
@@ -567,7 +609,14 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
     if args.out:
-        Path(args.out).write_text(text)
+        try:
+            Path(args.out).write_text(text)
+        except OSError as exc:
+            print(
+                f"llmgw envoy-config: cannot write --out {args.out}: {exc.strerror}",
+                file=sys.stderr,
+            )
+            return 2
     else:
         sys.stdout.write(text)
     return 0

@@ -205,6 +205,55 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "models" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("extra", "config", "phrase"),
+    [
+        (["--listen", "localhost:8080"], {}, "--listen 'localhost:8080': give an IP address"),
+        (["--listen", "0.0.0.0:99999"], {}, "a port in 1..65535"),
+        (["--admin", ":9901"], {}, "--admin ':9901'"),
+        (["--route-timeout", "-1"], {}, "--route-timeout: -1.0 is not a duration"),
+        (["--message-timeout", "7200"], {}, "--message-timeout 7200: give seconds in (0, 3600]"),
+        ([], {"limits": {"max_body_bytes": 5_000_000_000}}, "Envoy's buffer limits are 32-bit"),
+    ],
+)
+def test_input_envoy_would_refuse_is_refused_here(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    config: dict[str, Any],
+    phrase: str,
+) -> None:
+    """Each of these wrote a config Envoy then refused to load (exit 0 here)."""
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(yaml.safe_dump({"models": {"m": {"endpoints": ["127.0.0.1:8000"]}}, **config}))
+    assert main(["--config", str(path), *extra]) == 2
+    assert phrase in capsys.readouterr().err
+
+
+def test_large_and_small_timeouts_are_written_as_envoy_parses_them(tmp_path: Path) -> None:
+    """`:g` wrote 1e+06s and 1e-05s: Envoy wants a plain decimal ending in a single s."""
+    config = load_dict(
+        {"models": {"m": {"endpoints": ["127.0.0.1:8000"]}},
+         "limits": {"upstream_read_timeout": 1_000_000, "client_header_timeout": 10_000_000}}
+    )  # fmt: skip
+    out = tmp_path / "envoy.yaml"
+    out.write_text(render(build(config, message_timeout=0.00001, route_timeout=1e7), "x"))
+    text = out.read_text()
+    assert "1000000s" in text and "10000000s" in text and "0.00001s" in text and "e+" not in text
+    result = subprocess.run(
+        [envoy(), "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_out_path_that_cannot_be_written_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--config", str(EXAMPLE), "--out", str(tmp_path)]) == 2
+    assert "cannot write --out" in capsys.readouterr().err
+
+
 def test_message_timeout_outlasts_activation_wait_when_models_start_on_demand() -> None:
     static = load_dict({"models": {"m": {"endpoints": ["127.0.0.1:1"]}}})
     lazy = load_dict(
