@@ -98,8 +98,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmgw explain: no answer from {args.url}: {exc}", file=sys.stderr)
         return 1
     if status != 200:
-        message = answer.get("error", {}).get("message", answer)
+        error = answer.get("error") if isinstance(answer, dict) else None
+        message = error.get("message", error) if isinstance(error, dict) else error or answer
         print(f"llmgw explain: {status}: {message}", file=sys.stderr)
         return 1
-    print(json.dumps(answer, indent=2) if args.json else render_table(answer))
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return 0
+    try:
+        print(render_table(answer))
+    except (KeyError, TypeError, AttributeError, ValueError):
+        print(
+            f"llmgw explain: {args.url} answered 200 but not an llmgw explanation: is this "
+            "llmgw's health port (ext_proc) or the proxy's port, with admin: {explain: true}?",
+            file=sys.stderr,
+        )
+        return 1
     return 0
