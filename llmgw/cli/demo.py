@@ -14,6 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw.config import TraceSpec
+from llmgw.runtime.trace import trace_problem
+from llmgw.scheduling.strategies import PRESETS
+
 
 @dataclass(frozen=True)
 class Turn:
@@ -120,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         default=400,
         help="each conversation opens with about this many tokens of its own notes (0: none)",
     )
-    parser.add_argument("--strategy", default="latency", help="strategy preset (default latency)")
+    parser.add_argument(
+        "--strategy",
+        default="latency",
+        choices=tuple(PRESETS),
+        help="strategy preset (default latency)",
+    )
     parser.add_argument(
         "--trace", help="write the decision trace here (JSONL; `llmgw replay` reads it)"
     )
@@ -133,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv or [])
     if args.context_tokens < 0:
         parser.error("--context-tokens must be >= 0")
+    if args.trace:  # before the fleet starts, not a warning in the log and a claimed trace
+        problem = trace_problem(TraceSpec(path=args.trace), 1)
+        if problem is not None:
+            parser.error(problem.replace("trace.path", "--trace"))
 
     try:
         import openai  # noqa: PLC0415

@@ -387,6 +387,8 @@ def trace_problem(spec: TraceSpec, workers: int) -> str | None:
             f"trace.path: with --workers {workers}, put {{pid}} in the path "
             "(one file per process), e.g. /var/log/llmgw/trace.{pid}.jsonl"
         )
+    if Path(spec.path).is_dir():
+        return f"trace.path: {spec.path} is a directory; name a file in it"
     folder = Path(spec.path).absolute().parent
     if not folder.is_dir():
         return f"trace.path: the directory {folder} does not exist; create it first"

@@ -230,6 +230,7 @@ def test_a_trace_directory_that_is_missing_is_refused_at_start(tmp_path: Path) -
     problem = trace_problem(TraceSpec(path=str(missing / "t.jsonl")), 1)
     assert problem is not None and str(missing) in problem and "does not exist" in problem
     assert "exist" in (workers_problem(config(["10.0.0.1:8000"], path=str(missing / "t")), 1) or "")
+    assert "is a directory" in (trace_problem(TraceSpec(path=str(tmp_path)), 1) or "")
 
 
 def test_a_trace_write_error_loses_the_line_not_the_answer(
