@@ -23,6 +23,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: give 0-65535 (0: ephemeral)")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -38,10 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     net = parser.add_argument_group("listening")
     net.add_argument("--host", default="127.0.0.1")
     ports = net.add_mutually_exclusive_group()
-    ports.add_argument("--port", type=int, help="port of a single replica (0 = ephemeral)")
+    ports.add_argument("--port", type=_port, help="port of a single replica (0 = ephemeral)")
     ports.add_argument(
         "--base-port",
-        type=int,
+        type=_port,
         default=8100,
         help="replica i listens on base-port+i (0 = ephemeral)",
     )
@@ -187,6 +194,10 @@ def _run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.port is None and args.base_port and args.base_port + args.replicas - 1 > 65535:
+        parser.error(
+            f"--base-port {args.base_port} with --replicas {args.replicas} passes port 65535"
+        )
     try:
         fleet = _fleet(args)
     except (ValueError, FaultSpecError) as exc:

@@ -89,3 +89,19 @@ def test_kv_events_flag_publishes_on_a_free_port_per_replica() -> None:
 
     assert _fleet(build_parser().parse_args(["--kv-events"])).options.kv_events_port == 0
     assert _fleet(build_parser().parse_args([])).options.kv_events_port is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "phrase"),
+    [
+        (["--port", "70000"], "70000 is not a port"),
+        (["--base-port", "65535", "--replicas", "2"], "passes port 65535"),
+    ],
+)
+def test_ports_out_of_range_are_refused(
+    argv: list[str], phrase: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--port 70000 listened on 4464; the second of two replicas at 65535 on a random port."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and phrase in capsys.readouterr().err
