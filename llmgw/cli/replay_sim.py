@@ -33,6 +33,7 @@ from llmgw.types import Outcome, RequestInfo
 # -- the simulation -----------------------------------------------------------------------
 
 _ARRIVAL, _WAKE, _STEP_END, _SCRAPE, _FIRST, _RELEASE = 0, 1, 2, 3, 4, 5
+IDLE_SCRAPES = 20  # scrapes kept before an arrival that ends an idle gap (its windows)
 
 
 @dataclass
@@ -209,9 +210,24 @@ def simulate(
         result.errors[kind] = result.errors.get(kind, 0) + 1
         outstanding -= 1
 
+    arrived = 0  # arrivals are in time order: arrivals[arrived] comes next
+
+    def next_scrape(now: float) -> float:
+        """One scrape interval on; across an idle fleet's long gap (a trace spanning a
+        restart or a night), to just before the next arrival: stepping through it ran 20
+        scrapes a second of trace per replica (two requests 1,000 s apart took minutes)."""
+        spread = scrape_interval * 0.1
+        at = now + scrape_interval + rng.uniform(-spread, spread)
+        if arrived < len(arrivals) and not leases and not any(stepping):
+            ahead = arrivals[arrived].t - IDLE_SCRAPES * scrape_interval
+            if ahead > at:
+                return ahead + rng.uniform(0, spread)
+        return at
+
     while events and (outstanding > 0 or leases):
         now, _, kind, a = heapq.heappop(events)
         if kind == _ARRIVAL:
+            arrived += 1
             arrival = arrivals[a]
             text = prompt_text(arrival, a)
             info = RequestInfo(
@@ -301,8 +317,7 @@ def simulate(
         else:  # _SCRAPE
             address = endpoints[a]
             scraper.ingest(address, targets[address], render(pages[a]).decode())
-            spread = scrape_interval * 0.1
-            push(now + scrape_interval + rng.uniform(-spread, spread), _SCRAPE, a)
+            push(next_scrape(now), _SCRAPE, a)
     hits = sum(e.stats.prefix_hits_tokens for e in engines)
     queries = sum(e.stats.prefix_queries_tokens for e in engines)
     result.hit_rate = hits / queries if queries else 0.0

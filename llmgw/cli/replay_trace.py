@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,17 +64,22 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
     """Trace lines (in time order across files) as arrivals; raises ValueError naming the
     file and line that is not a trace line."""
     rows: list[dict[str, Any]] = []
+    where: dict[int, str] = {}  # id(row) -> "path:line", for errors found later
     for path in paths:
-        with path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    float(row["t"]), str(row["model"]), int(row["prompt_tokens"])
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
-                rows.append(row)
+        try:
+            with path.open(encoding="utf-8") as lines:
+                for number, line in enumerate(lines, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                        _check_row(row)
+                    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                        raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
+                    rows.append(row)
+                    where[id(row)] = f"{path}:{number}"
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not a trace (not UTF-8 text: {exc.reason})") from None
     if not rows:
         raise ValueError("the trace has no requests")
     clocked = len(paths) == 1 and all(_clocked(row) for row in rows)  # one router's clock
@@ -92,57 +98,88 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
     t0 = float(rows[0]["t"])
     out = []
     for row in rows:
-        outcome = row.get("outcome") or {}
-        ttft, duration = outcome.get("ttft_ms"), outcome.get("duration_ms")
-        if output_tokens is not None:
-            tokens = output_tokens
-        elif row.get("output_tokens") is not None:  # a workload exported as a trace
-            tokens = int(row["output_tokens"])
-        elif duration is not None:  # the time after the first token was decoding
-            first = (
-                ttft if ttft is not None else (row.get("decision") or {}).get("predicted_ttft_ms")
-            )
-            tokens = round((float(duration) - float(first or 0.0)) / decode_ms)
-        else:
-            tokens = 16
-        session = row.get("session")
-        fleet = row.get("fleet") or {}
-        clock = row["clock"] if clocked else {}
-        first_at = clock.get("first")
-        out.append(
-            Arrival(
-                t=float(row["t"]) - t0,
-                model=str(row["model"]),
-                session=f"@{session}" if session else None,
-                prompt_tokens=max(1, int(row["prompt_tokens"])),
-                blocks=tuple(int(b) for b in row.get("blocks", ())),
-                output_tokens=min(max(1, tokens), 4096),
-                endpoint=(row.get("decision") or {}).get("endpoint"),
-                ttft_ms=ttft,
-                first_tokens=ttft is not None,
-                request_key=f"@{row['rid']}" if row.get("rid") else None,
-                duration_ms=None if duration is None else float(duration),
-                prefill_us_per_token=_number(fleet.get("prefill_us_per_token")),
-                step_ms=_number(fleet.get("step_ms")),
-                predicted_ms=_number((row.get("decision") or {}).get("predicted_ttft_ms")),
-                engines=_engines(row.get("engines")),
-                batches=(
-                    frozenset(str(e) for e in row["batches"])
-                    if isinstance(row.get("batches"), list)
-                    else None
-                ),
-                slowdowns=(
-                    {str(e): float(x) for e, x in row["slowdowns"].items()}
-                    if isinstance(row.get("slowdowns"), dict)
-                    else None
-                ),
-                speed=_speed(fleet) if fleet else None,
-                costs=_costs(row["costs"]) if isinstance(row.get("costs"), dict) else None,
-                first_s=float(first_at) - row["t"] if isinstance(first_at, int | float) else None,
-                held_s=float(clock["end"]) - row["t"] if clocked else None,
-            )
-        )
+        try:
+            out.append(_arrival(row, t0, clocked, decode_ms, output_tokens))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{where[id(row)]}: not a trace line ({exc!r})") from None
     return out
+
+
+MAX_PROMPT_TOKENS = 10_000_000  # past any model's context: a corrupt line, not a prompt
+
+
+def _check_row(row: Any) -> None:
+    """The fields every use reads, typed; raises on a line that is not a trace line."""
+    if not isinstance(row, dict):
+        raise TypeError(f"a JSON object per line, got {type(row).__name__}")
+    t, tokens = float(row["t"]), int(row["prompt_tokens"])
+    if not math.isfinite(t):
+        raise ValueError(f"t is {row['t']!r}")
+    if not 0 <= tokens <= MAX_PROMPT_TOKENS:
+        raise ValueError(f"prompt_tokens {tokens} is not a prompt's length")
+    if not isinstance(row["model"], str):
+        raise TypeError("model is not a string")
+    for name in ("outcome", "decision", "fleet", "clock", "engines", "costs"):
+        if row.get(name) is not None and not isinstance(row[name], dict):
+            raise TypeError(f"{name} is not an object")
+
+
+def _arrival(
+    row: dict[str, Any],
+    t0: float,
+    clocked: bool,
+    decode_ms: float,
+    output_tokens: int | None,
+) -> Arrival:
+    outcome = row.get("outcome") or {}
+    ttft, duration = outcome.get("ttft_ms"), outcome.get("duration_ms")
+    if output_tokens is not None:
+        tokens = output_tokens
+    elif row.get("output_tokens") is not None:  # a workload exported as a trace
+        tokens = int(row["output_tokens"])
+    elif duration is not None:  # the time after the first token was decoding
+        first = ttft if ttft is not None else (row.get("decision") or {}).get("predicted_ttft_ms")
+        tokens = round((float(duration) - float(first or 0.0)) / decode_ms)
+    else:
+        tokens = 16
+    session = row.get("session")
+    fleet = row.get("fleet") or {}
+    clock = row["clock"] if clocked else {}
+    first_at = clock.get("first")
+    endpoint = (row.get("decision") or {}).get("endpoint")
+    if endpoint is not None and not isinstance(endpoint, str):
+        raise TypeError("decision.endpoint is not a string")
+    return Arrival(
+        t=float(row["t"]) - t0,
+        model=str(row["model"]),
+        session=f"@{session}" if session else None,
+        prompt_tokens=max(1, int(row["prompt_tokens"])),
+        blocks=tuple(int(b) for b in row.get("blocks", ())),
+        output_tokens=min(max(1, tokens), 4096),
+        endpoint=endpoint,
+        ttft_ms=ttft,
+        first_tokens=ttft is not None,
+        request_key=f"@{row['rid']}" if row.get("rid") else None,
+        duration_ms=None if duration is None else float(duration),
+        prefill_us_per_token=_number(fleet.get("prefill_us_per_token")),
+        step_ms=_number(fleet.get("step_ms")),
+        predicted_ms=_number((row.get("decision") or {}).get("predicted_ttft_ms")),
+        engines=_engines(row.get("engines")),
+        batches=(
+            frozenset(str(e) for e in row["batches"])
+            if isinstance(row.get("batches"), list)
+            else None
+        ),
+        slowdowns=(
+            {str(e): float(x) for e, x in row["slowdowns"].items()}
+            if isinstance(row.get("slowdowns"), dict)
+            else None
+        ),
+        speed=_speed(fleet) if fleet else None,
+        costs=_costs(row["costs"]) if isinstance(row.get("costs"), dict) else None,
+        first_s=float(first_at) - row["t"] if isinstance(first_at, int | float) else None,
+        held_s=float(clock["end"]) - row["t"] if clocked else None,
+    )
 
 
 def _clocked(row: dict[str, Any]) -> bool:

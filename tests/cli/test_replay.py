@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,46 @@ def test_a_line_that_is_not_a_trace_line_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"t.jsonl:2: not a trace line"):
         read_trace([path], 4.0, None)
     assert main([str(path)]) == 2
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"outcome": "ok"},
+        {"decision": "x"},
+        {"fleet": "x"},
+        {"blocks": [None]},
+        {"blocks": 5},
+        {"engines": {"e": 5}},
+        {"decision": {"endpoint": 5}},
+        {"prompt_tokens": 10**10},
+        {"t": float("inf")},
+        {"t": float("nan")},
+    ],
+    ids=json.dumps,
+)
+def test_a_line_of_the_wrong_shape_is_named_not_a_traceback(
+    tmp_path: Path, extra: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trace of another version, or corrupt: each of these was a traceback (AttributeError,
+    TypeError, MemoryError) or, for an infinite time, a replay that never ended."""
+    path = tmp_path / "t.jsonl"
+    bad = {**json.loads(line(1.0, "b", [1])), **extra}
+    path.write_text(line(0.5, "a", [1]) + "\n" + json.dumps(bad) + "\n")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "t.jsonl:2: not a trace line" in err and "Traceback" not in err
+
+
+def test_a_long_idle_gap_replays_without_stepping_through_it(tmp_path: Path) -> None:
+    """Two requests 10,000 s apart: scrapes every 50 ms of an idle fleet made it minutes."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(0.0, "a", [1]) + "\n" + line(10_000.0, "a", [1, 2]) + "\n")
+    arrivals = read_trace([path], 4.0, None)
+    started = time.process_time()
+    result = simulate(arrivals, ENDPOINTS, "latency", EngineConfig(decode_ms=4.0))
+    assert len(result.e2e_s) == 2 and not result.errors
+    assert time.process_time() - started < 5.0  # one second of stepping would be ~20,000 scrapes
 
 
 def test_every_strategy_replays_every_request_at_the_same_times(tmp_path: Path) -> None:
