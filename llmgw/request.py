@@ -172,7 +172,7 @@ def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
     if messages is not None and not isinstance(messages, list):
         raise BadRequest("field 'messages' must be an array")
     prompt, chars = prompt_parts(payload, prefix_chars)
-    raw: Any = messages if messages is not None else payload.get("prompt")
+    raw: Any = messages if messages is not None else _completion_prompt(payload.get("prompt"))
     if messages is not None:
         extras = {k: payload[k] for k in _TEMPLATE_FIELDS if payload.get(k) is not None}
         if extras:  # what else the chat template renders (vLLM passes these to it)
@@ -183,6 +183,19 @@ def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
                     kwargs[name] = extras.pop(name)
             raw = ChatPrompt(messages, extras.get("tools"), kwargs or None)
     return BodyFields(model=model, prompt=prompt, stream=stream, prompt_chars=chars, raw_prompt=raw)
+
+
+def _completion_prompt(prompt: Any) -> str | tuple[int, ...] | None:
+    """A completion's prompt as the tokenizer takes it: text, or token ids as given (a list
+    of them is not chat messages); several prompts in one request: None (no one prefix)."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return tuple(prompt)
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return prompt[0]
+    return None
 
 
 def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:

@@ -106,6 +106,8 @@ class PromptTokenizer:
 
     def tokens(self, raw_prompt: Any, session: str | None = None) -> tuple[int, ...] | None:
         """None when the request carries no prompt this tokenizer can render."""
+        if isinstance(raw_prompt, tuple):  # a completion's prompt given as token ids
+            return raw_prompt
         if isinstance(raw_prompt, (list, ChatPrompt)):
             chat_prompt = (
                 raw_prompt if isinstance(raw_prompt, ChatPrompt) else ChatPrompt(raw_prompt)
@@ -189,6 +191,9 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
         settings = json.loads(config_file.read_text())
     template_file = folder / "chat_template.jinja"
     source = template_file.read_text() if template_file.is_file() else settings.get("chat_template")
+    if isinstance(source, list):  # named templates ({name, template}): the default one
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
     specials = {k: _token_text(settings.get(k)) for k in ("bos_token", "eos_token")}
 
     def render(chat: ChatPrompt) -> str:

@@ -97,6 +97,7 @@ class KvEventSubscriber:
         wall_clock: Callable[[], float] = time.time,
         replay_timeout: float = 1.0,
         retry_s: float = 1.0,
+        heartbeat_s: float = 1.0,
     ) -> None:
         self.registry = registry
         self.endpoint_id = endpoint_id
@@ -106,6 +107,7 @@ class KvEventSubscriber:
         self.wall_clock = wall_clock
         self.replay_timeout = replay_timeout
         self.retry_s = retry_s
+        self.heartbeat_s = heartbeat_s  # between ZMTP pings; 3 missed: disconnected
         self.stats = SubscriberStats()
         self.source: Source | None = None
         self.connected = asyncio.Event()  # set once the SUB socket is connected
@@ -146,6 +148,12 @@ class KvEventSubscriber:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         sub.setsockopt(zmq.LINGER, 0)
+        # ZMTP heartbeats: a publisher's host that dies without closing its connection
+        # (power, a partition) is a disconnect within seconds, not an endpoint live forever
+        # on frozen blocks. libzmq answers them itself, on both ends.
+        ping_ms = int(self.heartbeat_s * 1000)
+        sub.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ping_ms)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(source.endpoint)
         poller = zmq.asyncio.Poller()

@@ -249,3 +249,27 @@ def test_a_chat_template_that_does_not_compile_is_named_at_config_load(tmp_path:
     (tmp_path / "chat_template.jinja").write_text("{% if %}")
     with pytest.raises(ValueError, match="chat template does not compile"):
         make_tokenizer(name)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [([5, 6, 7], (5, 6, 7)), (["hi there"], (4, 5)), (["hi", "there"], None), ([], None)],
+)
+def test_a_completions_list_prompt_is_token_ids_or_its_one_text_not_chat(
+    tmp_path: Path, prompt: list[object], tokens: tuple[int, ...] | None
+) -> None:
+    """A list prompt was rendered as chat messages: the engine's tokens and these parted."""
+    name = _wordlevel(tmp_path)
+    config = load_dict({"models": {"m": {"endpoints": ["a:1"]}}})
+    body = orjson.dumps({"model": "m", "prompt": prompt})
+    raw = build_request(config, {}, "/v1/completions", body).raw_prompt
+    assert make_tokenizer(name).tokens(raw) == tokens
+
+
+def test_named_chat_templates_use_the_default_one(tmp_path: Path) -> None:
+    name = _wordlevel(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    named = [{"name": "tool_use", "template": "more"}, {"name": "default", "template": template}]
+    (tmp_path / "tokenizer_config.json").write_text(orjson.dumps({"chat_template": named}).decode())
+    assert make_tokenizer(name).tokens([{"role": "user", "content": "hi"}]) == (2, 4)

@@ -208,3 +208,61 @@ async def test_a_reload_that_drops_kv_events_stops_following_and_forgets(fleet: 
         assert index.state(eid) is KvState.UNKNOWN and index.size(eid) == 0
     finally:
         await router.stop()
+
+
+class Relay:
+    """A TCP relay that can go silent without closing (a host lost without a FIN)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.silent = False
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._pair, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _pair(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    if not self.silent:
+                        dst.write(data)
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def test_a_publisher_gone_silent_without_closing_is_a_disconnect(fleet: SimFleet) -> None:
+    """No FIN ever comes from a host that lost power: the subscriber's heartbeats time out
+    and the endpoint goes unknown, not live on frozen blocks."""
+    replica = fleet.replicas[0]
+    publisher = replica.kv_publisher
+    assert publisher is not None
+    relay = Relay(publisher.port)
+    await relay.start()
+    registry = Registry()
+    eid = f"127.0.0.1:{replica.port}"
+    spec = KvEventsSpec(endpoint=f"tcp://{{host}}:{relay.port}", topic="kv")
+    sub = KvEventSubscriber(registry, eid, spec, retry_s=0.05, heartbeat_s=0.1)
+    task = asyncio.create_task(sub.run())
+    try:
+        await asyncio.wait_for(sub.connected.wait(), 5.0)
+        registry.kv_index.resync_s = 0.0  # a batch lost while the relay's link comes up
+        for turn in range(50):
+            await chat(replica, f"turn {turn} " * 40)
+            if registry.kv_index.state(eid) is KvState.LIVE:
+                break
+            await asyncio.sleep(0.05)  # paced: the subscription crosses the relay meanwhile
+        assert registry.kv_index.state(eid) is KvState.LIVE
+        relay.silent = True
+        await until(lambda: sub.stats.disconnects >= 1, timeout=5.0)
+        assert registry.kv_index.state(eid) is KvState.UNKNOWN
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert relay.server is not None
+        relay.server.close()
