@@ -31,6 +31,7 @@ The response is never buffered: `send` is wrapped, messages pass straight throug
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import TYPE_CHECKING
 
 from llmgw.asgi.types import ASGIApp, Message, Receive, Scope, Send
@@ -49,7 +50,7 @@ from llmgw.runtime.driver import activate
 from llmgw.runtime.router import Router, router_for
 from llmgw.runtime.trace import close_trace, traced
 from llmgw.scheduling.scheduler import Scheduler
-from llmgw.types import Outcome, outcome_for_status
+from llmgw.types import Decision, Outcome, outcome_for_status
 
 if TYPE_CHECKING:
     from llmgw.runtime.telemetry import Telemetry
@@ -100,6 +101,29 @@ async def read_body(receive: Receive, max_bytes: int, timeout: float) -> bytes:
             f"the request body stopped arriving: nothing for {timeout:g} s after {size} bytes "
             "(limits.client_body_timeout); send the whole body"
         ) from None
+
+
+async def _activate_while_connected(
+    lifecycle: Lifecycle, pending: AwaitActivation, receive: Receive
+) -> Decision | LlmgwError | None:
+    """`activate`, unless the client disconnects first (None): a wait of up to
+    `activation_timeout` must not end in a request sent for nobody. The body has been
+    read, so the next receive() is the disconnect."""
+    activation = asyncio.ensure_future(activate(lifecycle, pending))
+    gone = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait((activation, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not gone.done():
+            gone.cancel()
+    if activation.done():
+        return activation.result()
+    if gone.result().get("type") != "http.disconnect":  # not a disconnect: wait it out
+        return await activation
+    activation.cancel()  # the start goes on (it is the activator's); this waiter goes
+    with contextlib.suppress(asyncio.CancelledError):
+        await activation
+    return None
 
 
 def split_headers(
@@ -230,7 +254,13 @@ class SchedulerMiddleware:
             return
         result = lifecycle.route(headers, path, body if needed else None)
         if isinstance(result, AwaitActivation):
-            result = await activate(lifecycle, result)
+            if body is None:  # the body is still to come: receive() is the app's
+                result = await activate(lifecycle, result)
+            else:
+                waited = await _activate_while_connected(lifecycle, result, receive)
+                if waited is None:
+                    return  # the client left while the model started: nothing to send
+                result = waited
         if isinstance(result, LlmgwError):
             await send_error(send, result)
             return

@@ -29,7 +29,11 @@ from llmgw.asgi.upstream import (
     UpstreamPool,
     UpstreamResponse,
 )
+from llmgw.config import load_dict
+from llmgw.runtime.controlplanes import CrashCallback
+from llmgw.runtime.router import Router
 from llmgw.testing.wait import eventually
+from llmgw.types import Endpoint
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
@@ -215,3 +219,56 @@ async def test_a_request_on_a_connection_closed_before_it_fails_at_once() -> Non
     finally:
         await pool.aclose()
         await upstream.stop()
+
+
+class NeverReady:
+    """A control plane whose start never finishes (a model still loading)."""
+
+    def __init__(self) -> None:
+        self.wants = 0
+
+    async def want(self, model: str) -> list[Endpoint]:
+        self.wants += 1
+        await asyncio.Event().wait()
+        return []
+
+    async def stop(self, model: str) -> None:
+        return None
+
+    def status(self, model: str) -> dict[str, object]:
+        return {}
+
+    def on_crash(self, callback: CrashCallback) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_client_that_leaves_while_its_model_starts_stops_waiting() -> None:
+    """The wait for an on-demand model (up to activation_timeout) did not watch the client:
+    it went on, counted among the waiters, and ended in a request sent for nobody."""
+    config = load_dict(
+        {
+            "activation_timeout": 60,
+            "models": {
+                MODEL: {"launch": {"command": "serve {port}"}, "scaling": {"min": 0, "max": 1}}
+            },
+        }
+    )
+    plane = NeverReady()
+    app = ProxyApp(config, router=Router(config, control_plane=plane, scrape=False))
+    async with serve(app, http=guarded(config.limits)) as base:
+        activator = app.router.activator
+        assert activator is not None
+        port = int(base.rsplit(":", 1)[1])
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST " + CHAT.encode() + b" HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\n" + b"content-length: %d\r\n\r\n" % len(BODY) + BODY
+        )
+        await writer.drain()
+        await eventually(lambda: activator.machines[MODEL].waiters == 1)
+        writer.close()
+        await eventually(lambda: activator.machines[MODEL].waiters == 0, timeout=5)
+        assert plane.wants == 1  # the start goes on: it is the activator's, not the client's
