@@ -51,7 +51,9 @@ class ScorerSpec(_Strict):
 class StrategySpec(_Strict):
     """Explicit scorer weights (`{queue: 1, kv: {weight: 2, params: {ceiling: 0.9}}}`) + picker."""
 
-    name: str = "custom"
+    # It goes into the x-llmgw-decision header and metric labels: a token, not free text
+    # (a newline in it broke every response with debug headers on).
+    name: str = Field(default="custom", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     scorers: dict[str, ScorerSpec] = Field(default_factory=dict)
     picker: PickerSpec = PickerSpec()
     filters: tuple[str, ...] = ("healthy", "model-serves", "not-saturated")

@@ -296,6 +296,12 @@ INVALID: list[tuple[str, Any, str, str]] = [
         "models.chat.launch.host",
         "must be an IP address or a host name",
     ),
+    (
+        "strategy-name-with-a-newline",  # broke every response carrying the debug header
+        one_model(endpoints=EP, strategy={"name": "custom\r\nx-injected: 1"}),
+        "models.chat.strategy.name",
+        "should match pattern",
+    ),
     ("no-models", {"models": {}}, "models", "at least one model"),
     ("models-missing", {"breaker": {}}, "models", "required field is missing"),
 ]
