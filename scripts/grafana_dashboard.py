@@ -137,11 +137,8 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
                     ),
                     (
                         "predicted mean {{model}}",
-                        "(sum by (model) "
-                        f"(rate(llmgw_ttft_observed_seconds_sum{{{M}}}{W}))"
-                        f" - sum by (model) (rate(llmgw_ttft_prediction_error_seconds_sum{{{M}}}{W})))"
-                        " / sum by (model) "
-                        f"(rate(llmgw_ttft_prediction_error_seconds_count{{{M}}}{W}))",
+                        f"sum by (model) (rate(llmgw_ttft_predicted_seconds_sum{{{M}}}{W}))"
+                        f" / sum by (model) (rate(llmgw_ttft_predicted_seconds_count{{{M}}}{W}))",
                     ),
                     (
                         "observed p90 {{model}}",

@@ -381,6 +381,16 @@ class Telemetry:
             buckets=_ERROR_BUCKETS,
             registry=self.registry,
         )
+        # The prediction itself (non-negative: Prometheus exports no _sum for a histogram
+        # with negative buckets, so the error's sum cannot give the predicted mean).
+        self._ttft_predicted = Histogram(
+            f"{prefix}_ttft_predicted_seconds",
+            "Predicted time to first token (latency scorer) of the requests timed in "
+            f"{prefix}_ttft_prediction_error_seconds, per model",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self._decision_children: dict[tuple[str, str, str], Counter] = {}
         self._outcome_children: dict[tuple[str, str, str], Counter] = {}
         self._collector: _RegistryCollector | None = None
@@ -436,8 +446,9 @@ class Telemetry:
 
     def ttft(self, model: str, observed: float, predicted: float | None) -> None:
         self._ttft.labels(model).observe(observed)
-        if predicted is not None:
+        if predicted is not None and math.isfinite(predicted):
             self._ttft_error.labels(model).observe(observed - predicted)
+            self._ttft_predicted.labels(model).observe(predicted)
 
     def stage(self, stage: str, seconds: float) -> None:
         """Observe one stage duration; `stage` is one of STAGES."""
