@@ -156,6 +156,9 @@ class Scraper:
             getter = self._getters.pop(address, None)
             if getter is not None:
                 await getter.close()
+            if address not in self.targets():  # its counts go with it (series per address)
+                self.errors.pop(address, None)
+                self.scrapes.pop(address, None)
 
     def _sync(self) -> None:
         """Start loops for new addresses, stop loops of addresses that left."""

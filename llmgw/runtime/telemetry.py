@@ -394,6 +394,7 @@ class Telemetry:
         self._decision_children: dict[tuple[str, str, str], Counter] = {}
         self._outcome_children: dict[tuple[str, str, str], Counter] = {}
         self._collector: _RegistryCollector | None = None
+        self._bound: Registry | None = None
 
     def bind(
         self,
@@ -412,6 +413,7 @@ class Telemetry:
             registry, scraper, self.prefix, discovery=discovery, models=models, peers=peers
         )
         self.registry.register(self._collector)
+        self._bound = registry
 
     def decision(self, decision: Decision) -> str:
         """Count one decision; returns its reason (see `decision_reason`)."""
@@ -456,4 +458,23 @@ class Telemetry:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
+        self._forget_departed()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _forget_departed(self) -> None:
+        """Drop the per-endpoint counters of endpoints gone from the registry (and done
+        draining): with pods coming and going under new IPs, each kept its series forever
+        (300 rollouts of 2 pods: 600 outcome series, 150 KB a scrape)."""
+        registry = self._bound
+        if registry is None:
+            return
+        for children, family in (
+            (self._decision_children, self._decisions),
+            (self._outcome_children, self._outcomes),
+        ):
+            for key in [k for k in children if registry.get(k[0], k[1]) is None]:
+                model, endpoint_id = key[0], key[1]
+                if any(d.id == endpoint_id for d in registry.draining(model)):
+                    continue
+                del children[key]
+                family.remove(*key)

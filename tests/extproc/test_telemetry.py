@@ -8,7 +8,7 @@ import pytest
 
 from llmgw.registry import Registry
 from llmgw.runtime.telemetry import Telemetry, decision_reason
-from llmgw.types import Decision, Endpoint, Rationale, ScorerColumn
+from llmgw.types import Decision, Endpoint, Outcome, Rationale, ScorerColumn
 
 
 def decision(columns: tuple[ScorerColumn, ...], chosen: str = "a") -> Decision:
@@ -49,6 +49,24 @@ def test_ttft_prediction_error_is_exported_per_model() -> None:
     assert 'llmgw_ttft_prediction_error_seconds_count{model="chat"} 1.0' in text
     assert 'llmgw_ttft_prediction_error_seconds_bucket{le="0.05",model="chat"} 0.0' in text
     assert 'llmgw_ttft_prediction_error_seconds_bucket{le="0.1",model="chat"} 1.0' in text
+
+
+def test_an_endpoint_that_left_takes_its_counters_with_it() -> None:
+    """Pods under new IPs each left their series behind: 600 outcome series after 300
+    rollouts of two pods. They go once the endpoint has left and drained."""
+    registry = Registry()
+    registry.set_endpoints("m1", [Endpoint("a", "m1"), Endpoint("b", "m1")])
+    telemetry = Telemetry()
+    telemetry.bind(registry)
+    telemetry.decision(decision((ScorerColumn("queue", 1.0, (1.0, 0.5, 0.5)),), chosen="a"))
+    telemetry.outcome("m1", "a", Outcome.SUCCESS)
+    telemetry.outcome("m1", "b", Outcome.SUCCESS)
+    registry.acquire("m1", "a")  # a request still in flight there
+    registry.set_endpoints("m1", [Endpoint("b", "m1")])
+    assert 'endpoint="a"' in telemetry.render()[0].decode()  # draining: kept
+    registry.release("m1", "a", Outcome.SUCCESS)
+    text = telemetry.render()[0].decode()
+    assert 'endpoint="a"' not in text and 'endpoint="b",model="m1",outcome="success"' in text
 
 
 def test_model_state_lists_on_demand_models_only_not_discovered_ones() -> None:

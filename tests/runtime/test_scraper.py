@@ -173,6 +173,7 @@ async def test_an_endpoint_that_leaves_has_its_connection_closed(server: FakeSer
         registry.set_endpoints("m", [])
         await eventually(lambda: server.closed == 1)
         assert scraper._getters == {}
+        await eventually(lambda: not scraper.scrapes)  # its per-address counts went too
     finally:
         await scraper.stop()
 
