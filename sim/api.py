@@ -111,10 +111,25 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
         raw_prompt = body.get("prompt")
         if raw_prompt is None:
             raise ApiError(400, "prompt: Field required", "prompt")
+        if isinstance(raw_prompt, list) and not raw_prompt:
+            raise ApiError(400, "please provide at least one prompt", "prompt")
+        if (
+            isinstance(raw_prompt, list)
+            and len(raw_prompt) == 1
+            and not isinstance(raw_prompt[0], int)
+        ):
+            raw_prompt = raw_prompt[0]  # a batch of one: that prompt
+        if isinstance(raw_prompt, list) and all(isinstance(p, str | list) for p in raw_prompt):
+            # vLLM answers a batch with a choice per prompt; joined into one, a client lost
+            # answers without an error.
+            raise ApiError(
+                400,
+                "prompt: the simulator serves one prompt per request; send each of the "
+                f"{len(raw_prompt)} prompts on its own",
+                "prompt",
+            )
         if isinstance(raw_prompt, str):
             prompt = raw_prompt
-        elif isinstance(raw_prompt, list) and all(isinstance(p, str) for p in raw_prompt):
-            prompt = "".join(raw_prompt)
         elif isinstance(raw_prompt, list) and all(
             isinstance(p, int) and not isinstance(p, bool) for p in raw_prompt
         ):
@@ -123,8 +138,10 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
         else:
             raise ApiError(400, "prompt: Input should be a string or a list of tokens", "prompt")
     max_tokens = _optional_int(body, "max_tokens", 1)
-    if kind == CHAT and max_tokens is None:
-        max_tokens = _optional_int(body, "max_completion_tokens", 1)
+    if kind == CHAT:  # vLLM: max_completion_tokens, else max_tokens
+        completion = _optional_int(body, "max_completion_tokens", 1)
+        if completion is not None:
+            max_tokens = completion
     n = _optional_int(body, "n", 1)
     if n is not None and n != 1:
         raise ApiError(400, "n: only n=1 is supported by the simulator", "n")
@@ -132,6 +149,10 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
+        if not stream:
+            raise ApiError(
+                400, "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options: Input should be a valid object", "stream_options")
         include_usage = _optional_bool(options, "include_usage")

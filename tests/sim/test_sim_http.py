@@ -133,6 +133,38 @@ async def test_bad_requests_are_400_openai_errors(
     assert response.headers["x-sim-replica"] == "0"
 
 
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"prompt": []}, "at least one prompt"),
+        ({"prompt": ["alpha", "beta"]}, "send each of the 2 prompts on its own"),  # was joined
+        ({"prompt": [[1, 2], [3]]}, "send each of the 2 prompts on its own"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream=True"),
+        ({"prompt": "hi", "max_tokens": 2, "max_completion_tokens": "ten"}, None),  # completions
+    ],
+)
+async def test_completions_bodies_are_answered_as_vllm_answers_them(
+    client: httpx.AsyncClient, body: dict[str, object], needle: str | None
+) -> None:
+    response = await client.post("/v1/completions", json={"model": "m1", **body})
+    if needle is None:  # vLLM's completions API takes max_tokens only: the other is ignored
+        assert response.status_code == 200
+        return
+    assert response.status_code == 400 and needle in response.json()["error"]["message"]
+
+
+async def test_chat_takes_max_completion_tokens_over_max_tokens_as_vllm_does(
+    client: httpx.AsyncClient,
+) -> None:
+    body = {**CHAT, "max_tokens": 2, "max_completion_tokens": 5}
+    reply = (await client.post("/v1/chat/completions", json=body)).json()
+    assert reply["usage"]["completion_tokens"] == 5
+    bad = {**body, "max_completion_tokens": "ten"}
+    assert (await client.post("/v1/chat/completions", json=bad)).status_code == 400
+    one = await client.post("/v1/completions", json={"model": "m1", "prompt": ["hi there"]})
+    assert one.status_code == 200  # a batch of one is that prompt
+
+
 async def test_unknown_model_is_404_and_unknown_path_is_404(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/chat/completions", json={**CHAT, "model": "nope"})
     assert response.status_code == 404
