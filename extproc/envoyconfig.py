@@ -226,6 +226,16 @@ def build(
             "shape override-host"
         )
     addresses = list(dict.fromkeys(e.address for m in config.models.values() for e in m.endpoints))
+    named = [a for a in addresses if not _is_ip(_split(a)[0])]
+    if named:
+        # Envoy takes llmgw's pick as an address: override-host matches it against its hosts'
+        # resolved IPs, original-dst connects to it. With names, every request through Envoy
+        # failed (503 upstream_unreachable, then open breakers), measured with Envoy 1.40.
+        raise ValueError(
+            f"endpoint {named[0]}: behind Envoy, endpoints must be IP addresses (llmgw's pick "
+            "goes to Envoy as an address, matched by IP); Kubernetes discovery gives pod IPs, "
+            "and the embedded proxy (`llmgw proxy`) takes host names"
+        )
     if not addresses and shape != "original-dst":
         raise ValueError(
             f"shape {shape!r} needs static endpoints to list in the Envoy cluster; the config has "

@@ -214,6 +214,11 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
         (["--route-timeout", "-1"], {}, "--route-timeout: -1.0 is not a duration"),
         (["--message-timeout", "7200"], {}, "--message-timeout 7200: give seconds in (0, 3600]"),
         ([], {"limits": {"max_body_bytes": 5_000_000_000}}, "Envoy's buffer limits are 32-bit"),
+        (  # Envoy's override host never matched a name: every request failed (503)
+            ["--shape", "override-host"],
+            {"models": {"m": {"endpoints": ["vllm-0.models:8000"]}}},
+            "endpoint vllm-0.models:8000: behind Envoy, endpoints must be IP addresses",
+        ),
     ],
 )
 def test_input_envoy_would_refuse_is_refused_here(
