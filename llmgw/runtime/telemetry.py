@@ -83,7 +83,7 @@ _BUCKETS = (
 )
 # vLLM's time-to-first-token buckets (seconds), so the two histograms line up.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 # Symmetric around 0: under- and over-prediction, from 5 ms to 10 s either way.
 _ERROR_BUCKETS = tuple(
     [-x for x in (10.0, 2.5, 1.0, 0.5, 0.25, 0.1, 0.05, 0.025, 0.005)]
@@ -353,7 +353,8 @@ class Telemetry:
         )
         self._outcomes = Counter(
             f"{prefix}_outcomes",
-            "How dispatched requests ended, per endpoint",
+            "How dispatched requests ended, per endpoint, as the breaker reads them (an "
+            "engine's 4xx answer is a success: the engine worked; 429/503 backpressure)",
             ["model", "endpoint", "outcome"],
             registry=self.registry,
         )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +40,21 @@ def test_each_instance_has_its_own_registry() -> None:
     assert b'reason="queue"' in first.render()[0]
     assert b"reason=" not in second.render()[0]
     assert first.render()[1].startswith("text/plain")
+
+
+def test_ttft_buckets_are_vllms_to_the_last() -> None:
+    """The comment said vLLM's buckets and they stopped at 80 s: slower first tokens (a
+    cold engine, a queue) all fell in +Inf, unlike the engine's own histogram beside it."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "metrics-vllm-0.32.0-busy.txt"
+    engine = re.findall(
+        r'vllm:time_to_first_token_seconds_bucket\{[^}]*le="([^"]+)"', fixture.read_text()
+    )
+    telemetry = Telemetry()
+    telemetry.ttft("chat", 1.0, None)
+    ours = re.findall(
+        r'llmgw_ttft_observed_seconds_bucket\{le="([^"]+)"', telemetry.render()[0].decode()
+    )
+    assert ours == list(dict.fromkeys(engine))
 
 
 def test_ttft_prediction_error_is_exported_per_model() -> None:
