@@ -218,13 +218,24 @@ class Relay:
         self.silent = False
         self.server: asyncio.Server | None = None
         self.port = 0
+        self.writers: list[asyncio.StreamWriter] = []
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._pair, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
 
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        await self.server.wait_closed()
+
     async def _pair(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers += [writer, up_writer]
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             with contextlib.suppress(ConnectionError):
@@ -264,5 +275,4 @@ async def test_a_publisher_gone_silent_without_closing_is_a_disconnect(fleet: Si
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        assert relay.server is not None
-        relay.server.close()
+        await relay.stop()
