@@ -14,6 +14,7 @@ with others and look slower per token), and routing on those would feed back int
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple, TypeVar
@@ -125,12 +126,44 @@ def _slope(fits: Iterable[DecayedSlope]) -> float | None:
     return slope if slope > 0 else None
 
 
-def _pooled(ratios: Iterable[DecayedRatio]) -> float | None:
+def _pooled(
+    ratios: Iterable[DecayedRatio],
+    bounds: tuple[float, float] | None = None,
+    *,
+    outliers: bool = False,
+) -> float | None:
+    """One ratio over all endpoints' samples; with `bounds`, endpoints whose own value is
+    outside them are left out; with `outliers`, also one 10x off the others' median (a
+    look-alike publishing milliseconds for seconds: pooled, it set every endpoint's slot
+    wait 250x too long). Not for values that differ by traffic (uncached tokens)."""
+    kept = [r for r in ratios if bounds is None or _plausible(r.value, bounds) is not None]
+    if outliers and len(kept) >= 3:
+        values = sorted(v for r in kept if (v := r.value) is not None)
+        if values:
+            middle = values[len(values) // 2]
+            kept = [r for r in kept if r.value is None or middle / 10 <= r.value <= middle * 10]
     num = den = 0.0
-    for r in ratios:
+    for r in kept:
         num += r.num
         den += r.den
     return num / den if den > 0 else None
+
+
+# What an engine's published numbers can mean; outside, a glitch (a counter reset mid-window,
+# an overflow, another unit), and the endpoint's value is not used: one endpoint's absurd
+# number set the whole model's price (the minimum over endpoints) and sent it every request.
+PER_TOKEN_S = (1e-9, 1.0)  # seconds a prefill token takes
+NET_PER_TOKEN_S = (-1.0, 1.0)  # the same less a step's share: an estimate, may dip below 0
+STEP_S = (1e-5, 60.0)  # seconds an engine step takes
+SERVICE_S = (1e-4, 86_400.0)  # seconds a request holds its batch slot
+TOKENS_PER_PREFILL = (1.0, 1e8)
+MAX_SLOWDOWN = 100.0  # an endpoint priced at most this multiple of the fastest
+
+
+def _plausible(value: float | None, bounds: tuple[float, float]) -> float | None:
+    if value is None or not math.isfinite(value) or not bounds[0] <= value <= bounds[1]:
+        return None
+    return value
 
 
 class Calibration:
@@ -441,8 +474,9 @@ def slowdowns(cals: Iterable[tuple[str, Calibration]]) -> dict[str, float]:
     floors: dict[str, float] = {}
     prefills: dict[str, float] = {}
     for eid, cal in cals:
-        floor, prefill = cal.floor, cal.prefill_long.value
-        if floor is not None and floor > 0 and prefill is not None and prefill > 0:
+        floor = _plausible(cal.floor, STEP_S)
+        prefill = _plausible(cal.prefill_long.value, PER_TOKEN_S)
+        if floor is not None and prefill is not None:
             floors[eid] = floor
             prefills[eid] = prefill
     if len(floors) < 2:
@@ -450,7 +484,7 @@ def slowdowns(cals: Iterable[tuple[str, Calibration]]) -> dict[str, float]:
     fastest_floor = min(floors.values())
     fastest_prefill = min(prefills.values())
     return {
-        eid: min(floor / fastest_floor, prefills[eid] / fastest_prefill)
+        eid: min(floor / fastest_floor, prefills[eid] / fastest_prefill, MAX_SLOWDOWN)
         for eid, floor in floors.items()
     }
 
@@ -475,8 +509,10 @@ def observed_slowdowns(cals: Iterable[tuple[_K, Calibration]]) -> dict[_K, float
     if len(reads) < 2:
         return {}
     fastest = min(reads.values())
+    if not (math.isfinite(fastest) and fastest > 0):
+        return {}
     return {
-        eid: read / fastest if read >= fastest * _OBSERVED_BAND else 1.0
+        eid: min(read / fastest, MAX_SLOWDOWN) if read >= fastest * _OBSERVED_BAND else 1.0
         for eid, read in reads.items()
     }
 
@@ -496,7 +532,9 @@ def token_ratio(cals: Iterable[Calibration]) -> float:
         return 1.0
     ratio = (engine_num / engine_den) / (router_num / router_den)
     low, high = _RATIO_BAND
-    return ratio if ratio > 0 and not low <= ratio <= high else 1.0
+    if not (math.isfinite(ratio) and 0.01 <= ratio <= 100.0):  # no tokenizer is that far off
+        return 1.0
+    return ratio if not low <= ratio <= high else 1.0
 
 
 def pooled(cals: Iterable[Calibration]) -> Costs:
@@ -511,7 +549,10 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
     is below the engines')."""
     cals = list(cals)
     ratio = token_ratio(cals)
-    per_token = min((v for c in cals if (v := c.prefill.value) is not None), default=None)
+    per_token = min(
+        (v for c in cals if (v := _plausible(c.prefill.value, PER_TOKEN_S)) is not None),
+        default=None,
+    )
     observed = _slope(c.observed for c in cals)
     if per_token is not None:
         per_token *= ratio
@@ -521,14 +562,17 @@ def pooled(cals: Iterable[Calibration]) -> Costs:
             # Those are priced at their multiple of the fastest's cost: fit the others alone.
             observed = _slope(c.observed for i, c in enumerate(cals) if slow.get(i, 1.0) == 1.0)
         per_token = observed
-    step = min((v for c in cals if (v := c.step.value) is not None), default=None)
-    tokens = _pooled(c.tokens for c in cals)
-    marginal = _pooled(c.net for c in cals)
+    step = min(
+        (v for c in cals if (v := _plausible(c.step.value, STEP_S)) is not None), default=None
+    )
+    tokens = _pooled((c.tokens for c in cals), TOKENS_PER_PREFILL)
+    # Net of a step, one endpoint's estimate may be below 0 (noise): pooled, not dropped.
+    marginal = _pooled((c.net for c in cals), NET_PER_TOKEN_S)
     return Costs(
         per_token,
         step,
         None if tokens is None else tokens / ratio,
-        _pooled(c.service for c in cals),
+        _pooled((c.service for c in cals), SERVICE_S, outliers=True),
         ratio,
         observed,
         marginal * ratio if marginal is not None and marginal > 0 else None,

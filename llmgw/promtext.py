@@ -285,13 +285,22 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
         if values is None:
             return None
         summed = sum(values)
-        if not math.isfinite(summed):  # finite series whose sum overflows: read as absent
+        # Finite series whose sum overflows, or a negative count or sum (counters and
+        # histograms only grow from 0): read as absent.
+        if not math.isfinite(summed) or summed < 0:
             return None
         return summed
 
     waiting_total, running_total = sum(waiting), sum(running)
     if not (math.isfinite(waiting_total) and math.isfinite(running_total)):
         raise MetricsError("metrics page's waiting or running requests sum past a float")
+    if not (0 <= waiting_total <= _MAX_REQUESTS and 0 <= running_total <= _MAX_REQUESTS):
+        # A negative or absurd gauge (an unsigned underflow in a look-alike): one such read
+        # set the endpoint's peak batch to 1.8e19, and its full-batch wait was gone for good.
+        raise MetricsError(
+            f"metrics page's requests waiting ({waiting_total:g}) or running "
+            f"({running_total:g}) is not a count of requests"
+        )
     return EngineMetrics(
         waiting=waiting_total,
         running=running_total,
@@ -313,6 +322,9 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
     )
 
 
+_MAX_REQUESTS = 1e7  # requests one engine has waiting or running, at most
+
+
 def _kv_tokens(labels: Mapping[str, str], before: float | None) -> float | None:
     """KV cache size in tokens from an info metric's labels (summed over engines)."""
     try:
@@ -321,4 +333,5 @@ def _kv_tokens(labels: Mapping[str, str], before: float | None) -> float | None:
         return before
     if not math.isfinite(tokens) or tokens <= 0:
         return before
-    return tokens + (before or 0.0)
+    summed = tokens + (before or 0.0)
+    return summed if math.isfinite(summed) else before

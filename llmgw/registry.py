@@ -447,12 +447,17 @@ def own_load(state: EndpointState) -> tuple[int, float]:
     return state.inflight, 0.0
 
 
+_MAX_FIRST_TOKENS = 1e7  # first tokens one engine produces between two scrapes, at most
+
+
 def _count_first_tokens(state: EndpointState, first_tokens: float) -> None:
     """The engine produced `first_tokens` first tokens since the last scrape: close this
     router's share of them among its oldest open prefills there (engines schedule in
     arrival order). The share is this router's requests over the engine's first tokens
     in recent scrapes: 1 where it sends all the traffic (other routers', direct clients'
     requests, or fallbacks sent without a prediction, count there too)."""
+    if not 0.0 <= first_tokens <= _MAX_FIRST_TOKENS:  # a counter glitch: no count at all
+        return
     state.share_engine = state.share_engine * _SHARE_DECAY + first_tokens
     sent = state.share_sent
     state.share_sent = sent * _SHARE_DECAY

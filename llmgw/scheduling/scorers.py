@@ -305,6 +305,10 @@ class TermRows(Sequence[Row]):
     __hash__ = None  # type: ignore[assignment]  # mutable lists inside, like a list
 
 
+_HUGE = 1e18  # seconds: past any real prediction; NaN and inf costs are priced at it
+_MAX_INDEX_BLOCKS = 1e12  # an index capacity past this is no engine's KV cache
+
+
 class LatencyScorer:
     """Predicted time to first token on each endpoint, in seconds; the fastest scores 1.
 
@@ -450,7 +454,11 @@ class LatencyScorer:
                 if not self.kv_sized:
                     continue
                 if kv is not None:
-                    self.index.set_capacity(s.id, int(kv // block))
+                    blocks = kv / block
+                    # (A non-finite size, from engines that publish absurd ones, raised
+                    # here on every pick of the model.)
+                    if 0 <= blocks < _MAX_INDEX_BLOCKS:  # False for NaN too
+                        self.index.set_capacity(s.id, int(blocks))
                 else:
                     self._fit_capacity(s.id, s.calibration)
             # The params fill in what the engines do not publish; every other field as pooled.
@@ -722,13 +730,20 @@ class LatencyScorer:
             if session_charge and queue < mean_queue and fits(s.id, work / per_block, now):
                 charge = base_weight + queue / slow / per_waiting  # this queue, not the fleet's
             append_cost(queue + prefill + step + charge * work + smoothing)
+        if not all(c < _HUGE for c in costs):  # NaN or inf: an engine's numbers broke the
+            # model there; such a candidate goes last (a NaN anywhere made every score NaN,
+            # and the picker took list order), and the mean below counts finite queues only.
+            costs = [c if c < _HUGE else _HUGE for c in costs]
+            queues_ok = [q for q in queues if q < _HUGE]
+            self._mean_queue = sum(queues_ok) / len(queues_ok) if queues_ok else 0.0
+        else:
+            self._mean_queue = sum(queues) / n if n else 0.0
         self._candidates = candidates
         self._uncached = uncached_tokens
         self._prompt_tokens = tokens
         self._rows = (queues, prefills, steps)
         # New lists each pick: the Decision keeps the old ones.
         self._terms = TermRows(queues, prefills, steps, uncached_tokens, tokens, exact_flags)
-        self._mean_queue = sum(queues) / n if n else 0.0
         # low / (cost + smoothing), in a C-level map (the same operations as a list
         # comprehension, ~1.5x faster per endpoint). Rounding is monotonic, so the least
         # smoothed cost is the least cost, smoothed: `low` as before.
