@@ -154,6 +154,16 @@ def test_k8s_probes_and_metrics_annotations() -> None:
     deployment = _k8s_docs()["Deployment/llmgw"]
     pod = deployment["spec"]["template"]
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9090"
+    # Scraped once: the Service annotated too, pod and endpoint jobs each took every series.
+    service = _k8s_docs()["Service/llmgw"]
+    assert not any(
+        k.startswith("prometheus.io") for k in service["metadata"].get("annotations", {})
+    )
+    # The endpoint picker's port, which the InferencePool's endpointPickerRef names.
+    assert {"name": "grpc", "port": 9002, "targetPort": "grpc", "appProtocol": "http2"} in (
+        service["spec"]["ports"]
+    )
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     extproc = next(c for c in pod["spec"]["containers"] if c["name"] == "extproc")
     ports = {p["name"]: p["containerPort"] for p in extproc["ports"]}
     assert ports == {
