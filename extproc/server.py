@@ -49,7 +49,7 @@ from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.cliargs import port_number, positive_int
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.driver import activate
-from llmgw.runtime.health import HEALTHZ_BODY, readiness
+from llmgw.runtime.health import HEALTHZ_BODY, is_ready, readiness
 from llmgw.runtime.router import ConfigWatcher, router_for, worker_group, workers_problem
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.runtime.trace import close_trace, traced
@@ -163,7 +163,7 @@ class ExtProcServer:
 
     # -- grpc.health.v1 ------------------------------------------------------------------
     def _ready(self) -> bool:
-        return readiness(self.router, started=self._grpc is not None, draining=self.draining)[0]
+        return is_ready(started=self._grpc is not None, draining=self.draining)
 
     async def _refresh_health(self) -> None:
         """Keep Watch streams current: on drain at once, else once a second."""

@@ -20,6 +20,11 @@ from llmgw.runtime.router import Router
 HEALTHZ_BODY = b'{"status":"ok"}'
 
 
+def is_ready(*, started: bool, draining: bool) -> bool:
+    """`/readyz`'s answer without its body (gRPC health asks it on every check)."""
+    return started and not draining
+
+
 def readiness(router: Router, *, started: bool, draining: bool) -> tuple[bool, bytes]:
     """(ready, JSON body) for `/readyz`."""
     registry = router.registry
@@ -32,7 +37,7 @@ def readiness(router: Router, *, started: bool, draining: bool) -> tuple[bool, b
         available = sum(1 for s in states if s.breaker.available(now))
         models[name] = {"mode": mode.value, "endpoints": len(states), "available": available}
         routable |= available > 0 or mode is ModelMode.ON_DEMAND
-    ready = started and not draining
+    ready = is_ready(started=started, draining=draining)
     return ready, orjson.dumps(
         {"ready": ready, "draining": draining, "routable": routable, "models": models}
     )
