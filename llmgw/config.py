@@ -156,11 +156,6 @@ def launch_argv(command: str, *, port: int, host: str, model: str) -> list[str]:
     return argv
 
 
-def endpoint_address(host: str, port: int) -> str:
-    """host:port, an IPv6 literal in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 class SessionSpec(_Strict):
     headers: tuple[str, ...] = ("x-session-id",)
     num_fallback_replicas: int = Field(default=2, ge=0)

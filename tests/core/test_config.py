@@ -11,7 +11,6 @@ from llmgw.config import (
     Config,
     ModelMode,
     ScalingSpec,
-    endpoint_address,
     endpoints_of,
     host_port,
     launch_argv,
@@ -21,6 +20,7 @@ from llmgw.config import (
     model_mode,
     normalize,
 )
+from llmgw.discovery import join
 from llmgw.errors import ConfigError
 from llmgw.types import Endpoint, Engine
 
@@ -536,8 +536,8 @@ def test_an_ipv6_launch_host_gives_a_bracketed_endpoint_address(host: str) -> No
     cfg = load_dict(one_model(launch={**LAUNCH, "host": host}, scaling={"max": 1}))
     launch = cfg.models["chat"].launch
     assert launch is not None and launch.host == "::1"
-    assert endpoint_address(launch.host, 24900) == "[::1]:24900"
-    assert host_port(endpoint_address(launch.host, 24900))
+    assert join(launch.host, 24900) == "[::1]:24900"
+    assert host_port(join(launch.host, 24900))
 
 
 def test_a_launch_command_with_escaped_braces_fills_its_placeholders() -> None:

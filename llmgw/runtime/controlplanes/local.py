@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmgw.config import Config, LaunchSpec, endpoint_address, launch_argv
+from llmgw.config import Config, LaunchSpec, launch_argv
+from llmgw.discovery import join
 from llmgw.runtime.controlplanes import CrashCallback, StartError
 from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
 from llmgw.runtime.ports import free_port
@@ -83,7 +84,7 @@ class LocalProcessControlPlane:
         finally:
             os.close(fd)
         endpoint = Endpoint(
-            address=endpoint_address(launch.host, port), model=model, pool=model, engine=spec.engine
+            address=join(launch.host, port), model=model, pool=model, engine=spec.engine
         )
         replica = _Replica(process, endpoint, Path(log_name))
         timeout = spec.scaling.start_timeout if spec.scaling else 300.0
