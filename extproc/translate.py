@@ -126,14 +126,9 @@ def header_map(headers: HttpHeaders) -> dict[str, str]:
     return out
 
 
-def response_status(headers: HttpHeaders) -> tuple[int, str | None]:
-    """`:status` and the `x-llmgw-upstream` value, without building a dict of every header."""
-    status, upstream, _ = response_head(headers)
-    return status, upstream
-
-
 def response_head(headers: HttpHeaders) -> tuple[int, str | None, str | None]:
-    """`response_status`, and the content type."""
+    """`:status`, the `x-llmgw-upstream` value and the content type, without building a
+    dict of every header."""
     status, upstream, content_type = 0, None, None
     for h in headers.headers.headers:
         key = h.key
