@@ -306,12 +306,13 @@ class SchedulerMiddleware:
             kind = message["type"]
             if kind == "http.response.start":
                 status = message["status"]
-                content_type = None
-                for name, value in message.get("headers", ()):
-                    if name.lower() == b"content-type":
-                        content_type = value.decode("latin-1")
-                        break
-                lifecycle.response(status, content_type=content_type)
+                if lifecycle.status != status:  # else the app said it (the proxy's forwarder)
+                    content_type = None
+                    for name, value in message.get("headers", ()):
+                        if name.lower() == b"content-type":
+                            content_type = value.decode("latin-1")
+                            break
+                    lifecycle.response(status, content_type=content_type)
             elif first_byte and kind == "http.response.body":
                 first_byte = False
                 lifecycle.first_byte()
