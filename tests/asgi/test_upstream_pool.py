@@ -4,7 +4,9 @@ client that stops reading: every wait is bounded, nothing is charged to a health
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import orjson
 import pytest
@@ -14,6 +16,7 @@ from llmgw.asgi.protocol import guarded
 from llmgw.asgi.testing import (
     MODEL,
     SSE_HEAD,
+    Script,
     ScriptedUpstream,
     UpstreamRequest,
     chunk,
@@ -46,11 +49,24 @@ async def answer_ok(
     await writer.drain()
 
 
+@contextlib.asynccontextmanager
+async def pool_on(
+    script: Script, limits: PoolLimits
+) -> AsyncIterator[tuple[ScriptedUpstream, UpstreamPool]]:
+    """A pool with `limits` in front of an upstream answering with `script`."""
+    upstream = await ScriptedUpstream(script).start()
+    pool = UpstreamPool(limits)
+    try:
+        yield upstream, pool
+    finally:
+        await pool.aclose()
+        await upstream.stop()
+
+
 async def test_a_full_pool_fails_over_after_connect_timeout_instead_of_waiting() -> None:
     """All connections to an endpoint busy: the wait is bounded like a connect, and says why."""
-    upstream = await ScriptedUpstream(answer_ok).start()
-    pool = UpstreamPool(PoolLimits(max_connections=1, connect_timeout=0.2))
-    try:
+    limits = PoolLimits(max_connections=1, connect_timeout=0.2)
+    async with pool_on(answer_ok, limits) as (upstream, pool):
         held = await pool.request(upstream.address, "POST", "/x", [], b"{}")
         with pytest.raises(ConnectFailed, match=r"all 1 connections busy for 0\.2 s"):
             await asyncio.wait_for(pool.request(upstream.address, "POST", "/x", [], b"{}"), 5)
@@ -58,16 +74,12 @@ async def test_a_full_pool_fails_over_after_connect_timeout_instead_of_waiting()
         again = await pool.request(upstream.address, "POST", "/x", [], b"{}")
         assert again.status == 200
         again.release()
-    finally:
-        await pool.aclose()
-        await upstream.stop()
 
 
 async def test_a_waiter_cancelled_after_its_wake_up_passes_it_on() -> None:
     """b is woken for the freed connection but its client left: c must get the connection."""
-    upstream = await ScriptedUpstream(answer_ok).start()
-    pool = UpstreamPool(PoolLimits(max_connections=1, connect_timeout=5))
-    try:
+    limits = PoolLimits(max_connections=1, connect_timeout=5)
+    async with pool_on(answer_ok, limits) as (upstream, pool):
         first = await pool.request(upstream.address, "POST", "/x", [], b"{}")
         b = asyncio.create_task(pool.request(upstream.address, "POST", "/x", [], b"{}"))
         c = asyncio.create_task(pool.request(upstream.address, "POST", "/x", [], b"{}"))
@@ -78,9 +90,6 @@ async def test_a_waiter_cancelled_after_its_wake_up_passes_it_on() -> None:
         answered = await asyncio.wait_for(c, 2)
         assert answered.status == 200
         answered.release()
-    finally:
-        await pool.aclose()
-        await upstream.stop()
 
 
 async def test_stale_keep_alive_connections_are_dropped_and_the_retry_goes_fresh() -> None:
@@ -100,9 +109,7 @@ async def test_stale_keep_alive_connections_are_dropped_and_the_retry_goes_fresh
         writer.write(json_response(200, b"{}"))
         await writer.drain()
 
-    upstream = await ScriptedUpstream(script).start()
-    pool = UpstreamPool(PoolLimits(max_connections=4))
-    try:
+    async with pool_on(script, PoolLimits(max_connections=4)) as (upstream, pool):
         warm = [
             asyncio.create_task(pool.request(upstream.address, "POST", "/x", [], b"{}"))
             for _ in range(2)
@@ -119,17 +126,12 @@ async def test_stale_keep_alive_connections_are_dropped_and_the_retry_goes_fresh
         assert response.status == 200
         assert len(served) == 3  # the stale one, then a fresh connection (not the other)
         response.release()
-    finally:
-        await pool.aclose()
-        await upstream.stop()
 
 
 async def test_a_paused_response_does_not_spin_the_read_timer() -> None:
     """A stalled reader pauses the socket: the read timeout looks again a read_timeout later,
     not every millisecond."""
-    upstream = await ScriptedUpstream(answer_ok).start()
-    pool = UpstreamPool(PoolLimits(read_timeout=30))
-    try:
+    async with pool_on(answer_ok, PoolLimits(read_timeout=30)) as (upstream, pool):
         response = await pool.request(upstream.address, "POST", "/x", [], b"{}")
         conn = response._conn
         conn.response = response
@@ -140,9 +142,6 @@ async def test_a_paused_response_does_not_spin_the_read_timer() -> None:
         assert conn._timer is not None
         assert conn._timer.when() - conn.loop.time() > 29
         response.close()
-    finally:
-        await pool.aclose()
-        await upstream.stop()
 
 
 async def test_a_client_that_stops_reading_is_dropped_after_client_write_timeout() -> None:
@@ -204,9 +203,7 @@ async def test_a_request_on_a_connection_closed_before_it_fails_at_once() -> Non
         await writer.drain()
         writer.close()
 
-    upstream = await ScriptedUpstream(answer_then_close).start()
-    pool = UpstreamPool(PoolLimits(read_timeout=30))
-    try:
+    async with pool_on(answer_then_close, PoolLimits(read_timeout=30)) as (upstream, pool):
         response = await pool.request(upstream.address, "POST", "/x", [], b"{}")
         conn = response._conn
         await response.read()
@@ -216,9 +213,6 @@ async def test_a_request_on_a_connection_closed_before_it_fails_at_once() -> Non
         conn.send(b"POST /x HTTP/1.1\r\n\r\n", late, 30, head=False)
         with pytest.raises(ResetBeforeResponse):
             await asyncio.wait_for(late._head(), 2)
-    finally:
-        await pool.aclose()
-        await upstream.stop()
 
 
 class NeverReady:
