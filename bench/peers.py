@@ -37,9 +37,23 @@ PEER_POLICIES: dict[str, tuple[str, ...]] = {
         "sticky_least_loaded",
         "round_robin",
         "power_of_two",
+        "cache_aware-docs",
     ),
-    "sglang-router": ("cache_aware", "round_robin", "power_of_two"),
+    "sglang-router": ("cache_aware", "round_robin", "power_of_two", "cache_aware-docs"),
 }
+
+# A policy name with a `-docs` suffix runs the policy with the cache_aware values the
+# peer's own documentation recommends, instead of its CLI's defaults (cache-threshold 0.3,
+# balance-abs 64, balance-rel 1.5, eviction 60-120 s: sized for batches of hundreds of
+# sequences; with 8 a replica the balance rule rarely fires). vllm-router:
+# docs/load_balancing/README.md (0.5 / 32 / 1.1, eviction 30 s); sglang-router: the
+# `Router` docstring in sglang_router/router.py (0.5 / 32 / 1.0001, eviction 60 s).
+DOCS_ARGS: dict[str, list[str]] = {
+    "vllm-router": ["--cache-threshold", "0.5", "--balance-abs-threshold", "32",
+                    "--balance-rel-threshold", "1.1", "--eviction-interval-secs", "30"],
+    "sglang-router": ["--cache-threshold", "0.5", "--balance-abs-threshold", "32",
+                      "--balance-rel-threshold", "1.0001", "--eviction-interval-secs", "60"],
+}  # fmt: skip
 
 
 def ensure_peers(install: bool = True) -> dict[str, str]:
@@ -61,6 +75,9 @@ def peer_command(
     """The command line that runs peer `name` with `policy` in front of `upstreams`."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
     metrics = ["--prometheus-port", str(free_port())]
+    extra: list[str] = []
+    if policy.endswith("-docs"):
+        policy, extra = policy.removesuffix("-docs"), DOCS_ARGS[name]
     if name == "vllm-router":
         return [
             peers[name],
@@ -70,6 +87,7 @@ def peer_command(
             policy,
             "--log-level",
             "warning",
+            *extra,
             *metrics,
             *host,
         ]
@@ -83,6 +101,7 @@ def peer_command(
             policy,
             "--log-level",
             "warn",
+            *extra,
             *metrics,
             *host,
         ]

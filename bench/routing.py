@@ -196,6 +196,11 @@ def all_contenders() -> list[Contender]:
     for policy in ("consistent_hash", "cache_aware", "sticky_least_loaded"):
         out.append(Contender(f"vllm-router:{policy}", "vllm-router", policy=policy))
     out.append(Contender("sglang-router:cache_aware", "sglang-router", policy="cache_aware"))
+    # The same policies with the values their documentation recommends (`peers.DOCS_ARGS`).
+    out.append(Contender("vllm-router:cache_aware-docs", "vllm-router", policy="cache_aware-docs"))
+    out.append(
+        Contender("sglang-router:cache_aware-docs", "sglang-router", policy="cache_aware-docs")
+    )
     out.append(Contender("client:ring", "client", policy="ring"))
     out.append(Contender("client:round-robin", "client", policy="round-robin"))
     return out
@@ -441,7 +446,15 @@ class LoadSampler:
 
 
 def _ms(value: float) -> float | None:
-    return None if math.isnan(value) else round(value * 1e3, 1)
+    """Milliseconds; None when there is no value or it falls on a failed request (+inf)."""
+    return None if math.isnan(value) or math.isinf(value) else round(value * 1e3, 1)
+
+
+def _censored(ttfts: list[float], failed: int) -> list[float]:
+    """TTFTs with each failed streamed request (error, 429, timeout, no content) as +inf:
+    a request that got no first token is slower than every one that did. Dropping them
+    would let a contender that times out its slowest requests read a lower p90."""
+    return ttfts + [math.inf] * failed
 
 
 def _busy_max_mean(samples: list[tuple[float, list[int]]]) -> float | None:
@@ -464,8 +477,9 @@ def summarize(
     """`restarted`: some replica restarted during the run (the sampler saw its counters go
     down); also seen here when its counters end below where they started."""
     ok = [r for r in records if r.ok]
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    e2es = [r.e2e_s for r in ok if r.e2e_s is not None]
+    failed_streamed = sum(1 for r in records if r.stream and not r.ok)
+    ttfts = _censored([r.ttft_s for r in ok if r.ttft_s is not None], failed_streamed)
+    e2es = _censored([r.e2e_s for r in ok if r.e2e_s is not None], len(records) - len(ok))
 
     def delta(key: str) -> list[float]:
         # A counter that went down means its replica restarted during the run: count from
@@ -515,6 +529,7 @@ def summarize(
         "load_max_mean": round(max(served) / mean_served, 2) if mean_served else None,
         "busy_max_mean": _busy_max_mean(samples),
         "ttft_quantiles_ms": [_ms(percentile(ttfts, q)) for q in range(0, 101, 2) if ttfts],
+        "ttft_failed": failed_streamed,  # in the percentiles above as +inf
         "load_samples": samples,
     }
 
@@ -604,8 +619,10 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     for name, r in rows.items():
         row = {label: name if key == "contender" else r.get(key) for key, label in TABLE_COLUMNS}
         row["p90/best"] = _ratio(r.get("ttft_p90_ms"), best)
-        lo, hi = r.get("ttft_p90_ci_ms") or (None, None)
-        row["p90 95% CI"] = f"{lo:.0f}-{hi:.0f}" if lo is not None and hi is not None else None
+        bounds = r.get("ttft_p90_ci_ms")
+        row["p90 95% CI"] = (
+            "-".join("fail" if v is None else f"{v:.0f}" for v in bounds) if bounds else None
+        )
         out.append(row)
     return format_table(out)
 
@@ -620,13 +637,17 @@ def above_best(row: dict[str, Any], rows: dict[str, dict[str, Any]]) -> bool:
     """`row`'s p90 interval lies wholly above that of the cell's best contender (a loss
     the requests measured, not the noise of which ones ran)."""
     best = best_p90(rows)
-    lo = (row.get("ttft_p90_ci_ms") or [None])[0]
+    if best is None or not row.get("ttft_p90_ci_ms"):
+        return False
+    # A None bound fell on a failed request (+inf in the percentiles).
+    lo = row["ttft_p90_ci_ms"][0]
+    lo = math.inf if lo is None else lo
     highs = [
-        r["ttft_p90_ci_ms"][1]
+        math.inf if r["ttft_p90_ci_ms"][1] is None else r["ttft_p90_ci_ms"][1]
         for r in rows.values()
         if r.get("ttft_p90_ms") == best and r.get("ttft_p90_ci_ms")
     ]
-    return lo is not None and bool(highs) and lo > max(highs)
+    return bool(highs) and lo > max(highs)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -837,16 +858,23 @@ def pool(
                 continue
             ttfts: list[float] = []
             per_seed: list[float | None] = []
+            per_seed_failed: list[int] = []
             errors = 0
             for path in paths:
-                seed_ttfts = []
+                seed_ttfts, seed_failed = [], 0
                 for line in path.read_text().splitlines():
                     r = json.loads(line)
+                    stream = r.get("stream", True)
+                    # RequestRecord.ok: a streamed request needs its first content chunk
                     ok = r["status"] == 200 and r["error"] is None
+                    ok = ok and (r["ttft_s"] is not None or not stream)
                     if ok and r["ttft_s"] is not None:
                         seed_ttfts.append(r["ttft_s"])
+                    seed_failed += stream and not ok
                     errors += not ok
-                per_seed.append(_ms(percentile(seed_ttfts, 90)))
+                seed_ttfts = _censored(seed_ttfts, seed_failed)
+                per_seed.append(_ms(percentile(seed_ttfts, 90)) if seed_ttfts else None)
+                per_seed_failed.append(seed_failed)
                 ttfts += seed_ttfts
             if ttfts:
                 lo, hi = quantile_interval(ttfts, 90)
@@ -854,7 +882,7 @@ def pool(
                     "ttft_p90_ms": _ms(percentile(ttfts, 90)),
                     "ttft_p90_ci_ms": [_ms(lo), _ms(hi)],
                     "seed_p90_ms": per_seed,
-                    "requests": len(ttfts) + errors,
+                    "requests": len(ttfts) - sum(per_seed_failed) + errors,
                     "errors": errors,
                 }
     for rows in out.values():
@@ -881,20 +909,24 @@ def pooled_text(
                 interval[cell] = None
                 continue
             lo, hi = mine["ttft_p90_ci_ms"]
-            interval[cell] = f"{lo:.0f}-{hi:.0f}" + ("*" if mine["loss"] else "")
+            text = "-".join("fail" if v is None else f"{v:.0f}" for v in (lo, hi))
+            errs = f" ({mine['errors']} err)" if mine["errors"] else ""
+            interval[cell] = text + ("*" if mine["loss"] else "") + errs
         ratios.append(ratio)
         intervals.append(interval)
     return (
         f"== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender ==\n"
         + format_table(ratios)
         + "\n\n== pooled TTFT p90, 95 % interval in ms (* a loss: wholly above the best "
-        "contender's, and slower than it in every seed) ==\n" + format_table(intervals)
+        "contender's, and slower than it in every seed; `fail` a bound on a failed request, "
+        "counted as slower than any; (N err) failed requests) ==\n" + format_table(intervals)
     )
 
 
 def _slower_every_seed(row: dict[str, Any], best: dict[str, Any]) -> bool:
+    """None in `row`: that seed's p90 fell on a failed request, slower than any value."""
     pairs = zip(row["seed_p90_ms"], best["seed_p90_ms"], strict=True)
-    return all(a is not None and b is not None and a > b for a, b in pairs)
+    return all(b is not None and (a is None or a > b) for a, b in pairs)
 
 
 def main(argv: list[str] | None = None) -> int:
