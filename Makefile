@@ -24,8 +24,9 @@ $(NATIVE): $(STAMP) $(NATIVE_SRC) llmgw/native.py scripts/build_native.py
 
 native: $(NATIVE)
 
+# pytest's exit 5 is "collected no tests": said plainly, and a failure (make exits 2).
 test: $(STAMP) $(NATIVE)
-	$(PY) -m pytest -q
+	@$(PY) -m pytest -q || { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests (exit 5): failing" >&2; exit $$rc; }
 
 test-fast: $(STAMP) $(NATIVE)
 	$(PY) -m pytest -q -m "not e2e and not real_engine and not slow"

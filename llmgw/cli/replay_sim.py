@@ -48,6 +48,7 @@ class ReplayResult:
     output_tokens: int = 0
     hit_rate: float = 0.0
     makespan_s: float = 0.0
+    scrapes: int = 0  # simulated scrapes of all replicas (idle gaps are skipped, not stepped)
     same: int = 0  # requests sent where the recorded run sent them
     recorded: int = 0  # requests whose recorded endpoint is known
 
@@ -315,6 +316,7 @@ def simulate(
         elif kind == _RELEASE:
             leases.pop(a).end(Outcome.SUCCESS)
         else:  # _SCRAPE
+            result.scrapes += 1
             address = endpoints[a]
             scraper.ingest(address, targets[address], render(pages[a]).decode())
             push(next_scrape(now), _SCRAPE, a)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +29,12 @@ def replayed(
     return {row["strategy"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
 
 
-def test_a_demo_trace_replays_with_three_strategies_in_under_a_minute(
+def test_a_demo_trace_replays_with_three_strategies(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     trace = tmp_path / "demo.jsonl"
     assert demo.main(["--trace", str(trace)]) == 0
-    started = time.monotonic()
     rows = replayed(trace, "latency,chat,round-robin", capsys)
-    assert time.monotonic() - started < 60
     assert list(rows) == ["recorded", "latency", "chat", "round-robin"]
     assert rows["recorded"]["requests"] == 44
     for name in ("latency", "chat", "round-robin"):

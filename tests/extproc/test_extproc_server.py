@@ -46,13 +46,17 @@ async def server() -> AsyncIterator[ExtProcServer]:
     await srv.stop(1.0)
 
 
+# Every call has a deadline: a server that never answers fails the test, never hangs CI.
+DEADLINE = 10.0
+
+
 def stream(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
     method = channel.stream_stream(
         PROCESS,
         request_serializer=ProcessingRequest.SerializeToString,
         response_deserializer=ProcessingResponse.FromString,
     )
-    return method()
+    return method(timeout=DEADLINE)
 
 
 def total_inflight(srv: ExtProcServer) -> int:
@@ -117,7 +121,7 @@ async def test_cancelled_stream_releases_the_lease(server: ExtProcServer) -> Non
 async def test_grpc_health_and_http_probes_follow_draining(server: ExtProcServer) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['grpc']}") as channel:
         check = channel.unary_unary("/grpc.health.v1.Health/Check")
-        assert await check(b"") == b"\x08\x01"
+        assert await check(b"", timeout=DEADLINE) == b"\x08\x01"
         name = b"envoy.service.ext_proc.v3.ExternalProcessor"
         assert await check(b"\x0a" + bytes([len(name)]) + name) == b"\x08\x01"
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -134,7 +138,7 @@ async def test_grpc_health_and_http_probes_follow_draining(server: ExtProcServer
                 assert r.status == 503
             async with http.get(base + "/healthz") as r:
                 assert r.status == 200
-        assert await check(b"") == b"\x08\x02"
+        assert await check(b"", timeout=DEADLINE) == b"\x08\x02"
 
 
 async def test_metrics_endpoint_serves_prometheus_text(server: ExtProcServer) -> None:

@@ -192,13 +192,13 @@ async def test_malformed_grpc_message_fails_only_its_own_stream(
             PROCESS,
             request_serializer=ProcessingRequest.SerializeToString,
             response_deserializer=ProcessingResponse.FromString,
-        )()
+        )(timeout=10.0)
         await good.write(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
         first = await good.read()
         assert isinstance(first, ProcessingResponse)
         assert _inflight(server) == 1
 
-        bad = channel.stream_stream(PROCESS)()  # raw bytes, no serializer
+        bad = channel.stream_stream(PROCESS)(timeout=10.0)  # raw bytes, no serializer
         await bad.write(garbage)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await bad.read()
@@ -217,7 +217,7 @@ async def test_malformed_grpc_message_fails_only_its_own_stream(
             PROCESS,
             request_serializer=ProcessingRequest.SerializeToString,
             response_deserializer=ProcessingResponse.FromString,
-        )()
+        )(timeout=10.0)
         await again.write(request_headers(chat_headers(**{"x-llmgw-model": "m1"})))
         assert isinstance(await again.read(), ProcessingResponse)
         again.cancel()

@@ -30,6 +30,9 @@ from .conftest import Child, SpawnFn, http_status
 pytestmark = pytest.mark.e2e
 
 CHAT = "/v1/chat/completions"
+# Long enough that a request sent once readiness is seen false lands inside the delay even
+# on a loaded host (the order is asserted, never how long the flip took).
+DRAIN_DELAY = 3.0
 
 
 def addresses(sim: ThreadedFleet, indexes: list[int]) -> list[str]:
@@ -153,47 +156,45 @@ def test_extproc_sigterm_drains_behind_envoy(
     slow_sim: ThreadedFleet, spawn_extproc: SpawnFn
 ) -> None:
     config = config_for(slow_sim, [0, 1, 2, 3])
-    extproc = spawn_extproc(config, drain_delay=0.6, drain_timeout=8, no_scrape=True)
+    extproc = spawn_extproc(config, drain_delay=DRAIN_DELAY, drain_timeout=8, no_scrape=True)
     readyz = extproc.url("health") + "/readyz"
     with envoy_for(config, extproc) as envoy:
         stream = SlowStream(envoy.url)
         stream.start()
         assert stream.first_chunk.wait(10) and stream.error is None
-        sent = time.monotonic()
         extproc.process.send_signal(signal.SIGTERM)
         wait_for(lambda: http_status(readyz) == 503, 5, "readiness false")
-        assert time.monotonic() - sent < 0.6, "readiness must go false before streams are refused"
 
-        def refused() -> bool:
+        def late_status() -> int:
             with httpx.Client(timeout=10) as client:
-                return chat(client, envoy.url, "late", tokens=1).status_code >= 500
+                return chat(client, envoy.url, "late", tokens=1).status_code
 
-        wait_for(refused, 5, "new requests refused (fail-closed Envoy answers 5xx)")
+        # The order, not a stopwatch: with readiness already false, streams are still taken.
+        assert late_status() == 200, "readiness must go false before streams are refused"
+        wait_for(lambda: late_status() >= 500, 5 + DRAIN_DELAY, "new requests refused")
         stream.join(15)
         assert stream.error is None and stream.status == 200
         assert stream.body.rstrip().endswith(b"data: [DONE]")  # completed, not cut
         assert extproc.process.wait(10) == 0
-    assert time.monotonic() - sent < 0.6 + 8
 
 
 def test_proxy_sigterm_drains(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn) -> None:
     config = config_for(slow_sim, [0, 1, 2, 3])
-    proxy = spawn_proxy(config, drain_delay=0.6, drain_timeout=8)
+    proxy = spawn_proxy(config, drain_delay=DRAIN_DELAY, drain_timeout=8)
     base = proxy.url("http")
     stream = SlowStream(base)
     stream.start()
     assert stream.first_chunk.wait(10) and stream.error is None
-    sent = time.monotonic()
     proxy.process.send_signal(signal.SIGTERM)
     wait_for(lambda: http_status(base + "/readyz") == 503, 5, "readiness false")
-    assert time.monotonic() - sent < 0.6, "readiness must go false before the listener closes"
-    wait_for(lambda: http_status(base + "/healthz") == 0, 5, "new connections refused")
+    # The order, not a stopwatch: with readiness already false, new connections are taken.
+    assert http_status(base + "/healthz") == 200, "readiness must go false before the close"
+    wait_for(lambda: http_status(base + "/healthz") == 0, 5 + DRAIN_DELAY, "connections refused")
     stream.join(15)
     assert stream.error is None and stream.status == 200
     assert stream.body.rstrip().endswith(b"data: [DONE]")
     # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully.
     assert proxy.process.wait(10) in (0, -signal.SIGTERM)
-    assert time.monotonic() - sent < 0.6 + 8
 
 
 def test_proxy_ctrl_c_exits_cleanly(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn) -> None:

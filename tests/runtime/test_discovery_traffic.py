@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -84,10 +83,8 @@ async def test_scale_2_to_4_to_1_under_session_traffic_fails_nothing_and_moves_o
             try:
                 two = await traffic.round()
                 assert set(two.values()) == set(pods[:2])
-                scaled_at = time.monotonic()
                 kube.scale("vllm", 4, namespace=NS)
                 await eventually(lambda: routed() == set(pods))
-                to_traffic = time.monotonic() - scaled_at
                 await eventually(lambda: registry.warming(MODEL) == 0)  # first scrapes
                 four = await traffic.round()
                 moved = [s for s in four if four[s] != two[s]]
@@ -105,7 +102,6 @@ async def test_scale_2_to_4_to_1_under_session_traffic_fails_nothing_and_moves_o
                 await asyncio.gather(*workers)
             assert traffic.failures == [], traffic.failures[:5]
             assert traffic.sent > 3 * 48
-            assert to_traffic < 5.0
 
 
 async def test_a_pod_turning_not_ready_then_terminating_finishes_its_stream_and_gets_no_new_requests() -> (

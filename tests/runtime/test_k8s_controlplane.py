@@ -7,7 +7,6 @@ EndpointSlice list/watch on loopback; the official client talks to it unchanged.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -223,10 +222,8 @@ async def test_start_timeout_is_a_start_error_and_scales_back_to_zero(
     deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18007])
     deployment.never_ready = True
     plane = planes(k8s_config(start_timeout=0.3))
-    started = time.monotonic()
     with pytest.raises(StartError, match=r"no ready endpoint .* models/vllm-big within 0.3s"):
-        await plane.want("big")
-    assert time.monotonic() - started < 3
+        await asyncio.wait_for(plane.want("big"), 30)  # bounded; how long it took is not asserted
     assert deployment.replicas == 0
     assert [p.body for p in kube.patches()] == [
         {"spec": {"replicas": 1}},
@@ -268,11 +265,9 @@ async def test_rbac_403_is_a_start_error_that_says_what_to_fix(
 ) -> None:
     kube.forbidden.add(forbidden)
     kube.add_deployment("vllm-big", namespace="models", pod_ports=[18008])
-    plane = planes(k8s_config(start_timeout=30))
-    started = time.monotonic()
-    with pytest.raises(StartError) as info:
-        await plane.want("big")
-    assert time.monotonic() - started < 5  # fails at once, not at start_timeout
+    plane = planes(k8s_config(start_timeout=3600))
+    with pytest.raises(StartError) as info:  # at once, not at start_timeout (an hour)
+        await asyncio.wait_for(plane.want("big"), 30)
     assert message in str(info.value)
     assert "deploy/k8s/activation-rbac.yaml" in str(info.value)
     assert "is forbidden" in str(info.value)  # the API server's own words are kept

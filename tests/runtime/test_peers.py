@@ -645,8 +645,8 @@ async def test_load_that_changed_while_no_peer_was_known_is_told_right_when_one_
         a.peers._targets = set()  # B is gone from A's lookups for a while
         registry.release("m", x, Outcome.SUCCESS)
         registry.acquire("m", ENDPOINTS[3])
-        await asyncio.sleep(0)  # the flush: to nobody
-        assert a.peers._load_told == {("m", ENDPOINTS[3]): (1, 0.0)}
+        told = {("m", ENDPOINTS[3]): (1, 0.0)}
+        await _until(lambda: a.peers is not None and a.peers._load_told == told, "the flush")
         a.peers._targets = targets
         registry.acquire("m", ENDPOINTS[3])  # the next change there, or the next refresh
         await _until(lambda: _state(b, ENDPOINTS[3]).remote_inflight == 2, "B counts 2")
