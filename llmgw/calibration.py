@@ -174,6 +174,7 @@ class Calibration:
         "_pending",
         "_prev",
         "_prev_at",
+        "batch_factor",
         "engine_prompt",
         "floor",
         "hits",
@@ -194,6 +195,9 @@ class Calibration:
     )
 
     def __init__(self) -> None:
+        # A step's growth per running request: the latency scorer's `batch_factor`, which
+        # it sets here, so a step taken to a batch of one scales back to what was measured.
+        self.batch_factor = 0.02
         self._prev: EngineMetrics | None = None
         self._prev_at: float | None = None  # when it was scraped (seconds, any clock)
         self._batch_seconds = 0.0  # requests in the batch x seconds, since one last left
@@ -304,7 +308,7 @@ class Calibration:
     def on_scrape(
         self,
         m: EngineMetrics,
-        batch_factor: float = 0.02,
+        batch_factor: float | None = None,
         at: float | None = None,
         released: int | None = None,
     ) -> None:
@@ -318,6 +322,8 @@ class Calibration:
         self.sent_tokens = self.sent_count = 0.0  # folded in below (dropped before a first page)
         if prev is None:
             return
+        if batch_factor is None:
+            batch_factor = self.batch_factor
         # An engine step at the window's mean batch over one at a batch of one.
         batch_scale = 1 + batch_factor * (max(1.0, (m.running + prev.running) / 2) - 1)
         prompt = _delta(m.prompt_tokens_total, prev.prompt_tokens_total)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from bisect import bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 
 import mmh3
 
@@ -113,12 +113,31 @@ class HashRing:
             i += 1
         return tuple(out)
 
-    def bounded_candidates(self, key: str, load: Mapping[str, int], c: float) -> list[str]:
+    def candidates_among(self, key: str, among: Container[str]) -> list[str]:
+        """`candidates` as a ring of the replicas in `among` alone would answer (Ray Serve's
+        ring rebuilt without the others): one out of the set hands its keys on clockwise."""
+        limit = 1 + self.num_fallback_replicas
+        out: list[str] = []
+        for rid in self._walk(key):
+            if rid in among:
+                out.append(rid)
+                if len(out) == limit:
+                    break
+        return out
+
+    def bounded_candidates(
+        self,
+        key: str,
+        load: Mapping[str, int],
+        c: float,
+        among: Container[str] | None = None,
+    ) -> list[str]:
         """Like `candidates`, but replicas at capacity ceil(c * (total + 1) / n) are passed over.
 
         The first replica clockwise with spare capacity becomes the primary; the fallbacks are
         the next distinct replicas with spare capacity. If every replica is at capacity the
-        plain ring order is returned (the bound can't be met, affinity still can).
+        plain ring order is returned (the bound can't be met, affinity still can). `among`:
+        only those replicas are eligible (`candidates_among`).
         """
         if c < 1.0:
             raise ValueError(f"bounded-load factor must be >= 1.0, got {c!r}")
@@ -129,8 +148,10 @@ class HashRing:
         limit = 1 + self.num_fallback_replicas
         out: list[str] = []
         for rid in self._walk(key):
-            if load.get(rid, 0) < capacity:
+            if (among is None or rid in among) and load.get(rid, 0) < capacity:
                 out.append(rid)
                 if len(out) == limit:
                     return out
-        return out or self.candidates(key)
+        if out:
+            return out
+        return self.candidates(key) if among is None else self.candidates_among(key, among)

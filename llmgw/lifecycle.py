@@ -279,6 +279,12 @@ class Lifecycle:
                 self._attempt = index
                 self._move(decision, lease, endpoint, Outcome.FAILURE)
                 return
+        # Envoy's own pick on a retry (no fallback list sent, or the list ran out): still an
+        # endpoint of the model, charged as a listed fallback would be.
+        state = self.snapshot.scheduler.registry.get(decision.model, address)
+        if state is not None:
+            self._attempt = len(decision.fallbacks)
+            self._move(decision, lease, state.endpoint, Outcome.FAILURE)
 
     def _move(
         self, decision: Decision, lease: Lease, target: Endpoint, outcome: Outcome

@@ -71,9 +71,17 @@ def run_pick(
     states = registry.states(request.model)
     if router.restart_epoch != registry.restart_epoch:  # an engine restarted somewhere
         router.forget_restarted(states, registry.restart_epoch)
+    # A subset hint limits the candidates; the model's endpoints stay its endpoints: the
+    # ring, its costs and speeds, the load bound are theirs (a ring over the hint forgot
+    # the others' prefix-index entries, and its costs priced the next picks).
+    ring = router.ring_for(states)
+    offered = states
     if request.subset is not None:
-        states = [s for s in states if _in_subset(s.endpoint.address, request.subset)]
-        if not states:
+        offered = [s for s in states if _in_subset(s.endpoint.address, request.subset)]
+        if dropped is not None:  # an explanation names every reason an endpoint sat out
+            keep = {s.id for s in offered}
+            dropped.append(("subset", tuple([s.id for s in states if s.id not in keep])))
+        if not offered:
             raise NoHealthyEndpoint(
                 f"none of the gateway's subset hint ({', '.join(sorted(request.subset))}) "
                 f"is an endpoint of model {request.model!r}"
@@ -88,21 +96,24 @@ def run_pick(
         router.spec,
         registry.clock(),
         registry.staleness,
-        router.ring_for(states),
+        ring,
         states,
         rng,
         None,  # fresh metrics: computed on first use
         registry.kv_index,
     )
-    candidates = states
+    candidates = offered
     drops: list[tuple[str, int]] = []
     cap = registry.warmup_inflight
     if cap is not None and registry.warming(request.model):
         # New replicas not scraped yet take a bounded share (their ring arcs overflow
         # to the next replica), unless nothing else is left.
-        kept = [s for s in states if not (s.warming and s.inflight + s.remote_inflight >= cap)]
-        if kept and len(kept) < len(states):
-            drops.append(("warmup", len(states) - len(kept)))
+        kept = [s for s in offered if not (s.warming and s.inflight + s.remote_inflight >= cap)]
+        if kept and len(kept) < len(offered):
+            drops.append(("warmup", len(offered) - len(kept)))
+            if dropped is not None:
+                keep = {s.id for s in kept}
+                dropped.append(("warmup", tuple([s.id for s in offered if s.id not in keep])))
             candidates = kept
     for flt in router.filters:
         kept = flt.filter(ctx, candidates)
@@ -149,7 +160,7 @@ def run_pick(
         tuple(columns),
         tuple(totals),
         tuple(drops),
-        len(states),
+        len(offered),
     )
     ready_at, ttft, tokens = ctx.prediction or (None, None, None)
     return new_decision(

@@ -192,16 +192,23 @@ class SessionScorer:
                 return [0.0] * len(candidates)
             key = request.request_id  # (`routing_key`, without the property's call)
         c = self.bounded_load or ctx.spec.session.bounded_load or 0.0
+        ring = ctx.ring
+        positions = self._positions(ctx, candidates)
+        position = positions.get
+        # Replicas of the ring that are not candidates (filtered, outside a subset hint)
+        # hand their keys on clockwise, as Ray Serve's ring rebuilt without them would.
+        among = positions if len(candidates) < len(ring) else None
         ring_order: Sequence[str]
         if c >= 1.0:
             loads = {s.id: s.inflight + s.remote_inflight for s in ctx.all_states}
-            ring_order = ctx.ring.bounded_candidates(key, loads, c)
+            ring_order = ring.bounded_candidates(key, loads, c, among)
         else:
-            ring_order = ctx.ring.candidate_tuple(key)
+            ring_order = ring.candidate_tuple(key)
+            if among is not None and not all(rid in among for rid in ring_order):
+                ring_order = ring.candidates_among(key, among)
         out = [0.0] * len(candidates)
         if ring_order:
             step = 1.0 / (len(ring_order) + 1)
-            position = self._positions(ctx, candidates).get
             for i, rid in enumerate(ring_order):
                 j = position(rid)
                 if j is not None:
@@ -450,6 +457,7 @@ class LatencyScorer:
             # differently from this router's).
             block = self.block_tokens * measured.engine_tokens
             for s in ctx.all_states:
+                s.calibration.batch_factor = self.batch_factor  # its steps scale back by it
                 kv = s.calibration.kv_tokens
                 if not self.kv_sized:
                     continue
