@@ -157,13 +157,17 @@ class ModelActivation:
         self.failed_at = now
         self._fire(ActivationEvent.CRASHED, now)
 
-    def tick(self, now: float) -> Action:
+    def tick(self, now: float, in_use_elsewhere: bool = False) -> Action:
         """Called periodically: STOP once idle for idle_timeout (never with a request in
-        flight); an always-on model is never stopped, and is STARTed again when it is off or
-        failed and the backoff is over."""
+        flight, this router's or, `in_use_elsewhere`, another router replica's: the idle
+        timer restarts); an always-on model is never stopped, and is STARTed again when it
+        is off or failed and the backoff is over."""
         if self.settings.always_on:
             if self.state in (ActivationState.OFF, ActivationState.FAILED):
                 return self.request(now)
+            return Action.NONE
+        if in_use_elsewhere and self.state is ActivationState.IDLE:
+            self.idle_since = now
             return Action.NONE
         if (
             self.state is ActivationState.IDLE

@@ -192,7 +192,10 @@ class Activator:
 
     async def tick(self) -> None:
         for model, machine in self.machines.items():
-            action = machine.tick(self.clock())
+            # Requests the peer router replicas have in flight there (`peers:`): scaling the
+            # model to 0 would cut them off.
+            elsewhere = any(s.remote_inflight > 0 for s in self.registry.states(model))
+            action = machine.tick(self.clock(), elsewhere)
             if action is Action.START:
                 self._launch(model)
             elif action is Action.STOP:

@@ -171,7 +171,8 @@ def _read_insert(data: bytes, at: int) -> tuple[Record, int]:
     at += lm
     endpoint = data[at : at + le].decode()
     at += le
-    key = data[at : at + lk].decode() if lk else None
+    # Past the bound a sender keeps (`_MAX_KEY`), no key: each block would hold it.
+    key = data[at : at + lk].decode() if 0 < lk <= _MAX_KEY else None
     hashes = list(struct.unpack_from(f">{n}q", data, at + lk))
     return (model, endpoint, key, block_chars, hashes), end
 
@@ -227,11 +228,15 @@ class RemoteLoad:
     def update(self, registry: Registry, sender: bytes, record: LoadRecord, now: float) -> bool:
         """Take one peer's report; False when this replica does not route to that endpoint."""
         model, endpoint, inflight, pending = record
-        state = registry.get(model, endpoint)
-        if state is None:
-            return False
         key = (model, endpoint)
         peers = self._by.get(key)
+        state = registry.get(model, endpoint)
+        if state is None:
+            # Gone here (for now): what this peer told before is over too (a zero must not
+            # be lost; the endpoint may come back before the ttl, and a load is refreshed).
+            if peers is not None and peers.pop(sender, None) is not None and not peers:
+                del self._by[key]
+            return False
         if inflight or pending:
             if peers is None:
                 peers = self._by[key] = {}
@@ -691,11 +696,14 @@ class Peers(asyncio.DatagramProtocol):
         if self.siblings is not None:
             self._resolved = {"siblings": _sibling_ports(self.siblings)}
         loop = asyncio.get_running_loop()
+        # An IPv6 socket (`[::]`) is dual-stack: IPv4 peers are reached, and heard from, at
+        # their v4-mapped addresses (an AF_INET6 lookup of an IPv4-only name finds nothing).
+        flags = socket.AI_V4MAPPED if self._family == socket.AF_INET6 else 0
         for address in self.spec.addresses:
             host, port = split_address(address)
             try:
                 infos = await loop.getaddrinfo(
-                    host, port, family=self._family, type=socket.SOCK_DGRAM
+                    host, port, family=self._family, type=socket.SOCK_DGRAM, flags=flags
                 )
             except (OSError, UnicodeError) as exc:  # UnicodeError: a label IDNA refuses
                 log.warning("peer address %s does not resolve: %s", address, exc)

@@ -1,0 +1,190 @@
+"""Router replicas together (`peers:`): an IPv6 wildcard listener peering with IPv4 replicas, a
+peer's session keys bounded, an idle stop waiting for the peers' requests in flight, and a
+peer's zero while an endpoint is briefly gone here."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from llmgw.config import Config, load_dict
+from llmgw.registry import Registry
+from llmgw.runtime.controlplanes import CrashCallback
+from llmgw.runtime.peers import (
+    _HEADER,
+    _MAX_KEY,
+    _RECORD,
+    MAGIC,
+    RemoteLoad,
+    apply,
+    decode,
+    indexes,
+)
+from llmgw.runtime.ports import free_port
+from llmgw.runtime.router import Router
+from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.types import Endpoint, Outcome, RequestInfo
+
+ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 5)]
+HISTORY = "a long conversation so far, with the notes the user pasted in. " * 40
+
+
+async def _until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            while not condition():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout} s: {what}") from None
+
+
+@asynccontextmanager
+async def _running(*routers: Router) -> AsyncIterator[None]:
+    try:
+        for router in routers:
+            await router.start()
+        yield
+    finally:
+        for router in routers:
+            await router.stop()
+
+
+# -- 1: a replica listening on the IPv6 wildcard cannot peer with IPv4 addresses ---------
+
+
+def _peers_config(listen: str, ports: list[int]) -> Config:
+    return load_dict(
+        {
+            "models": {"m": {"endpoints": ENDPOINTS, "strategy": "latency"}},
+            "peers": {"listen": listen, "addresses": [f"127.0.0.1:{p}" for p in ports]},
+        }
+    )
+
+
+async def test_a_replica_listening_on_the_ipv6_wildcard_peers_with_ipv4_replicas() -> None:
+    ports = [free_port(), free_port()]
+    a = Router(_peers_config(f"[::]:{ports[0]}", ports), scrape=False, seed=0)  # dual-stack
+    b = Router(_peers_config(f"127.0.0.1:{ports[1]}", ports), scrape=False, seed=1)
+    async with _running(a, b):
+        assert a.peers is not None and b.peers is not None
+        # A knows B (the names resolve; IPv4 peers are reached through the dual-stack socket).
+        assert a.peers.stats.peers >= 1
+        for sender, receiver in ((a, b), (b, a)):
+            prompt = f"from {id(sender)} " + HISTORY
+            request = RequestInfo("m", "r", session_key="s", prompt=prompt, prompt_tokens=700)
+            chosen = sender.scheduler.pick(request).endpoint.id
+            ((_, index),) = indexes(receiver.scheduler)
+            hashes = index.hashes(prompt)
+
+            def learned(i: PrefixIndex = index, h: list[int] = hashes) -> bool:
+                return bool(i.match(h))
+
+            await _until(learned, "the peer learned the pick")
+            assert index.match(hashes) == {chosen: len(hashes)}
+        assert a.peers.stats.dropped.get("unknown_sender", 0) == 0
+
+
+# -- 2: a peer's oversized session key is kept in full by the receiver ------------------
+
+
+def _insert_datagram(sender: bytes, endpoint: str, key: str, hashes: list[int]) -> bytes:
+    m, e, k = b"m", endpoint.encode(), key.encode()
+    record = _RECORD.pack(len(m), len(e), len(k), 256, len(hashes)) + m + e + k
+    return _HEADER.pack(MAGIC, sender, 1) + record + struct.pack(f">{len(hashes)}q", *hashes)
+
+
+def test_a_session_key_past_the_bound_is_not_kept_from_a_peer() -> None:
+    # A sender never puts a key past `_MAX_KEY` on the wire; a receiver keeps whatever comes:
+    # each block hash holds its last key, so one 60 KB key per block, for every block of
+    # every endpoint's index (16,384 each by default), is GBs held from a peer's datagrams.
+    router = Router(_peers_config("127.0.0.1:9", [9]), scrape=False)
+    ((_, index),) = indexes(router.scheduler)
+    for i in range(50):
+        datagram = _insert_datagram(b"peer-one", ENDPOINTS[0], f"{i}" + "k" * 60_000, [i])
+        ((record),) = decode(datagram)[1]
+        assert apply(router.scheduler, record, 0.0)
+    assert index.size(ENDPOINTS[0]) == 50  # the blocks are taken ...
+    held = {len(k) for k in index._last_key.values()}
+    assert not held or max(held) <= _MAX_KEY  # ... not the oversized keys
+
+
+# -- 3: an idle on-demand model is stopped while the peers have requests in flight --------
+
+
+class FakeControlPlane:
+    def __init__(self) -> None:
+        self.stops = 0
+
+    async def want(self, model: str) -> list[Endpoint]:
+        return [Endpoint(address="10.0.0.9:8000", model=model)]
+
+    async def stop(self, model: str) -> None:
+        self.stops += 1
+
+    def status(self, model: str) -> dict[str, object]:
+        return {}
+
+    def on_crash(self, callback: CrashCallback) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_an_idle_model_is_not_stopped_while_peer_replicas_have_requests_in_flight() -> None:
+    config = load_dict(
+        {
+            "models": {
+                "lazy": {
+                    "launch": {"command": "true"},
+                    "scaling": {"min": 0, "max": 1, "idle_timeout": 60},
+                }
+            }
+        }
+    )
+    cp = FakeControlPlane()
+    router = Router(config, control_plane=cp, scrape=False)
+    assert router.activator is not None
+    decision = await router.decide(RequestInfo(model="lazy", request_id="r1"))
+    router.acquire(decision).finish(Outcome.SUCCESS)  # this replica's own use is over
+    # The other router replica has two requests streaming from the same engine (what its
+    # `peers:` load updates put on this replica's registry).
+    endpoint = decision.endpoint.id
+    remote = RemoteLoad()
+    assert remote.update(router.registry, b"replica2", ("lazy", endpoint, 2, 0.0), 0.0)
+    state = router.registry.get("lazy", endpoint)
+    assert state is not None and state.remote_inflight == 2
+    clock = router.activator.clock
+    router.activator.clock = lambda: clock() + 100  # past the idle timeout
+    await router.activator.tick()
+    assert cp.stops == 0  # scaling the Deployment to 0 would kill the peer's requests
+    # Once the peer's requests end, the idle timer runs from then.
+    remote.update(router.registry, b"replica2", ("lazy", endpoint, 0, 0.0), 0.0)
+    router.activator.clock = lambda: clock() + 130
+    await router.activator.tick()
+    assert cp.stops == 0
+    router.activator.clock = lambda: clock() + 200
+    await router.activator.tick()
+    assert cp.stops == 1
+
+
+# -- 4: a peer's zero for an endpoint gone here for a moment is lost --------------------
+
+
+def test_a_peers_zero_while_the_endpoint_was_gone_here_counts_when_it_returns() -> None:
+    registry = Registry(clock=lambda: 0.0)
+    endpoints = [Endpoint(e, "m") for e in ENDPOINTS[:2]]
+    registry.set_endpoints("m", endpoints)
+    remote = RemoteLoad(ttl=3.0)
+    assert remote.update(registry, b"peer-one", ("m", ENDPOINTS[0], 5, 800.0), now=0.0)
+    registry.set_endpoints("m", endpoints[1:])  # NotReady here for a moment (a flap)
+    # Meanwhile peer-one's five requests there end: its zero finds no endpoint here.
+    assert not remote.update(registry, b"peer-one", ("m", ENDPOINTS[0], 0, 0.0), now=0.5)
+    registry.set_endpoints("m", endpoints)  # back
+    assert remote.update(registry, b"peer-two", ("m", ENDPOINTS[0], 1, 100.0), now=1.0)
+    state = registry.get("m", ENDPOINTS[0])
+    assert state is not None
+    # peer-two's one request, not also peer-one's five it said had ended.
+    assert (state.remote_inflight, state.remote_pending) == (1, 100.0)
