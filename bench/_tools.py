@@ -6,8 +6,9 @@ print a table, write JSON results.
     print(format_table([result.row()]))
     write_results("my_bench", {"runs": [result.to_json()]})
 
-h2load comes from the Debian package `nghttp2-client`; when no tool is on PATH and we
-are root, `find_load_tool()` runs `apt-get update && apt-get install -y nghttp2-client`.
+h2load comes from the Debian package `nghttp2-client`, which `make bench` installs at set-up;
+`find_load_tool(install=True)` runs `apt-get install` itself when no tool is on PATH and we
+are root (only when asked: a benchmark run installs nothing by default).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def find_load_tool(preferred: tuple[str, ...] = TOOLS, install: bool = True) -> LoadTool | None:
-    """The first tool of `preferred` on PATH; installs h2load with apt when allowed."""
+def find_load_tool(preferred: tuple[str, ...] = TOOLS, install: bool = False) -> LoadTool | None:
+    """The first tool of `preferred` on PATH; installs h2load with apt when asked."""
     for name in preferred:
         path = shutil.which(name)
         if path:

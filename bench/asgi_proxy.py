@@ -418,7 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per run")
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument("--no-install", action="store_true", help="do not pip-install peers")
+    parser.add_argument(
+        "--install-peers", action="store_true", help="pip-install missing peers (.venv-peers)"
+    )
+    parser.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)  # default
     parser.add_argument(
         "--serve-baseline", choices=["httpx", "aiohttp", "lean"], help=argparse.SUPPRESS
     )
@@ -435,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     if tool is None:
         print("h2load not found (Debian package nghttp2-client)", file=sys.stderr)
         return 2
-    peers = ensure_peers(install=not args.no_install)
+    peers = ensure_peers(install=args.install_peers)
     names = [n for n in args.only.split(",") if n]
     scenarios = [s for s in args.scenarios.split(",") if s]
     rows: list[Row] = []

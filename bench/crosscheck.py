@@ -109,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-info", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--out", default="crosscheck")
-    parser.add_argument("--no-install", action="store_true", help="do not pip-install peers")
+    parser.add_argument(
+        "--install-peers", action="store_true", help="pip-install missing peers (.venv-peers)"
+    )
+    parser.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)  # default
     add_body_mode_option(parser)
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
@@ -126,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--replicas must be at least 1")
     if args.scale is not None and not args.scale > 0:
         parser.error("--scale must be > 0")
-    peers = ensure_peers(install=not args.no_install)
+    peers = ensure_peers(install=args.install_peers)
     contenders = []
     for n in wanted:
         if by_name[n].edge in PEER_POLICIES and by_name[n].edge not in peers:
-            print(f"skipping {n}: not installed (run without --no-install to pip-install it)")
+            print(f"skipping {n}: not installed (`make bench` or --install-peers installs it)")
         else:
             contenders.append(by_name[n])
     scale = args.scale if args.scale is not None else args.replicas / 4

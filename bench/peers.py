@@ -1,9 +1,10 @@
 """The Rust peer routers (`vllm-router`, `sglang-router`) for benchmarks, and process helpers.
 
 The peers live in their own venv, `.venv-peers/` at the repository root (never in the
-project's `.venv`): `ensure_peers(install=True)` creates it and pip-installs them there.
+project's `.venv`): `make bench` creates it at set-up (`python -m bench.peers`, the pinned
+`PEER_PACKAGES`); a benchmark installs them only when asked (`--install-peers`).
 
-    peers = ensure_peers(install=True)              # {"vllm-router": "/.../bin/vllm-router"}
+    peers = ensure_peers()                          # {"vllm-router": "/.../bin/vllm-router"}
     cmd = peer_command("vllm-router", peers, port, upstreams, policy="cache_aware")
     with Service(cmd, "http://127.0.0.1:PORT/health") as svc: ...
 
@@ -27,7 +28,11 @@ from llmgw.runtime.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_VENV = ROOT / ".venv-peers"
-PEER_PACKAGES = ("vllm-router", "sglang-router")
+# Pinned to a range like pyproject's dependencies (what the README's tables were run with).
+PEER_PACKAGES = {
+    "vllm-router": "vllm-router>=0.1.17,<0.2",
+    "sglang-router": "sglang-router>=0.3.2,<0.4",
+}
 
 # Which policies each peer offers for the routing benchmark (checked against --help).
 PEER_POLICIES: dict[str, tuple[str, ...]] = {
@@ -56,16 +61,21 @@ DOCS_ARGS: dict[str, list[str]] = {
 }  # fmt: skip
 
 
-def ensure_peers(install: bool = True) -> dict[str, str]:
+def install_peers(check: bool = True) -> None:
+    """pip-install the pinned peers into .venv-peers (created if missing)."""
+    if not (PEERS_VENV / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+    subprocess.run(
+        [str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PEER_PACKAGES.values()], check=check
+    )
+
+
+def ensure_peers(install: bool = False) -> dict[str, str]:
     """{name: executable} of the Rust routers, installing them into .venv-peers if asked."""
     binaries = {name: str(PEERS_VENV / "bin" / name) for name in PEER_PACKAGES}
     missing = [n for n, path in binaries.items() if not Path(path).exists()]
     if missing and install:
-        if not (PEERS_VENV / "bin" / "python").exists():
-            subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
-        subprocess.run(
-            [str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PEER_PACKAGES], check=False
-        )
+        install_peers(check=False)
     return {n: p for n, p in binaries.items() if Path(p).exists()}
 
 
@@ -191,3 +201,7 @@ class Service:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+if __name__ == "__main__":  # `make bench`'s set-up
+    install_peers()

@@ -942,7 +942,10 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated seeds: the grid once per seed, then each cell's requests of "
         "all seeds pooled (p90 with a 95%% interval); instead of --seed",
     )
-    parser.add_argument("--no-install", action="store_true", help="do not pip-install peers")
+    parser.add_argument(
+        "--install-peers", action="store_true", help="pip-install missing peers (.venv-peers)"
+    )
+    parser.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)  # default
     parser.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
     parser.add_argument("--out", default="routing_grid", help="bench/results/NAME.json")
     parser.add_argument(
@@ -991,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
         contenders.append(Contender(f"envoy:{label}", "envoy", json.loads(strategy)))
     contenders += body_mode_contenders(args.body_modes)
 
-    peers = ensure_peers(install=not args.no_install)
+    peers = ensure_peers(install=args.install_peers)
     for c in list(contenders):
         if c.edge in PEER_POLICIES and (
             c.edge not in peers or c.policy not in PEER_POLICIES[c.edge]

@@ -37,6 +37,20 @@ MODULES = (
     "llmgw.scheduling.scorers",
     "llmgw.tokenize",
 )
+# The other llmgw modules the compiled ones import: mypyc compiled against their types (a
+# call's result or an attribute is checked against the type declared there), so a change
+# to one makes the extensions stale too (`tests/core/test_native.py` keeps this complete).
+DEPENDS = (
+    "llmgw.breaker",
+    "llmgw.calibration",
+    "llmgw.chat_template",
+    "llmgw.config",
+    "llmgw.errors",
+    "llmgw.hashring",
+    "llmgw.kvevents",
+    "llmgw.scheduling.interfaces",
+    "llmgw.types",
+)
 MANIFEST = "native.json"  # in the package folder, beside the extensions (not in git)
 PACKAGE = Path(__file__).resolve().parent
 
@@ -69,10 +83,13 @@ def digest(path: Path) -> str:
 
 
 def manifest_for(package: Path, modules: Sequence[str] = MODULES) -> dict[str, object]:
-    """What the build records: the interpreter it compiled for and each source's digest."""
+    """What the build records: the interpreter it compiled for, each source's digest and
+    those of the `DEPENDS` modules the package has."""
+    depends = [(m, source_of(package, m)) for m in DEPENDS]
     return {
         "python": sys.implementation.cache_tag,
         "modules": {m: digest(source_of(package, m)) for m in modules},
+        "depends": {m: digest(path) for m, path in depends if path.exists()},
     }
 
 

@@ -31,8 +31,21 @@ def test_wheel_holds_only_llmgw_and_its_dist_info(tmp_path: Path) -> None:
         else:
             shutil.copy2(ROOT / name, src / name)
     out = tmp_path / "dist"
+    # No build isolation: the venv's setuptools (the `native` extra) builds it, so the test
+    # fetches no build environment from the index at run time.
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(src), "-w", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(src),
+            "-w",
+            str(out),
+        ],
         check=True,
         timeout=600,
         capture_output=True,

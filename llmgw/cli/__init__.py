@@ -20,6 +20,9 @@ _DELEGATED: dict[str, str] = {
     "replay": "llmgw.cli.replay:main",
 }
 
+# The extra a delegated command's module needs beyond the base install (`demo` says its own).
+_EXTRAS: dict[str, str] = {"sim": "sim", "extproc": "extproc", "proxy": "asgi", "replay": "sim"}
+
 
 def _check_config(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
@@ -71,7 +74,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    entry = _load(_DELEGATED[command])
+    try:
+        entry = _load(_DELEGATED[command])
+    except ModuleNotFoundError as exc:  # a package of an optional extra (not llmgw's own)
+        extra = _EXTRAS.get(command)
+        if extra is None or (exc.name or "llmgw").split(".")[0] == "llmgw":
+            raise
+        print(f"llmgw {command} needs the {extra} extra (pip install 'llmgw[{extra}]'): {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if entry is None:
         print(f"llmgw {command}: not available in this build yet", file=sys.stderr)
         return 2

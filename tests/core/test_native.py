@@ -3,6 +3,7 @@ sources, the Python sources otherwise, and the same decisions either way."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -14,7 +15,16 @@ from pathlib import Path
 import pytest
 
 from llmgw import native
-from llmgw.native import MANIFEST, MODULES, SourcesFirst, check, install, manifest_for, source_of
+from llmgw.native import (
+    DEPENDS,
+    MANIFEST,
+    MODULES,
+    SourcesFirst,
+    check,
+    install,
+    manifest_for,
+    source_of,
+)
 
 from . import pick_scenario
 
@@ -119,6 +129,23 @@ def test_the_makefile_rebuilds_when_any_compiled_source_changes() -> None:
     assert listed, "Makefile: no NATIVE_SRC"
     sources = set(listed.group(1).replace("\\\n", " ").split())
     assert sources == {str(source_of(ROOT / "llmgw", m).relative_to(ROOT)) for m in MODULES}
+    deps = re.search(r"^NATIVE_DEPS := ((?:.*\\\n)*.*)$", makefile, re.M)
+    assert deps, "Makefile: no NATIVE_DEPS"
+    depends = set(deps.group(1).replace("\\\n", " ").split())
+    assert depends == {str(source_of(ROOT / "llmgw", m).relative_to(ROOT)) for m in DEPENDS}
+
+
+def test_depends_lists_every_llmgw_module_the_compiled_ones_import() -> None:
+    imported: set[str] = set()
+    for module in MODULES:
+        tree = ast.parse(source_of(ROOT / "llmgw", module).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+    ours = {m for m in imported if m.startswith("llmgw.")} - set(MODULES)
+    assert ours <= set(DEPENDS), sorted(ours - set(DEPENDS))
 
 
 @pytest.mark.skipif(not native.STATUS.active, reason="the Python sources run here already")
