@@ -4,9 +4,8 @@ peer's zero while an endpoint is briefly gone here."""
 
 from __future__ import annotations
 
-import asyncio
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from llmgw.config import Config, load_dict
@@ -25,19 +24,11 @@ from llmgw.runtime.peers import (
 from llmgw.runtime.ports import free_port
 from llmgw.runtime.router import Router
 from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.testing.wait import eventually
 from llmgw.types import Endpoint, Outcome, RequestInfo
 
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 5)]
 HISTORY = "a long conversation so far, with the notes the user pasted in. " * 40
-
-
-async def _until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not condition():
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout} s: {what}") from None
 
 
 @asynccontextmanager
@@ -81,7 +72,7 @@ async def test_a_replica_listening_on_the_ipv6_wildcard_peers_with_ipv4_replicas
             def learned(i: PrefixIndex = index, h: list[int] = hashes) -> bool:
                 return bool(i.match(h))
 
-            await _until(learned, "the peer learned the pick")
+            await eventually(learned)  # the peer learned the pick
             assert index.match(hashes) == {chosen: len(hashes)}
         assert a.peers.stats.dropped.get("unknown_sender", 0) == 0
 
