@@ -54,6 +54,12 @@ class ModelRouter(Protocol):
     def ids_of(self, candidates: list[EndpointState]) -> tuple[str, ...]: ...
 
 
+def _left_out(before: list[EndpointState], after: list[EndpointState]) -> tuple[str, ...]:
+    """The ids of `before` that are not in `after` (an explanation's dropped endpoints)."""
+    keep = {s.id for s in after}
+    return tuple([s.id for s in before if s.id not in keep])
+
+
 def run_pick(
     registry: Registry,
     request: RequestInfo,
@@ -79,8 +85,7 @@ def run_pick(
     if request.subset is not None:
         offered = [s for s in states if _in_subset(s.endpoint.address, request.subset)]
         if dropped is not None:  # an explanation names every reason an endpoint sat out
-            keep = {s.id for s in offered}
-            dropped.append(("subset", tuple([s.id for s in states if s.id not in keep])))
+            dropped.append(("subset", _left_out(states, offered)))
         if not offered:
             raise NoHealthyEndpoint(
                 f"none of the gateway's subset hint ({', '.join(sorted(request.subset))}) "
@@ -112,15 +117,13 @@ def run_pick(
         if kept and len(kept) < len(offered):
             drops.append(("warmup", len(offered) - len(kept)))
             if dropped is not None:
-                keep = {s.id for s in kept}
-                dropped.append(("warmup", tuple([s.id for s in offered if s.id not in keep])))
+                dropped.append(("warmup", _left_out(offered, kept)))
             candidates = kept
     for flt in router.filters:
         kept = flt.filter(ctx, candidates)
         drops.append((flt.name, len(candidates) - len(kept)))
         if dropped is not None:
-            keep = {s.id for s in kept}
-            dropped.append((flt.name, tuple([s.id for s in candidates if s.id not in keep])))
+            dropped.append((flt.name, _left_out(candidates, kept)))
         if not kept:
             raise flt.when_empty(flt.empty_message.format(model=request.model))
         candidates = kept
