@@ -113,17 +113,29 @@ class HashRing:
             i += 1
         return tuple(out)
 
-    def candidates_among(self, key: str, among: Container[str]) -> list[str]:
-        """`candidates` as a ring of the replicas in `among` alone would answer (Ray Serve's
-        ring rebuilt without the others): one out of the set hands its keys on clockwise."""
+    def _first(
+        self,
+        key: str,
+        among: Container[str] | None,
+        load: Mapping[str, int] | None = None,
+        capacity: int = 0,
+    ) -> list[str]:
+        """The first 1 + num_fallback_replicas replicas clockwise from `key` that are in
+        `among` (None: any) and, with `load`, below `capacity` (checks inline: no call per
+        replica on the bounded-load pick's path)."""
         limit = 1 + self.num_fallback_replicas
         out: list[str] = []
         for rid in self._walk(key):
-            if rid in among:
+            if (among is None or rid in among) and (load is None or load.get(rid, 0) < capacity):
                 out.append(rid)
                 if len(out) == limit:
                     break
         return out
+
+    def candidates_among(self, key: str, among: Container[str]) -> list[str]:
+        """`candidates` as a ring of the replicas in `among` alone would answer (Ray Serve's
+        ring rebuilt without the others): one out of the set hands its keys on clockwise."""
+        return self._first(key, among)
 
     def bounded_candidates(
         self,
@@ -145,13 +157,7 @@ class HashRing:
             return []
         total = sum(load.get(r, 0) for r in self.replica_ids)
         capacity = math.ceil(c * (total + 1) / len(self.replica_ids))
-        limit = 1 + self.num_fallback_replicas
-        out: list[str] = []
-        for rid in self._walk(key):
-            if (among is None or rid in among) and load.get(rid, 0) < capacity:
-                out.append(rid)
-                if len(out) == limit:
-                    return out
+        out = self._first(key, among, load, capacity)
         if out:
             return out
         return self.candidates(key) if among is None else self.candidates_among(key, among)
