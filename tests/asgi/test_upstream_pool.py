@@ -33,10 +33,9 @@ from llmgw.asgi.upstream import (
     UpstreamResponse,
 )
 from llmgw.config import load_dict
-from llmgw.runtime.controlplanes import CrashCallback
 from llmgw.runtime.router import Router
+from llmgw.testing.controlplane import FakeControlPlane
 from llmgw.testing.wait import eventually
-from llmgw.types import Endpoint
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
@@ -215,30 +214,6 @@ async def test_a_request_on_a_connection_closed_before_it_fails_at_once() -> Non
             await asyncio.wait_for(late._head(), 2)
 
 
-class NeverReady:
-    """A control plane whose start never finishes (a model still loading)."""
-
-    def __init__(self) -> None:
-        self.wants = 0
-
-    async def want(self, model: str) -> list[Endpoint]:
-        self.wants += 1
-        await asyncio.Event().wait()
-        return []
-
-    async def stop(self, model: str) -> None:
-        return None
-
-    def status(self, model: str) -> dict[str, object]:
-        return {}
-
-    def on_crash(self, callback: CrashCallback) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-
 async def test_a_client_that_leaves_while_its_model_starts_stops_waiting() -> None:
     """The wait for an on-demand model (up to activation_timeout) did not watch the client:
     it went on, counted among the waiters, and ended in a request sent for nobody."""
@@ -250,7 +225,7 @@ async def test_a_client_that_leaves_while_its_model_starts_stops_waiting() -> No
             },
         }
     )
-    plane = NeverReady()
+    plane = FakeControlPlane()  # never released: a model still loading
     app = ProxyApp(config, router=Router(config, control_plane=plane, scrape=False))
     async with serve(app, http=guarded(config.limits)) as base:
         activator = app.router.activator

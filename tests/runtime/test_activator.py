@@ -10,40 +10,10 @@ import pytest
 
 from llmgw.config import Config, load_dict
 from llmgw.errors import ModelDisabled, ModelFailed, ModelLoading, ModelNotFound
-from llmgw.runtime.controlplanes import CrashCallback, StartError
 from llmgw.runtime.controlplanes.local import LocalProcessControlPlane, group_members
 from llmgw.runtime.router import Router
-from llmgw.types import Endpoint, Outcome, RequestInfo
-
-
-class FakeControlPlane:
-    """Starts when told to `finish_start`; counts calls."""
-
-    def __init__(self) -> None:
-        self.wants = 0
-        self.stops = 0
-        self.release = asyncio.Event()
-        self.fail_with: str | None = None
-        self.callbacks: list[CrashCallback] = []
-
-    async def want(self, model: str) -> list[Endpoint]:
-        self.wants += 1
-        await self.release.wait()
-        if self.fail_with is not None:
-            raise StartError(self.fail_with)
-        return [Endpoint(address="127.0.0.1:9", model=model)]
-
-    async def stop(self, model: str) -> None:
-        self.stops += 1
-
-    def status(self, model: str) -> dict[str, object]:
-        return {"wants": self.wants}
-
-    def on_crash(self, callback: CrashCallback) -> None:
-        self.callbacks.append(callback)
-
-    async def close(self) -> None:
-        return None
+from llmgw.testing.controlplane import FakeControlPlane
+from llmgw.types import Outcome, RequestInfo
 
 
 def config(timeout: float = 5.0, **scaling: object) -> Config:

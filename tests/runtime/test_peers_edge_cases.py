@@ -10,7 +10,6 @@ from contextlib import asynccontextmanager
 
 from llmgw.config import Config, load_dict
 from llmgw.registry import Registry
-from llmgw.runtime.controlplanes import CrashCallback
 from llmgw.runtime.peers import (
     _HEADER,
     _MAX_KEY,
@@ -24,6 +23,7 @@ from llmgw.runtime.peers import (
 from llmgw.runtime.ports import free_port
 from llmgw.runtime.router import Router
 from llmgw.scheduling.prefix import PrefixIndex
+from llmgw.testing.controlplane import FakeControlPlane
 from llmgw.testing.wait import eventually
 from llmgw.types import Endpoint, Outcome, RequestInfo
 
@@ -104,26 +104,6 @@ def test_a_session_key_past_the_bound_is_not_kept_from_a_peer() -> None:
 # -- 3: an idle on-demand model is stopped while the peers have requests in flight --------
 
 
-class FakeControlPlane:
-    def __init__(self) -> None:
-        self.stops = 0
-
-    async def want(self, model: str) -> list[Endpoint]:
-        return [Endpoint(address="10.0.0.9:8000", model=model)]
-
-    async def stop(self, model: str) -> None:
-        self.stops += 1
-
-    def status(self, model: str) -> dict[str, object]:
-        return {}
-
-    def on_crash(self, callback: CrashCallback) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-
 async def test_an_idle_model_is_not_stopped_while_peer_replicas_have_requests_in_flight() -> None:
     config = load_dict(
         {
@@ -136,6 +116,7 @@ async def test_an_idle_model_is_not_stopped_while_peer_replicas_have_requests_in
         }
     )
     cp = FakeControlPlane()
+    cp.release.set()
     router = Router(config, control_plane=cp, scrape=False)
     assert router.activator is not None
     decision = await router.decide(RequestInfo(model="lazy", request_id="r1"))
