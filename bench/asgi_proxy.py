@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._tools import find_load_tool, format_table, write_results  # noqa: E402
-from bench.peers import ensure_peers  # noqa: E402
+from bench.peers import add_install_option, ensure_peers  # noqa: E402
 from llmgw.runtime.ports import free_port  # noqa: E402
 
 MODEL = "m1"
@@ -418,10 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=6.0, help="measured seconds per run")
     parser.add_argument("--replicas", type=int, default=4)
-    parser.add_argument(
-        "--install-peers", action="store_true", help="pip-install missing peers (.venv-peers)"
-    )
-    parser.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)  # default
+    add_install_option(parser)
     parser.add_argument(
         "--serve-baseline", choices=["httpx", "aiohttp", "lean"], help=argparse.SUPPRESS
     )

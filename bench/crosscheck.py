@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from bench._tools import format_table, write_results  # noqa: E402
-from bench.peers import PEER_POLICIES, ensure_peers  # noqa: E402
+from bench.peers import PEER_POLICIES, add_install_option, ensure_peers  # noqa: E402
 from bench.routing import (  # noqa: E402
     Contender,
     _picker,
@@ -109,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-info", action="store_true")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--out", default="crosscheck")
-    parser.add_argument(
-        "--install-peers", action="store_true", help="pip-install missing peers (.venv-peers)"
-    )
-    parser.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)  # default
+    add_install_option(parser)
     add_body_mode_option(parser)
     args = parser.parse_args(argv)
     names = args.workloads.split(",")

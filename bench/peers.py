@@ -14,6 +14,7 @@ answers 200, and stops it (SIGTERM, then SIGKILL) on exit.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -68,6 +69,15 @@ def install_peers(check: bool = True) -> None:
     subprocess.run(
         [str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PEER_PACKAGES.values()], check=check
     )
+
+
+def add_install_option(parser: argparse.ArgumentParser) -> None:
+    """`--install-peers` (a benchmark installs nothing unless asked); `--no-install`, the
+    default now, is still accepted."""
+    parser.add_argument(
+        "--install-peers", action="store_true", help="pip-install missing peers (.venv-peers)"
+    )
+    parser.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)
 
 
 def ensure_peers(install: bool = False) -> dict[str, str]:

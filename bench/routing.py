@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,13 @@ from bench.loadclient import (  # noqa: E402
     round_robin_picker,
     run,
 )
-from bench.peers import PEER_POLICIES, Service, ensure_peers, peer_command  # noqa: E402
+from bench.peers import (  # noqa: E402
+    PEER_POLICIES,
+    Service,
+    add_install_option,
+    ensure_peers,
+    peer_command,
+)
 from bench.workloads import Workload, percentile, quantile_interval  # noqa: E402
 from bench.workloads.grid import (  # noqa: E402
     QUICK_REGIMES,
@@ -450,11 +456,25 @@ def _ms(value: float) -> float | None:
     return None if math.isnan(value) or math.isinf(value) else round(value * 1e3, 1)
 
 
-def _censored(ttfts: list[float], failed: int) -> list[float]:
-    """TTFTs with each failed streamed request (error, 429, timeout, no content) as +inf:
-    a request that got no first token is slower than every one that did. Dropping them
-    would let a contender that times out its slowest requests read a lower p90."""
-    return ttfts + [math.inf] * failed
+def _censored(times: list[float], failed: int) -> list[float]:
+    """`times` with each failed request (error, 429, timeout, no content) as +inf: a
+    request that got no answer is slower than every one that did. Dropping them would let
+    a contender that times out its slowest requests read a lower p90."""
+    return times + [math.inf] * failed
+
+
+def _ttfts(records: Iterable[RequestRecord]) -> tuple[list[float], int]:
+    """The first-token times of the requests that got one, censored (`_censored`) by the
+    failed streamed requests; and how many of those failed."""
+    ttfts: list[float] = []
+    failed = 0
+    for r in records:
+        if r.ok:
+            if r.ttft_s is not None:
+                ttfts.append(r.ttft_s)
+        elif r.stream:
+            failed += 1
+    return _censored(ttfts, failed), failed
 
 
 def _busy_max_mean(samples: list[tuple[float, list[int]]]) -> float | None:
@@ -477,8 +497,7 @@ def summarize(
     """`restarted`: some replica restarted during the run (the sampler saw its counters go
     down); also seen here when its counters end below where they started."""
     ok = [r for r in records if r.ok]
-    failed_streamed = sum(1 for r in records if r.stream and not r.ok)
-    ttfts = _censored([r.ttft_s for r in ok if r.ttft_s is not None], failed_streamed)
+    ttfts, failed_streamed = _ttfts(records)
     e2es = _censored([r.e2e_s for r in ok if r.e2e_s is not None], len(records) - len(ok))
 
     def delta(key: str) -> list[float]:
@@ -858,23 +877,14 @@ def pool(
                 continue
             ttfts: list[float] = []
             per_seed: list[float | None] = []
-            per_seed_failed: list[int] = []
-            errors = 0
+            answered = errors = 0
             for path in paths:
-                seed_ttfts, seed_failed = [], 0
-                for line in path.read_text().splitlines():
-                    r = json.loads(line)
-                    stream = r.get("stream", True)
-                    # RequestRecord.ok: a streamed request needs its first content chunk
-                    ok = r["status"] == 200 and r["error"] is None
-                    ok = ok and (r["ttft_s"] is not None or not stream)
-                    if ok and r["ttft_s"] is not None:
-                        seed_ttfts.append(r["ttft_s"])
-                    seed_failed += stream and not ok
-                    errors += not ok
-                seed_ttfts = _censored(seed_ttfts, seed_failed)
+                lines = path.read_text().splitlines()
+                seed = [RequestRecord(**json.loads(line)) for line in lines]
+                seed_ttfts, seed_failed = _ttfts(seed)
                 per_seed.append(_ms(percentile(seed_ttfts, 90)) if seed_ttfts else None)
-                per_seed_failed.append(seed_failed)
+                answered += len(seed_ttfts) - seed_failed
+                errors += sum(not r.ok for r in seed)
                 ttfts += seed_ttfts
             if ttfts:
                 lo, hi = quantile_interval(ttfts, 90)
@@ -882,7 +892,7 @@ def pool(
                     "ttft_p90_ms": _ms(percentile(ttfts, 90)),
                     "ttft_p90_ci_ms": [_ms(lo), _ms(hi)],
                     "seed_p90_ms": per_seed,
-                    "requests": len(ttfts) - sum(per_seed_failed) + errors,
+                    "requests": answered + errors,
                     "errors": errors,
                 }
     for rows in out.values():
@@ -942,10 +952,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated seeds: the grid once per seed, then each cell's requests of "
         "all seeds pooled (p90 with a 95%% interval); instead of --seed",
     )
-    parser.add_argument(
-        "--install-peers", action="store_true", help="pip-install missing peers (.venv-peers)"
-    )
-    parser.add_argument("--no-install", action="store_true", help=argparse.SUPPRESS)  # default
+    add_install_option(parser)
     parser.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
     parser.add_argument("--out", default="routing_grid", help="bench/results/NAME.json")
     parser.add_argument(
