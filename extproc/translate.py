@@ -22,8 +22,9 @@ The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
    become an ImmediateResponse with the error's status, OpenAI-style JSON body and headers.
 4. `response_headers`: the status decides the outcome; the host that served it
    (`envoy.lb` metadata `x-gateway-destination-endpoint-served`, else the `x-llmgw-upstream`
-   header llmgw's generated config adds) is charged. The first response body chunk is the
-   first token (not the headers: vLLM sends them before prefill ends). Response body
+   header llmgw's generated config adds) is charged. The first streamed response body chunk
+   is the first token (not the headers: vLLM sends them before prefill ends; not a buffered
+   body: it comes when the answer is whole). Response body
    chunks pass through unchanged. With response bodies on, a stream that closes before
    the body's end was cut by the client: `cancelled`, whatever the status said.
    With `debug_headers`, the response carries `x-llmgw-decision` (endpoint + rationale).
@@ -638,7 +639,10 @@ class Exchange:
         return CONTINUE_RESPONSE_HEADERS
 
     def _response_body(self, body: HttpBody) -> bytes:
-        self.lifecycle.first_byte()  # the first body chunk: the first token reached Envoy
+        # The first chunk of a streamed body: the first token reached Envoy. A buffered body
+        # comes once the whole answer (or a buffer's worth) is in: no first-token time.
+        if self._response_mode not in (BUFFERED, BUFFERED_PARTIAL):
+            self.lifecycle.first_byte()
         end = body.end_of_stream
         if end:
             self._response_ended = True

@@ -34,6 +34,9 @@ with warnings.catch_warnings():  # the decoder's generated pydantic validators w
 
 FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 CHAT = orjson.dumps({"model": "m1", "messages": [{"role": "user", "content": "hello"}]})
+STREAM = orjson.dumps(
+    {"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+)
 
 
 def first(
@@ -178,6 +181,23 @@ def test_response_chunks_pass_through_and_the_first_marks_the_first_token() -> N
     (last,) = decode(ex.handle(body(b"data: [DONE]\n\n", True, response=True)))
     assert streamed(last, "response_body") == (b"data: [DONE]\n\n", True)
     assert lease.done
+
+
+@pytest.mark.parametrize("mode", [ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL])
+def test_a_buffered_response_body_is_no_first_token(mode: int) -> None:
+    """Envoy sends a buffered response body once the whole answer (or a buffer's worth) is
+    in: taken as the first token, a streamed generation's TTFT was its whole duration."""
+    ttfts: list[float] = []
+    ex = exchange(hooks=Hooks(ttft=lambda _m, observed, _p: ttfts.append(observed)))
+    ex.handle(first(chat_headers(), request_mode=FULL_DUPLEX, response_mode=mode))
+    ex.handle(body(STREAM, end=True))
+    lease = ex.lifecycle.lease
+    assert lease is not None
+    ex.handle(response_headers(200))
+    ex.handle(body(b"data: 1\n\ndata: [DONE]\n\n", mode == ProcessingMode.BUFFERED, response=True))
+    assert ttfts == []
+    ex.close()
+    assert lease.done and ttfts == []
 
 
 # -- outcomes ------------------------------------------------------------------------------
