@@ -11,9 +11,11 @@ import datetime
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
@@ -43,6 +45,7 @@ class ServerTls:
             if b"-----BEGIN " not in data:
                 raise ConfigError([f"{name!r} is not a PEM file"], flag)
             pems.append(data)
+        _check_pair(pems[0], pems[1], cert_file, key_file)
         return cls(cert_pem=pems[0], key_pem=pems[1])
 
     @classmethod
@@ -81,8 +84,38 @@ class ServerTls:
         )
 
     def credentials(self) -> grpc.ServerCredentials:
-        """gRPC server credentials; ConfigError when the key does not fit the certificate."""
+        """gRPC server credentials; ConfigError on PEM gRPC cannot read (`from_files` has
+        checked that the key is the certificate's: gRPC would only fail at bind)."""
         try:
             return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)])
         except Exception as exc:  # grpc raises bare RuntimeError/ValueError on bad PEM
             raise ConfigError([f"certificate/key rejected: {exc}"], "TLS") from exc
+
+
+def _public(key: Any) -> bytes:
+    data: bytes = key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return data
+
+
+def _check_pair(cert_pem: bytes, key_pem: bytes, cert_file: str, key_file: str) -> None:
+    """ConfigError unless `key_pem` is the unencrypted private key of the first certificate
+    in `cert_pem` (gRPC takes any PEM, then fails at bind: "Failed to bind to address")."""
+    try:
+        certificate = x509.load_pem_x509_certificates(cert_pem)[0]
+    except ValueError as exc:
+        raise ConfigError(
+            [f"{cert_file!r}: no PEM certificate in it ({exc})"], "--tls-cert"
+        ) from exc
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # TypeError: encrypted
+        raise ConfigError(
+            [f"{key_file!r}: no unencrypted PEM private key in it ({exc})"], "--tls-key"
+        ) from exc
+    if _public(key.public_key()) != _public(certificate.public_key()):
+        raise ConfigError(
+            [f"{key_file!r} is not the private key of the certificate in {cert_file!r}"],
+            "--tls-key",
+        )

@@ -168,6 +168,21 @@ def test_tls_files_are_read_and_bad_files_are_named(tmp_path: Path) -> None:
         ServerTls.from_files(str(tmp_path / "junk"), str(key))
 
 
+def test_a_key_that_is_not_the_certificates_is_a_config_error(tmp_path: Path) -> None:
+    """gRPC accepts any PEM pair and fails only at bind: "Failed to bind to address", a
+    traceback that reads as a port conflict, instead of naming the files (exit code 2)."""
+    one, other = ServerTls.self_signed_pair(), ServerTls.self_signed_pair()
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(one.cert_pem)
+    key.write_bytes(other.key_pem)
+    with pytest.raises(ConfigError, match=r"(?s)--tls-key.*not the private key of"):
+        ServerTls.from_files(str(cert), str(key))
+    # The flags swapped: a PEM file each, but neither where it belongs.
+    key.write_bytes(one.key_pem)
+    with pytest.raises(ConfigError, match=r"(?s)--tls-cert.*no PEM certificate"):
+        ServerTls.from_files(str(key), str(cert))
+
+
 def test_tls_flags_default_to_self_signed_and_reject_contradictions() -> None:
     parse = build_parser().parse_args
     default = server_tls(parse(["--config", "x"]))
