@@ -647,6 +647,10 @@ class Exchange:
         if end:
             self._response_ended = True
             self.close()
+        elif self._response_mode == BUFFERED_PARTIAL:
+            # A buffer's worth of a longer body: the rest passes without ext_proc, so its end
+            # is never seen (nor a client cutting it): the status decides, as without bodies.
+            self._response_mode = NONE
         if self._response_mode == FULL_DUPLEX_STREAMED:
             return streamed_response_body(body.body, end_of_stream=end)
         return CONTINUE_RESPONSE_BODY

@@ -249,6 +249,22 @@ def test_without_response_bodies_the_status_decides() -> None:
     assert events == [Outcome.SUCCESS]
 
 
+def test_a_response_past_the_partial_buffer_is_decided_by_its_status() -> None:
+    """BUFFERED_PARTIAL: Envoy (1.40, measured) sends the first buffer's worth of a longer
+    response (end_of_stream false) and passes the rest without ext_proc; the stream then
+    closes at the end. A whole 200 answer was counted as cut by the client (cancelled)."""
+    events: list[Outcome] = []
+    ex = exchange(hooks=_outcomes(events))
+    mode = ProcessingMode.BUFFERED_PARTIAL
+    ex.handle(first(chat_headers(), request_mode=FULL_DUPLEX, response_mode=mode))
+    ex.handle(body(STREAM, end=True))
+    ex.handle(response_headers(200))
+    (answer,) = decode(ex.handle(body(b"data: 1\n\n" * 100, response=True)))
+    assert kind(answer) == "response_body"
+    ex.close()  # the response went on past ext_proc and ended: Envoy closes the stream
+    assert events == [Outcome.SUCCESS]
+
+
 # -- BUFFERED and NONE ---------------------------------------------------------------------
 def test_buffered_mode_continues_the_headers_then_routes_on_the_whole_body() -> None:
     ex = exchange()
