@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 "config": os.path.abspath(args.config),
                 "scrape": not args.no_scrape,
                 "reload_interval": args.reload_interval,
+                "drain_delay": args.drain_delay,
                 "log_level": args.log_level,
                 "log_format": args.log_format,
             }

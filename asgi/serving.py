@@ -3,6 +3,8 @@ choice, and the hand-off of the command line to worker processes (`--workers N`)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -41,6 +43,30 @@ def draining_server(config: Any, app: ProxyApp, drain_delay: float) -> Any:
     return Server(config)
 
 
+def drain_worker_on_sigterm(app: ProxyApp, drain_delay: float) -> None:
+    """`draining_server` for a worker of `--workers N`, which runs uvicorn's own Server
+    (its SIGTERM handler closes the listener at once): SIGTERM turns /readyz to 503 and
+    reaches uvicorn's handler `drain_delay` s later (a second SIGTERM at once). Called in
+    the worker's running loop, after uvicorn installed its handler."""
+    uvicorn_exit = signal.getsignal(signal.SIGTERM)
+    if drain_delay <= 0 or not callable(uvicorn_exit):
+        return
+    loop = asyncio.get_running_loop()
+    pending: asyncio.TimerHandle | None = None
+
+    def on_term() -> None:
+        nonlocal pending
+        app.draining = True
+        if pending is None:
+            pending = loop.call_later(drain_delay, uvicorn_exit, signal.SIGTERM, None)
+            return
+        pending.cancel()
+        uvicorn_exit(signal.SIGTERM, None)
+
+    with contextlib.suppress(ValueError, RuntimeError):  # not the main thread
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+
+
 def event_loop_and_parser() -> tuple[str, str]:
     try:
         import uvloop  # noqa: F401, PLC0415
@@ -61,14 +87,17 @@ WORKER_ARGS = "_LLMGW_PROXY_WORKER_ARGS"  # parent -> worker processes, set by `
 
 
 def worker_app() -> ProxyApp:
-    """The app of one worker process of `--workers N` (uvicorn imports it by name)."""
+    """The app of one worker process of `--workers N` (uvicorn imports it by name, and calls
+    it in the worker's running loop)."""
     args = orjson.loads(os.environ[WORKER_ARGS])
     configure(args["log_level"], args["log_format"])
     config = load_file(args["config"])
     WorkerProtocol.use(config.limits)
-    return build_app(
+    app = build_app(
         config,
         scrape=args["scrape"],
         config_path=args["config"],
         reload_interval=args["reload_interval"],
     )
+    drain_worker_on_sigterm(app, args["drain_delay"])
+    return app

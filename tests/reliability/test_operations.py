@@ -178,9 +178,13 @@ def test_extproc_sigterm_drains_behind_envoy(
         assert extproc.process.wait(10) == 0
 
 
-def test_proxy_sigterm_drains(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn) -> None:
+@pytest.mark.parametrize("workers", [1, 2])
+def test_proxy_sigterm_drains(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn, workers: int) -> None:
+    """`--workers N` too: each worker turns readiness false and closes its listener only
+    after the delay (the workers closed it at once, readiness never false: the option was
+    ignored)."""
     config = config_for(slow_sim, [0, 1, 2, 3])
-    proxy = spawn_proxy(config, drain_delay=DRAIN_DELAY, drain_timeout=8)
+    proxy = spawn_proxy(config, drain_delay=DRAIN_DELAY, drain_timeout=8, workers=workers)
     base = proxy.url("http")
     stream = SlowStream(base)
     stream.start()
