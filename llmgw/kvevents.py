@@ -28,12 +28,17 @@ class BlockStored:
     block_size: int
     lora_name: str | None = None
     medium: str | None = None
+    # A hybrid model's KV cache group (None before vLLM sent it) and its kind
+    # ("full_attention", "sliding_window", ...; None before vLLM sent it).
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[EngineHash, ...]
     medium: str | None = None
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +59,7 @@ class EventBatch:
 
 # Field order of the array-encoded (older msgspec array_like) events, after the tag.
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
-_STORED_TAIL = ("medium", "lora_name")
+_STORED_TAIL = ("medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
 
 
 def _hash(value: Any) -> EngineHash:
@@ -75,6 +80,12 @@ def _opt_str(value: Any, name: str) -> str | None:
     raise KvEventError(f"{name} must be a string or null, got {type(value).__name__}")
 
 
+def _opt_int(value: Any, name: str) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise KvEventError(f"{name} must be an int or null, got {type(value).__name__}")
+
+
 def _as_map(raw: Any) -> dict[str, Any]:
     if isinstance(raw, dict):
         if "type" not in raw:
@@ -86,7 +97,7 @@ def _as_map(raw: Any) -> dict[str, Any]:
         if tag == "BlockStored":
             names = (*_STORED_FIELDS, *_STORED_TAIL)
         elif tag == "BlockRemoved":
-            names = ("block_hashes", "medium")
+            names = ("block_hashes", "medium", "group_idx")
         else:
             names = ()
         return {"type": tag, **dict(zip(names, values, strict=False))}
@@ -112,10 +123,14 @@ def decode_event(raw: Any) -> KvEvent | None:
             block_size=size,
             lora_name=_opt_str(fields.get("lora_name"), "lora_name"),
             medium=_opt_str(fields.get("medium"), "medium"),
+            group_idx=_opt_int(fields.get("group_idx"), "group_idx"),
+            kv_cache_spec_kind=_opt_str(fields.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
         )
     if tag == "BlockRemoved":
         return BlockRemoved(
-            _hashes(fields.get("block_hashes")), _opt_str(fields.get("medium"), "medium")
+            _hashes(fields.get("block_hashes")),
+            _opt_str(fields.get("medium"), "medium"),
+            _opt_int(fields.get("group_idx"), "group_idx"),
         )
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
@@ -155,11 +170,18 @@ def encode_events(events: Sequence[KvEvent]) -> list[dict[str, Any]]:
                     "lora_id": None,
                     "medium": e.medium,
                     "lora_name": e.lora_name,
+                    "group_idx": e.group_idx,
+                    "kv_cache_spec_kind": e.kv_cache_spec_kind,
                 }
             )
         elif isinstance(e, BlockRemoved):
             out.append(
-                {"type": "BlockRemoved", "block_hashes": list(e.block_hashes), "medium": e.medium}
+                {
+                    "type": "BlockRemoved",
+                    "block_hashes": list(e.block_hashes),
+                    "medium": e.medium,
+                    "group_idx": e.group_idx,
+                }
             )
         else:
             out.append({"type": "AllBlocksCleared"})

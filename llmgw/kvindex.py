@@ -34,6 +34,10 @@ class SeqVerdict(enum.StrEnum):
 # Engines put the GPU tier in `medium` (None on older releases); offloaded tiers (CPU,
 # storage) are not what a prefill reuses without a transfer, so they are not counted.
 _GPU_MEDIA = (None, "GPU")
+# A hybrid model's cache groups share engine hashes (told apart by `group_idx`); a prefix
+# hit is the full-attention group's, so only its blocks are followed. Before vLLM named
+# the kind, group 0 was that group (as Dynamo reads it).
+_PREFIX_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
 
 
 @dataclass
@@ -53,6 +57,7 @@ class EndpointKv:
     orphans: int = 0  # stored blocks whose parent was unknown (skipped)
     orphan_at: float = float("-inf")  # when the last one came
     other_sizes: int = 0  # stored blocks of another block size (a hybrid model's groups)
+    group: int | None = None  # the cache group followed, once the engine named its kind
     lag_s: float = 0.0  # last batch: received - engine timestamp (set by the subscriber)
 
 
@@ -70,6 +75,16 @@ def block_keys(
         key = hash((key, tuple(token_ids[start : start + block_size])))
         out.append(key)
     return out
+
+
+def _followed(e: EndpointKv, group_idx: int | None, kind: str | None) -> bool:
+    """Is this event's cache group the one prefix hits are read from?"""
+    if kind is not None:
+        if kind not in _PREFIX_KINDS:
+            return False
+        if e.group is None and group_idx is not None:
+            e.group = group_idx
+    return group_idx is None or group_idx == (0 if e.group is None else e.group)
 
 
 class ExactPrefixIndex:
@@ -200,10 +215,12 @@ class ExactPrefixIndex:
         e = self._get(endpoint_id)
         for event in events:
             if isinstance(event, BlockStored):
-                if event.medium in _GPU_MEDIA:
+                if event.medium in _GPU_MEDIA and _followed(
+                    e, event.group_idx, event.kv_cache_spec_kind
+                ):
                     self._store(e, event, now)
             elif isinstance(event, BlockRemoved):
-                if event.medium in _GPU_MEDIA:
+                if event.medium in _GPU_MEDIA and _followed(e, event.group_idx, None):
                     self._remove(e, event.block_hashes)
             else:  # AllBlocksCleared: an exact sync point
                 self._clear(e, live=True)
@@ -245,6 +262,7 @@ class ExactPrefixIndex:
         e.blocks.clear()
         e.by_engine.clear()
         e.block_size = None  # a restarted engine may run another block size
+        e.group = None
         e.orphan_at = float("-inf")
         if live:
             e.state, e.reason = KvState.LIVE, "in sync"

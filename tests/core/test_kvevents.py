@@ -27,9 +27,14 @@ STORED_MAP = {
     "medium": "GPU",
     "lora_name": None,
     "extra_keys": None,  # newer fields are ignored
-    "group_idx": 0,
+    "kv_cache_spec_sliding_window": None,
 }
 STORED = BlockStored((b"\x01" * 8, 2), None, (1, 2, 3, 4), 2, None, "GPU")
+ARRAY_FIELDS = ([b"\x01" * 8, 2], None, [1, 2, 3, 4], 2, None)  # hashes..lora_id
+HYBRID = {**STORED_MAP, "group_idx": 1, "kv_cache_spec_kind": "sliding_window"}
+HYBRID_STORED = BlockStored(
+    (b"\x01" * 8, 2), None, (1, 2, 3, 4), 2, None, "GPU", 1, "sliding_window"
+)
 
 
 @pytest.mark.parametrize(
@@ -40,6 +45,17 @@ STORED = BlockStored((b"\x01" * 8, 2), None, (1, 2, 3, 4), 2, None, "GPU")
         (["BlockStored", [b"\x01" * 8, 2], None, [1, 2, 3, 4], 2, None, "GPU"], STORED),
         ({"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}, BlockRemoved((7,), "GPU")),
         (["BlockRemoved", [7], None], BlockRemoved((7,), None)),
+        (HYBRID, HYBRID_STORED),
+        # vLLM's array positions: ..., lora_name, extra_keys, group_idx, kind, window
+        (
+            ["BlockStored", *ARRAY_FIELDS, "GPU", None, None, 1, "sliding_window", 1024],
+            HYBRID_STORED,
+        ),
+        (
+            {"type": "BlockRemoved", "block_hashes": [7], "group_idx": 1},
+            BlockRemoved((7,), None, 1),
+        ),
+        (["BlockRemoved", [7], "GPU", 1], BlockRemoved((7,), "GPU", 1)),
         ({"type": "AllBlocksCleared"}, AllBlocksCleared()),
         (["AllBlocksCleared"], AllBlocksCleared()),
     ],

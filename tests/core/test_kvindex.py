@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, KvEvent
+from llmgw.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEvent,
+    decode_batch,
+    encode_events,
+)
 from llmgw.kvindex import ExactPrefixIndex, KvState, SeqVerdict, block_keys
 
 BS = 4
@@ -151,6 +159,39 @@ def test_a_hybrid_models_other_block_sizes_do_not_wipe_the_index() -> None:
     index = live_index(stored(0, 3), other_group, stored(0, 0))
     assert index.match(TOKENS, ["a"]) == {"a": 16}
     assert index.endpoint("a").other_sizes == 1  # type: ignore[union-attr]
+
+
+def vllm_batch(seq: int, *events: dict[str, object]) -> EventBatch:
+    """A batch as vLLM puts it on the wire (tagged maps), decoded as the subscriber does."""
+    return decode_batch(seq, [0.0, list(events), 0])
+
+
+def stored_map(first: int, last: int, **fields: object) -> dict[str, object]:
+    return {"type": "BlockStored", **encode_events([stored(first, last)])[0], **fields}
+
+
+@pytest.mark.parametrize(
+    "window_group",
+    [
+        {"group_idx": 1, "kv_cache_spec_kind": "sliding_window"},
+        {"group_idx": 1},  # engines before the kind field: group 0 is the prefix group
+    ],
+)
+def test_a_hybrid_models_sliding_window_group_does_not_evict_the_full_attention_blocks(
+    window_group: dict[str, object],
+) -> None:
+    """vLLM's hybrid models (full + sliding-window attention, one block size) publish each
+    group's blocks under the same engine hashes, told apart by `group_idx`: the window
+    group's evictions removed the full-attention blocks the engine still reuses."""
+    full = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    index = ExactPrefixIndex()
+    batch = vllm_batch(0, stored_map(0, 3, **full), stored_map(0, 3, **window_group))
+    index.apply_batch("a", batch, now=0.0)
+    evict = {"type": "BlockRemoved", "block_hashes": [b"h0", b"h1"], "medium": "GPU"}
+    index.apply_batch("a", vllm_batch(1, {**evict, "group_idx": 1}), now=0.0)
+    assert index.match(TOKENS, ["a"]) == {"a": 16}
+    index.apply_batch("a", vllm_batch(2, {**evict, "group_idx": 0}), now=0.0)
+    assert index.match(TOKENS, ["a"]) == {"a": 0}
 
 
 def test_a_restarted_engine_may_run_another_block_size() -> None:
