@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 
 
@@ -57,3 +58,58 @@ def template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+def loops_over_content(source: str) -> bool:
+    """Does the template iterate over a message's content (vLLM's "openai" content format:
+    it then hands the template content parts; otherwise one string)? As vLLM tells it
+    from the template's syntax tree: a `for` over `*.content`, `*['content']` or `content`."""
+    try:
+        tree = template_environment().parse(source)
+    except jinja2.TemplateError:
+        return False
+    return any(_is_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
+
+
+def _is_content(node: jinja2.nodes.Node) -> bool:
+    while isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) and node.node is not None:
+        node = node.node  # `message.content | selectattr(...)`
+    if isinstance(node, jinja2.nodes.Name):
+        return node.name == "content"
+    if isinstance(node, jinja2.nodes.Getattr):
+        return node.attr == "content"
+    if isinstance(node, jinja2.nodes.Getitem):
+        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    return False
+
+
+def vllm_messages(messages: list[Any], parts: bool) -> list[Any]:
+    """The messages as vLLM hands them to the template: each content's text parts joined
+    with newlines (None: ""), or with `parts`, the content as a list of parts (a string
+    becomes one text part)."""
+    out: list[Any] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or not (
+            content is None or isinstance(content, str | list)
+        ):
+            out.append(message)
+            continue
+        items = [] if content is None else [content] if isinstance(content, str) else content
+        if parts:
+            rendered: Any = [
+                {"type": "text", "text": i} if isinstance(i, str) else i for i in items
+            ]
+        else:
+            rendered = "\n".join(t for t in map(_part_text, items) if t is not None)
+        out.append({**message, "content": rendered})
+    return out
+
+
+def _part_text(part: Any) -> str | None:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+        text = part.get("text")
+        return text if isinstance(text, str) else None
+    return None  # an image, audio...: the engine's placeholder, not text

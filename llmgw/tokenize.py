@@ -173,7 +173,11 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
         import jinja2  # noqa: PLC0415 (optional extra, loaded only when configured)
         from tokenizers import Tokenizer  # noqa: PLC0415
 
-        from llmgw.chat_template import template_environment  # noqa: PLC0415
+        from llmgw.chat_template import (  # noqa: PLC0415
+            loops_over_content,
+            template_environment,
+            vllm_messages,
+        )
     except ImportError as exc:
         raise ValueError(
             f"tokenizer {path!r} needs the optional packages `tokenizers` and `jinja2` "
@@ -202,10 +206,12 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
         context: dict[str, Any] = {**specials, "add_generation_prompt": True, "documents": None}
         if isinstance(chat.kwargs, dict):  # the request's chat_template_kwargs, as vLLM does
             context.update(chat.kwargs)
-        context["messages"], context["tools"] = chat.messages, chat.tools
+        context["messages"] = vllm_messages(chat.messages, parts)
+        context["tools"] = chat.tools
         return str(template.render(**context))
 
     template: Any = None
+    parts = isinstance(source, str) and loops_over_content(source)
     if isinstance(source, str):
         try:
             template = template_environment().from_string(source)

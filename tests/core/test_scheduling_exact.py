@@ -273,3 +273,30 @@ def test_named_chat_templates_use_the_default_one(tmp_path: Path) -> None:
     named = [{"name": "tool_use", "template": "more"}, {"name": "default", "template": template}]
     (tmp_path / "tokenizer_config.json").write_text(orjson.dumps({"chat_template": named}).decode())
     assert make_tokenizer(name).tokens([{"role": "user", "content": "hi"}]) == (2, 4)
+
+
+@pytest.mark.parametrize(
+    ("template", "content"),
+    [
+        # A template that prints the content: vLLM joins the text parts with newlines.
+        ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}", None),
+        # One that loops over the parts: vLLM hands it parts, a string one as a text part.
+        (
+            "{% for m in messages %}<|{{ m.role }}|>{% for p in m.content %}{{ p.text }} "
+            "{% endfor %}{% endfor %}",
+            "hi there",
+        ),
+    ],
+)
+def test_chat_content_reaches_the_template_as_vllm_hands_it_over(
+    tmp_path: Path, template: str, content: str | None
+) -> None:
+    """OpenAI clients send content as a list of text parts; vLLM joins them with "\\n" for a
+    template that prints the content and wraps a string in a text part for one that loops
+    over parts. Rendered as given, the parts came out as a Python list's repr (or a
+    string's characters), so the router's tokens and the engine's parted at once."""
+    name = _wordlevel(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(template)
+    parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+    message = {"role": "user", "content": parts if content is None else content}
+    assert make_tokenizer(name).tokens([message]) == (2, 4, 5)  # <|user|> hi there
