@@ -86,7 +86,7 @@ def _is_content(node: jinja2.nodes.Node) -> bool:
 def vllm_messages(messages: list[Any], parts: bool) -> list[Any]:
     """The messages as vLLM hands them to the template: each content's text parts joined
     with newlines (None: ""), or with `parts`, the content as a list of parts (a string
-    becomes one text part)."""
+    becomes one text part); an assistant's tool-call arguments parsed from their JSON."""
     out: list[Any] = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
@@ -102,8 +102,27 @@ def vllm_messages(messages: list[Any], parts: bool) -> list[Any]:
             ]
         else:
             rendered = "\n".join(t for t in map(_part_text, items) if t is not None)
-        out.append({**message, "content": rendered})
+        handed = {**message, "content": rendered}
+        calls = handed.get("tool_calls")
+        if handed.get("role") == "assistant" and isinstance(calls, list):
+            if calls:
+                handed["tool_calls"] = [_parsed_call(c) for c in calls]
+            else:  # vLLM drops an empty list: the template's plain assistant path
+                del handed["tool_calls"]
+        out.append(handed)
     return out
+
+
+def _parsed_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if not arguments:
+        arguments = {}
+    elif not isinstance(arguments, dict | list):
+        arguments = json.loads(arguments)  # not JSON: vLLM answers 400, the pick falls back
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _part_text(part: Any) -> str | None:

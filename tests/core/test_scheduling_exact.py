@@ -300,3 +300,28 @@ def test_chat_content_reaches_the_template_as_vllm_hands_it_over(
     parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
     message = {"role": "user", "content": parts if content is None else content}
     assert make_tokenizer(name).tokens([message]) == (2, 4, 5)  # <|user|> hi there
+
+
+def test_tool_call_arguments_reach_the_template_parsed_as_vllm_hands_them_over(
+    tmp_path: Path,
+) -> None:
+    """The OpenAI API sends an assistant's tool-call arguments as a JSON string; vLLM parses
+    them into a dict before rendering (templates print `arguments | tojson` or read its
+    keys). Rendered as the string, every agent turn after a tool call parted early."""
+    name = _wordlevel(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %} {{ c.function.arguments.city }}{% endfor %}"
+        "{% endfor %}"
+    )
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"city": "there"}'},
+    }
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    assert make_tokenizer(name).tokens(messages) == (2, 4, 3, 5)  # <|user|>hi<|assistant|> there
+    assert call["function"] == {"name": "f", "arguments": '{"city": "there"}'}  # not mutated
