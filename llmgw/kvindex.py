@@ -46,6 +46,9 @@ class EndpointKv:
 
     blocks: OrderedDict[int, EngineHash] = field(default_factory=OrderedDict)
     by_engine: dict[EngineHash, int] = field(default_factory=dict)
+    # Engine hash -> copies cached beyond the first (vLLM does not deduplicate its cache:
+    # requests that computed the same block each store and, later, evict a copy).
+    copies: dict[EngineHash, int] = field(default_factory=dict)
     block_size: int | None = None
     state: KvState = KvState.UNKNOWN
     unknown_since: float = 0.0
@@ -261,6 +264,7 @@ class ExactPrefixIndex:
         self._total -= len(e.blocks)
         e.blocks.clear()
         e.by_engine.clear()
+        e.copies.clear()
         e.block_size = None  # a restarted engine may run another block size
         e.group = None
         e.orphan_at = float("-inf")
@@ -298,16 +302,24 @@ class ExactPrefixIndex:
                 self._total += 1
             else:
                 blocks.move_to_end(key)
-                if old != engine_hash and by_engine.get(old) == key:
+                if old == engine_hash:
+                    e.copies[old] = e.copies.get(old, 0) + 1
+                elif by_engine.get(old) == key:
                     # The same tokens under a new engine hash (another cache salt): the old
                     # hash maps nothing any more, and would grow the map past the bound.
                     del by_engine[old]
+                    e.copies.pop(old, None)
             blocks[key] = engine_hash
             by_engine[engine_hash] = key
 
     def _remove(self, e: EndpointKv, hashes: Iterable[EngineHash]) -> None:
-        blocks, by_engine = e.blocks, e.by_engine
+        blocks, by_engine, copies = e.blocks, e.by_engine, e.copies
         for h in hashes:
+            extra = copies.pop(h, 0)
+            if extra > 0:  # another copy of the block stays cached
+                if extra > 1:
+                    copies[h] = extra - 1
+                continue
             key = by_engine.pop(h, None)
             if key is not None and blocks.get(key) == h:
                 del blocks[key]
@@ -323,9 +335,11 @@ class ExactPrefixIndex:
                 self.evicted += len(e.blocks)
                 e.blocks.clear()
                 e.by_engine.clear()
+                e.copies.clear()
         while self._total > self.capacity:
             largest = max(self._endpoints.values(), key=lambda x: len(x.blocks))
             _, engine_hash = largest.blocks.popitem(last=False)
             largest.by_engine.pop(engine_hash, None)
+            largest.copies.pop(engine_hash, None)
             self._total -= 1
             self.evicted += 1

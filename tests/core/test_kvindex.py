@@ -228,6 +228,19 @@ def test_capacity_drops_unknown_endpoints_then_the_largest_endpoints_oldest() ->
     assert index.match(TOKENS, ["big"]) == {"big": 0}
 
 
+def test_a_block_cached_twice_stays_until_both_copies_are_evicted() -> None:
+    """vLLM does not deduplicate its cache: two requests that compute the same blocks (a
+    shared prefix past the first prefill chunk) each store a copy under the same hash and
+    publish BlockStored for each; evicting one copy (BlockRemoved) leaves the other hit."""
+    index = live_index(stored(0, 3), stored(0, 3))
+    index.apply_batch("a", EventBatch(1, 0.0, (removed(1),)), now=0.0)
+    assert index.match(TOKENS, ["a"]) == {"a": 16}
+    index.apply_batch("a", EventBatch(2, 0.0, (removed(1),)), now=0.0)
+    assert index.match(TOKENS, ["a"]) == {"a": 4}
+    kv = index.endpoint("a")
+    assert kv is not None and b"h1" not in kv.copies and index.size() == 3
+
+
 def test_removals_of_blocks_never_stored_are_ignored() -> None:
     index = live_index(stored(0, 1), removed(5, 6))
     assert index.match(TOKENS, ["a"]) == {"a": 8}
