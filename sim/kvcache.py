@@ -145,12 +145,15 @@ class KVCache:
         allocation.block_ids = []
 
     def clear_cache(self) -> None:
-        """Drop every cached-but-free block (blocks in use keep their hashes)."""
+        """Drop every cached block. Blocks in use lose their hashes too (freed, they are not
+        cached): AllBlocksCleared says nothing hits afterwards, as after vLLM's reset."""
         publish, self.publish_events = self.publish_events, False  # one event says it all
         while self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
             self._forget(block_id)
             self._empty.append(block_id)
+        for block_id in list(self._by_hash.values()):
+            self._forget(block_id)
         self.publish_events = publish
         if publish:
             self.events.append({"type": "AllBlocksCleared"})

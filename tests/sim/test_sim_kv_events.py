@@ -82,3 +82,19 @@ def test_index_fed_by_engine_events_predicts_every_prefix_hit() -> None:
             seq_no += 1
     assert checked == 150
     assert 0 < index.size("e") <= 40
+
+
+def test_a_cache_reset_while_blocks_are_in_use_leaves_no_hit_the_events_do_not_report() -> None:
+    """vLLM resets its prefix cache only when no block is in use, so after AllBlocksCleared
+    nothing hits. The simulator's reset kept the hashes of blocks in use: freed, they hit
+    again while its events had said the cache was empty."""
+    kv = KVCache(8, publish_events=True, block_size=BS)
+    index = ExactPrefixIndex()
+    text = "x" * (BS * 4 * 2)  # two full blocks
+    hashes, ids = block_hashes(text, BS), token_ids(text)
+    alloc = kv.allocate(hashes, 2, ids)  # a request running
+    kv.clear_cache()
+    kv.free(alloc)
+    payload = msgpack.unpackb(msgpack.packb([0.0, kv.drain_events()]))
+    index.apply_batch("e", decode_batch(0, payload), 0.0)
+    assert index.match(ids, ["e"])["e"] == kv.match_prefix(hashes) * BS
