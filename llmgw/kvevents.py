@@ -32,6 +32,7 @@ class BlockStored:
     # ("full_attention", "sliding_window", ...; None before vLLM sent it).
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    lora_id: int | None = None  # an adapter's blocks, from releases that sent no lora_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ def decode_event(raw: Any) -> KvEvent | None:
             medium=_opt_str(fields.get("medium"), "medium"),
             group_idx=_opt_int(fields.get("group_idx"), "group_idx"),
             kv_cache_spec_kind=_opt_str(fields.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+            lora_id=_opt_int(fields.get("lora_id"), "lora_id"),
         )
     if tag == "BlockRemoved":
         return BlockRemoved(
@@ -167,7 +169,7 @@ def encode_events(events: Sequence[KvEvent]) -> list[dict[str, Any]]:
                     "parent_block_hash": e.parent_block_hash,
                     "token_ids": list(e.token_ids),
                     "block_size": e.block_size,
-                    "lora_id": None,
+                    "lora_id": e.lora_id,
                     "medium": e.medium,
                     "lora_name": e.lora_name,
                     "group_idx": e.group_idx,

@@ -64,8 +64,9 @@ class EndpointKv:
     lag_s: float = 0.0  # last batch: received - engine timestamp (set by the subscriber)
 
 
-def root_key(lora_name: str | None) -> int:
-    return hash(("llmgw-kv-root", lora_name))
+def root_key(lora: str | int | None) -> int:
+    """The chain's root: the base model (None) or a LoRA adapter (its name, else its id)."""
+    return hash(("llmgw-kv-root", lora))
 
 
 def block_keys(
@@ -282,7 +283,8 @@ class ExactPrefixIndex:
             return
         parent = event.parent_block_hash
         if parent is None:
-            key = root_key(event.lora_name)
+            lora = event.lora_name
+            key = root_key(event.lora_id if lora is None else lora)
         else:
             found = e.by_engine.get(parent)
             if found is None:

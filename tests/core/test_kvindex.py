@@ -194,6 +194,17 @@ def test_a_hybrid_models_sliding_window_group_does_not_evict_the_full_attention_
     assert index.match(TOKENS, ["a"]) == {"a": 0}
 
 
+def test_adapter_blocks_named_only_by_lora_id_are_not_the_base_models() -> None:
+    """vLLM releases before `lora_name` told a LoRA adapter's blocks by `lora_id` alone (the
+    engine's hashes include the adapter): keyed as the base model's, they read as cached
+    for base-model prompts the engine could not serve from them."""
+    index = ExactPrefixIndex()
+    index.apply_batch("a", vllm_batch(0, stored_map(0, 3, lora_id=7)), now=0.0)
+    assert index.match(TOKENS, ["a"]) == {"a": 0}
+    index.apply_batch("a", vllm_batch(1, stored_map(0, 3, lora_id=None)), now=0.0)
+    assert index.match(TOKENS, ["a"]) == {"a": 16}
+
+
 def test_a_restarted_engine_may_run_another_block_size() -> None:
     index = live_index(stored(0, 3))
     index.apply_batch("a", EventBatch(1, 0.0, ()), 0.5)
