@@ -103,6 +103,7 @@ class ExactPrefixIndex:
         self.capacity = capacity
         self.resync_s = resync_s
         self._endpoints: dict[str, EndpointKv] = {}
+        self._resync: dict[str, float] = {}  # endpoint -> its model's resync_s
         self._total = 0
         self._memo: tuple[Sequence[int] | None, dict[int, list[int]]] = (None, {})
         self.evicted = 0
@@ -233,7 +234,8 @@ class ExactPrefixIndex:
         # cached before (a system prompt); blocks extending them cannot be keyed, and live
         # at once the endpoint would read as holding none of them.
         since = e.unknown_since if e.unknown_since > e.orphan_at else e.orphan_at
-        resynced = e.last_seq is not None and now - since >= self.resync_s
+        resync_s = self._resync.get(endpoint_id, self.resync_s)
+        resynced = e.last_seq is not None and now - since >= resync_s
         if e.state is KvState.UNKNOWN and resynced:
             e.state, e.reason = KvState.LIVE, "resynced"
         if self._total > self.capacity:
@@ -245,7 +247,12 @@ class ExactPrefixIndex:
         e.last_seq = None
         self._unknown(e, reason, now)
 
+    def set_resync(self, endpoint_id: str, resync_s: float) -> None:
+        """This endpoint's model's `resync_s` (others keep the index's)."""
+        self._resync[endpoint_id] = resync_s
+
     def forget(self, endpoint_id: str) -> None:
+        self._resync.pop(endpoint_id, None)
         e = self._endpoints.pop(endpoint_id, None)
         if e is not None:
             self._total -= len(e.blocks)

@@ -279,9 +279,9 @@ class KvEventSubscribers:
         for model, spec in self.config.models.items():
             if spec.kv_events is None:
                 continue
-            self.registry.kv_index.resync_s = spec.kv_events.resync
             for state in self.registry.states(model):
                 out[state.id] = spec.kv_events
+                self.registry.kv_index.set_resync(state.id, spec.kv_events.resync)
         return out
 
     def sync(self) -> None:

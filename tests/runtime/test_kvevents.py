@@ -276,3 +276,31 @@ async def test_a_publisher_gone_silent_without_closing_is_a_disconnect(fleet: Si
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await relay.stop()
+
+
+def test_each_models_resync_time_applies_to_its_own_endpoints() -> None:
+    """`kv_events.resync` is a model's setting: the last model's value was set on the one
+    index, so a model asking to trust its engines at once waited another model's minute."""
+    from llmgw.kvevents import EventBatch  # noqa: PLC0415
+    from llmgw.runtime.kvevents import KvEventSubscribers  # noqa: PLC0415
+    from llmgw.types import Endpoint  # noqa: PLC0415
+
+    fast, slow = "10.0.0.1:8000", "10.0.0.2:8000"
+    config = load_dict(
+        {
+            "models": {
+                "fast": {"endpoints": [fast], "kv_events": {"discover": True, "resync": 0}},
+                "slow": {"endpoints": [slow], "kv_events": {"discover": True, "resync": 60}},
+            }
+        }
+    )
+    registry = Registry()
+    registry.set_endpoints("fast", [Endpoint(fast, "fast")])
+    registry.set_endpoints("slow", [Endpoint(slow, "slow")])
+    KvEventSubscribers(config, registry).targets()
+    index = registry.kv_index
+    for eid in (fast, slow):
+        index.apply_batch(eid, EventBatch(5, 0.0, ()), now=0.0)  # joined late: unknown
+        index.apply_batch(eid, EventBatch(6, 0.0, ()), now=1.0)
+    assert index.state(fast) is KvState.LIVE
+    assert index.state(slow) is KvState.UNKNOWN
