@@ -126,6 +126,7 @@ class _Publishers:
         self.registry, self.clock = registry, clock
         self.seq: dict[str, int] = {}
         self.stored: dict[str, list[tuple[int, ...]]] = {}
+        self.held: dict[str, set[int]] = {}  # per engine: the blocks it caches
 
     def publishes(self, address: str) -> bool:
         return int(address.rsplit(".", 1)[1].split(":", maxsplit=1)[0]) % 3 != 0
@@ -137,24 +138,40 @@ class _Publishers:
         self.registry.kv_index.apply_batch(address, batch, self.clock())
 
     def store(self, address: str, tokens: tuple[int, ...]) -> None:
+        """As vLLM does: the leading blocks the engine holds are hits, not stored again (a
+        block stored twice is a second copy there); the rest are computed and stored."""
         blocks = len(tokens) // KV_BLOCK
         hashes = tuple(block_keys(tokens, KV_BLOCK))  # unique per chained content
-        self.stored.setdefault(address, []).append(hashes)
-        self.send(address, (BlockStored(hashes, None, tokens[: blocks * KV_BLOCK], KV_BLOCK),))
+        held = self.held.setdefault(address, set())
+        hit = 0
+        while hit < blocks and hashes[hit] in held:
+            hit += 1
+        if hit == blocks:
+            return
+        new = hashes[hit:]
+        held.update(new)
+        self.stored.setdefault(address, []).append(new)
+        parent = hashes[hit - 1] if hit else None
+        tail = tokens[hit * KV_BLOCK : blocks * KV_BLOCK]
+        self.send(address, (BlockStored(new, parent, tail, KV_BLOCK),))
 
     def evict(self, rng: random.Random, address: str) -> None:
         held = self.stored.get(address)
         if held:
             hashes = held.pop(rng.randrange(len(held)))
-            self.send(address, (BlockRemoved(hashes[rng.randrange(len(hashes) + 1) :]),))
+            gone = hashes[rng.randrange(len(hashes) + 1) :]
+            self.held.get(address, set()).difference_update(gone)
+            self.send(address, (BlockRemoved(gone),))
 
     def restart(self, address: str) -> None:  # the engine restarts: sequence 0, empty cache
         self.seq[address] = -1
         self.stored.pop(address, None)
+        self.held.pop(address, None)
         self.send(address, ())
 
     def clear(self, address: str) -> None:
         self.stored.pop(address, None)
+        self.held.pop(address, None)
         self.send(address, (AllBlocksCleared(),))
 
 
