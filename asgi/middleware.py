@@ -17,7 +17,8 @@ header) it:
    - `scope["state"]["llmgw_decision"]`: the `Decision` (Starlette: `request.state.llmgw_decision`);
    - `scope["state"]["llmgw_dispatch"]`: the `Lifecycle` (the live lease; an app that
      forwards and falls back calls `dispatch.fall_back(outcome)`, and may report
-     `dispatch.first_byte()` when the upstream's first body byte arrives);
+     `dispatch.first_byte()` when the upstream's first body byte arrives; the middleware
+     reports each body chunk it sends on, `dispatch.body_chunk()`);
    - request headers `x-gateway-destination-endpoint: host:port` (the primary) and
      `x-llmgw-decision: <rationale summary>`; internal headers sent by the client
      (`llmgw.lifecycle.INTERNAL_HEADERS`) are removed;
@@ -313,9 +314,12 @@ class SchedulerMiddleware:
                             content_type = value.decode("latin-1")
                             break
                     lifecycle.response(status, content_type=content_type)
-            elif first_byte and kind == "http.response.body":
-                first_byte = False
-                lifecycle.first_byte()
+            elif kind == "http.response.body":
+                if first_byte:
+                    first_byte = False
+                    lifecycle.first_byte()
+                elif message.get("body"):  # a later token: an engine step ended
+                    lifecycle.body_chunk()
             try:
                 await send(message)
             except OSError:

@@ -860,11 +860,15 @@ def simulate(
                 if seq.output_tokens == 1:
                     observations[a].first_token(seq)
                 flight = flights.get((a, seq.seq_id))
-                if flight is not None and not flight.first_seen:
+                if flight is None:
+                    continue
+                if not flight.first_seen:
                     flight.first_seen = True
                     ttft.append(now - flight.sent)
                     if flight.lease is not None and contender_first_tokens:
                         flight.lease.first_token()
+                elif flight.lease is not None and flight.lease.streaming:
+                    flight.lease.token()  # a later token: the edge sees the step end
             for seq in result.finished:
                 flight = flights.pop((a, seq.seq_id))
                 observations[a].observe(seq)

@@ -641,8 +641,12 @@ class Exchange:
     def _response_body(self, body: HttpBody) -> bytes:
         # The first chunk of a streamed body: the first token reached Envoy. A buffered body
         # comes once the whole answer (or a buffer's worth) is in: no first-token time.
+        # Each later chunk of a streamed body ends an engine step there (`body_chunk`).
         if self._response_mode not in (BUFFERED, BUFFERED_PARTIAL):
-            self.lifecycle.first_byte()
+            if body.body:
+                self.lifecycle.body_chunk()
+            else:
+                self.lifecycle.first_byte()  # an empty end: a no-op after the first
         end = body.end_of_stream
         if end:
             self._response_ended = True

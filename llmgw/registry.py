@@ -78,6 +78,7 @@ class EndpointState:
         "serves_model",
         "share_engine",
         "share_sent",
+        "token_at",
         "warming",
     )
 
@@ -89,6 +90,10 @@ class EndpointState:
         # tokens queued here (the sums over peers; `llmgw.runtime.peers.RemoteLoad`).
         self.remote_inflight = 0
         self.remote_pending = 0.0
+        # When the edge last relayed a token of a stream from this engine (the registry
+        # clock): every running sequence gets one at the end of each engine step, so a
+        # request sent now starts when the step that began then ends (`Lease.token`).
+        self.token_at = float("-inf")
         # Requests this router saw end since the last scrape: the engine's counts still
         # include them until the next scrape (a replica that just answered looks busy).
         self.released_since_scrape = 0
@@ -368,6 +373,12 @@ class Registry:
             state.busy_until = max(now, state.busy_until - (ready_at - now))
         if self.on_load is not None:
             self.on_load(model, state)
+
+    def saw_token(self, model: str, endpoint_id: str) -> None:
+        """A later token of a stream from this endpoint reached the edge: a step ended."""
+        state = self._by_id.get((model, endpoint_id))
+        if state is not None:
+            state.token_at = self.clock()
 
     # -- scrapes -------------------------------------------------------------------------
     def record_scrape(self, model: str, endpoint_id: str, metrics: EngineMetrics) -> None:

@@ -53,6 +53,9 @@ class Correction:
     # were fresh but not counted there (the time-drained queue; traces before session 27).
     counted: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     blind: frozenset[str] = frozenset()
+    # Seconds since the recording edge last saw a token from each endpoint (the latency
+    # scorer's step phase; absent: none seen lately). None: the trace predates them.
+    tokens: Mapping[str, float] | None = None
 
 
 def view_of(registry: Registry, model: str) -> tuple[View, Speed]:
@@ -82,6 +85,7 @@ def correction(
     speed: Speed,
     batches: frozenset[str] | None = None,
     slowdowns: Mapping[str, float] | None = None,
+    tokens: Mapping[str, float] | None = None,
 ) -> Correction:
     engines: dict[str, tuple[float, float, float, float]] = {}
     stale, fresh, blind = set(), set(), set()
@@ -114,6 +118,7 @@ def correction(
         slowdowns,
         counted,
         frozenset(blind),
+        tokens,
     )
 
 
@@ -125,6 +130,10 @@ def apply(
     (`now`: the registry clock); returns the undo."""
     undo: list[Callable[[], None]] = []
     for s in states:
+        if fix.tokens is not None:  # the step phase the recorded pick read
+            undo.append(_restore_token(s))
+            age = fix.tokens.get(s.id)
+            s.token_at = float("-inf") if age is None else now - age
         peak = fix.peaks.get(s.id)
         if peak is not None:
             undo.append(_restore_peak(s))
@@ -216,6 +225,15 @@ def _restore_metrics(s: EndpointState) -> Callable[[], None]:
 
     def restore() -> None:
         s.metrics, s.released_since_scrape, s.scraped_at = metrics, released, scraped_at
+
+    return restore
+
+
+def _restore_token(s: EndpointState) -> Callable[[], None]:
+    token_at = s.token_at
+
+    def restore() -> None:
+        s.token_at = token_at
 
     return restore
 

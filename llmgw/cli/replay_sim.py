@@ -294,11 +294,15 @@ def simulate(
                 if seq.output_tokens == 1:  # vLLM observes time to first token now
                     observations[a][model_of_flight[(a, seq.seq_id)]].first_token(seq)
                 flight = flights.get((a, seq.seq_id))
-                if flight is not None and not flight.first_seen:
+                if flight is None:
+                    continue
+                if not flight.first_seen:
                     flight.first_seen = True
                     result.ttft_s.append(now - flight.sent)
                     if arrivals[flight.index].first_tokens and not flight.held:
                         flight.lease.first_token()
+                elif flight.lease.streaming and not flight.held:
+                    flight.lease.token()  # a later token: the router sees the step end
             for seq in step.finished:
                 flight = flights.pop((a, seq.seq_id))
                 observations[a][model_of_flight.pop((a, seq.seq_id))].observe(seq)
@@ -355,7 +359,9 @@ def mirror_corrections(
         if a.engines is None or seen is None:
             out.append(None)
             continue
-        out.append(correction(a.engines, a.costs, seen[0], seen[1], a.batches, a.slowdowns))
+        out.append(
+            correction(a.engines, a.costs, seen[0], seen[1], a.batches, a.slowdowns, a.tokens)
+        )
     return out
 
 

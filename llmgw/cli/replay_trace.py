@@ -49,6 +49,10 @@ class Arrival:
     batches: frozenset[str] | None = None  # where that peak was the batch (None: not traced)
     # The latency scorer's slowdowns at the pick, slower endpoints only (None: not traced).
     slowdowns: Mapping[str, float] | None = None
+    # Seconds since the recording edge last saw a token from each endpoint, at the pick
+    # (the step's phase; endpoints without one in the last few seconds are left out; None:
+    # not traced).
+    tokens: Mapping[str, float] | None = None
     speed: tuple[float | None, ...] | None = None
     # What its latency scorer used, if any: the speed's four, then the engines' tokens per
     # one of the router's, its first tokens' slope and the net cost (s/token), None where a
@@ -173,6 +177,11 @@ def _arrival(
         slowdowns=(
             {str(e): float(x) for e, x in row["slowdowns"].items()}
             if isinstance(row.get("slowdowns"), dict)
+            else None
+        ),
+        tokens=(
+            {str(e): float(x) for e, x in row["tokens"].items()}
+            if isinstance(row.get("tokens"), dict)
             else None
         ),
         speed=_speed(fleet) if fleet else None,

@@ -92,6 +92,8 @@ def _us(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e6
 
 
+# Seconds: an endpoint's last token older than this says nothing of its step's phase.
+_TOKEN_WINDOW = 5.0
 _FLEET_EVERY = 0.1  # seconds: the speed moves slowly; pooling it per request cost ~5 us
 
 
@@ -103,8 +105,9 @@ def engine_view(
     ever scraped] (null when its metrics were stale; `batches` names those where that peak
     is known to be the batch size), and where the engine's first-token count closes this
     router's prefills (an edge without first tokens) two more: the prefill tokens left
-    open and the seconds since that scrape (the latency queue's inputs); and the model's
-    calibrated speed (`_fleet`). A replay corrects its simulated engines by the difference
+    open and the seconds since that scrape (the latency queue's inputs); the seconds since
+    the edge last saw a token from each endpoint (`tokens`: the step's phase, those within
+    `_TOKEN_WINDOW`); and the model's calibrated speed (`_fleet`). A replay corrects its simulated engines by the difference
     (`llmgw replay --mirror`)."""
     lease, request = lifecycle.lease, lifecycle.request
     if lease is None or request is None:
@@ -115,7 +118,10 @@ def engine_view(
     # a replay spaces picks by these, not by arrivals (parsing a body takes its own time).
     now = registry.clock()
     fresh = fresh_metrics_of(states, now, registry.staleness)
+    decision = lifecycle.decision
+    picked = decision.at if decision is not None and decision.at is not None else now
     engines: dict[str, list[float] | None] = {}
+    tokens: dict[str, float] = {}
     batches: list[str] = []  # where the peak is known to be the batch (`peak_is_batch`)
     for s in states:
         m = fresh[s]
@@ -136,6 +142,9 @@ def engine_view(
                 pending = max(0.0, pending - lease.prefill.tokens)
             view += [round(pending, 1), round(now - s.scraped_at, 4)]
         engines[s.id] = view
+        age = picked - s.token_at
+        if age < _TOKEN_WINDOW:
+            tokens[s.id] = round(age, 4)
         if view is not None and s.peak_is_batch:
             batches.append(s.id)
     kept = cache.get(request.model) if cache is not None else None
@@ -159,13 +168,12 @@ def engine_view(
                 used = _costs(costs)
                 if cache is not None:
                     cache[slot] = (costs, used)
-    decision = lifecycle.decision
     wall = time.time()
-    picked = decision.at if decision is not None and decision.at is not None else now
     return {
         "at": wall - (registry.clock() - picked),  # the pick's own clock, in Unix seconds
         "engines": engines,
         "batches": batches,
+        "tokens": tokens,
         "fleet": fleet,
         "costs": used,
         "slowdowns": slowdowns,
@@ -217,6 +225,8 @@ def trace_record(
         "costs": None if view is None else view["costs"],
         # The latency scorer's per-endpoint slowdowns at the pick (slower ones only).
         "slowdowns": None if view is None else view["slowdowns"],
+        # Seconds since the edge last relayed a token from each endpoint (the step phase).
+        "tokens": None if view is None else view["tokens"],
         "outcome": {
             "endpoint": answered,
             "status": lifecycle.status,

@@ -132,6 +132,9 @@ class Lease:
     ahead: float = 0.0  # prefill tokens pending there when it was sent (this router's)
     done: bool = False
     first_token_seen: bool = False
+    # The first token was seen (not inferred at the end): the response streams tokens,
+    # and each later chunk ends an engine step (`token`).
+    streaming: bool = False
     on_first_token: Callable[[], None] | None = None
     # The registry clock when the first token and the end took effect: a trace records
     # them so a replay orders them against picks as the router did (µs margins).
@@ -148,6 +151,7 @@ class Lease:
         if self.first_token_seen or self.done:
             return
         self.first_token_seen = True
+        self.streaming = observed
         self.first_at = self.registry.clock()
         if self.ready_at is not None:
             tokens = self.prefill_tokens or 0.0
@@ -164,8 +168,15 @@ class Lease:
                 prefill=self.prefill,
                 sent_at=self.started,
             )
+        if observed:  # a first token ends an engine step too
+            self.registry.saw_token(self.model, self.endpoint_id)
         if self.on_first_token is not None:
             self.on_first_token()
+
+    def token(self) -> None:
+        """A later token of the stream reached the edge: the engine ended a step now (the
+        latency scorer's step phase, `EndpointState.token_at`)."""
+        self.registry.saw_token(self.model, self.endpoint_id)
 
     def end(self, outcome: Outcome) -> None:
         """The request is over: its prefill is done by now (inferred, not seen: a no-op if

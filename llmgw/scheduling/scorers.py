@@ -329,7 +329,12 @@ class LatencyScorer:
                 engine has free, the running requests that must end first x the time one
                 takes, whichever is longest;
       prefill = (prompt tokens - tokens probably cached there) x seconds per prefill token;
-      step    = one engine step at that endpoint's batch size (waiting + running).
+      step    = one engine step at that endpoint's batch size (waiting + running), plus,
+                on a busy engine whose engines publish their step, what is left of the
+                step in progress: this request starts with the next one. Where the edge
+                relays streams' tokens (the proxy, Envoy with response bodies), the last
+                token from that engine ended the previous step: a step's length less the
+                time since; else half a step.
     Seconds per token and per step come from the model's engines' published histograms
     and counters, pooled over its endpoints (`llmgw.calibration`), else from the params;
     an endpoint whose engine runs `speed_band` x slower or more than the fastest (by its
@@ -423,6 +428,8 @@ class LatencyScorer:
         self._hashes: list[int] = []
         self._costs_at = float("-inf")
         self._costs = Costs(self.prefill_s, self.step_s, None, None)
+        # Whether the engines publish their step (the step's phase needs its length).
+        self._step_measured = False
         self._candidates: list[EndpointState] = []
         self._uncached: list[int] = []
         self._prompt_tokens = 0
@@ -452,7 +459,9 @@ class LatencyScorer:
         measured = pooled([s.calibration for s in ctx.all_states]) if self.calibrate else None
         if measured is None:
             costs = Costs(self.prefill_s, self.step_s, None, None)
+            self._step_measured = False
         else:
+            self._step_measured = measured.step is not None
             # The engine's cache in this router's index blocks (its tokens may count
             # differently from this router's).
             block = self.block_tokens * measured.engine_tokens
@@ -650,6 +659,10 @@ class LatencyScorer:
         # (priced at its multiple too, slower replicas went short of work and the rest
         # queued: prefill-heavy 1.13x the TTFT p90 without speeds, 1.01x with this).
         speeds = self._speeds if self.speeds_override is None else self.speeds_override
+        # The step in progress, where the engines publish their step's length: the params'
+        # guess misread the phase on engines that publish no metrics (docs-shared TTFT p90
+        # 1.3x, with replicas of unequal speed 1.6x; bench/fleetsim_robust.py).
+        phase = self._step_measured
         for i, s in enumerate(candidates):
             work = prefill = prefills[i]
             slow = speeds.get(s.id, 1.0) if speeds else 1.0
@@ -729,6 +742,13 @@ class LatencyScorer:
                     if slot_queue > queue:  # noqa: PLR1730
                         queue = slot_queue
             step = (step0 + factor * load) * slow
+            if phase and load > 0:
+                # A busy engine is partway through a step, and this request starts with the
+                # next one: where the edge relayed a token from it within a step's length,
+                # that step began then; else, on average, half of one is left.
+                full = step0 * slow
+                since = now - s.token_at
+                step += full - since if 0.0 <= since < full else full * 0.5
             append_queue(queue)
             append_step(step)
             # ttft + work_weight x prefill, where ttft = queue + prefill + step; plus the

@@ -209,6 +209,45 @@ async def test_first_upstream_chunk_marks_the_first_token_once() -> None:
     assert marks == [upstream.address]
 
 
+async def test_each_streamed_chunk_marks_a_step_end_on_its_endpoint() -> None:
+    """Every chunk of a token stream on its way to the client marks the end of an engine
+    step there (the latency scorer's step phase), not only the first."""
+    steps = [asyncio.Event(), asyncio.Event()]
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await asyncio.wait_for(steps[0].wait(), DEADLINE)
+        writer.write(chunk(b"data: 2\n\n"))
+        await writer.drain()
+        await asyncio.wait_for(steps[1].wait(), DEADLINE)
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([upstream.address]))
+    marks: list[float] = []
+    streamed = orjson.dumps({**orjson.loads(BODY), "stream": True})
+    try:
+        async with (
+            serve(app) as base,
+            httpx.AsyncClient(base_url=base) as client,
+            client.stream("POST", CHAT, content=streamed) as reply,
+        ):
+            (state,) = app.router.scheduler.registry.states(MODEL)
+            pieces = reply.aiter_raw()
+            for step, want in zip(steps, (b"data: 1\n\n", b"data: 2\n\n"), strict=True):
+                assert await asyncio.wait_for(anext(pieces), DEADLINE) == want
+                marks.append(state.token_at)
+                step.set()
+            assert b"".join([p async for p in pieces]) == b"data: [DONE]\n\n"
+    finally:
+        await upstream.stop()
+    assert float("-inf") < marks[0] < marks[1]
+
+
 async def test_an_error_answer_is_no_first_token() -> None:
     """An engine's immediate 400 (a prompt over the context length) reaches the client
     unchanged, but is no first token: no TTFT observation, no calibration point."""

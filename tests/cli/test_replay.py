@@ -350,6 +350,26 @@ def test_a_mirrored_pick_knows_where_the_recorded_router_knew_the_batch() -> Non
     undo()
 
 
+def test_a_mirrored_pick_reads_the_step_phase_the_recorded_pick_read() -> None:
+    """The recording edge had relayed a token from endpoint 0 15 ms before the pick and
+    none lately from the others; the simulated engines' own tokens say otherwise. A trace
+    from before `tokens` leaves the simulated phases alone."""
+    now = 10.0
+    _, _, states = scraped_fleet(now)
+    for s in states:
+        s.token_at = now - 0.001
+    recorded = dict.fromkeys(ENDPOINTS, (0.0, 2.0, 0.1, 0.0))
+    none = (None, None, None, None)
+    fix = correction(recorded, None, recorded, none, tokens={ENDPOINTS[0]: 0.015})
+    undo = apply(fix, states, [], now)
+    assert [s.token_at for s in states] == [now - 0.015] + [float("-inf")] * 3
+    undo()
+    assert [s.token_at for s in states] == [now - 0.001] * 4
+    undo = apply(correction(recorded, None, recorded, none), states, [], now)
+    assert [s.token_at for s in states] == [now - 0.001] * 4
+    undo()
+
+
 def test_a_mirrored_pick_prices_the_replicas_the_recorded_router_saw_slower() -> None:
     """The recorded router saw endpoint 2 at 1.9x the fastest (the demo's starved engines
     run unevenly); the replay's own engines are alike. Mirrored, the pick prices endpoint

@@ -187,5 +187,7 @@ def test_a_configured_batch_factor_predicts_the_step_the_engine_published() -> N
     d = sched.pick(RequestInfo(model="chat", request_id="r", prompt="x" * 40, prompt_tokens=10))
     column = next(c for c in d.rationale.columns if c.name == "latency")
     # This request joins the batch of 20: the step at 21, (1 + 0.1 x 20) / (1 + 0.1 x 19)
-    # times the measured one (0.065 s before: the calibration took it to one at 0.02).
-    assert column.terms_at(0)["step_s"] == pytest.approx(step_s * 3.0 / 2.9, rel=1e-3)
+    # times the measured one (0.065 s before: the calibration took it to one at 0.02), plus
+    # half a step at a batch of one in progress (no token seen: its phase is not known).
+    at_load, in_progress = step_s * 3.0 / 2.9, step_s / 2.9 / 2
+    assert column.terms_at(0)["step_s"] == pytest.approx(at_load + in_progress, rel=1e-3)

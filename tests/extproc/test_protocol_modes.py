@@ -24,6 +24,7 @@ from llmgw.config import load_dict
 from llmgw.extproc.translate import Answer, Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import AwaitActivation, Hooks
+from llmgw.registry import Registry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.testing.extproc import chat_headers, make_config, request_headers, response_headers
 from llmgw.types import Outcome
@@ -181,6 +182,30 @@ def test_response_chunks_pass_through_and_the_first_marks_the_first_token() -> N
     (last,) = decode(ex.handle(body(b"data: [DONE]\n\n", True, response=True)))
     assert streamed(last, "response_body") == (b"data: [DONE]\n\n", True)
     assert lease.done
+
+
+def test_each_later_chunk_of_a_streamed_answer_marks_a_step_end() -> None:
+    """Each chunk of a token stream is an engine step's end there (the latency scorer's
+    step phase); the response headers and an empty end are not."""
+    now = [100.0]
+    scheduler = Scheduler(make_config(), Registry(clock=lambda: now[0]))
+    ex = Exchange(Gateway(scheduler), Hooks())
+    ex.handle(first(chat_headers()))
+    ex.handle(body(STREAM, end=True))
+    lease = ex.lifecycle.lease
+    assert lease is not None
+    state = scheduler.registry.get(lease.model, lease.endpoint_id)
+    assert state is not None
+    now[0] = 100.01
+    ex.handle(response_headers(200))
+    assert state.token_at == float("-inf")  # vLLM sends its headers before the first token
+    for t, part in ((100.05, b"data: 1\n\n"), (100.07, b"data: 2\n\n")):
+        now[0] = t
+        ex.handle(body(part, response=True))
+        assert state.token_at == t
+    now[0] = 100.08
+    ex.handle(body(b"", True, response=True))
+    assert state.token_at == 100.07 and lease.done
 
 
 @pytest.mark.parametrize("mode", [ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL])

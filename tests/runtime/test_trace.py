@@ -374,3 +374,26 @@ def test_a_trace_line_names_where_the_pick_knew_the_batch_size_and_the_slower_re
     assert arrival.batches == frozenset({addresses[0]})
     assert arrival.slowdowns is not None
     assert dict(arrival.slowdowns) == {addresses[1]: pytest.approx(2.0)}
+
+
+def test_a_trace_line_carries_the_step_phase_the_pick_read(
+    tmp_path: Path, tracing: Callable[[Config, str], Hooks]
+) -> None:
+    """Seconds since the edge last relayed a token from each endpoint, at the pick (those
+    within a few seconds): a mirrored replay gives its router the same phases."""
+    path = tmp_path / "trace.jsonl"
+    addresses = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+    cfg = config(addresses, path=str(path))
+    now = [50.0]
+    scheduler = Scheduler(cfg, Registry(clock=lambda: now[0]), seed=1)
+    registry = scheduler.registry
+    for address, age in zip(addresses, (0.012, 60.0), strict=False):  # the third: never
+        registry.get("m1", address).token_at = now[0] - age  # type: ignore[union-attr]
+    hooks = tracing(cfg, "test")
+    run_lifecycle(Gateway(scheduler), hooks, 0)
+    close_trace(hooks)
+    (record,) = lines(path)
+    assert record["tokens"] == {addresses[0]: pytest.approx(0.012)}
+    (arrival,) = read_trace([path], decode_ms=20.0, output_tokens=None)
+    assert arrival.tokens is not None
+    assert dict(arrival.tokens) == {addresses[0]: pytest.approx(0.012)}
