@@ -18,7 +18,7 @@ header) it:
    - `scope["state"]["llmgw_dispatch"]`: the `Lifecycle` (the live lease; an app that
      forwards and falls back calls `dispatch.fall_back(outcome)`, and may report
      `dispatch.first_byte()` when the upstream's first body byte arrives; the middleware
-     reports each body chunk it sends on, `dispatch.body_chunk()`);
+     reports each body chunk it sends on, `dispatch.body_chunk(data)`);
    - request headers `x-gateway-destination-endpoint: host:port` (the primary) and
      `x-llmgw-decision: <rationale summary>`; internal headers sent by the client
      (`llmgw.lifecycle.INTERNAL_HEADERS`) are removed;
@@ -287,7 +287,6 @@ class SchedulerMiddleware:
         """Run the inner app; the outcome comes from what it sends (or how it fails)."""
         status = 0
         disconnected = False
-        first_byte = True
         replay: Message | None = (
             {"type": "http.request", "body": body, "more_body": False} if body is not None else None
         )
@@ -303,7 +302,7 @@ class SchedulerMiddleware:
             return message
 
         async def wrapped_send(message: Message) -> None:
-            nonlocal status, first_byte
+            nonlocal status
             kind = message["type"]
             if kind == "http.response.start":
                 status = message["status"]
@@ -315,11 +314,7 @@ class SchedulerMiddleware:
                             break
                     lifecycle.response(status, content_type=content_type)
             elif kind == "http.response.body":
-                if first_byte:
-                    first_byte = False
-                    lifecycle.first_byte()
-                elif message.get("body"):  # a later token: an engine step ended
-                    lifecycle.body_chunk()
+                lifecycle.body_chunk(message.get("body", b""))
             try:
                 await send(message)
             except OSError:

@@ -643,10 +643,7 @@ class Exchange:
         # comes once the whole answer (or a buffer's worth) is in: no first-token time.
         # Each later chunk of a streamed body ends an engine step there (`body_chunk`).
         if self._response_mode not in (BUFFERED, BUFFERED_PARTIAL):
-            if body.body:
-                self.lifecycle.body_chunk()
-            else:
-                self.lifecycle.first_byte()  # an empty end: a no-op after the first
+            self.lifecycle.body_chunk(body.body)
         end = body.end_of_stream
         if end:
             self._response_ended = True

@@ -5,7 +5,7 @@
     # AwaitActivation: the edge awaits `llmgw.runtime.driver.activate(lifecycle, result)`,
     # which waits for the on-demand model once and picks a second (and last) time.
     lifecycle.first_byte()                             # the first response byte arrived
-    lifecycle.body_chunk()                             # (or: each body chunk, the first too)
+    lifecycle.body_chunk(data)                         # (or: each body chunk, the first too)
     lifecycle.answered_by("10.0.0.2:8000")             # Envoy retried on a fallback
     lifecycle.fall_back(Outcome.BACKPRESSURE)          # an edge that forwards itself retries
     lifecycle.response(status); lifecycle.finish()     # outcome from the status, exactly once
@@ -241,19 +241,19 @@ class Lifecycle:
             primary = lease.endpoint_id == decision.endpoint.id
             hook(decision.model, observed, decision.predicted_ttft if primary else None)
 
-    def body_chunk(self) -> None:
-        """A response body chunk reached the edge (call it for each one). The first is the
-        first byte (`first_byte`); in a streamed generation every one marks the end of an
-        engine step there (`Lease.token`), which the latency scorer reads as the step's
-        phase. The proxy and Envoy with response bodies streamed see every chunk."""
+    def body_chunk(self, data: bytes) -> None:
+        """A response body chunk reached the edge (call it for each one, empty or not). The
+        first is the first byte (`first_byte`); in a streamed generation every later one
+        with data marks the end of an engine step there (`Lease.token`), which the latency
+        scorer reads as the step's phase. The proxy and Envoy with response bodies streamed
+        see every chunk."""
         lease = self.lease
         if lease is None:
             return
-        if lease.first_token_seen:
-            if lease.streaming and not lease.done:
-                lease.token()
-            return
-        self.first_byte()
+        if not lease.first_token_seen:
+            self.first_byte()
+        elif data and lease.streaming and not lease.done:
+            lease.token()
 
     def response(self, status: int, *, content_type: str | None = None) -> None:
         """The response status seen by the edge (decides the outcome at `finish`), and its

@@ -375,7 +375,7 @@ class Registry:
             self.on_load(model, state)
 
     def saw_token(self, model: str, endpoint_id: str) -> None:
-        """A later token of a stream from this endpoint reached the edge: a step ended."""
+        """A token of a stream from this endpoint reached the edge: a step ended now."""
         state = self._by_id.get((model, endpoint_id))
         if state is not None:
             state.token_at = self.clock()

@@ -107,7 +107,8 @@ def engine_view(
     router's prefills (an edge without first tokens) two more: the prefill tokens left
     open and the seconds since that scrape (the latency queue's inputs); the seconds since
     the edge last saw a token from each endpoint (`tokens`: the step's phase, those within
-    `_TOKEN_WINDOW`); and the model's calibrated speed (`_fleet`). A replay corrects its simulated engines by the difference
+    `_TOKEN_WINDOW`); and the model's calibrated speed (`_fleet`). A replay corrects its
+    simulated engines by the difference
     (`llmgw replay --mirror`)."""
     lease, request = lifecycle.lease, lifecycle.request
     if lease is None or request is None:

@@ -80,15 +80,15 @@ def test_each_chunk_of_a_streamed_answer_marks_a_step_end_on_its_endpoint() -> N
     assert endpoint is not None and endpoint.token_at == float("-inf")
     stream.response(200)
     clock.advance(0.04)
-    stream.body_chunk()  # the first token (after prefill) is a step's end too
+    stream.body_chunk(b"data: {}\n\n")  # the first token (after prefill) is a step's end too
     assert endpoint.token_at == clock()
     clock.advance(0.02)
-    stream.body_chunk()
+    stream.body_chunk(b"data: {}\n\n")
     assert endpoint.token_at == clock()
     stream.finish()
     ended = clock()
     clock.advance(0.02)
-    stream.body_chunk()  # a chunk after the end (a late duplicate) is no token
+    stream.body_chunk(b"data: {}\n\n")  # a chunk after the end (a late duplicate) is no token
     assert endpoint.token_at == ended
 
 
@@ -111,7 +111,7 @@ def test_chunks_of_an_answer_that_is_not_a_token_stream_mark_nothing(
     answer.response(status)
     for _ in range(3):
         clock.advance(0.01)
-        answer.body_chunk()
+        answer.body_chunk(b"data: {}\n\n")
     assert endpoint.token_at == float("-inf")
     answer.finish(Outcome.SUCCESS)
 
