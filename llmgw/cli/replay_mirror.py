@@ -166,10 +166,13 @@ def apply(
                 kv_usage=min(1.0, max(0.0, m.kv_usage + d[2])),
             )
             s.released_since_scrape = max(0, s.released_since_scrape + round(d[3]))
-    if fix.slowdowns is not None:
-        for scorer in scorers:
-            if isinstance(scorer, LatencyScorer):
-                undo.append(_use_speeds(scorer, dict(fix.slowdowns)))
+    latency = [scorer for scorer in scorers if isinstance(scorer, LatencyScorer)]
+    for scorer in latency:
+        # The recorded pick read the step's phase iff the trace has it (null, or a trace from
+        # before it: the router did not); the replay's own calibration may start it sooner.
+        undo.append(_override(scorer, "phase_override", fix.tokens is not None))
+        if fix.slowdowns is not None:
+            undo.append(_override(scorer, "speeds_override", dict(fix.slowdowns)))
     if fix.costs is not None:
         speed_now = _speed(states)
         scales = [a / b if a and b else 1.0 for a, b in zip(speed_now, fix.speed, strict=True)]
@@ -189,9 +192,8 @@ def apply(
             None if observed is None else observed * scales[0],
             None if marginal is None else marginal * scales[0],
         )
-        for scorer in scorers:
-            if isinstance(scorer, LatencyScorer):
-                undo.append(_use_costs(scorer, wanted))
+        for scorer in latency:
+            undo.append(_override(scorer, "costs_override", wanted))
 
     def undo_all() -> None:
         for step_back in reversed(undo):
@@ -200,22 +202,13 @@ def apply(
     return undo_all
 
 
-def _use_costs(scorer: LatencyScorer, costs: Costs) -> Callable[[], None]:
-    before = scorer.costs_override
-    scorer.costs_override = costs
+def _override(scorer: LatencyScorer, name: str, value: object) -> Callable[[], None]:
+    """Set one of the scorer's `*_override` fields for a pick; returns the undo."""
+    before = getattr(scorer, name)
+    setattr(scorer, name, value)
 
     def restore() -> None:
-        scorer.costs_override = before
-
-    return restore
-
-
-def _use_speeds(scorer: LatencyScorer, speeds: dict[str, float]) -> Callable[[], None]:
-    before = scorer.speeds_override
-    scorer.speeds_override = speeds
-
-    def restore() -> None:
-        scorer.speeds_override = before
+        setattr(scorer, name, before)
 
     return restore
 

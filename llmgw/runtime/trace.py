@@ -21,7 +21,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -31,7 +31,7 @@ from llmgw.calibration import Costs, pooled
 from llmgw.config import TraceSpec
 from llmgw.hashring import ring_position
 from llmgw.lifecycle import Hooks, Lifecycle
-from llmgw.registry import fresh_metrics_of
+from llmgw.registry import EndpointState, fresh_metrics_of
 from llmgw.runtime.telemetry import decision_reason
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scorers import LatencyScorer
@@ -107,7 +107,8 @@ def engine_view(
     router's prefills (an edge without first tokens) two more: the prefill tokens left
     open and the seconds since that scrape (the latency queue's inputs); the seconds since
     the edge last saw a token from each endpoint (`tokens`: the step's phase, those within
-    `_TOKEN_WINDOW`); and the model's calibrated speed (`_fleet`). A replay corrects its
+    `_TOKEN_WINDOW`; null where the pick did not read it, so a replay reads it exactly
+    where the recorded router did); and the model's calibrated speed (`_fleet`). A replay corrects its
     simulated engines by the difference
     (`llmgw replay --mirror`)."""
     lease, request = lifecycle.lease, lifecycle.request
@@ -122,7 +123,6 @@ def engine_view(
     decision = lifecycle.decision
     picked = decision.at if decision is not None and decision.at is not None else now
     engines: dict[str, list[float] | None] = {}
-    tokens: dict[str, float] = {}
     batches: list[str] = []  # where the peak is known to be the batch (`peak_is_batch`)
     for s in states:
         m = fresh[s]
@@ -143,9 +143,6 @@ def engine_view(
                 pending = max(0.0, pending - lease.prefill.tokens)
             view += [round(pending, 1), round(now - s.scraped_at, 4)]
         engines[s.id] = view
-        age = picked - s.token_at
-        if age < _TOKEN_WINDOW:
-            tokens[s.id] = round(age, 4)
         if view is not None and s.peak_is_batch:
             batches.append(s.id)
     kept = cache.get(request.model) if cache is not None else None
@@ -157,10 +154,13 @@ def engine_view(
             cache[request.model] = (now, fleet)
     used = None
     slowdowns: dict[str, float] | None = None
+    tokens: dict[str, float] | None = None  # None: the pick did not read the step's phase
     router = lifecycle.snapshot.scheduler.routers.get(request.model)
     for scorer, _ in router.scorers if router is not None else ():
         if isinstance(scorer, LatencyScorer):  # the costs this pick used (cached 0.1 s)
             slowdowns = {e: round(x, 3) for e, x in scorer.speeds_in_use.items()}
+            if scorer.step_phase:
+                tokens = _phases(states, picked)
             costs, slot = scorer.costs_in_use, f"costs:{request.model}"
             seen = cache.get(slot) if cache is not None else None
             if seen is not None and seen[0] is costs:  # one dict per refresh, not per line
@@ -179,6 +179,17 @@ def engine_view(
         "costs": used,
         "slowdowns": slowdowns,
     }
+
+
+def _phases(states: Sequence[EndpointState], picked: float) -> dict[str, float]:
+    """Seconds since the edge last relayed a token from each endpoint, within
+    `_TOKEN_WINDOW` of the pick."""
+    phases: dict[str, float] = {}
+    for s in states:
+        age = picked - s.token_at
+        if age < _TOKEN_WINDOW:
+            phases[s.id] = round(age, 4)
+    return phases
 
 
 def trace_record(

@@ -415,8 +415,10 @@ class LatencyScorer:
         # Costs to answer instead of the calibration's (`llmgw replay --mirror` sets the
         # recorded pick's); the calibration still runs for its side effects.
         self.costs_override: Costs | None = None
-        # Likewise the endpoints' slowdowns (`slower_endpoints`) the recorded pick used.
+        # Likewise the endpoints' slowdowns (`slower_endpoints`) the recorded pick used,
+        # and whether it read the step in progress (`step_phase`).
         self.speeds_override: dict[str, float] | None = None
+        self.phase_override: bool | None = None
         self.smoothing = smoothing_ms / 1e3
         self.index = PrefixIndex(
             block_chars=int(block_tokens * CHARS_PER_TOKEN),
@@ -519,6 +521,11 @@ class LatencyScorer:
     def costs_in_use(self) -> Costs:
         """The costs the last pick used (refreshed at most every 0.1 s): for the trace."""
         return self._costs
+
+    @property
+    def step_phase(self) -> bool:
+        """Whether the last pick read the step in progress (the engines publish their step)."""
+        return self._step_measured if self.phase_override is None else self.phase_override
 
     @property
     def speeds_in_use(self) -> dict[str, float]:
@@ -662,7 +669,7 @@ class LatencyScorer:
         # The step in progress, where the engines publish their step's length: the params'
         # guess misread the phase on engines that publish no metrics (docs-shared TTFT p90
         # 1.3x, with replicas of unequal speed 1.6x; bench/fleetsim_robust.py).
-        phase = self._step_measured
+        phase = self.step_phase
         for i, s in enumerate(candidates):
             work = prefill = prefills[i]
             slow = speeds.get(s.id, 1.0) if speeds else 1.0

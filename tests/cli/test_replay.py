@@ -352,22 +352,36 @@ def test_a_mirrored_pick_knows_where_the_recorded_router_knew_the_batch() -> Non
 
 def test_a_mirrored_pick_reads_the_step_phase_the_recorded_pick_read() -> None:
     """The recording edge had relayed a token from endpoint 0 15 ms before the pick and
-    none lately from the others; the simulated engines' own tokens say otherwise. A trace
-    from before `tokens` leaves the simulated phases alone."""
+    none lately from the others; the simulated engines' own tokens say otherwise. The
+    latency scorer reads the phase then whatever its own calibration says. A trace without
+    `tokens` (a pick that did not read the phase, or from before it) leaves the simulated
+    phases alone and the phase off: the replay's calibration measured the step 16 picks
+    sooner than the recorded router's, and 1 run in 8 of the e2e replay test diverged."""
     now = 10.0
-    _, _, states = scraped_fleet(now)
+    _, scheduler, states = scraped_fleet(now)
+    scorers = [sc for sc, _ in scheduler.routers["m1"].scorers]
+    latency = next(sc for sc in scorers if isinstance(sc, LatencyScorer))
     for s in states:
         s.token_at = now - 0.001
     recorded = dict.fromkeys(ENDPOINTS, (0.0, 2.0, 0.1, 0.0))
     none = (None, None, None, None)
     fix = correction(recorded, None, recorded, none, tokens={ENDPOINTS[0]: 0.015})
-    undo = apply(fix, states, [], now)
+    assert not latency.step_phase  # no engine here publishes its step
+    undo = apply(fix, states, scorers, now)
     assert [s.token_at for s in states] == [now - 0.015] + [float("-inf")] * 3
+    assert latency.step_phase
     undo()
     assert [s.token_at for s in states] == [now - 0.001] * 4
-    undo = apply(correction(recorded, None, recorded, none), states, [], now)
+    assert latency.phase_override is None and not latency.step_phase
+    for s in states:
+        s.calibration.step.add(0.2, 10.0)  # now they do
+    scheduler.pick(RequestInfo(model="m1", request_id="r", prompt="x" * 400))
+    assert latency.step_phase
+    undo = apply(correction(recorded, None, recorded, none), states, scorers, now)
     assert [s.token_at for s in states] == [now - 0.001] * 4
+    assert not latency.step_phase
     undo()
+    assert latency.step_phase
 
 
 def test_a_mirrored_pick_prices_the_replicas_the_recorded_router_saw_slower() -> None:
