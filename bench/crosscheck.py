@@ -46,6 +46,7 @@ from bench.routing import (  # noqa: E402
     body_mode_contenders,
     pool,
     pooled_text,
+    records_file,
     run_one,
     seed_records,
     seeds_of,
@@ -200,7 +201,7 @@ def _run_seed(
                             to = (
                                 None
                                 if records is None
-                                else records / f"{contender.name}@{n}.records.jsonl"
+                                else records_file(records, contender.name, n)
                             )
                             summary = asyncio.run(
                                 run_one(base, fleet.urls, workloads[n], args.timeout,

@@ -106,6 +106,17 @@ PREFILL_US, DECODE_MS, BATCH_FACTOR, MAX_SEQS, BLOCK = 60.0, 25.0, 0.03, 8, 16
 KV_BLOCKS = {"low": 4096, "high": 768}
 
 
+def _stem(contender: str) -> str:
+    """A contender's name as a file name (`envoy:latency/gie` -> `envoy-latency-gie`)."""
+    return re.sub(r"[:/]", "-", contender)
+
+
+def records_file(folder: Path, contender: str, cell: str) -> Path:
+    """Where a contender's requests on a cell are written (`--trace`, pooled seeds); a `/`
+    in its name (`envoy:latency/gie`) as `-`."""
+    return folder / f"{contender.replace('/', '-')}@{cell}.records.jsonl"
+
+
 def pressure_level(regime: Regime) -> str:
     return "high" if regime.pressure > 1 else "low"
 
@@ -334,7 +345,7 @@ def start_contender(
             yield f"http://127.0.0.1:{port}"
         return
     if contender.edge in ("envoy", "asgi"):
-        stem = re.sub(r"[:/]", "-", contender.name)
+        stem = _stem(contender.name)
         config = scratch / f"{stem}.yaml"
         trace = trace_dir / f"{stem}.jsonl" if trace_dir is not None else None
         config.write_text(yaml.safe_dump(llmgw_config(upstreams, contender.strategy, trace)))
@@ -773,7 +784,7 @@ def _run_group(
                                 _picker(contender, upstreams, base),
                                 records_to=None
                                 if trace_dir is None
-                                else trace_dir / f"{contender.name}@{name}.records.jsonl",
+                                else records_file(trace_dir, contender.name, name),
                             )
                         )
                         summary["offered_req_s"] = workload.params["offered_req_s"]
@@ -871,7 +882,7 @@ def pool(
     out: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
     for cell in cell_names:
         for c in contenders:
-            paths = [records / f"s{seed}" / f"{c.name}@{cell}.records.jsonl" for seed in seeds]
+            paths = [records_file(records / f"s{seed}", c.name, cell) for seed in seeds]
             if not all(p.exists() for p in paths):
                 print(f"  {c.name} on {cell}: a seed's records are missing; left out")
                 continue

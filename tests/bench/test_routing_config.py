@@ -10,7 +10,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.loadclient import RequestRecord
-from bench.routing import above_best, all_contenders, llmgw_config, pool, pooled_text, summarize
+from bench.routing import (
+    above_best,
+    all_contenders,
+    body_mode_contenders,
+    llmgw_config,
+    pool,
+    pooled_text,
+    records_file,
+    summarize,
+)
 from llmgw.config import load_dict
 
 
@@ -66,7 +75,7 @@ def test_seeds_pool_each_cells_requests_and_mark_only_a_loss_in_every_seed(
             for k, t in enumerate(ttfts)
         ]
         lines = (json.dumps(r.to_json()) for r in records)
-        (folder / f"{contender}@cell.records.jsonl").write_text("\n".join(lines) + "\n")
+        records_file(folder, contender, "cell").write_text("\n".join(lines) + "\n")
 
     def spread(start: float) -> list[float | None]:
         return [start + k / 2000 for k in range(100)]  # start .. start + 0.0495 s
@@ -77,10 +86,14 @@ def test_seeds_pool_each_cells_requests_and_mark_only_a_loss_in_every_seed(
         write(seed, slow.name, spread(0.5))  # 5x, in both seeds
         write(seed, once.name, spread(0.9 if seed == 1 else 0.05))  # slow in one seed only
     write(1, partial.name, spread(0.01))  # seed 2's records missing: left out
-    contenders = [ring, rr, slow, once, partial]
+    (gie,) = body_mode_contenders(["gie"])  # a `/` in its name (crashed the s43 grid)
+    for seed in (1, 2):
+        write(seed, gie.name, spread(0.1))
+    contenders = [ring, rr, slow, once, partial, gie]
     everything = pool(tmp_path, [1, 2], ["cell"], contenders)
     pooled = everything["cell"]
     assert partial.name not in pooled
+    assert pooled[gie.name]["requests"] == 200
     assert pooled[ring.name]["ttft_p90_ms"] == 144.5  # rank 180 of 200 pooled
     assert pooled[ring.name]["seed_p90_ms"] == [144.5, 144.5]
     assert pooled[rr.name]["requests"] == 202 and pooled[rr.name]["errors"] == 2
