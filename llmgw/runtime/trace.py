@@ -108,9 +108,8 @@ def engine_view(
     open and the seconds since that scrape (the latency queue's inputs); the seconds since
     the edge last saw a token from each endpoint (`tokens`: the step's phase, those within
     `_TOKEN_WINDOW`; null where the pick did not read it, so a replay reads it exactly
-    where the recorded router did); and the model's calibrated speed (`_fleet`). A replay corrects its
-    simulated engines by the difference
-    (`llmgw replay --mirror`)."""
+    where the recorded router did); and the model's calibrated speed (`_fleet`). A replay
+    corrects its simulated engines by the difference (`llmgw replay --mirror`)."""
     lease, request = lifecycle.lease, lifecycle.request
     if lease is None or request is None:
         return None
@@ -188,7 +187,7 @@ def _phases(states: Sequence[EndpointState], picked: float) -> dict[str, float]:
     for s in states:
         age = picked - s.token_at
         if age < _TOKEN_WINDOW:
-            phases[s.id] = round(age, 6)  # µs: picks within 0.01 ms tie on it
+            phases[s.id] = round(age, 6)  # µs: at 0.1 ms a replay flipped a 0.003 ms margin
     return phases
 
 

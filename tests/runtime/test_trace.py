@@ -383,7 +383,8 @@ def test_a_trace_line_carries_the_step_phase_the_pick_read(
     """Seconds since the edge last relayed a token from each endpoint, at the pick (those
     within a few seconds), where the pick read them (its engines publish their step); null
     where it did not. A mirrored replay reads the phase exactly where the recorded router
-    did: its own calibration may measure the step sooner (CI: 3 of 96 picks in one run)."""
+    did: its own calibration may measure the step sooner (4 of 30 runs of the e2e replay
+    test diverged from the 16th pick on)."""
     path = tmp_path / "trace.jsonl"
     addresses = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
     cfg = config(addresses, path=str(path))
