@@ -112,9 +112,9 @@ def _stem(contender: str) -> str:
 
 
 def records_file(folder: Path, contender: str, cell: str) -> Path:
-    """Where a contender's requests on a cell are written (`--trace`, pooled seeds); a `/`
-    in its name (`envoy:latency/gie`) as `-`."""
-    return folder / f"{contender.replace('/', '-')}@{cell}.records.jsonl"
+    """Where a contender's requests on a cell are written (`--trace`, pooled seeds), named
+    as its trace is (`_stem`)."""
+    return folder / f"{_stem(contender)}@{cell}.records.jsonl"
 
 
 def pressure_level(regime: Regime) -> str:
@@ -981,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="write each llmgw contender's decision trace to DIR/<contender>.jsonl "
         "(appended: one file per contender, both pressure levels), and every contender's "
-        "requests (turn, replica, TTFT) to DIR/<contender>@<cell>.records.jsonl",
+        "requests (turn, replica, TTFT) to DIR/<contender>@<cell>.records.jsonl (: and / as -)",
     )
     args = parser.parse_args(argv)
     if args.trace is not None:
