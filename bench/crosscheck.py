@@ -41,6 +41,7 @@ from bench.routing import (  # noqa: E402
     _python,
     above_best,
     add_body_mode_option,
+    add_try_option,
     all_contenders,
     base_port,
     body_mode_contenders,
@@ -51,6 +52,7 @@ from bench.routing import (  # noqa: E402
     seed_records,
     seeds_of,
     start_contender,
+    try_contenders,
     warm_up,
 )
 from bench.xsim.workloads import FLEET_KV_BLOCKS, SPECS, build  # noqa: E402
@@ -112,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="crosscheck")
     add_install_option(parser)
     add_body_mode_option(parser)
+    add_try_option(parser)
     args = parser.parse_args(argv)
     names = args.workloads.split(",")
     unknown = [n for n in names if n not in SPECS]
     if unknown:
         parser.error(f"unknown workloads {unknown} (known: {', '.join(SPECS)})")
-    extra = body_mode_contenders(args.body_modes)
+    extra = body_mode_contenders(args.body_modes) + try_contenders(parser, args.tries)
     by_name = {c.name: c for c in all_contenders() + extra}
     wanted = args.only.split(",") + [c.name for c in extra]
     missing = [n for n in wanted if n not in by_name]

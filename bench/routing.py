@@ -197,6 +197,39 @@ def body_mode_contenders(modes: list[str]) -> list[Contender]:
     return [Contender(f"envoy:latency/{m}", "envoy", "latency", body_mode=m) for m in modes]
 
 
+def add_try_option(parser: argparse.ArgumentParser) -> None:
+    """`--try [EDGE:]NAME=JSON` (repeatable): an llmgw contender with an explicit strategy."""
+    parser.add_argument(
+        "--try",
+        dest="tries",
+        action="append",
+        default=[],
+        metavar="[EDGE:]NAME=JSON",
+        help="extra llmgw contender with an explicit strategy, through Envoy (`envoy:`, the "
+        'default) or `llmgw proxy` (`asgi:`), e.g. x={"scorers": {"load": 1}} or '
+        'asgi:nophase={"scorers": {"latency": {"params": {"step_phase": false}}}}',
+    )
+
+
+def try_contenders(parser: argparse.ArgumentParser, specs: list[str]) -> list[Contender]:
+    """`--try` specs as contenders named `EDGE:NAME`; a malformed one is a usage error."""
+    out = []
+    for spec in specs:
+        label, eq, strategy = spec.partition("=")
+        edge, colon, name = label.rpartition(":")
+        edge = edge if colon else "envoy"
+        if not eq or not name or edge not in ("envoy", "asgi"):
+            parser.error(f"--try {spec!r}: write [envoy:|asgi:]NAME=JSON")
+        try:
+            parsed = json.loads(strategy)
+        except json.JSONDecodeError as e:
+            parser.error(f"--try {label}: the strategy is not JSON ({e})")
+        if not isinstance(parsed, dict):
+            parser.error(f"--try {label}: the strategy must be a JSON object, got {strategy}")
+        out.append(Contender(f"{edge}:{name}", edge, parsed))
+    return out
+
+
 def all_contenders() -> list[Contender]:
     out = [
         Contender(f"envoy:{name}", "envoy", name) for name in PRESETS if name not in SKIPPED_PRESETS
@@ -966,14 +999,7 @@ def main(argv: list[str] | None = None) -> int:
     add_install_option(parser)
     parser.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
     parser.add_argument("--out", default="routing_grid", help="bench/results/NAME.json")
-    parser.add_argument(
-        "--try",
-        dest="tries",
-        action="append",
-        default=[],
-        metavar="NAME=JSON",
-        help='extra Envoy contender with an explicit strategy, e.g. x={"scorers": {"load": 1}}',
-    )
+    add_try_option(parser)
     add_body_mode_option(parser)
     parser.add_argument(
         "--trace",
@@ -1007,9 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
         contenders = [c for c in contenders if c.name in QUICK_CONTENDERS]
     else:  # router replicas are a deployment question, asked by name
         contenders = [c for c in contenders if c.edge not in REPLICATED]
-    for spec in args.tries:
-        label, _, strategy = spec.partition("=")
-        contenders.append(Contender(f"envoy:{label}", "envoy", json.loads(strategy)))
+    contenders += try_contenders(parser, args.tries)
     contenders += body_mode_contenders(args.body_modes)
 
     peers = ensure_peers(install=args.install_peers)

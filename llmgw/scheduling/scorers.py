@@ -371,6 +371,7 @@ class LatencyScorer:
         tokenizer: str = "",
         kv_sized: bool = True,
         speed_band: float = 1.5,
+        step_phase: bool = True,
     ) -> None:
         # Built at config load: a missing optional package or file fails there, with a message.
         self.tokenizer: PromptTokenizer | None = make_tokenizer(tokenizer) if tokenizer else None
@@ -384,6 +385,10 @@ class LatencyScorer:
         if speed_band != 0 and speed_band < 1:
             raise ValueError(f"speed_band must be 0 (off) or >= 1, got {speed_band!r}")
         self.speed_band = speed_band
+        # Read the step in progress where the engines publish their step (False: never,
+        # e.g. behind a hop that batches the streams' chunks, so a chunk's arrival is not
+        # its step's end).
+        self.read_phase = step_phase
         # Endpoint id -> how many times slower than the model's fastest endpoint (only
         # those at or past `speed_band`), refreshed with the costs.
         self._speeds: dict[str, float] = {}
@@ -525,7 +530,9 @@ class LatencyScorer:
     @property
     def step_phase(self) -> bool:
         """Whether the last pick read the step in progress (the engines publish their step)."""
-        return self._step_measured if self.phase_override is None else self.phase_override
+        if self.phase_override is not None:
+            return self.phase_override
+        return self._step_measured and self.read_phase
 
     @property
     def speeds_in_use(self) -> dict[str, float]:

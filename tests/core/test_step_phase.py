@@ -11,7 +11,7 @@ import pytest
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import Lifecycle
 from llmgw.registry import EndpointState, Registry
-from llmgw.scheduling.scheduler import Scheduler
+from llmgw.scheduling.scheduler import ModelRouter, Scheduler
 from llmgw.scheduling.scorers import LatencyScorer
 from llmgw.types import Decision, Outcome
 
@@ -43,6 +43,30 @@ def test_a_busy_engine_about_to_end_its_step_starts_the_request_sooner() -> None
     a.token_at = NOW - 0.019
     scores = scorer.score(context(states, request=request(), now=NOW), states)
     assert scores[0] > scores[1]
+
+
+def test_step_phase_false_never_reads_the_step_in_progress() -> None:
+    """`step_phase: false` (a hop that batches the streams' chunks): the two engines, one
+    about to end its step and one just begun, are priced alike, at one step each."""
+    scorer = LatencyScorer(step_phase=False)
+    a = publishing(state("a:1", waiting=0, running=4, scraped_at=NOW))
+    b = publishing(state("b:1", waiting=0, running=4, scraped_at=NOW))
+    a.token_at, b.token_at = NOW, NOW - 0.015
+    states = [a, b]
+    scorer.score(context(states, request=request(), now=NOW), states)
+    assert not scorer.step_phase
+    step = scorer.terms()["step_s"]
+    assert step[0] == pytest.approx(step[1])
+    assert step[0] == pytest.approx(STEP * (1 + 4 * scorer.batch_factor))
+
+
+def test_step_phase_is_a_strategy_param() -> None:
+    strategy = {"scorers": {"latency": {"params": {"step_phase": False}}}}
+    router = ModelRouter(
+        "chat", config({"chat": static_model(1, strategy=strategy)}).models["chat"]
+    )
+    latency = next(s for s, _ in router.scorers if isinstance(s, LatencyScorer))
+    assert latency.read_phase is False
 
 
 def test_an_idle_engine_has_no_step_in_progress_and_an_unseen_one_half_of_one() -> None:
