@@ -59,11 +59,15 @@ class GuardedProtocol(HttpToolsProtocol):
     """
 
     header_timeout: float = LimitsSpec().client_header_timeout
+    keep_alive: float = LimitsSpec().client_idle_timeout
     max_headers = CLIENT_MAX_HEADERS
     max_head_bytes = CLIENT_MAX_HEADERS_KB * 1024
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Not uvicorn's 5 s: `limits.client_idle_timeout` (seconds for `call_later`; uvicorn
+        # annotates it int).
+        self.timeout_keep_alive = self.keep_alive  # type: ignore[assignment]
         self._head_timer: asyncio.TimerHandle | None = None
         self._raw: asyncio.Transport  # the socket's transport (`transport` wraps it)
         self._head_started = False  # a byte of the current head arrived
@@ -76,6 +80,7 @@ class GuardedProtocol(HttpToolsProtocol):
     @classmethod
     def use(cls, limits: LimitsSpec) -> None:
         cls.header_timeout = limits.client_header_timeout
+        cls.keep_alive = limits.client_idle_timeout
 
     # -- the head deadline -------------------------------------------------------------
     def _arm(self) -> None:

@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         "date_header": False,
         "proxy_headers": False,  # a routing proxy forwards X-Forwarded-* untouched
         "timeout_graceful_shutdown": args.drain_timeout,
+        # h11's too (the httptools protocol sets its own from the same limit)
+        "timeout_keep_alive": config.limits.client_idle_timeout,
     }
     if http == "httptools":  # with the head limits uvicorn lacks (llmgw.asgi.protocol)
         options["http"] = WORKER_PROTOCOL if args.workers > 1 else guarded(config.limits)

@@ -25,7 +25,7 @@ from llmgw.asgi.testing import (
     make_config,
     serve,
 )
-from llmgw.config import Config, load_dict
+from llmgw.config import Config, LimitsSpec, load_dict
 from llmgw.request import CLIENT_MAX_HEADERS, CLIENT_MAX_HEADERS_KB
 
 CHAT = "/v1/chat/completions"
@@ -142,6 +142,25 @@ async def test_a_head_that_stops_arriving_gets_408_and_an_idle_connection_is_clo
         writer.close()
         assert b"HTTP/1.1 408" in rest
     assert len(engine.requests) == 1
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_client_idle_timeout(
+    engine: ScriptedUpstream,
+) -> None:
+    """The proxy, not uvicorn (5 s), decides how long an idle client connection stays: a
+    client pool keeping connections longer than the server raced the server's close."""
+    idle = 0.3
+    app, protocol = _proxy(make_config([engine.address], limits={"client_idle_timeout": idle}))
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        writer.write(_head([]) + BODY)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
+        assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"{}"
+        answered = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(reader.read(), DEADLINE) == b""  # closed, unasked
+        assert asyncio.get_running_loop().time() - answered >= idle * 0.9
+        writer.close()
+    assert guarded(LimitsSpec()).keep_alive == 75.0  # the default: past clients' pools
 
 
 @pytest.mark.parametrize("model_header", [False, True], ids=["body routes", "header routes"])
