@@ -3,9 +3,12 @@ decision trace where `--trace` asks for it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -19,6 +22,7 @@ from bench.routing import (
     pooled_text,
     records_file,
     summarize,
+    try_contenders,
 )
 from llmgw.config import load_dict
 
@@ -108,3 +112,20 @@ def test_seeds_pool_each_cells_requests_and_mark_only_a_loss_in_every_seed(
     text = pooled_text(everything, [1, 2], contenders)
     marked = [line.split()[0] for line in text.splitlines() if line.rstrip().endswith("*")]
     assert marked == [slow.name]
+
+
+def test_try_specs_name_their_edge_and_a_malformed_one_is_a_usage_error() -> None:
+    parser = argparse.ArgumentParser()
+    strategy = {"scorers": {"latency": {"params": {"step_phase": False}}}}
+    tried = try_contenders(parser, [f"x={json.dumps(strategy)}", f"asgi:y={json.dumps(strategy)}"])
+    assert [(c.name, c.edge, c.strategy) for c in tried] == [
+        ("envoy:x", "envoy", strategy),
+        ("asgi:y", "asgi", strategy),
+    ]
+    # Each one's config is one llmgw loads, with the param reaching the model's strategy.
+    spec = load_dict(llmgw_config(["http://127.0.0.1:1"], tried[1].strategy)).models["m1"]
+    assert not isinstance(spec.strategy, str)
+    assert spec.strategy.scorers["latency"].params == {"step_phase": False}
+    for bad in ("x", "x={", "x=[1]", "vllm:x={}", "asgi:={}"):
+        with pytest.raises(SystemExit):
+            try_contenders(parser, [bad])
