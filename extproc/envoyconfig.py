@@ -149,6 +149,17 @@ def _static_cluster(
     return cluster
 
 
+def _http1_options(idle_timeout: str) -> dict[str, Any]:
+    """HTTP/1.1 to the model servers, idle connections closed after `idle_timeout`."""
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "common_http_protocol_options": {"idle_timeout": idle_timeout},
+            "explicit_http_config": {"http_protocol_options": {}},
+        }
+    }
+
+
 def _override_host_policy() -> dict[str, Any]:
     return {
         "policies": [
@@ -278,6 +289,14 @@ def build(
     for cluster in clusters:  # the model-server clusters, both shapes
         cluster["circuit_breakers"] = envoylimits.circuit_breakers(len(addresses))
         cluster["outlier_detection"] = envoylimits.outlier_detection()
+        # Idle upstream connections closed before the engine closes them (vLLM and SGLang
+        # serve with uvicorn's 5 s keep-alive; Envoy's own default is 1 h): a request sent
+        # on a connection the engine is closing is reset before any answer, a 503 where no
+        # retry policy sends it on (original-dst), a gateway failure toward ejection either
+        # way. The proxy's upstream pool keeps the same limit.
+        cluster["typed_extension_protocol_options"] = _http1_options(
+            duration(config.limits.upstream_idle_timeout, "limits.upstream_idle_timeout")
+        )
     extproc_cluster = _static_cluster(
         EXTPROC_CLUSTER, _extproc_addresses(extproc_address), http2=True,
         connect_timeout=timing.connect,
