@@ -206,20 +206,29 @@ def add_try_option(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="[EDGE:]NAME=JSON",
         help="extra llmgw contender with an explicit strategy, through Envoy (`envoy:`, the "
-        'default) or `llmgw proxy` (`asgi:`), e.g. x={"scorers": {"load": 1}} or '
-        'asgi:nophase={"scorers": {"latency": {"params": {"step_phase": false}}}}',
+        "default) or `llmgw proxy` (`asgi:`); the JSON replaces the whole preset, filters "
+        'included, e.g. x={"scorers": {"load": 1}} or asgi:nophase={"scorers": {"latency": '
+        '{"params": {"step_phase": false}}}, "filters": ["healthy", "model-serves", '
+        '"blind-imbalance"]}',
     )
 
 
 def try_contenders(parser: argparse.ArgumentParser, specs: list[str]) -> list[Contender]:
-    """`--try` specs as contenders named `EDGE:NAME`; a malformed one is a usage error."""
-    out = []
+    """`--try` specs as contenders named `EDGE:NAME`; a malformed one, or a name a built-in
+    contender or another `--try` has, is a usage error."""
+    out: list[Contender] = []
+    taken = {c.name for c in all_contenders()} | {
+        c.name for c in body_mode_contenders(list(BODY_MODES))
+    }
     for spec in specs:
         label, eq, strategy = spec.partition("=")
         edge, colon, name = label.rpartition(":")
         edge = edge if colon else "envoy"
         if not eq or not name or edge not in ("envoy", "asgi"):
             parser.error(f"--try {spec!r}: write [envoy:|asgi:]NAME=JSON")
+        if f"{edge}:{name}" in taken:
+            parser.error(f"--try {edge}:{name}: that name is taken; give the strategy another")
+        taken.add(f"{edge}:{name}")
         try:
             parsed = json.loads(strategy)
         except json.JSONDecodeError as e:

@@ -282,6 +282,12 @@ def build(
             f"limits.max_body_bytes {config.limits.max_body_bytes}: Envoy's buffer limits are "
             "32-bit: give at most 4 GB less 2 MB"
         )
+    if config.limits.upstream_idle_timeout < 0.001:  # Envoy reads 0 as "never close"
+        raise ValueError(
+            f"limits.upstream_idle_timeout {config.limits.upstream_idle_timeout:g}: give at "
+            "least 0.001 s (Envoy keeps idle connections forever at 0)"
+        )
+    idle = duration(config.limits.upstream_idle_timeout, "limits.upstream_idle_timeout")
     if shape == "original-dst":
         routes, clusters = _original_dst_shape(addresses, timing)
     else:
@@ -294,9 +300,7 @@ def build(
         # on a connection the engine is closing is reset before any answer, a 503 where no
         # retry policy sends it on (original-dst), a gateway failure toward ejection either
         # way. The proxy's upstream pool keeps the same limit.
-        cluster["typed_extension_protocol_options"] = _http1_options(
-            duration(config.limits.upstream_idle_timeout, "limits.upstream_idle_timeout")
-        )
+        cluster["typed_extension_protocol_options"] = _http1_options(idle)
     extproc_cluster = _static_cluster(
         EXTPROC_CLUSTER, _extproc_addresses(extproc_address), http2=True,
         connect_timeout=timing.connect,

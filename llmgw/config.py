@@ -317,10 +317,11 @@ class LimitsSpec(_Strict):
     # client_body_timeout s between two reads (nginx's two timeouts). Then 408 and close.
     client_header_timeout: float = Field(default=60.0, gt=0)
     client_body_timeout: float = Field(default=60.0, gt=0)
-    # A client's idle keep-alive connection is kept this long: past what clients' pools keep
-    # theirs (httpx 5 s, aiohttp 15 s, ingress-nginx and cloud balancers 60 s), so no client
-    # sends a request on a connection the proxy is closing. uvicorn's own 5 s did, once in
-    # ~6,000 requests of a 15 s aiohttp pool: the request failed (ServerDisconnectedError).
+    # A client's idle keep-alive connection is kept this long: past what client pools keep
+    # theirs (httpx 5 s, aiohttp 15 s, ingress-nginx and AWS balancers 60 s), so they never
+    # send on a connection the proxy is closing (a front proxy that keeps longer, Envoy's
+    # 1 h, needs its own set below this). uvicorn's 5 s did, once in ~6,000 requests of a
+    # 15 s aiohttp pool: the request failed (ServerDisconnectedError).
     client_idle_timeout: float = Field(default=75.0, gt=0)
     # The proxy's answer: a client that accepts no response byte for this long (its socket
     # open, nothing read) is dropped and its request ends as cancelled.

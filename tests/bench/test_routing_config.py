@@ -126,6 +126,9 @@ def test_try_specs_name_their_edge_and_a_malformed_one_is_a_usage_error() -> Non
     spec = load_dict(llmgw_config(["http://127.0.0.1:1"], tried[1].strategy)).models["m1"]
     assert not isinstance(spec.strategy, str)
     assert spec.strategy.scorers["latency"].params == {"step_phase": False}
-    for bad in ("x", "x={", "x=[1]", "vllm:x={}", "asgi:={}"):
+    # Malformed, or a built-in contender's name (asgi:default, envoy:latency).
+    for bad in ("x", "x={", "x=[1]", "vllm:x={}", "asgi:={}", "asgi:default={}", "latency={}"):
         with pytest.raises(SystemExit):
             try_contenders(parser, [bad])
+    with pytest.raises(SystemExit):  # the same name twice
+        try_contenders(parser, ["x={}", "envoy:x={}"])

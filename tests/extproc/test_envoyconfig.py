@@ -327,3 +327,20 @@ def test_loopback_bootstrap_is_build_on_loopback_with_free_ports_and_passes_opti
         admin_port=admin["port_value"],
         extproc_address="127.0.0.1:4321",
     )
+
+
+def test_model_server_clusters_close_idle_connections_and_refuse_a_sub_ms_limit() -> None:
+    """Envoy reads a 0 s idle timeout as never: a limit under 1 ms would have written one."""
+    for shape in SHAPES:
+        bootstrap = build(load_file(EXAMPLE), shape=shape)
+        for cluster in bootstrap["static_resources"]["clusters"][1:]:  # after ext_proc's
+            options = cluster["typed_extension_protocol_options"]
+            (http,) = options.values()
+            assert http["common_http_protocol_options"] == {"idle_timeout": "4s"}
+            assert http["explicit_http_config"] == {"http_protocol_options": {}}  # HTTP/1.1
+    config = load_file(EXAMPLE)
+    tiny = config.model_copy(
+        update={"limits": config.limits.model_copy(update={"upstream_idle_timeout": 0.0005})}
+    )
+    with pytest.raises(ValueError, match=r"give at least 0\.001 s"):
+        build(tiny)
