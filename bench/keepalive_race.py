@@ -8,7 +8,9 @@ pause drawn within `--jitter` s (15 ms) of that moment: the client's request and
 cross on the wire, and the request is lost unless someone sends it again. `--loops`
 clients at once, each on its own connection, `--requests` in all per row.
 
-- **Envoy -> engine** (shape `original-dst`, no retry policy): the generated config's
+- **Envoy -> engine** (shape `original-dst`, no retry policy; Envoy's one worker pools
+  the upstream connections for all clients, so their pauses time its reuse less exactly):
+  the generated config's
   model-server clusters with `limits.upstream_idle_timeout` 1 h (Envoy's default, the
   generated config before session 44) and 0.8x the engine's idle time (the rule now: the
   shipped default is 4 s against the engines' 5 s).
