@@ -32,6 +32,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 from bench._tools import format_table, write_results  # noqa: E402
 from llmgw.asgi.app import ProxyApp  # noqa: E402
 from llmgw.asgi.protocol import guarded  # noqa: E402
-from llmgw.asgi.testing import serve  # noqa: E402
+from llmgw.asgi.testing import ScriptedUpstream, UpstreamRequest, serve  # noqa: E402
 from llmgw.config import Config, load_dict  # noqa: E402
 from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, loopback_bootstrap  # noqa: E402
 
@@ -55,25 +56,24 @@ ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 
 
-class ClosingEngine:
+async def _no_script(
+    request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    raise AssertionError("ClosingEngine answers by itself")
+
+
+@dataclass
+class ClosingEngine(ScriptedUpstream):
     """Answers `{}` to the chat path (404 to anything else) and closes a connection once it
-    has been idle `idle` s after an answer, as uvicorn does; counts closes."""
+    has been idle `idle` s after an answer, as uvicorn does; counts closes. Started and
+    stopped as `ScriptedUpstream`; `ClosingEngine.make(idle)`."""
 
-    def __init__(self, idle: float) -> None:
-        self.idle = idle
-        self.closes = 0
-        self.server: asyncio.Server | None = None
-        self.address = ""
+    idle: float = 0.5
+    closes: int = 0
 
-    async def start(self) -> ClosingEngine:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+    @classmethod
+    def make(cls, idle: float) -> ClosingEngine:
+        return cls(_no_script, idle=idle)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -136,7 +136,8 @@ def _client(base: str) -> Callable[[], httpx.AsyncClient]:
 
 
 async def envoy_row(envoy_idle: float, args: argparse.Namespace) -> dict[str, Any]:
-    engine = await ClosingEngine(args.idle).start()
+    engine = ClosingEngine.make(args.idle)
+    await engine.start()
     config: Config = load_dict(
         {
             "models": {MODEL: {"endpoints": [engine.address]}},
@@ -163,7 +164,8 @@ async def envoy_row(envoy_idle: float, args: argparse.Namespace) -> dict[str, An
 
 
 async def proxy_row(client_idle: float, args: argparse.Namespace) -> dict[str, Any]:
-    engine = await ClosingEngine(3600.0).start()  # the engine is not what races here
+    engine = ClosingEngine.make(3600.0)  # the engine is not what races here
+    await engine.start()
     config = load_dict(
         {
             "models": {MODEL: {"endpoints": [engine.address]}},
