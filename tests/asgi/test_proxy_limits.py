@@ -8,10 +8,12 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import orjson
 import pytest
+import uvicorn
 
 from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.protocol import guarded
@@ -414,3 +416,36 @@ async def test_an_explain_query_is_read_like_a_request_body(
         finally:
             writer.close()
     assert line.split()[1] == str(want).encode()
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_the_proxy_command_gives_uvicorn_the_client_idle_timeout(
+    http: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both HTTP implementations get `limits.client_idle_timeout`: the httptools protocol
+    sets its own (above); h11, used where httptools is missing, reads uvicorn's option."""
+    from llmgw.asgi import proxy  # noqa: PLC0415
+
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(
+        "models: {m1: {endpoints: ['127.0.0.1:1']}}\nlimits: {client_idle_timeout: 42}\n"
+    )
+    seen: list[uvicorn.Config] = []
+
+    class _NotRun:
+        started = True
+
+        def run(self) -> None:  # the options are the test, not serving
+            pass
+
+    def capture(config: uvicorn.Config, app: object, delay: float) -> _NotRun:
+        seen.append(config)
+        return _NotRun()
+
+    monkeypatch.setattr(proxy, "event_loop_and_parser", lambda: ("asyncio", http))
+    monkeypatch.setattr(proxy, "draining_server", capture)
+    assert proxy.main(["--config", str(path), "--no-scrape"]) == 0
+    (config,) = seen
+    assert config.timeout_keep_alive == 42
+    if http == "httptools":
+        assert config.http.keep_alive == 42  # type: ignore[union-attr]
