@@ -101,6 +101,10 @@ class ScriptedUpstream:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     server: asyncio.Server | None = None
     address: str = ""
+    # Seconds a kept-alive connection waits for its next request before the server closes
+    # it (uvicorn's keep-alive rule); None: as long as the client keeps it open.
+    keep_alive: float | None = None
+    idle_closes: int = 0  # connections closed so
 
     async def start(self) -> ScriptedUpstream:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -114,8 +118,14 @@ class ScriptedUpstream:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            wait = None  # a new connection's first request: no keep-alive limit yet
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
+                try:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait)
+                except TimeoutError:
+                    self.idle_closes += 1
+                    break
+                wait = self.keep_alive
                 lines = head.decode("latin-1").split("\r\n")
                 method, target, _ = lines[0].split(" ", 2)
                 headers = {

@@ -32,7 +32,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,49 +55,12 @@ ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 
 
-async def _no_script(
+async def _engine(
     request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> None:
-    raise AssertionError("ClosingEngine answers by itself")
-
-
-@dataclass
-class ClosingEngine(ScriptedUpstream):
-    """Answers `{}` to the chat path (404 to anything else) and closes a connection once it
-    has been idle `idle` s after an answer, as uvicorn does; counts closes. Started and
-    stopped as `ScriptedUpstream`; `ClosingEngine.make(idle)`."""
-
-    idle: float = 0.5
-    closes: int = 0
-
-    @classmethod
-    def make(cls, idle: float) -> ClosingEngine:
-        return cls(_no_script, idle=idle)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            first = True
-            while True:
-                wait = None if first else self.idle
-                try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait)
-                except TimeoutError:
-                    self.closes += 1
-                    return
-                first = False
-                lines = head.decode("latin-1").split("\r\n")
-                length = 0
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    if name.strip().lower() == "content-length":
-                        length = int(value)
-                await reader.readexactly(length)
-                writer.write(ANSWER if lines[0].split(" ")[1] == CHAT else NOT_FOUND)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    """`{}` to the chat path, 404 to anything else (llmgw's scrapes)."""
+    writer.write(ANSWER if request.target == CHAT else NOT_FOUND)
+    await writer.drain()
 
 
 async def _loops(
@@ -136,7 +98,7 @@ def _client(base: str) -> Callable[[], httpx.AsyncClient]:
 
 
 async def envoy_row(envoy_idle: float, args: argparse.Namespace) -> dict[str, Any]:
-    engine = ClosingEngine.make(args.idle)
+    engine = ScriptedUpstream(_engine, keep_alive=args.idle)  # closes idle ones, as uvicorn
     await engine.start()
     config: Config = load_dict(
         {
@@ -159,12 +121,12 @@ async def envoy_row(envoy_idle: float, args: argparse.Namespace) -> dict[str, An
         await asyncio.to_thread(extproc.stop)
         await engine.stop()
     return _row(
-        "Envoy -> engine", f"upstream_idle_timeout {envoy_idle:g} s", outcomes, engine.closes
+        "Envoy -> engine", f"upstream_idle_timeout {envoy_idle:g} s", outcomes, engine.idle_closes
     )
 
 
 async def proxy_row(client_idle: float, args: argparse.Namespace) -> dict[str, Any]:
-    engine = ClosingEngine.make(3600.0)  # the engine is not what races here
+    engine = ScriptedUpstream(_engine)  # the engine is not what races here
     await engine.start()
     config = load_dict(
         {
