@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import re
 import time
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 BLOCK = 16
 _PIECES = re.compile(r"\w+|[^\w\s]")
@@ -550,6 +552,16 @@ async def _outage(runner: web.AppRunner, site: web.TCPSite, engine: Engine,
             down = False
 
 
+class _Http2ProbeFilter(logging.Filter):
+    """Drops aiohttp's traceback for an HTTP/2 connection preface (`PRI * HTTP/2.0`):
+    sglang-router tries one on each engine and falls back to HTTP/1.1 on the 400, as it
+    does on vLLM's server; the traceback per connection buried the bench's table."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, BadHttpMessage) and "PRI" in str(exc))
+
+
 async def serve(
     replicas: int,
     base_port: int,
@@ -558,6 +570,7 @@ async def serve(
     degrade: str | None = None,
     outage: str | None = None,
 ) -> None:
+    logging.getLogger("aiohttp.server").addFilter(_Http2ProbeFilter())
     runners: list[web.AppRunner] = []
     tasks: list[asyncio.Task[None]] = []
     urls: list[str] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import statistics
 import sys
 import time
@@ -18,6 +19,8 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from aiohttp.http_exceptions import BadHttpMessage
+
 from bench.loadclient import send_one
 from bench.routing import LoadSampler
 from bench.workloads import Conversation, Turn
@@ -25,6 +28,7 @@ from bench.xsim.engine import (
     Engine,
     EngineParams,
     Request,
+    _Http2ProbeFilter,
     _outage,
     block_hashes,
     make_app,
@@ -444,3 +448,23 @@ async def test_the_load_sampler_sees_a_restart_and_a_dead_replica(
         await eventually(lambda: sampler.restarted)
         stop.set()
         await task
+
+
+def test_http2_preface_traceback_is_dropped_and_other_errors_kept() -> None:
+    probe = logging.makeLogRecord(
+        {
+            "msg": "Error handling request",
+            "exc_info": (BadHttpMessage, BadHttpMessage("Pause on PRI/Upgrade"), None),
+        }
+    )
+    other = logging.makeLogRecord(
+        {
+            "msg": "Error handling request",
+            "exc_info": (BadHttpMessage, BadHttpMessage("bad header"), None),
+        }
+    )
+    crash = logging.makeLogRecord(
+        {"msg": "Error handling request", "exc_info": (ValueError, ValueError("PRI"), None)}
+    )
+    keep = _Http2ProbeFilter()
+    assert [keep.filter(r) for r in (probe, other, crash)] == [False, True, True]
