@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown workloads {unknown} (known: {', '.join(SPECS)})")
     extra = body_mode_contenders(args.body_modes) + try_contenders(parser, args.tries)
     by_name = {c.name: c for c in all_contenders() + extra}
-    wanted = args.only.split(",") + [c.name for c in extra]
+    # --try and --body-mode contenders always run; --only may name them too
+    wanted = list(dict.fromkeys(args.only.split(",") + [c.name for c in extra]))
     missing = [n for n in wanted if n not in by_name]
     if missing:
         parser.error(f"unknown contenders {missing} (known: {', '.join(by_name)})")

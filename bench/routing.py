@@ -779,6 +779,23 @@ def _selected(names: str | None, known: list[str], what: str) -> list[str]:
     return wanted
 
 
+def select_contenders(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, contenders: list[Contender]
+) -> list[Contender]:
+    """The built-in contenders `--only` names (else the quick set, else all but replicated
+    edges), then the `--try` and `--body-mode` ones, which always run and `--only` may name."""
+    extra = try_contenders(parser, args.tries) + body_mode_contenders(args.body_modes)
+    if args.only:
+        known = [c.name for c in contenders] + [c.name for c in extra]
+        wanted = _selected(args.only, known, "contenders")
+        chosen = [c for c in contenders if c.name in wanted]
+    elif args.quick:
+        chosen = [c for c in contenders if c.name in QUICK_CONTENDERS]
+    else:  # router replicas are a deployment question, asked by name
+        chosen = [c for c in contenders if c.edge not in REPLICATED]
+    return chosen + extra
+
+
 def _picker(contender: Contender, upstreams: list[str], base: str = "") -> UrlPicker | None:
     """Client-side routing, or the balancer in front of several router replicas (`base`
     lists their URLs): one at random per request, seeded."""
@@ -1034,16 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
     cell_names = _selected(args.cells, list(REGIMES), "cells")
     if args.quick and not args.cells:
         cell_names = list(QUICK_REGIMES)
-    names = [c.name for c in contenders]
-    if args.only:
-        wanted = _selected(args.only, names, "contenders")
-        contenders = [c for c in contenders if c.name in wanted]
-    elif args.quick:
-        contenders = [c for c in contenders if c.name in QUICK_CONTENDERS]
-    else:  # router replicas are a deployment question, asked by name
-        contenders = [c for c in contenders if c.edge not in REPLICATED]
-    contenders += try_contenders(parser, args.tries)
-    contenders += body_mode_contenders(args.body_modes)
+    contenders = select_contenders(parser, args, contenders)
 
     peers = ensure_peers(install=args.install_peers)
     for c in list(contenders):

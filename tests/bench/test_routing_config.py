@@ -21,6 +21,7 @@ from bench.routing import (
     pool,
     pooled_text,
     records_file,
+    select_contenders,
     summarize,
     try_contenders,
 )
@@ -132,3 +133,20 @@ def test_try_specs_name_their_edge_and_a_malformed_one_is_a_usage_error() -> Non
             try_contenders(parser, [bad])
     with pytest.raises(SystemExit):  # the same name twice
         try_contenders(parser, ["x={}", "envoy:x={}"])
+
+
+def test_only_may_name_a_body_mode_contender_and_extras_run_once() -> None:
+    parser = argparse.ArgumentParser()
+    every = all_contenders()
+
+    def chosen(only: str | None, modes: list[str]) -> list[str]:
+        args = argparse.Namespace(only=only, quick=False, tries=[], body_modes=modes)
+        return [c.name for c in select_contenders(parser, args, every)]
+
+    assert chosen("asgi:default,envoy:latency/gie", ["gie"]) == [
+        "asgi:default",
+        "envoy:latency/gie",
+    ]
+    assert chosen("asgi:default", ["gie"]) == ["asgi:default", "envoy:latency/gie"]
+    with pytest.raises(SystemExit, match="unknown contenders: envoy:latency/gie"):
+        chosen("envoy:latency/gie", [])  # not asked for with --body-mode
