@@ -280,6 +280,27 @@ def streamed_response_body(chunk: bytes, *, end_of_stream: bool) -> bytes:
     return _streamed_body("response_body", chunk, end_of_stream)
 
 
+def _host_port(value: str) -> tuple[str, str | None]:
+    """`ip:port`, `[v6]:port`, or an IP alone (v4 or v6, port None)."""
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        return host, rest.removeprefix(":") or None
+    if value.count(":") == 1:
+        host, port = value.split(":")
+        return host, port
+    return value, None
+
+
+def _narrower(a: str, b: str) -> str | None:
+    """What two endpoint names (`ip:port` or an IP alone) both allow: the one with a port
+    where the hosts match, None where they allow nothing in common."""
+    host_a, port_a = _host_port(a)
+    host_b, port_b = _host_port(b)
+    if host_a != host_b or (port_a is not None and port_b is not None and port_a != port_b):
+        return None
+    return a if port_a is not None else b
+
+
 def _is_json_object(data: bytes) -> bool:
     try:
         return isinstance(orjson.loads(data), dict)
@@ -531,21 +552,25 @@ class Exchange:
         return CONTINUE_REQUEST_TRAILERS
 
     def _conformance_selection(self) -> None:
-        """`test-epp-endpoint-selection: ip[,ip...]` limits the pick like a subset hint."""
+        """`test-epp-endpoint-selection: ip[,ip...]` limits the pick like a subset hint.
+
+        The listed values go to the pick as they are (it reads an IP alone as every port
+        there), so endpoints from discovery or an on-demand launch match as well as the
+        config file's; with a subset hint too, an endpoint must be in both."""
         listed = self._headers.get(CONFORMANCE_SELECT_HEADER)
         if listed is None:
             return
-        wanted = {v.strip() for v in listed.split(",") if v.strip()}
-        config = self.lifecycle.config
-        picked = {
-            e.address
-            for spec in config.models.values()
-            for e in spec.endpoints
-            if e.address in wanted or e.address.rpartition(":")[0] in wanted
-        }
-        if self._subset is not None:
-            picked &= set(self._subset)
-        self._subset = tuple(sorted(picked))
+        wanted = tuple(sorted({v.strip() for v in listed.split(",") if v.strip()}))
+        if self._subset is None:
+            self._subset = wanted
+            return
+        both = set()
+        for hinted in self._subset:
+            for chosen in wanted:
+                narrower = _narrower(hinted, chosen)
+                if narrower is not None:
+                    both.add(narrower)
+        self._subset = tuple(sorted(both))
 
     def _hold(self, chunk: bytes) -> None:
         self._body.append(chunk)

@@ -27,7 +27,7 @@ from llmgw.lifecycle import AwaitActivation, Hooks
 from llmgw.registry import Registry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.testing.extproc import chat_headers, make_config, request_headers, response_headers
-from llmgw.types import Outcome
+from llmgw.types import Endpoint, Outcome
 
 with warnings.catch_warnings():  # the decoder's generated pydantic validators warn on import
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -517,6 +517,58 @@ def test_conformance_selection_header_picks_among_the_listed_ips_when_enabled() 
         served = {h.header.key: h.header.raw_value for h in mutation.set_headers if h.header}  # type: ignore[union-attr]
         assert served["x-conformance-test-served-endpoint"] == header.split(",")[0].encode()
     assert seen == {"10.0.0.2:8000", "10.0.0.3:8000"}
+
+
+def _discovered_exchange() -> Exchange:
+    """Endpoints from discovery (an InferencePool, as the GIE conformance suite runs), none
+    in the config file."""
+    config = load_dict(
+        {
+            "models": {
+                "m1": {
+                    "discovery": {"inference_pool": {"namespace": "default", "name": "pool"}},
+                    "strategy": "ring",
+                }
+            },
+            "conformance_headers": True,
+        }
+    )
+    scheduler = Scheduler(config)
+    pods = ["10.0.0.1:8000", "10.0.0.2:8000", "[fd00::3]:8000"]
+    scheduler.registry.set_endpoints(
+        "m1", [Endpoint(address=a, model="m1", pool="m1") for a in pods]
+    )
+    return Exchange(Gateway(scheduler))
+
+
+@pytest.mark.parametrize(
+    ("listed", "hint", "expected"),
+    [
+        ("10.0.0.2", None, "10.0.0.2:8000"),
+        ("fd00::3", None, "[fd00::3]:8000"),  # an IPv6 pod listed by its bare address
+        ("10.0.0.1,10.0.0.2", ["10.0.0.2:8000", "[fd00::3]:8000"], "10.0.0.2:8000"),
+        ("10.0.0.1:8000,10.0.0.2:9", ["10.0.0.1", "10.0.0.2"], "10.0.0.1:8000"),
+    ],
+)
+def test_conformance_selection_picks_discovered_pods_within_any_subset_hint(
+    listed: str, hint: list[str] | None, expected: str
+) -> None:
+    """It matched only the config file's endpoints: with discovery every request was a 503."""
+    for i in range(6):
+        headers = chat_headers(
+            **{"x-llmgw-model": "m1", "x-request-id": f"r{i}"},
+            **{"test-epp-endpoint-selection": listed},
+        )
+        metadata = {SUBSET: {SUBSET_KEY: hint}} if hint is not None else None
+        (answer,) = decode(_discovered_exchange().handle(first(headers, metadata=metadata)))
+        assert destination(answer)[0] == expected
+
+
+def test_conformance_selection_outside_the_subset_hint_is_a_503() -> None:
+    headers = chat_headers(**{"x-llmgw-model": "m1", "test-epp-endpoint-selection": "10.0.0.1"})
+    metadata = {SUBSET: {SUBSET_KEY: ["10.0.0.2:8000"]}}
+    (reply,) = decode(_discovered_exchange().handle(first(headers, metadata=metadata)))
+    assert reply.immediate_response.status.code == 503  # type: ignore[union-attr]
 
 
 def test_conformance_headers_are_ignored_by_default() -> None:
