@@ -399,6 +399,15 @@ class Config(_Strict):
             raise ValueError("must configure at least one model")
         return value
 
+    @field_validator("model_header")
+    @classmethod
+    def _header_name(cls, value: str) -> str:
+        # Both edges see header names lower-cased (HTTP/2, Envoy, ASGI): `X-Model` as
+        # written was never read.
+        if not value.strip():
+            raise ValueError("must name a header")
+        return value.strip().lower()
+
 
 class ModelMode(enum.StrEnum):
     STATIC = "static"  # endpoints run by someone else: always routed

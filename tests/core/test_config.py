@@ -48,6 +48,12 @@ INVALID: list[tuple[str, Any, str, str]] = [
     ),
     ("unknown-top-level-field", {**one_model(endpoints=EP), "bogus": 1}, "bogus", "unknown field"),
     (
+        "model-header-blank",
+        {**one_model(endpoints=EP), "model_header": " "},
+        "model_header",
+        "must name a header",
+    ),
+    (
         "unknown-model-field",
         one_model(endpoints=EP, replicas=3),
         "models.chat.replicas",
@@ -316,6 +322,13 @@ def test_invalid_config_names_the_path_of_the_problem(data: Any, path: str, phra
     got_path, _, message = problems[0].partition(": ")
     assert got_path == path
     assert phrase in message
+
+
+def test_model_header_is_read_lower_cased() -> None:
+    assert (
+        load_dict({**one_model(endpoints=EP), "model_header": " X-Model "}).model_header
+        == "x-model"
+    )
 
 
 def test_scaling_message_is_exactly_the_documented_one() -> None:

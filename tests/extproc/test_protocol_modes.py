@@ -606,3 +606,22 @@ def test_an_override_drops_a_full_duplex_response_mode_it_cannot_keep() -> None:
     ex.handle(response_headers(200))
     ex.close()  # no response bodies will come: the status decides, not "cut"
     assert events == [Outcome.SUCCESS]
+
+
+def test_a_model_header_named_in_mixed_case_routes_at_the_headers() -> None:
+    """Header names arrive lower-cased: `model_header: X-Model` was never read, so the
+    request waited for its body (and on a path without one, was a 400)."""
+    config = load_dict(
+        {
+            "models": {"m1": {"endpoints": ["10.0.0.1:8000"], "strategy": "ring"}},
+            "model_header": "X-Model",
+        }
+    )
+    ex = Exchange(Gateway(Scheduler(config)))
+    headers = {":method": "POST", ":path": "/v1/chat/completions", "x-model": "m1"}
+    (answer,) = decode(
+        ex.handle(
+            first(headers, request_mode=ProcessingMode.NONE, response_mode=ProcessingMode.NONE)
+        )
+    )
+    assert destination(answer)[0] == "10.0.0.1:8000"
