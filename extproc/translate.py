@@ -532,7 +532,14 @@ class Exchange:
                 return self._refuse_too_large()
             end = self._body_ended = True
         if not (end or self._request_mode == BUFFERED):
-            return CONTINUE_REQUEST_BODY
+            # An Envoy that does not say its mode (before 1.33) may stream the body in
+            # chunks or, having taken the BUFFERED override, send it whole with
+            # end_of_stream false because HTTP/2 trailers end it; those trailers come too
+            # late to route on (their answer cannot set headers). A whole JSON object is
+            # the whole body (a chunk of one never parses).
+            if self._request_mode != UNSAID or not _is_json_object(b"".join(self._body)):
+                return CONTINUE_REQUEST_BODY
+            self._body_ended = True
         self._after_body = True
         return self._route(b"".join(self._body))
 

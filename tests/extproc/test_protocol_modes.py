@@ -93,6 +93,18 @@ def destination(message: Decoded) -> tuple[str, str]:
     return headers["x-gateway-destination-endpoint"], value
 
 
+def body_destination(message: Decoded) -> str:
+    """The primary destination a request body's answer sets."""
+    common = message.request_body.response  # type: ignore[union-attr]
+    assert common is not None and common.clear_route_cache
+    (value,) = [
+        h.header.raw_value.decode()
+        for h in common.header_mutation.set_headers  # type: ignore[union-attr]
+        if h.header is not None and h.header.key == "x-gateway-destination-endpoint"
+    ]
+    return value.split(",")[0]
+
+
 def streamed(message: Decoded, side: str = "request_body") -> tuple[bytes, bool]:
     response = getattr(message, side).response
     chunk = response.body_mutation.streamed_response
@@ -625,3 +637,26 @@ def test_a_model_header_named_in_mixed_case_routes_at_the_headers() -> None:
         )
     )
     assert destination(answer)[0] == "10.0.0.1:8000"
+
+
+# -- an Envoy that does not say its modes (no protocol_config, before 1.33) -----------------
+def test_unsaid_mode_a_whole_body_that_trailers_end_is_routed_on_the_body() -> None:
+    """HTTP/2 trailers end the body: it came whole with end_of_stream false, and the
+    trailers' answer cannot set headers. It went upstream with no destination."""
+    ex = exchange()
+    (head,) = decode(ex.handle(request_headers(chat_headers())))  # no protocol_config
+    assert kind(head) == "request_headers"
+    (answer,) = decode(ex.handle(body(CHAT, end=False)))
+    assert body_destination(answer) == ex.decision.endpoint.address  # type: ignore[union-attr]
+    (trailers,) = decode(ex.handle(ProcessingRequest(request_trailers=HttpTrailers())))
+    assert kind(trailers) == "request_trailers"
+
+
+def test_unsaid_mode_a_body_in_chunks_waits_for_its_end() -> None:
+    ex = exchange()
+    decode(ex.handle(request_headers(chat_headers())))
+    half = len(CHAT) // 2
+    (passed,) = decode(ex.handle(body(CHAT[:half], end=False)))
+    assert kind(passed) == "request_body" and ex.decision is None
+    (answer,) = decode(ex.handle(body(CHAT[half:], end=True)))
+    assert body_destination(answer) == ex.decision.endpoint.address  # type: ignore[union-attr]
