@@ -113,18 +113,36 @@ async def _activate_while_connected(
     activation = asyncio.ensure_future(activate(lifecycle, pending))
     gone = asyncio.ensure_future(receive())
     try:
-        await asyncio.wait((activation, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not gone.done():
-            gone.cancel()
-    if activation.done():
-        return activation.result()
-    if gone.result().get("type") != "http.disconnect":  # not a disconnect: wait it out
-        return await activation
+        try:
+            await asyncio.wait((activation, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not gone.done():
+                gone.cancel()
+        if activation.done():
+            return activation.result()
+        if gone.result().get("type") != "http.disconnect":  # not a disconnect: wait it out
+            return await activation
+    except BaseException:
+        # This request was cancelled (an outer timeout, a server shutting down): the
+        # waiter must not pick later for nobody and hold a lease that never ends.
+        _abandon(lifecycle, activation)
+        raise
     activation.cancel()  # the start goes on (it is the activator's); this waiter goes
     with contextlib.suppress(asyncio.CancelledError):
         await activation
     return None
+
+
+def _abandon(lifecycle: Lifecycle, activation: asyncio.Future[Decision | LlmgwError]) -> None:
+    """Nobody waits for `activation` any more: stop it, or end the request it routed."""
+    if not activation.done():
+        activation.cancel()
+    elif (
+        not activation.cancelled()
+        and activation.exception() is None
+        and isinstance(activation.result(), Decision)
+    ):
+        lifecycle.finish(Outcome.CANCELLED)
 
 
 def split_headers(
