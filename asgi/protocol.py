@@ -24,6 +24,9 @@ The body's timeout is the middleware's (`read_body`): the app reads the body, no
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -40,6 +43,7 @@ from llmgw.request import CLIENT_MAX_HEADERS, CLIENT_MAX_HEADERS_KB, HEADERS_TOO
 
 _HEAD_SLACK = 4096  # raw head bytes beyond the counted ones: separators, line ends
 _LINGER = 2.0  # seconds a refused connection drops what the client still sends
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
 
 
 def _reply(error: LlmgwError) -> bytes:
@@ -60,6 +64,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     header_timeout: float = LimitsSpec().client_header_timeout
     keep_alive: float = LimitsSpec().client_idle_timeout
+    write_timeout: float = LimitsSpec().client_write_timeout
     max_headers = CLIENT_MAX_HEADERS
     max_head_bytes = CLIENT_MAX_HEADERS_KB * 1024
 
@@ -76,11 +81,13 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refused = False
         self._in_head = True  # the next bytes belong to a request head
         self._head_received = 0  # raw bytes of it so far
+        self._lost = False  # the connection is closed
 
     @classmethod
     def use(cls, limits: LimitsSpec) -> None:
         cls.header_timeout = limits.client_header_timeout
         cls.keep_alive = limits.client_idle_timeout
+        cls.write_timeout = limits.client_write_timeout
 
     # -- the head deadline -------------------------------------------------------------
     def _arm(self) -> None:
@@ -150,8 +157,29 @@ class GuardedProtocol(HttpToolsProtocol):
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._disarm()
         super().connection_lost(exc)
+
+    def _close_draining(self) -> None:
+        """Close once what is written has gone out; a client that does not read it within
+        `write_timeout` (one the proxy dropped for that) is reset, not kept: a close waits
+        for the write buffer to drain, and that client's never does."""
+        raw = self._raw
+        raw.close()
+        if raw.get_write_buffer_size():
+            self.loop.call_later(self.write_timeout, self._abort_if_open)
+
+    def _abort_if_open(self) -> None:
+        if self._lost:
+            return
+        # A reset, not the kernel's own slow goodbye: closed with unsent data, a socket
+        # lingers (probing the client's shut window) with its buffers for minutes.
+        sock = self._raw.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+        self._raw.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -296,7 +324,7 @@ class _LingeringTransport:
         if self._protocol._request_unread():
             self._protocol._linger()
         else:
-            self._raw.close()
+            self._protocol._close_draining()
 
     def is_closing(self) -> bool:
         return self._closing or self._raw.is_closing()
