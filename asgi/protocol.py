@@ -82,6 +82,9 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_head = True  # the next bytes belong to a request head
         self._head_received = 0  # raw bytes of it so far
         self._lost = False  # the connection is closed
+        # Cycles not yet answered: uvicorn's connection_lost tells only the newest (a
+        # request pipelined behind a running stream), so the stream never heard it.
+        self._open_cycles: list[Any] = []
 
     @classmethod
     def use(cls, limits: LimitsSpec) -> None:
@@ -159,6 +162,11 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._disarm()
+        for cycle in self._open_cycles:
+            if not cycle.response_complete and cycle is not self.cycle:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        self._open_cycles.clear()
         super().connection_lost(exc)
 
     def _close_draining(self) -> None:
@@ -226,6 +234,8 @@ class GuardedProtocol(HttpToolsProtocol):
             self._refuse(refused)
             return
         super().on_headers_complete()
+        self._open_cycles = [c for c in self._open_cycles if not c.response_complete]
+        self._open_cycles.append(self.cycle)
 
     def _wrong_protocol(self) -> LlmgwError | None:
         version = self.parser.get_http_version()

@@ -244,3 +244,51 @@ async def test_a_client_that_leaves_while_its_model_starts_stops_waiting() -> No
         writer.close()
         await eventually(lambda: activator.machines[MODEL].waiters == 0, timeout=5)
         assert plane.wants == 1  # the start goes on: it is the activator's, not the client's
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_a_client_gone_mid_stream_cancels_the_upstream_even_with_a_request_pipelined(
+    pipelined: bool,
+) -> None:
+    """uvicorn tells only its newest cycle of a lost connection: with a second request
+    pipelined behind the stream, the stream never heard, and the engine generated its whole
+    answer for nobody with the lease held."""
+    release = asyncio.Event()
+
+    async def held(
+        _request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: first\n\n"))
+        await writer.drain()
+        eof = asyncio.ensure_future(reader.read())  # the proxy dropping the connection
+        done = asyncio.ensure_future(release.wait())
+        await asyncio.wait((eof, done), return_when=asyncio.FIRST_COMPLETED)
+        eof.cancel()
+        done.cancel()
+        if release.is_set():
+            writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+    upstream = await ScriptedUpstream(held).start()
+    config = make_config([upstream.address])
+    app = ProxyApp(config, scrape=False)
+    request = (
+        b"POST " + CHAT.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(BODY) + BODY
+    )
+    try:
+        async with serve(app, http=guarded(config.limits)) as base:
+            port = int(base.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request * (2 if pipelined else 1))
+            await writer.drain()
+            await asyncio.wait_for(reader.readuntil(b"data: first\n\n"), 5)
+            writer.close()  # gone mid-stream
+            await asyncio.wait_for(upstream.closed.wait(), 5)  # the engine's request dropped
+            await eventually(
+                lambda: sum(s.inflight for s in app.router.registry.states(MODEL)) == 0
+            )
+    finally:
+        release.set()
+        await upstream.stop()
