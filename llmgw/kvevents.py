@@ -105,10 +105,20 @@ def _as_map(raw: Any) -> dict[str, Any]:
     raise KvEventError(f"an event must be a tagged map or array, got {type(raw).__name__}")
 
 
+# Engines put the GPU tier in `medium` (None on older releases); offloaded tiers (CPU,
+# storage) are not what a prefill reuses without a transfer, so they are not followed.
+GPU_MEDIA = (None, "GPU")
+
+
 def decode_event(raw: Any) -> KvEvent | None:
-    """One event; None for a type this router does not use (newer engines add some)."""
+    """One event; None for a type this router does not use (newer engines add some) and
+    for an offloaded tier's blocks, checked no further: vLLM's offloading connector adds
+    `BlockStored` events without tokens or a block size to the same batches, and one
+    refused would drop its batch's GPU blocks with it."""
     fields = _as_map(raw)
     tag = fields["type"]
+    if tag in ("BlockStored", "BlockRemoved") and fields.get("medium") not in GPU_MEDIA:
+        return None
     if tag == "BlockStored":
         tokens = fields.get("token_ids")
         if not isinstance(tokens, list | tuple) or not all(isinstance(t, int) for t in tokens):

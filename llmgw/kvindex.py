@@ -15,7 +15,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from llmgw.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
+from llmgw.kvevents import (
+    GPU_MEDIA,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineHash,
+    EventBatch,
+)
 
 
 class KvState(enum.StrEnum):
@@ -31,9 +38,6 @@ class SeqVerdict(enum.StrEnum):
     REPEAT = "repeat"  # the last batch again (a resend): nothing new
 
 
-# Engines put the GPU tier in `medium` (None on older releases); offloaded tiers (CPU,
-# storage) are not what a prefill reuses without a transfer, so they are not counted.
-_GPU_MEDIA = (None, "GPU")
 # A hybrid model's cache groups share engine hashes (told apart by `group_idx`); a prefix
 # hit is the full-attention group's, so only its blocks are followed. Before vLLM named
 # the kind, group 0 was that group (as Dynamo reads it).
@@ -220,12 +224,12 @@ class ExactPrefixIndex:
         e = self._get(endpoint_id)
         for event in events:
             if isinstance(event, BlockStored):
-                if event.medium in _GPU_MEDIA and _followed(
+                if event.medium in GPU_MEDIA and _followed(
                     e, event.group_idx, event.kv_cache_spec_kind
                 ):
                     self._store(e, event, now)
             elif isinstance(event, BlockRemoved):
-                if event.medium in _GPU_MEDIA and _followed(e, event.group_idx, None):
+                if event.medium in GPU_MEDIA and _followed(e, event.group_idx, None):
                     self._remove(e, event.block_hashes)
             else:  # AllBlocksCleared: an exact sync point
                 self._clear(e, live=True)

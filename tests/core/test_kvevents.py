@@ -97,3 +97,22 @@ def test_sequence_frame_is_8_bytes_big_endian() -> None:
     assert decode_seq((258).to_bytes(8, "big")) == 258
     with pytest.raises(KvEventError, match="8 bytes"):
         decode_seq(b"\x01")
+
+
+def test_an_offloaded_tiers_events_are_skipped_and_keep_their_batchs_gpu_blocks() -> None:
+    """vLLM's offloading connector adds its CPU tier's events to the same batches, without
+    tokens or a block size: refused, they dropped the batch (its GPU blocks too), which
+    then read as a gap on every offload."""
+    offloaded = {
+        "type": "BlockStored",
+        "block_hashes": [b"o0"],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 0,
+        "lora_id": None,
+        "medium": "CPU",
+        "lora_name": None,
+    }
+    removed = {"type": "BlockRemoved", "block_hashes": [b"o0"], "medium": "CPU"}
+    batch = decode_batch(3, [0.0, [STORED_MAP, offloaded, removed], 0])
+    assert batch.events == (STORED,)
