@@ -44,8 +44,14 @@ class Source:
     topic: str
 
 
+def _in_url(host: str) -> str:
+    """A host as a ZMQ address writes it: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def source_from_spec(spec: KvEventsSpec, host: str) -> Source:
     assert spec.endpoint is not None
+    host = _in_url(host)
     replay = spec.replay_endpoint.format(host=host) if spec.replay_endpoint else None
     return Source(spec.endpoint.format(host=host), replay, spec.topic)
 
@@ -62,7 +68,7 @@ def source_from_engine(body: bytes, host: str) -> Source | None:
         return None
 
     def reachable(address: str) -> str:  # the engine binds a wildcard: connect to its host
-        return address.replace("*", host).replace("0.0.0.0", host)
+        return address.replace("*", _in_url(host)).replace("0.0.0.0", _in_url(host))
 
     replay = conf.get("replay_endpoint")
     return Source(
@@ -148,6 +154,7 @@ class KvEventSubscriber:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.IPV6, 1)  # else libzmq never connects to an IPv6 peer, silently
         # ZMTP heartbeats: a publisher's host that dies without closing its connection
         # (power, a partition) is a disconnect within seconds, not an endpoint live forever
         # on frozen blocks. libzmq answers them itself, on both ends.
@@ -234,6 +241,7 @@ class KvEventSubscriber:
         assert source.replay_endpoint is not None
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.IPV6, 1)
         out: list[EventBatch] = []
         try:
             dealer.connect(source.replay_endpoint)

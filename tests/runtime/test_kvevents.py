@@ -12,9 +12,10 @@ import httpx
 import pytest
 
 from llmgw.config import Config, KvEventsSpec, load_dict
+from llmgw.kvevents import BlockStored, encode_events
 from llmgw.kvindex import KvState
 from llmgw.registry import Registry
-from llmgw.runtime.kvevents import KvEventSubscriber, source_from_engine
+from llmgw.runtime.kvevents import KvEventSubscriber, source_from_engine, source_from_spec
 from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
 from llmgw.sim.replica import Replica
@@ -179,6 +180,55 @@ def test_engine_sources_answer_is_read_like_vllms() -> None:
     assert source_from_engine(b"{}", "h") is None
     off = b'{"0": {"enable_kv_cache_events": false, "endpoint": "tcp://*:1"}}'
     assert source_from_engine(off, "h") is None
+
+
+def test_an_ipv6_engines_sources_are_bracketed() -> None:
+    body = b'{"0": {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}}'
+    source = source_from_engine(body, "fd00::5")
+    assert source is not None
+    assert (source.endpoint, source.replay_endpoint) == (
+        "tcp://[fd00::5]:5557",
+        "tcp://[fd00::5]:5558",
+    )
+    spec = KvEventsSpec(endpoint="tcp://{host}:5557", replay_endpoint="tcp://{host}:5558")
+    assert source_from_spec(spec, "fd00::5").endpoint == "tcp://[fd00::5]:5557"
+    assert source_from_spec(spec, "10.0.0.5").endpoint == "tcp://10.0.0.5:5557"
+
+
+async def test_an_ipv6_endpoints_publisher_is_followed() -> None:
+    """libzmq refuses IPv6 peers unless the socket allows them: the subscriber never
+    connected, and said nothing."""
+    import zmq.asyncio  # noqa: PLC0415  (the extra; imported at the top it is not optional)
+
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.IPV6, 1)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        port = pub.bind_to_random_port("tcp://[::1]")
+    except zmq.ZMQError as exc:
+        pub.close()
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    registry = Registry()
+    eid = "[::1]:8000"
+    spec = KvEventsSpec(endpoint=f"tcp://{{host}}:{port}", topic="kv")
+    sub = KvEventSubscriber(registry, eid, spec, retry_s=0.05)
+    task = asyncio.create_task(sub.run())
+    payload = msgpack.packb(
+        [0.0, encode_events([BlockStored((b"h0",), None, (1, 2, 3, 4), 4, medium="GPU")]), 0]
+    )
+    try:
+        async with asyncio.timeout(5):
+            while registry.kv_index.state(eid) is not KvState.LIVE:
+                # batch 0 of a new engine, sent again until the subscription is through
+                await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), payload])
+                await asyncio.sleep(0.05)  # the resend interval (PUB drops until joined)
+        assert registry.kv_index.match((1, 2, 3, 4), [eid]) == {eid: 4}
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        pub.close()
 
 
 async def test_a_reload_that_drops_kv_events_stops_following_and_forgets(fleet: SimFleet) -> None:
