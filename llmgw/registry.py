@@ -223,7 +223,10 @@ class Registry:
             gone.remote_inflight, gone.remote_pending = 0, 0.0
             if gone.inflight > 0:
                 self._draining[(model, gone.id)] = gone
-            self.kv_index.forget(gone.id)
+            # One server may serve several models (a base and its adapters): its cache
+            # stays known while another still lists it.
+            if not any((m, gone.id) in self._by_id for m in self._by_model if m != model):
+                self.kv_index.forget(gone.id)
         before = [s.id for s in current]
         self._by_model[model] = new
         for s in new:

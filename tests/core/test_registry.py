@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from llmgw.breaker import BreakerSettings, BreakerState
+from llmgw.kvevents import BlockStored, EventBatch
+from llmgw.kvindex import KvState
 from llmgw.registry import FULL_SCRAPES, Registry
 from llmgw.types import Endpoint, EngineMetrics, Outcome
 
@@ -207,3 +209,20 @@ def test_one_server_address_can_serve_several_models() -> None:
     reg.set_endpoints("other", [Endpoint(A, "other")])
     assert [s.endpoint.model for s in reg.all_states() if s.id == A] == ["m", "other"]
     assert sorted(reg.models()) == ["m", "other"]
+
+
+def test_a_server_leaving_one_model_keeps_its_kv_index_for_another_that_lists_it() -> None:
+    """A base model and its adapter on one vLLM: a change to the adapter's set emptied the
+    server's exact index (unknown until a resync) though the base still routes there."""
+    registry = Registry()
+    address = "10.0.0.1:8000"
+    registry.set_endpoints("base", [Endpoint(address, "base")])
+    registry.set_endpoints("adapter", [Endpoint(address, "adapter")])
+    index = registry.kv_index
+    stored = BlockStored((b"h0",), None, (1, 2, 3, 4), 4, medium="GPU")
+    index.apply_batch(address, EventBatch(0, 0.0, (stored,)), now=0.0)
+    registry.set_endpoints("adapter", [])
+    index.apply_batch(address, EventBatch(1, 0.0, ()), now=1.0)  # the stream goes on
+    assert (index.state(address), index.size(address)) == (KvState.LIVE, 1)
+    registry.set_endpoints("base", [])  # nobody lists it now: forgotten
+    assert index.size(address) == 0
