@@ -109,7 +109,13 @@ class ExactPrefixIndex:
         self._endpoints: dict[str, EndpointKv] = {}
         self._resync: dict[str, float] = {}  # endpoint -> its model's resync_s
         self._total = 0
-        self._memo: tuple[Sequence[int] | None, dict[int, list[int]]] = (None, {})
+        self._memo: tuple[Sequence[int] | None, dict[tuple[int, str | None], list[int]]] = (
+            None,
+            {},
+        )
+        # LoRA adapters engines named in their blocks: a request for one of these models
+        # looks up the adapter's chain, not the base model's (vLLM keeps them apart).
+        self._loras: set[str] = set()
         self.evicted = 0
 
     # -- what the scorer reads -----------------------------------------------------------
@@ -120,12 +126,17 @@ class ExactPrefixIndex:
         e = self._endpoints.get(endpoint_id)
         return KvState.UNKNOWN if e is None else e.state
 
-    def match(self, token_ids: Sequence[int], endpoint_ids: Iterable[str]) -> dict[str, int]:
-        """Live endpoint id -> leading prompt tokens its engine holds (unknown ones absent)."""
+    def match(
+        self, token_ids: Sequence[int], endpoint_ids: Iterable[str], model: str | None = None
+    ) -> dict[str, int]:
+        """Live endpoint id -> leading prompt tokens its engine holds (unknown ones absent).
+        `model`: the request's; an adapter's name (as engines tag its blocks) reads that
+        adapter's blocks, any other name the base model's."""
         memo_tokens, keys_by_size = self._memo
         if memo_tokens is not token_ids:
             keys_by_size = {}
             self._memo = (token_ids, keys_by_size)
+        lora = model if model in self._loras else None
         out: dict[str, int] = {}
         for eid in endpoint_ids:
             e = self._endpoints.get(eid)
@@ -135,9 +146,9 @@ class ExactPrefixIndex:
             if size is None:
                 out[eid] = 0
                 continue
-            keys = keys_by_size.get(size)
+            keys = keys_by_size.get((size, lora))
             if keys is None:
-                keys = keys_by_size[size] = block_keys(token_ids, size)
+                keys = keys_by_size[(size, lora)] = block_keys(token_ids, size, lora)
             blocks = e.blocks
             depth = 0
             for k in keys:
@@ -293,6 +304,8 @@ class ExactPrefixIndex:
             e.other_sizes += len(event.block_hashes)
             return
         parent = event.parent_block_hash
+        if event.lora_name is not None:
+            self._loras.add(event.lora_name)
         if parent is None:
             lora = event.lora_name
             key = root_key(event.lora_id if lora is None else lora)

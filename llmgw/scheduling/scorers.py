@@ -456,7 +456,7 @@ class LatencyScorer:
         self._tokens = tokens
         if not tokens:
             return {}
-        return kv.match(tokens, [s.id for s in candidates])
+        return kv.match(tokens, [s.id for s in candidates], request.model)
 
     def costs(self, ctx: PickContext) -> Costs:
         """The model's costs: its endpoints' calibration (`pooled`, refreshed at most every

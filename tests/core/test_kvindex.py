@@ -64,6 +64,26 @@ def test_longest_cached_prefix_in_tokens(
     assert live_index(*events).match(prompt, ["a"]) == {"a": cached}
 
 
+def test_a_request_for_an_adapter_reads_that_adapters_blocks_and_no_others() -> None:
+    """Engines tag an adapter's blocks with its name, the model name requests ask for; the
+    lookup read the base model's chain for every request (an adapter's own blocks never
+    matched, and the base's counted for it, which vLLM does not reuse)."""
+    index = ExactPrefixIndex()
+    base = stored(0, 3)
+    adapter = BlockStored(
+        block_hashes=tuple(f"l{i}".encode() for i in range(2)),
+        parent_block_hash=None,
+        token_ids=TOKENS[:8],
+        block_size=BS,
+        lora_name="sql-lora",
+    )
+    index.apply_batch("a", EventBatch(0, 0.0, (base,)), now=0.0)
+    index.apply_batch("b", EventBatch(0, 0.0, (adapter,)), now=0.0)
+    assert index.match(TOKENS, ["a", "b"], "sql-lora") == {"a": 0, "b": 8}
+    assert index.match(TOKENS, ["a", "b"], "base-model") == {"a": 16, "b": 0}
+    assert index.match(TOKENS, ["a", "b"]) == {"a": 16, "b": 0}
+
+
 def test_keys_are_the_routers_own_chain_not_the_engines_hashes() -> None:
     other_hashes = BlockStored((7, 8), None, TOKENS[:8], BS)  # int hashes, any function
     index = live_index(other_hashes)

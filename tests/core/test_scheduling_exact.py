@@ -57,6 +57,22 @@ def test_live_endpoint_scores_on_what_its_engine_holds() -> None:
     assert scores[0] > scores[1]
 
 
+def test_a_request_for_an_adapter_scores_on_that_adapters_blocks() -> None:
+    kv = ExactPrefixIndex()
+    blocks = 400 // BS
+    feed(kv, "a:1", TOKENS[:400])  # the base model's blocks
+    adapter = BlockStored(
+        tuple(range(1000, 1000 + blocks)), None, tuple(TOKENS[:400]), BS, lora_name="m"
+    )
+    kv.apply_batch("b:1", EventBatch(0, 0.0, (adapter,)), now=0.0)  # the adapter "m"'s
+    scorer = LatencyScorer(tokenizer="sim")
+    states = [state("a:1"), state("b:1")]
+    ctx = context(states, request=request())  # a request for model "m"
+    ctx.kv = kv
+    scorer.score(ctx, states)
+    assert scorer.terms()["cached_tokens"] == (0.0, 400.0)
+
+
 def test_unknown_endpoint_falls_back_to_the_approximate_index_and_says_so() -> None:
     kv = ExactPrefixIndex()
     feed(kv, "a:1", TOKENS[:400])
