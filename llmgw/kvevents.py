@@ -33,6 +33,10 @@ class BlockStored:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     lora_id: int | None = None  # an adapter's blocks, from releases that sent no lora_name
+    # The first block whose hash takes more than the tokens and the adapter (vLLM's
+    # `extra_keys`: a cache_salt, an image, prompt embeddings); it and the blocks after it
+    # serve only requests carrying the same, so they are not indexed. None: every block.
+    keyed_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +114,23 @@ def _as_map(raw: Any) -> dict[str, Any]:
 GPU_MEDIA = (None, "GPU")
 
 
+def _keyed_from(extra_keys: Any, lora_name: str | None) -> int | None:
+    """The first block whose extra keys hold more than the adapter's name (which each
+    of an adapter's blocks carries first); None when there is none."""
+    if extra_keys is None:
+        return None
+    if not isinstance(extra_keys, list | tuple):
+        raise KvEventError(f"extra_keys must be a list or null, got {type(extra_keys).__name__}")
+    for i, keys in enumerate(extra_keys):
+        if keys is None:
+            continue
+        if not isinstance(keys, list | tuple):
+            raise KvEventError(f"extra_keys[{i}] must be a list or null")
+        if list(keys) not in ([], [lora_name]):
+            return i
+    return None
+
+
 def decode_event(raw: Any) -> KvEvent | None:
     """One event; None for a type this router does not use (newer engines add some) and
     for an offloaded tier's blocks, checked no further: vLLM's offloading connector adds
@@ -127,16 +148,18 @@ def decode_event(raw: Any) -> KvEvent | None:
         if not isinstance(size, int) or size < 1:
             raise KvEventError(f"BlockStored.block_size must be a positive int, got {size!r}")
         parent = fields.get("parent_block_hash")
+        lora_name = _opt_str(fields.get("lora_name"), "lora_name")
         return BlockStored(
             block_hashes=_hashes(fields.get("block_hashes")),
             parent_block_hash=None if parent is None else _hash(parent),
             token_ids=tuple(tokens),
             block_size=size,
-            lora_name=_opt_str(fields.get("lora_name"), "lora_name"),
+            lora_name=lora_name,
             medium=_opt_str(fields.get("medium"), "medium"),
             group_idx=_opt_int(fields.get("group_idx"), "group_idx"),
             kv_cache_spec_kind=_opt_str(fields.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
             lora_id=_opt_int(fields.get("lora_id"), "lora_id"),
+            keyed_from=_keyed_from(fields.get("extra_keys"), lora_name),
         )
     if tag == "BlockRemoved":
         return BlockRemoved(
@@ -167,6 +190,16 @@ def decode_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
+def _encode_extra_keys(e: BlockStored) -> list[list[Any] | None] | None:
+    """vLLM's `extra_keys` for these blocks: the adapter's name on each, and a cache salt
+    from `keyed_from` on (what tells those blocks apart)."""
+    if e.keyed_from is None:
+        return None
+    plain: list[Any] | None = [e.lora_name] if e.lora_name is not None else None
+    salted = [*(plain or []), "salt"]
+    return [plain if i < e.keyed_from else salted for i in range(len(e.block_hashes))]
+
+
 def encode_events(events: Sequence[KvEvent]) -> list[dict[str, Any]]:
     """Events as vLLM's tagged maps (tests and tools build payloads with it)."""
     out: list[dict[str, Any]] = []
@@ -184,6 +217,7 @@ def encode_events(events: Sequence[KvEvent]) -> list[dict[str, Any]]:
                     "lora_name": e.lora_name,
                     "group_idx": e.group_idx,
                     "kv_cache_spec_kind": e.kv_cache_spec_kind,
+                    "extra_keys": _encode_extra_keys(e),
                 }
             )
         elif isinstance(e, BlockRemoved):

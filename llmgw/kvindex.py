@@ -64,6 +64,9 @@ class EndpointKv:
     orphans: int = 0  # stored blocks whose parent was unknown (skipped)
     orphan_at: float = float("-inf")  # when the last one came
     other_sizes: int = 0  # stored blocks of another block size (a hybrid model's groups)
+    # Engine hashes of blocks keyed by more than their tokens (a cache salt, an image):
+    # not indexed, and their children are not orphans.
+    keyed: set[EngineHash] = field(default_factory=set)
     group: int | None = None  # the cache group followed, once the engine named its kind
     lag_s: float = 0.0  # last batch: received - engine timestamp (set by the subscriber)
 
@@ -288,6 +291,7 @@ class ExactPrefixIndex:
         e.blocks.clear()
         e.by_engine.clear()
         e.copies.clear()
+        e.keyed.clear()
         e.block_size = None  # a restarted engine may run another block size
         e.group = None
         e.orphan_at = float("-inf")
@@ -312,13 +316,20 @@ class ExactPrefixIndex:
         else:
             found = e.by_engine.get(parent)
             if found is None:
+                if parent in e.keyed:  # extends a salted prefix: as salted
+                    self._keep_keyed(e, event.block_hashes)
+                    return
                 e.orphans += len(event.block_hashes)
                 e.orphan_at = now
                 return
             key = found
         tokens = event.token_ids
         blocks, by_engine = e.blocks, e.by_engine
-        for i, engine_hash in enumerate(event.block_hashes):
+        hashes = event.block_hashes
+        if event.keyed_from is not None:
+            self._keep_keyed(e, hashes[event.keyed_from :])
+            hashes = hashes[: event.keyed_from]
+        for i, engine_hash in enumerate(hashes):
             chunk = tokens[i * size : (i + 1) * size]
             if len(chunk) < size:
                 break
@@ -338,9 +349,16 @@ class ExactPrefixIndex:
             blocks[key] = engine_hash
             by_engine[engine_hash] = key
 
+    def _keep_keyed(self, e: EndpointKv, hashes: Iterable[EngineHash]) -> None:
+        keyed = e.keyed
+        keyed.update(hashes)
+        if len(keyed) > self.capacity:  # removals lost: forget them (children then orphans)
+            keyed.clear()
+
     def _remove(self, e: EndpointKv, hashes: Iterable[EngineHash]) -> None:
         blocks, by_engine, copies = e.blocks, e.by_engine, e.copies
         for h in hashes:
+            e.keyed.discard(h)
             extra = copies.pop(h, 0)
             if extra > 0:  # another copy of the block stays cached
                 if extra > 1:

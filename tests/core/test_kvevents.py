@@ -116,3 +116,29 @@ def test_an_offloaded_tiers_events_are_skipped_and_keep_their_batchs_gpu_blocks(
     removed = {"type": "BlockRemoved", "block_hashes": [b"o0"], "medium": "CPU"}
     batch = decode_batch(3, [0.0, [STORED_MAP, offloaded, removed], 0])
     assert batch.events == (STORED,)
+
+
+@pytest.mark.parametrize(
+    ("extra_keys", "lora_name", "keyed_from"),
+    [
+        (None, None, None),
+        ([None, None], None, None),
+        ([["sql-lora"], ["sql-lora"]], "sql-lora", None),  # an adapter's name on each block
+        ([["tenant-7"], None], None, 0),  # a cache_salt on the first block
+        ([None, [["mm-hash", 0]]], None, 1),  # an image in the second block
+        ([["sql-lora", "tenant-7"], ["sql-lora"]], "sql-lora", 0),
+    ],
+)
+def test_extra_keys_say_where_blocks_stop_being_keyed_by_tokens_alone(
+    extra_keys: Any, lora_name: str | None, keyed_from: int | None
+) -> None:
+    raw = {**STORED_MAP, "extra_keys": extra_keys, "lora_name": lora_name}
+    (event,) = decode_batch(0, [0.0, [raw]]).events
+    assert isinstance(event, BlockStored) and event.keyed_from == keyed_from
+    (again,) = decode_batch(0, [0.0, encode_events([event])]).events
+    assert again == event
+
+
+def test_malformed_extra_keys_are_a_clear_error() -> None:
+    with pytest.raises(KvEventError, match="extra_keys must be a list"):
+        decode_batch(0, [0.0, [{**STORED_MAP, "extra_keys": "salt"}]])

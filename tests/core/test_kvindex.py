@@ -84,6 +84,21 @@ def test_a_request_for_an_adapter_reads_that_adapters_blocks_and_no_others() -> 
     assert index.match(TOKENS, ["a", "b"]) == {"a": 16, "b": 0}
 
 
+def test_blocks_keyed_by_more_than_tokens_are_not_indexed_nor_their_children_orphans() -> None:
+    """A cache_salt (or an image) is in the engine's block hash: a request with the same
+    tokens and no salt gets no hit there. Counted as cached, they were."""
+    salted = stored(0, 1, keyed_from=0)  # a salt on block 0: both blocks salted
+    child = stored(2, 3)  # a later batch extends the salted chain
+    index = live_index(salted, child)
+    assert index.match(TOKENS, ["a"]) == {"a": 0}
+    e = index.endpoint("a")
+    assert e is not None and e.orphans == 0 and index.size("a") == 0
+    imaged = live_index(stored(0, 3, keyed_from=2))  # an image in block 2
+    assert imaged.match(TOKENS, ["a"]) == {"a": 8}
+    index.apply_batch("a", EventBatch(1, 0.0, (removed(0, 1, 2, 3),)), now=0.0)
+    assert e.keyed == set()  # removals forget them
+
+
 def test_keys_are_the_routers_own_chain_not_the_engines_hashes() -> None:
     other_hashes = BlockStored((7, 8), None, TOKENS[:8], BS)  # int hashes, any function
     index = live_index(other_hashes)
