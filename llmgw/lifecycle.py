@@ -178,6 +178,8 @@ class Lifecycle:
             decision = self.snapshot.scheduler.pick(self.request)
         except LlmgwError as exc:
             return self.refuse(exc)
+        except Exception as exc:  # as in route: a router bug answers 500, not a dead stream
+            return self.refuse(InternalError(f"router error: {type(exc).__name__}: {exc}"))
         self._dispatch(decision)
         return decision
 

@@ -95,6 +95,25 @@ def test_on_demand_model_is_picked_once_before_and_once_after_the_wait() -> None
     assert activation.uses == [("begin", "lazy"), ("end", "lazy")]
 
 
+def test_a_router_bug_at_the_pick_after_the_wait_is_a_500_not_a_raise() -> None:
+    """As at the first pick: the edge answers the client's request (Envoy would otherwise
+    see the ext_proc stream die, the proxy a crash)."""
+    gw, scheduler, activation = gateway(on_demand=True)
+    assert activation is not None
+    lifecycle = Lifecycle(gw)
+    assert lifecycle.route({"x-llmgw-model": "lazy"}, CHAT, None) == AwaitActivation("lazy")
+    activation.start()
+
+    def broken(request: object) -> Decision:
+        raise KeyError("bug")
+
+    scheduler.pick = broken  # type: ignore[method-assign]
+    error = lifecycle.activated()
+    assert isinstance(error, LlmgwError) and error.status == 500
+    assert "router error: KeyError" in str(error)
+    assert activation.uses == []  # nothing dispatched: nothing kept in use
+
+
 def test_not_ready_model_without_activation_is_an_error_not_a_wait() -> None:
     gw, _, _ = gateway()
     errors: list[LlmgwError] = []
