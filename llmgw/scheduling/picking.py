@@ -81,6 +81,12 @@ def run_pick(
     # ring, its costs and speeds, the load bound are theirs (a ring over the hint forgot
     # the others' prefix-index entries, and its costs priced the next picks).
     ring = router.ring_for(states)
+    # No replica yet comes first: an on-demand model is started whatever the gateway's
+    # subset hint says (checked once it runs), or a hinting gateway never starts one.
+    if not states:
+        if router.mode in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
+            raise ModelNotReady(f"model {request.model!r} has no ready replica yet")
+        raise NoHealthyEndpoint(f"model {request.model!r} has no endpoints")
     offered = states
     if request.subset is not None:
         offered = [s for s in states if _in_subset(s.endpoint.address, request.subset)]
@@ -91,10 +97,6 @@ def run_pick(
                 f"none of the gateway's subset hint ({', '.join(sorted(request.subset))}) "
                 f"is an endpoint of model {request.model!r}"
             )
-    if not states:
-        if router.mode in (ModelMode.ON_DEMAND, ModelMode.ALWAYS_ON):
-            raise ModelNotReady(f"model {request.model!r} has no ready replica yet")
-        raise NoHealthyEndpoint(f"model {request.model!r} has no endpoints")
     # Positional: keywords cost a lookup each (this runs per pick).
     ctx = PickContext(
         request,

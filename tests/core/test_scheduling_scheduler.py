@@ -111,6 +111,9 @@ def test_on_demand_model_without_replicas_is_not_ready_for_the_activator() -> No
         {"big": {"launch": {"command": "run"}, "scaling": {"min": 0, "max": 1}}}
     )
     expect(ModelNotReady, 503, "model_not_ready", sched, req("big"))
+    # with a gateway's subset hint too: it was a 503 no_healthy_endpoint, never started
+    hinted = req("big", subset=frozenset({"10.0.0.9"}))
+    expect(ModelNotReady, 503, "model_not_ready", sched, hinted)
 
 
 def test_rationale_has_raw_and_weighted_scores_per_endpoint_and_filter_drops() -> None:
