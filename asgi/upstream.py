@@ -247,8 +247,9 @@ class _Connection(asyncio.Protocol):
                 )
             elif response.status == 0:  # bytes came (an interim 1xx, part of a head): no retry
                 response._fail(UpstreamBroken(self.address, "connection closed mid-head"))
-            elif _delimited_by_close(response.headers):
-                response.complete = True  # a body without length ends when the connection does
+            elif _delimited_by_close(response.headers) and exc is None:
+                # A body without length ends when the connection closes; a reset (exc) cuts it.
+                response.complete = True
                 response.keep_alive = False
                 response._wake()
             else:

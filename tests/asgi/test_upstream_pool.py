@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 from collections.abc import AsyncIterator
 
 import orjson
@@ -29,6 +30,7 @@ from llmgw.asgi.upstream import (
     ConnectFailed,
     PoolLimits,
     ResetBeforeResponse,
+    UpstreamBroken,
     UpstreamPool,
     UpstreamResponse,
 )
@@ -292,3 +294,32 @@ async def test_a_client_gone_mid_stream_cancels_the_upstream_even_with_a_request
     finally:
         release.set()
         await upstream.stop()
+
+
+@pytest.mark.parametrize("reset", [False, True])
+async def test_a_body_without_length_ends_at_a_close_and_a_reset_cuts_it(reset: bool) -> None:
+    """No length and not chunked: the connection's end is the body's end, unless it was a
+    reset, which read as a whole answer."""
+    headed = asyncio.Event()  # the pool has the head: the body's end is what is tested
+
+    async def until_close(
+        _request: UpstreamRequest, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\n")
+        await writer.drain()
+        await headed.wait()
+        if reset:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        else:
+            writer.close()
+
+    async with pool_on(until_close, PoolLimits(read_timeout=5)) as (upstream, pool):
+        response = await pool.request(upstream.address, "POST", "/x", [], b"{}")
+        headed.set()
+        if reset:
+            with pytest.raises(UpstreamBroken, match="mid-response"):
+                await response.read()
+        else:
+            assert await response.read() == b"data: 1\n\n"
