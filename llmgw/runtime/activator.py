@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from llmgw.activation import Action, ActivationSettings, ModelActivation
 from llmgw.config import Config, ModelMode, model_mode
@@ -179,18 +180,30 @@ class Activator:
         machine.crashed(reason, self.clock())
         # Release what is left (a crash-looping Deployment would otherwise keep its GPU);
         # the next request after the backoff starts the model again.
-        self._cleanups.add(
-            task := asyncio.create_task(self._release(model), name=f"release {model}")
-        )
-        task.add_done_callback(self._cleanups.discard)
+        self._track(self._release(model, "crashed"), f"release {model}")
 
-    async def _release(self, model: str) -> None:
+    def _track(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(work, name=name)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        return task
+
+    async def _release(self, model: str, why: str) -> None:
         try:
             await self.control_plane.stop(model)
         except Exception:
-            log.exception("stopping crashed model %s failed", model)
+            log.exception("stopping %s model %s failed", why, model)
 
     async def tick(self) -> None:
+        """One pass over the models; returns once the idle stops it began have ended."""
+        for task in self._pass():
+            await task
+
+    def _pass(self) -> list[asyncio.Task[None]]:
+        """Starts and idle stops due now. A stop runs as its own task (a Deployment's pods
+        may take `stop_timeout` to drain): awaited here, it held every other model's idle
+        stop and crash restart for that long."""
+        stops = []
         for model, machine in self.machines.items():
             # Requests the peer router replicas have in flight there (`peers:`): scaling the
             # model to 0 would cut them off.
@@ -201,13 +214,14 @@ class Activator:
             elif action is Action.STOP:
                 log.info("model %s idle for %.0fs: stopping", model, machine.settings.idle_timeout)
                 self.registry.set_endpoints(model, [])
-                await self.control_plane.stop(model)
+                stops.append(self._track(self._release(model, "idle"), f"stop {model}"))
+        return stops
 
     async def _tick_loop(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             try:
-                await self.tick()
+                self._pass()
             except Exception:
                 log.exception("activator tick failed")
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
@@ -13,6 +14,7 @@ from llmgw.errors import ModelDisabled, ModelFailed, ModelLoading, ModelNotFound
 from llmgw.runtime.controlplanes.local import LocalProcessControlPlane, group_members
 from llmgw.runtime.router import Router
 from llmgw.testing.controlplane import FakeControlPlane
+from llmgw.testing.wait import eventually
 from llmgw.types import Outcome, RequestInfo
 
 
@@ -273,3 +275,86 @@ async def test_a_start_cancelled_at_shutdown_fails_its_waiters_at_once(
     await activator.stop()
     with pytest.raises(ModelFailed, match="stopping"):
         await asyncio.wait_for(waiter, 2)
+
+
+async def test_router_stopping_during_an_idle_stop_still_ends_the_engines_group() -> None:
+    """The stop was cancelled in its SIGTERM grace period, the replica already forgotten:
+    an engine that ignores SIGTERM outlived the router."""
+    stubborn = Path(__file__).with_name("stubborn_engine.py")
+    cfg = load_dict(
+        {
+            "activation_timeout": 30,
+            "models": {
+                "m1": {
+                    "launch": {"command": f"{sys.executable} {stubborn} {{port}}"},
+                    "scaling": {"min": 0, "max": 1, "start_timeout": 30, "idle_timeout": 0.01},
+                }
+            },
+        }
+    )
+    cp = LocalProcessControlPlane(cfg, grace=2.0)
+    router = Router(cfg, control_plane=cp, scrape=False)
+    activator = router.activator
+    assert activator is not None
+    await router.start()
+    pid: int | None = None
+    try:
+        await router.decide(req("m1"))
+        started = cp.status("m1")["pid"]
+        assert isinstance(started, int)
+        pid = started
+        clock = activator.clock
+        activator.clock = lambda: clock() + 100  # idle past its timeout: the loop stops it
+        await eventually(lambda: cp.status("m1") == {"running": False})  # SIGTERM sent
+        assert group_members(pid)  # ignoring it, in its grace period
+        await router.stop()
+        assert group_members(pid) == []
+    finally:
+        if pid is not None and group_members(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+class _SlowStop(FakeControlPlane):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drained = asyncio.Event()  # "lazy"'s pods take long to drain
+
+    async def stop(self, model: str) -> None:
+        self.stops += 1
+        if model == "lazy":
+            await self.drained.wait()
+
+
+async def test_a_slow_idle_stop_does_not_hold_the_other_models() -> None:
+    """It was awaited inside the tick: no other model was idle-stopped, and no crashed
+    always-on model restarted, until it ended (a Deployment's: up to stop_timeout)."""
+    cfg = load_dict(
+        {
+            "models": {
+                "lazy": {
+                    "launch": {"command": "true"},
+                    "scaling": {"min": 0, "max": 1, "idle_timeout": 0.01},
+                },
+                "warm": {"launch": {"command": "true"}, "scaling": {"min": 1, "max": 1}},
+            }
+        }
+    )
+    cp = _SlowStop()
+    cp.release.set()
+    router = Router(cfg, control_plane=cp, scrape=False)
+    activator = router.activator
+    assert activator is not None
+    await router.start()
+    try:
+        await router.decide(req("lazy"))
+        await eventually(lambda: activator.machines["warm"].state.value == "idle")
+        clock = activator.clock
+        activator.clock = lambda: clock() + 100
+        await eventually(lambda: cp.stops == 1)  # lazy's stop began, and drains
+        for callback in cp.callbacks:
+            callback("warm", "killed")
+        activator.clock = lambda: clock() + 1000  # past the failure backoff
+        await eventually(lambda: activator.machines["warm"].state.value == "idle", timeout=5)
+    finally:
+        cp.drained.set()
+        await router.stop()

@@ -160,6 +160,28 @@ async def test_endpoints_are_returned_only_once_ready(
     assert plane.status("big")["discovery"] == ("watch" if watch else "list")
 
 
+async def test_a_start_after_a_stop_blind_to_its_pods_does_not_return_the_old_ones(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    """A stop during an API blip scaled to 0 without seeing the pods go; their addresses
+    stayed `ready`, and the next start returned them at once, before any new pod was."""
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18031])
+    plane = planes(k8s_config(start_timeout=1.0), poll_interval=3.0)  # backs off >= 2.4 s
+    assert [e.address for e in await plane.want("big")] == ["127.0.0.1:18031"]
+    state = plane._models["big"]
+    await kube.go_down()
+    await eventually(
+        lambda: state.reflector is not None and state.reflector.stale_since is not None
+    )
+    await kube.come_back()
+    await plane.stop("big")  # accepted, its pods unseen going
+    assert deployment.replicas == 0
+    await eventually(lambda: not deployment.pods)
+    deployment.never_ready = True  # the next pod never turns ready
+    with pytest.raises(StartError, match="no ready endpoint"):
+        await asyncio.wait_for(plane.want("big"), 10)
+
+
 async def test_a_refused_watch_falls_back_to_listing(kube: FakeKubernetes, planes: Planes) -> None:
     kube.watch_supported = False
     kube.add_deployment("vllm-big", namespace="models", pod_ports=[18006], ready_after=0.1)

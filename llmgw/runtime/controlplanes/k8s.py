@@ -435,6 +435,9 @@ class KubernetesControlPlane:
         reflector, state.reflector = state.reflector, None
         if reflector is not None:
             await reflector.stop()
+        # Unfollowed, its pods are unknown: a start must not take the last ones seen as
+        # ready (a stop whose pods could not be seen going left them there).
+        state.set_slices({})
 
     def _apply(self, state: _Model, slices: dict[str, dict[str, Any]]) -> None:
         before = state.ready

@@ -42,6 +42,9 @@ class LocalProcessControlPlane:
         self._replicas: dict[str, _Replica] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._callbacks: list[CrashCallback] = []
+        # Terminations under way: one whose caller is cancelled (the router stopping during
+        # an idle stop) still ends the group, and close() waits for it.
+        self._terminations: set[asyncio.Task[None]] = set()
 
     def on_crash(self, callback: CrashCallback) -> None:
         self._callbacks.append(callback)
@@ -163,7 +166,10 @@ class LocalProcessControlPlane:
         async with lock:
             replica = self._replicas.pop(model, None)
             if replica is not None:
-                await self._terminate(replica)
+                task = asyncio.ensure_future(self._terminate(replica))
+                self._terminations.add(task)
+                task.add_done_callback(self._terminations.discard)
+                await asyncio.shield(task)
 
     def status(self, model: str) -> dict[str, object]:
         replica = self._replicas.get(model)
@@ -178,6 +184,8 @@ class LocalProcessControlPlane:
     async def close(self) -> None:
         for model in list(self._replicas):
             await self.stop(model)
+        if self._terminations:
+            await asyncio.gather(*self._terminations, return_exceptions=True)
 
 
 def _log_tail(path: Path, limit: int = 400) -> str:
