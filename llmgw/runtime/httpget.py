@@ -44,7 +44,7 @@ class KeepAliveGetter:
     async def _get(self, path: str) -> tuple[int, bytes]:
         reader, writer = await self._connect()
         writer.write(
-            f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"GET {path} HTTP/1.1\r\nHost: {_authority(self.host, self.port)}\r\n"
             "Accept: text/plain\r\nUser-Agent: llmgw-scraper\r\n\r\n".encode()
         )
         await writer.drain()
@@ -67,12 +67,24 @@ class KeepAliveGetter:
             body = await reader.readexactly(length)
         elif headers.get("transfer-encoding", "").lower() == "chunked":
             body = await self._read_chunked(reader)
-        else:
-            body = await reader.read(self.max_bytes)
+        else:  # neither: the body ends when the server closes (HTTP/1.0 servers)
+            body = await self._read_to_close(reader)
             keep_alive = False
         if not keep_alive:
             await self.close()
         return status, body
+
+    async def _read_to_close(self, reader: asyncio.StreamReader) -> bytes:
+        """Everything up to the server's close (one read returned only what had arrived:
+        a page in several segments was cut, its last number read short)."""
+        chunks: list[bytes] = []
+        total = 0
+        while chunk := await reader.read(65536):
+            total += len(chunk)
+            if total > self.max_bytes:
+                raise ValueError(f"response exceeds {self.max_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
         chunks: list[bytes] = []
@@ -95,3 +107,8 @@ class KeepAliveGetter:
             writer.close()
             with contextlib.suppress(OSError, asyncio.CancelledError):
                 await writer.wait_closed()
+
+
+def _authority(host: str, port: int) -> str:
+    """`host:port` for the Host header: an IPv6 literal in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

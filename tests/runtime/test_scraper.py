@@ -8,7 +8,7 @@ import pytest
 
 from llmgw.config import endpoints_of, load_dict
 from llmgw.registry import Registry
-from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
+from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter, _authority
 from llmgw.runtime.scraper import Scraper
 from llmgw.testing.wait import eventually
 
@@ -186,3 +186,37 @@ async def test_getter_reports_connection_refused() -> None:
     getter = KeepAliveGetter("127.0.0.1", port)
     with pytest.raises(HttpGetError):
         await getter.get("/metrics")
+
+
+async def test_a_body_ended_by_the_servers_close_is_read_to_the_end() -> None:
+    """No length, not chunked (HTTP/1.0 servers, `http.server` simulators): one read took
+    only what had arrived, and a page sent in two writes was cut."""
+    body = b"".join(b'vllm:num_requests_waiting{pad="%d"} 0\n' % i for i in range(2000))
+    half = asyncio.Event()
+    release = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\ncontent-type: text/plain\r\n\r\n" + body[:1000])
+        await writer.drain()
+        half.set()
+        await release.wait()
+        writer.write(body[1000:])
+        await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    async with srv:
+        getter = KeepAliveGetter("127.0.0.1", port)
+        got = asyncio.create_task(getter.get("/metrics"))
+        await eventually(half.is_set)  # the client has the first part (the cut took it)
+        release.set()
+        status, page = await asyncio.wait_for(got, 5)
+        await getter.close()
+    assert (status, len(page)) == (200, len(body))
+
+
+def test_an_ipv6_hosts_header_is_bracketed() -> None:
+    assert _authority("::1", 8000) == "[::1]:8000"
+    assert _authority("10.0.0.1", 8000) == "10.0.0.1:8000"
