@@ -57,6 +57,7 @@ class EndpointState:
         "busy_until",
         "calibration",
         "counted_prefill",
+        "counters",
         "counts_first_tokens",
         "endpoint",
         "full_at_peak",
@@ -144,6 +145,10 @@ class EndpointState:
         # Times a scrape showed the engine's counters back below the last one's: a new
         # process at the same address (a crash, an OOM kill, a container restart).
         self.restarts = 0
+        # The cumulative counters' last values seen, kept across pages that lack one: an
+        # engine that creates a counter at its first request (SGLang, TRT-LLM) publishes
+        # none just after a restart, so the page before is no witness.
+        self.counters: tuple[float | None, ...] = ()
 
     def fresh_metrics(self, now: float, staleness: float) -> EngineMetrics | None:
         """The last scrape if it is recent enough to trust and no scrape failed since, else None
@@ -402,7 +407,7 @@ class Registry:
             state.counts_first_tokens = state.misses_first_tokens
         if state.blind:
             _drain_blind(state, now)
-        if prev is not None and _restarted(prev, metrics):
+        if _restarted(state, metrics):
             # A new engine process: its cache is empty and its batch size may differ.
             state.restarts += 1
             state.peak_running, state.full_at_peak, state.peak_is_batch = 0.0, 0, False
@@ -537,15 +542,24 @@ def _drain_blind(state: EndpointState, now: float) -> None:
     state.blind = kept
 
 
-def _restarted(prev: EngineMetrics, new: EngineMetrics) -> bool:
-    """Whether a cumulative counter went back: the engine started counting from 0 again."""
-    for a, b in (
-        (prev.finished_total, new.finished_total),
-        (prev.prompt_tokens_total, new.prompt_tokens_total),
-        (prev.ttft_count, new.ttft_count),
-        (prev.prefill_count, new.prefill_count),
-        (prev.step_count, new.step_count),
-    ):
-        if a is not None and b is not None and b < a:
-            return True
-    return False
+def _restarted(state: EndpointState, new: EngineMetrics) -> bool:
+    """Whether a cumulative counter went back below its last value seen: the engine
+    started counting from 0 again. Updates the values seen (after a restart, only this
+    page's: a counter it lacks starts afresh)."""
+    counters = (
+        new.finished_total,
+        new.prompt_tokens_total,
+        new.ttft_count,
+        new.prefill_count,
+        new.step_count,
+    )
+    seen = state.counters or (None,) * len(counters)
+    went_back = any(
+        a is not None and b is not None and b < a for a, b in zip(seen, counters, strict=True)
+    )
+    state.counters = (
+        counters
+        if went_back
+        else tuple(a if b is None else b for a, b in zip(seen, counters, strict=True))
+    )
+    return went_back

@@ -91,6 +91,15 @@ def test_a_restarted_engine_is_forgotten_by_the_prefix_index_and_relearns_its_ba
     assert latency.index.size(other) >= held_elsewhere  # the other endpoint: untouched
     scrape(chosen, 5)
     assert state.restarts == 1
+    # An engine that creates its counters at its first request (SGLang, TRT-LLM) shows
+    # none just after a restart: the next page's low count is still a restart.
+    scrape(chosen, 40)
+    scrape(chosen, None)
+    scrape(chosen, 1)
+    assert state.restarts == 2
+    scrape(chosen, None)
+    scrape(chosen, 3)  # counting on: no restart
+    assert state.restarts == 2
 
 
 def test_session_scorer_can_abstain_for_requests_without_a_session() -> None:
