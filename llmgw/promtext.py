@@ -234,11 +234,16 @@ CONTRACTS: dict[Engine, MetricContract] = {
 }
 
 
+# Model label values that name no model: trtllm-serve labels every series
+# `model_name="undefined"`, whatever it serves.
+_NO_MODEL = frozenset({"", "undefined"})
+
+
 def extract(text: str, contract: MetricContract, model: str | None = None) -> EngineMetrics:
     """Read the contract's numbers from a /metrics page.
 
-    With `model`, only samples whose model label equals it count (a server may serve
-    several models). Queue and running are summed over the remaining series (several
+    With `model`, only samples whose model label equals it (or names no model: `_NO_MODEL`)
+    count (a server may serve several models). Queue and running are summed over the remaining series (several
     engines behind one server); KV usage takes the fullest. A page missing any of the
     three required metrics raises MetricsError naming it.
     """
@@ -247,7 +252,7 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
     for sample in iter_samples(text, contract.names()):
         if model is not None:
             label = sample.labels.get(contract.model_label)
-            if label is not None and label != model:
+            if label is not None and label != model and label not in _NO_MODEL:
                 continue
         if not math.isfinite(sample.value):  # NaN or ±Inf: no usable reading
             continue

@@ -188,6 +188,16 @@ def test_engine_contract_reads_its_three_metrics(
     assert (m.waiting, m.running, m.kv_usage, m.finished_total) == expected
 
 
+def test_a_model_label_that_names_no_model_is_read_for_the_configured_model() -> None:
+    """trtllm-serve labels every series model_name="undefined": filtered by the configured
+    model, the page read as serving another model, and the endpoint was left out."""
+    page = TRTLLM_PAGE.replace('model_name="llama"', 'model_name="undefined"')
+    m = extract(page, CONTRACTS[Engine.TRTLLM], model="llama")
+    assert (m.waiting, m.running, m.kv_usage) == (2.0, 8.0, 0.625)
+    with pytest.raises(MetricsError, match="for model 'other'"):  # a named model still counts
+        extract(TRTLLM_PAGE, CONTRACTS[Engine.TRTLLM], model="other")
+
+
 @pytest.mark.parametrize(
     ("engine", "page", "dropped"),
     [
