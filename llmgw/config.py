@@ -46,7 +46,15 @@ from llmgw.types import Endpoint, Engine
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
-_METRIC_ROLES = ("waiting", "running", "kv_usage", "finished", "model_label", *OPTIONAL_ROLES)
+_METRIC_ROLES = (
+    "waiting",
+    "running",
+    "kv_usage",
+    "finished",
+    "model_label",
+    "path",
+    *OPTIONAL_ROLES,
+)
 
 
 class _Strict(BaseModel):
@@ -243,6 +251,9 @@ class ModelSpec(_Strict):
                 raise ValueError(
                     f"{role}: unknown metric role (allowed: {', '.join(_METRIC_ROLES)})"
                 )
+        path = value.get("path")
+        if path is not None and not path.startswith("/"):
+            raise ValueError(f"path: must start with '/' (the engine's metrics path), got {path!r}")
         return value
 
     @field_validator("strategy", mode="before")

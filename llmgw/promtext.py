@@ -162,6 +162,8 @@ class MetricContract:
     queue_time: tuple[str, ...] = ()
     # An info metric whose labels give the KV cache size: num_gpu_blocks x block_size.
     cache_info: tuple[str, ...] = ()
+    # Where the engine serves the Prometheus text (trtllm-serve's /metrics is JSON).
+    path: str = "/metrics"
 
     def names(self) -> frozenset[str]:
         hist = [
@@ -189,12 +191,15 @@ class MetricContract:
             "kv_usage": self.kv_usage,
             "finished": self.finished,
             "model_label": self.model_label,
+            "path": self.path,
             **{role: getattr(self, role) for role in OPTIONAL_ROLES},
         }
         for key, value in overrides.items():
             if key not in fields:
                 raise ValueError(f"unknown metric role {key!r} (allowed: {', '.join(fields)})")
-            fields[key] = value if key == "model_label" else (value,)
+            if key == "path" and not value.startswith("/"):
+                raise ValueError(f"path must start with '/', got {value!r}")
+            fields[key] = value if key in ("model_label", "path") else (value,)
         return MetricContract(**fields)  # type: ignore[arg-type]
 
 
@@ -230,6 +235,7 @@ CONTRACTS: dict[Engine, MetricContract] = {
         running=("trtllm_num_requests_running",),
         kv_usage=("trtllm_kv_cache_utilization",),
         finished=("trtllm_request_success_total",),
+        path="/prometheus/metrics",
     ),
 }
 

@@ -42,7 +42,7 @@ class Scraper:
         config: Config | ConfigSource,
         registry: Registry,
         *,
-        metrics_path: str = "/metrics",
+        metrics_path: str | None = None,
     ) -> None:
         self._config = config_source(config)
         self.registry = registry
@@ -101,9 +101,10 @@ class Scraper:
             getter = self._getters[address] = KeepAliveGetter(host, port)
         try:
             async with asyncio.timeout(self.timeout):
-                status, body = await getter.get(self.metrics_path)
+                path = self.metrics_path or targets[0].contract.path  # None: the engine's
+                status, body = await getter.get(path)
             if status != 200:
-                raise HttpGetError(f"/metrics answered HTTP {status}")
+                raise HttpGetError(f"{path} answered HTTP {status}")
             text = body.decode("utf-8", "replace")
         except (TimeoutError, HttpGetError) as exc:
             await getter.close()

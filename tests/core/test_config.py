@@ -48,6 +48,12 @@ INVALID: list[tuple[str, Any, str, str]] = [
     ),
     ("unknown-top-level-field", {**one_model(endpoints=EP), "bogus": 1}, "bogus", "unknown field"),
     (
+        "metrics-path-relative",
+        one_model(endpoints=EP, metrics={"path": "metrics"}),
+        "models.chat.metrics.path",
+        "must start with '/'",
+    ),
+    (
         "model-header-blank",
         {**one_model(endpoints=EP), "model_header": " "},
         "model_header",

@@ -28,6 +28,7 @@ class FakeServer:
     connections: int = 0
     closed: int = 0  # connections the scraper closed (or the server ended)
     requests: int = 0
+    paths: list[str] = field(default_factory=list)  # each request's target
     hang: asyncio.Event = field(default_factory=asyncio.Event)
     port: int = 0
 
@@ -35,7 +36,8 @@ class FakeServer:
         self.connections += 1
         try:
             while True:
-                await reader.readuntil(b"\r\n\r\n")
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.paths.append(head.split(b" ", 2)[1].decode())
                 self.requests += 1
                 data = self.respond()
                 if data is None:
@@ -220,3 +222,20 @@ async def test_a_body_ended_by_the_servers_close_is_read_to_the_end() -> None:
 def test_an_ipv6_hosts_header_is_bracketed() -> None:
     assert _authority("::1", 8000) == "[::1]:8000"
     assert _authority("10.0.0.1", 8000) == "10.0.0.1:8000"
+
+
+@pytest.mark.parametrize(
+    ("extra", "path"),
+    [
+        ({}, "/metrics"),
+        ({"engine": "trtllm"}, "/prometheus/metrics"),  # trtllm-serve's /metrics is JSON
+        ({"metrics": {"path": "/stats/prometheus"}}, "/stats/prometheus"),
+    ],
+)
+async def test_each_engine_is_scraped_where_it_serves_prometheus_text(
+    server: FakeServer, extra: dict[str, object], path: str
+) -> None:
+    scraper, _ = make_scraper(server.port, None, **extra)
+    await scraper.scrape_once()
+    await scraper.stop()
+    assert server.paths == [path]
