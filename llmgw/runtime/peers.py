@@ -720,8 +720,11 @@ class Peers(asyncio.DatagramProtocol):
         return self.siblings / f"{os.getpid()}-{self.port}.port"
 
     def _is_local(self, ip: str) -> bool:
+        """This replica's own address. Listening on the wildcard, every loopback address
+        is (no other replica can hold the port there); on 127.0.0.1, only that one: a
+        replica on 127.0.0.2 and the same port is a peer (it went unsent to)."""
         host, _ = split_address(self.spec.listen)
-        return ip == host or (ip.startswith("127.") and host in ("0.0.0.0", "127.0.0.1"))
+        return ip == host or (ip.startswith("127.") and host == "0.0.0.0")
 
     async def _resolve_forever(self) -> None:
         # Woken early by a datagram from an unknown peer, at most once per `floor` seconds

@@ -687,3 +687,27 @@ def test_what_a_router_tells_its_peers_in_each_mode_of_counting_prefill() -> Non
     assert own_load(state) == (1, 500.0)
     registry.first_token("m", ENDPOINTS[0], 0.0, 500.0)
     assert own_load(state) == (1, 0.0)
+
+
+async def test_a_replica_on_another_loopback_address_and_the_same_port_is_a_peer() -> None:
+    """Listening on 127.0.0.1, every 127.x address read as this replica: a peer bound to
+    127.0.0.2 on the same port was never sent to, and the sharing was one-way."""
+    port = free_port()
+
+    def config(host: str) -> Config:
+        return load_dict(
+            {
+                "models": {"m": {"endpoints": ENDPOINTS, "strategy": "latency"}},
+                "peers": {
+                    "listen": f"{host}:{port}",
+                    "addresses": [f"127.0.0.1:{port}", f"127.0.0.2:{port}"],
+                },
+            }
+        )
+
+    a = Router(config("127.0.0.1"), scrape=False, seed=0)
+    b = Router(config("127.0.0.2"), scrape=False, seed=1)
+    async with _started(a, b):
+        assert a.peers is not None and b.peers is not None
+        assert a.peers._targets == {("127.0.0.2", port)}
+        assert b.peers._targets == {("127.0.0.1", port)}
