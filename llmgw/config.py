@@ -372,6 +372,37 @@ class PeersSpec(_Strict):
     def _addresses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(host_port(v) for v in value)
 
+    @model_validator(mode="after")
+    def _reachable(self) -> PeersSpec:
+        """A peer address of a family the listen socket cannot reach started and peered with
+        nobody (the only trace a warning that it 'does not resolve')."""
+        listen = _ip_version(self.listen)
+        for address in self.addresses:
+            version = _ip_version(address)
+            if listen == 4 and version == 6:
+                raise ValueError(
+                    f"addresses: {address} is IPv6 and listen {self.listen} is IPv4; listen on "
+                    "[::]:PORT (both families) to reach it"
+                )
+            if listen == 6 and version == 4 and _host(self.listen) != "::":
+                raise ValueError(
+                    f"addresses: {address} is IPv4 and listen {self.listen} is one IPv6 "
+                    "address; listen on [::]:PORT or 0.0.0.0:PORT to reach it"
+                )
+        return self
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0].removeprefix("[").removesuffix("]")
+
+
+def _ip_version(address: str) -> int | None:
+    """4 or 6 for an IP literal's host:port, None for a name (either may resolve)."""
+    try:
+        return ipaddress.ip_address(_host(address)).version
+    except ValueError:
+        return None
+
 
 class TraceSpec(_Strict):
     """The decision trace: one JSON line per sampled request (never prompt text)."""

@@ -54,6 +54,24 @@ INVALID: list[tuple[str, Any, str, str]] = [
         "must start with '/'",
     ),
     (
+        "peers-v6-address-v4-listen",
+        {
+            **one_model(endpoints=EP),
+            "peers": {"listen": "0.0.0.0:9005", "addresses": ["[::1]:9005"]},
+        },
+        "peers.addresses",
+        "listen on [::]:PORT",
+    ),
+    (
+        "peers-v4-address-one-v6-listen",
+        {
+            **one_model(endpoints=EP),
+            "peers": {"listen": "[fd00::1]:9005", "addresses": ["10.0.0.2:9005"]},
+        },
+        "peers.addresses",
+        "is IPv4",
+    ),
+    (
         "model-header-blank",
         {**one_model(endpoints=EP), "model_header": " "},
         "model_header",
@@ -328,6 +346,14 @@ def test_invalid_config_names_the_path_of_the_problem(data: Any, path: str, phra
     got_path, _, message = problems[0].partition(": ")
     assert got_path == path
     assert phrase in message
+
+
+def test_peers_of_a_family_the_listen_address_reaches_load() -> None:
+    for listen, address in (("[::]:9005", "10.0.0.2:9005"), ("0.0.0.0:9005", "peers:9005")):
+        loaded = load_dict(
+            {**one_model(endpoints=EP), "peers": {"listen": listen, "addresses": [address]}}
+        )
+        assert loaded.peers is not None and loaded.peers.addresses == (address,)
 
 
 def test_model_header_is_read_lower_cased() -> None:
