@@ -28,11 +28,12 @@ scorers add to their own.
 
 Wire format, big-endian (hand-written with `struct`: a datagram is a header and flat
 records; a schema library would add a dependency for ~20 lines):
-    header: magic (4 bytes), sender id (8 bytes, random per process), record count (u16)
-    b"LGP1", prefix-index inserts; record: model length (u16), endpoint length (u16), key
+    header: magic (4 bytes), sender id (8 bytes, random per process), sequence number
+            (u64, per sender, one per datagram), record count (u16)
+    b"LGP2", prefix-index inserts; record: model length (u16), endpoint length (u16), key
             length (u16), block size in characters (u32), hash count (u16), then model,
             endpoint, key (UTF-8) and the hashes (i64 each)
-    b"LGL1", load; record: model length (u16), endpoint length (u16), requests in flight
+    b"LGL2", load; record: model length (u16), endpoint length (u16), requests in flight
             (u32), prefill tokens queued (f32), then model and endpoint (UTF-8)
 """
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import logging
 import math
 import os
@@ -60,9 +62,12 @@ from llmgw.scheduling.scheduler import ModelRouter, Scheduler
 
 log = logging.getLogger("llmgw.peers")
 
-MAGIC = b"LGP1"
-LOAD_MAGIC = b"LGL1"
-_HEADER = struct.Struct(">4s8sH")
+# Version 2 added the sequence number: a datagram at or below the last one a sender's id
+# was heard with is dropped (a replay of a captured datagram, or a late one after the
+# sender's goodbye, put a stopped replica's load back).
+MAGIC = b"LGP2"
+LOAD_MAGIC = b"LGL2"
+_HEADER = struct.Struct(">4s8sQH")
 _RECORD = struct.Struct(">HHHIH")
 _LOAD = struct.Struct(">HHIf")
 # A peer's load is resent this often while non-zero, and forgotten this long after it last
@@ -84,30 +89,36 @@ LoadRecord = tuple[str, str, int, float]  # model, endpoint, in flight, prefill 
 _R = TypeVar("_R", Record, LoadRecord)
 
 
-def _frames(magic: bytes, sender: bytes, records: Iterable[bytes], limit: int) -> list[bytes]:
-    """Packed records, in order, in datagrams of at most `limit` bytes: a header each."""
+Numbers = Iterator[int]  # a sender's datagram numbers (itertools.count(1))
+
+
+def _frames(
+    magic: bytes, sender: bytes, records: Iterable[bytes], limit: int, seq: Numbers
+) -> list[bytes]:
+    """Packed records, in order, in datagrams of at most `limit` bytes: a header each,
+    numbered from `seq`."""
     out: list[bytes] = []
     parts: list[bytes] = []
     size = _HEADER.size
     for record in records:
         if size + len(record) > limit and parts:
-            out.append(_HEADER.pack(magic, sender, len(parts)) + b"".join(parts))
+            out.append(_HEADER.pack(magic, sender, next(seq), len(parts)) + b"".join(parts))
             parts, size = [], _HEADER.size
         parts.append(record)
         size += len(record)
     if parts:
-        out.append(_HEADER.pack(magic, sender, len(parts)) + b"".join(parts))
+        out.append(_HEADER.pack(magic, sender, next(seq), len(parts)) + b"".join(parts))
     return out
 
 
 def _unframe(
     data: bytes, magic: bytes, read: Callable[[bytes, int], tuple[_R, int]]
-) -> tuple[bytes, list[_R]]:
-    """(sender id, the records `read` takes one at a time from `data`'s offset): ValueError
-    unless `data` is one whole datagram of kind `magic`."""
+) -> tuple[bytes, int, list[_R]]:
+    """(sender id, sequence number, the records `read` takes one at a time from `data`'s
+    offset): ValueError unless `data` is one whole datagram of kind `magic`."""
     if len(data) < _HEADER.size:
         raise ValueError("shorter than a header")
-    kind, sender, count = _HEADER.unpack_from(data)
+    kind, sender, seq, count = _HEADER.unpack_from(data)
     if kind != magic:
         raise ValueError(f"not an llmgw peer datagram of kind {magic.decode()}")
     at = _HEADER.size
@@ -120,7 +131,7 @@ def _unframe(
         raise ValueError(str(exc)) from None
     if at != len(data):
         raise ValueError("bytes past the last record")
-    return sender, records
+    return sender, seq, records
 
 
 def _packed_inserts(records: Sequence[Record], limit: int) -> Iterator[bytes]:
@@ -137,9 +148,11 @@ def _packed_inserts(records: Sequence[Record], limit: int) -> Iterator[bytes]:
         yield head + m + e + k + struct.pack(f">{n}q", *hashes[:n])
 
 
-def encode(sender: bytes, records: Sequence[Record], limit: int = MAX_DATAGRAM) -> list[bytes]:
+def encode(
+    sender: bytes, records: Sequence[Record], limit: int = MAX_DATAGRAM, seq: Numbers | None = None
+) -> list[bytes]:
     """Datagrams of at most `limit` bytes carrying `records`, in order."""
-    return _frames(MAGIC, sender, _packed_inserts(records, limit), limit)
+    return _frames(MAGIC, sender, _packed_inserts(records, limit), limit, seq or itertools.count(1))
 
 
 TAG = 16  # bytes of HMAC-SHA256 kept (128 bits) when the replicas share a secret
@@ -177,8 +190,9 @@ def _read_insert(data: bytes, at: int) -> tuple[Record, int]:
     return (model, endpoint, key, block_chars, hashes), end
 
 
-def decode(data: bytes) -> tuple[bytes, list[Record]]:
-    """(sender id, records); raises ValueError on anything that is not a whole datagram."""
+def decode(data: bytes) -> tuple[bytes, int, list[Record]]:
+    """(sender id, sequence number, records); raises ValueError on anything that is not a
+    whole datagram."""
     return _unframe(data, MAGIC, _read_insert)
 
 
@@ -192,10 +206,15 @@ def _packed_loads(records: Sequence[LoadRecord], limit: int) -> Iterator[bytes]:
 
 
 def encode_load(
-    sender: bytes, records: Sequence[LoadRecord], limit: int = MAX_DATAGRAM
+    sender: bytes,
+    records: Sequence[LoadRecord],
+    limit: int = MAX_DATAGRAM,
+    seq: Numbers | None = None,
 ) -> list[bytes]:
     """Load datagrams of at most `limit` bytes carrying `records`, in order."""
-    return _frames(LOAD_MAGIC, sender, _packed_loads(records, limit), limit)
+    return _frames(
+        LOAD_MAGIC, sender, _packed_loads(records, limit), limit, seq or itertools.count(1)
+    )
 
 
 def _read_load(data: bytes, at: int) -> tuple[LoadRecord, int]:
@@ -211,8 +230,9 @@ def _read_load(data: bytes, at: int) -> tuple[LoadRecord, int]:
     return (model, endpoint, inflight, pending), end
 
 
-def decode_load(data: bytes) -> tuple[bytes, list[LoadRecord]]:
-    """(sender id, load records); raises ValueError on anything but a whole load datagram."""
+def decode_load(data: bytes) -> tuple[bytes, int, list[LoadRecord]]:
+    """(sender id, sequence number, load records); raises ValueError on anything but a whole
+    load datagram."""
     return _unframe(data, LOAD_MAGIC, _read_load)
 
 
@@ -384,6 +404,9 @@ class Peers(asyncio.DatagramProtocol):
             )
         self._key = key if key is not None else secret.encode() if secret else None
         self.sender = os.urandom(8)
+        self._seq = itertools.count(1)  # this replica's datagram numbers
+        # Per peer sender id, the highest sequence number heard (bounded like the sources).
+        self._heard: dict[bytes, int] = {}
         self.stats = PeerStats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.DatagramTransport | None = None
@@ -455,7 +478,7 @@ class Peers(asyncio.DatagramProtocol):
         transport = self._transport
         if transport is None:
             return
-        datagram = _HEADER.pack(MAGIC, self.sender, 0)
+        datagram = _HEADER.pack(MAGIC, self.sender, next(self._seq), 0)
         if self._key is not None:
             datagram = seal(datagram, self._key)
         for target in self._targets:
@@ -567,7 +590,9 @@ class Peers(asyncio.DatagramProtocol):
             self.stats.load_sent += len(records)
 
     def _send(
-        self, encoder: Callable[[bytes, Sequence[Any], int], list[bytes]], records: Sequence[Any]
+        self,
+        encoder: Callable[[bytes, Sequence[Any], int, Iterator[int]], list[bytes]],
+        records: Sequence[Any],
     ) -> bool:
         """Send `records` to every peer; False if they were dropped (or no peer is known)."""
         transport = self._transport
@@ -581,7 +606,7 @@ class Peers(asyncio.DatagramProtocol):
             return False
         key = self._key
         limit = MAX_DATAGRAM - TAG if key is not None else MAX_DATAGRAM
-        for datagram in encoder(self.sender, records, limit):
+        for datagram in encoder(self.sender, records, limit, self._seq):
             if key is not None:
                 datagram = seal(datagram, key)  # noqa: PLW2901
             for target in self._targets:
@@ -635,14 +660,21 @@ class Peers(asyncio.DatagramProtocol):
             records: list[Record] = []
             loads: list[LoadRecord] = []
             if body[:4] == LOAD_MAGIC:
-                sender, loads = decode_load(body)
+                sender, seq, loads = decode_load(body)
             else:
-                sender, records = decode(body)
+                sender, seq, records = decode(body)
         except ValueError:
             self.stats.drop("malformed")
             return
         if sender == self.sender:
             return
+        heard = self._heard.get(sender)
+        if heard is not None and seq <= heard:  # a replay, or one overtaken (UDP reorders)
+            self.stats.drop("replayed")
+            return
+        if heard is None and len(self._heard) >= _MAX_SOURCES:
+            self._heard.clear()
+        self._heard[sender] = seq
         source = (ip, int(addr[1]))
         if source not in self._targets:  # a peer this one does not send to yet
             self._wake_resolver()

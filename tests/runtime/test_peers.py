@@ -4,6 +4,7 @@ format, and two routers over loopback UDP learning each other's placements."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import socket
@@ -58,31 +59,31 @@ def test_records_round_trip_in_order() -> None:
     ]
     datagrams = encode(SENDER, records)
     assert len(datagrams) == 1
-    assert decode(datagrams[0]) == (SENDER, records)
+    assert decode(datagrams[0]) == (SENDER, 1, records)
 
 
 def test_records_past_one_datagram_split_and_an_oversized_one_keeps_its_leading_blocks() -> None:
     many = [("m", f"e{i}", None, 256, list(range(100))) for i in range(30)]  # ~24 KB
     datagrams = encode(SENDER, many)
     assert len(datagrams) > 1 and all(len(d) <= MAX_DATAGRAM for d in datagrams)
-    assert [r for d in datagrams for r in decode(d)[1]] == many
+    assert [r for d in datagrams for r in decode(d)[2]] == many
     huge = ("m", "e", "k", 256, list(range(5000)))
     (only,) = encode(SENDER, [huge])
-    (kept,) = decode(only)[1]
+    (kept,) = decode(only)[2]
     assert len(only) <= MAX_DATAGRAM and 900 < len(kept[4]) < 1100
     assert kept[4] == list(range(len(kept[4])))  # the leading blocks, in order
 
 
 def test_a_long_session_key_travels_without_the_key() -> None:
     (datagram,) = encode(SENDER, [("m", "e", "k" * 600, 256, [7])])
-    assert decode(datagram)[1] == [("m", "e", None, 256, [7])]
+    assert decode(datagram)[2] == [("m", "e", None, 256, [7])]
 
 
 @pytest.mark.parametrize(
     "data",
     [
         b"",
-        b"LGP1",
+        b"LGP2",
         b"XXXX12345678\x00\x01",
         encode(SENDER, [("m", "e", None, 8, [1, 2])])[0][:-3],
         encode(SENDER, [("m", "e", None, 8, [1])])[0] + b"!",
@@ -116,6 +117,7 @@ _RECEIVED_DROPS = (
     "unauthenticated",
     "unknown_endpoint",
     "stale_sender",
+    "replayed",
 )
 
 
@@ -267,9 +269,12 @@ async def test_datagrams_from_strangers_or_about_unknown_endpoints_are_dropped()
             stranger.bind(("127.0.0.2", 0))  # loopback too, but not a configured peer
             stranger.sendto(encode(b"stranger", [("m", ENDPOINTS[0], None, 256, [1, 2])])[0], to)
             await arrived(b, 1)
+        numbers = itertools.count(1)  # one sender's datagrams, each numbered anew
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.sendto(encode(b"stranger", [("m", "10.9.9.9:8000", None, 256, [1])])[0], to)
-            s.sendto(encode(b"stranger", [("other", ENDPOINTS[0], None, 256, [1])])[0], to)
+            unknown = [("m", "10.9.9.9:8000", None, 256, [1])]
+            s.sendto(encode(b"stranger", unknown, seq=numbers)[0], to)
+            other_model = [("other", ENDPOINTS[0], None, 256, [1])]
+            s.sendto(encode(b"stranger", other_model, seq=numbers)[0], to)
             s.sendto(b"garbage", to)
             await arrived(b, 4)
         assert b.peers.stats.dropped == {
@@ -486,17 +491,17 @@ async def test_a_replica_that_starts_later_is_known_at_once_not_at_the_next_look
 def test_load_records_round_trip_split_and_refuse_what_is_not_a_queue() -> None:
     records: list[LoadRecord] = [("m", "10.0.0.1:8000", 3, 1536.0), ("modèle", "[::1]:80", 0, 0.0)]
     (datagram,) = encode_load(SENDER, records)
-    assert decode_load(datagram) == (SENDER, records)
+    assert decode_load(datagram) == (SENDER, 1, records)
     many = [("m", f"10.0.{i // 250}.{i % 250}:8000", i, float(i)) for i in range(600)]
     datagrams = encode_load(SENDER, many)
     assert len(datagrams) > 1 and all(len(d) <= MAX_DATAGRAM for d in datagrams)
-    assert [r for d in datagrams for r in decode_load(d)[1]] == many
-    assert decode_load(encode_load(SENDER, [("m", "e", -1, -5.0)])[0])[1] == [("m", "e", 0, 0.0)]
+    assert [r for d in datagrams for r in decode_load(d)[2]] == many
+    assert decode_load(encode_load(SENDER, [("m", "e", -1, -5.0)])[0])[2] == [("m", "e", 0, 0.0)]
 
     def load_datagram(pending: float) -> bytes:
-        return struct.pack(">4s8sHHHIf", b"LGL1", SENDER, 1, 1, 1, 2, pending) + b"me"
+        return struct.pack(">4s8sQHHHIf", b"LGL2", SENDER, 1, 1, 1, 1, 2, pending) + b"me"
 
-    assert decode_load(load_datagram(3.0))[1] == [("m", "e", 2, 3.0)]
+    assert decode_load(load_datagram(3.0))[2] == [("m", "e", 2, 3.0)]
     for bad in (
         load_datagram(float("nan")),
         load_datagram(-1.0),
@@ -616,8 +621,9 @@ async def test_a_peer_that_restarts_under_a_new_id_is_not_counted_twice(
         a.peers._transport.sendto(reborn, ("127.0.0.1", b.peers.port))
         await arrived(b, handled + 1)
         assert (_state(b, x).remote_inflight, _state(b, y).remote_inflight) == (0, 1)
-        # A datagram of the old self that was late on the wire (reordered) undoes nothing.
-        late = encode_load(a.peers.sender, [("m", x, 7, 0.0)])[0]
+        # A datagram of the old self that was late on the wire (reordered) undoes nothing,
+        # even numbered past what B heard from it.
+        late = encode_load(a.peers.sender, [("m", x, 7, 0.0)], seq=itertools.count(10**6))[0]
         a.peers._transport.sendto(late, ("127.0.0.1", b.peers.port))
         await arrived(b, handled + 2)
         assert b.peers.stats.dropped.get("stale_sender") == 1
@@ -711,3 +717,24 @@ async def test_a_replica_on_another_loopback_address_and_the_same_port_is_a_peer
         assert a.peers is not None and b.peers is not None
         assert a.peers._targets == {("127.0.0.2", port)}
         assert b.peers._targets == {("127.0.0.1", port)}
+
+
+async def test_a_replayed_or_overtaken_datagram_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Datagrams carried no number: one captured and sent again (or a stopped replica's
+    own, late on the wire) put a load back that its sender had said was gone."""
+    monkeypatch.setattr(peers_module, "LOAD_REFRESH", 60.0)  # no refresh in between
+    async with _pair() as (a, b, arrived):
+        assert a.peers is not None and a.peers._transport is not None and b.peers is not None
+        x = ENDPOINTS[1]
+        to = ("127.0.0.1", b.peers.port)
+        numbers = itertools.count(10**6)
+        busy = encode_load(a.peers.sender, [("m", x, 2, 0.0)], seq=numbers)[0]
+        idle = encode_load(a.peers.sender, [("m", x, 0, 0.0)], seq=numbers)[0]
+        handled = _handled(b)
+        for datagram in (busy, idle, busy):  # the busy one again, after the idle one
+            a.peers._transport.sendto(datagram, to)
+        await arrived(b, handled + 3)
+        assert b.peers.stats.dropped.get("replayed") == 1
+        assert _state(b, x).remote_inflight == 0

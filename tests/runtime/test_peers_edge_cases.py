@@ -83,7 +83,7 @@ async def test_a_replica_listening_on_the_ipv6_wildcard_peers_with_ipv4_replicas
 def _insert_datagram(sender: bytes, endpoint: str, key: str, hashes: list[int]) -> bytes:
     m, e, k = b"m", endpoint.encode(), key.encode()
     record = _RECORD.pack(len(m), len(e), len(k), 256, len(hashes)) + m + e + k
-    return _HEADER.pack(MAGIC, sender, 1) + record + struct.pack(f">{len(hashes)}q", *hashes)
+    return _HEADER.pack(MAGIC, sender, 1, 1) + record + struct.pack(f">{len(hashes)}q", *hashes)
 
 
 def test_a_session_key_past_the_bound_is_not_kept_from_a_peer() -> None:
@@ -94,7 +94,7 @@ def test_a_session_key_past_the_bound_is_not_kept_from_a_peer() -> None:
     ((_, index),) = indexes(router.scheduler)
     for i in range(50):
         datagram = _insert_datagram(b"peer-one", ENDPOINTS[0], f"{i}" + "k" * 60_000, [i])
-        ((record),) = decode(datagram)[1]
+        ((record),) = decode(datagram)[2]
         assert apply(router.scheduler, record, 0.0)
     assert index.size(ENDPOINTS[0]) == 50  # the blocks are taken ...
     held = {len(k) for k in index._last_key.values()}
