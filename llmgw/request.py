@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,29 +112,85 @@ def prompt_text(payload: Mapping[str, Any], limit: int) -> str:
 
 
 def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int]:
-    """`prompt_text`, and the length in characters of the whole prompt it was cut from."""
+    """`prompt_text`, and the length in characters of the whole prompt it was cut from.
+
+    What an engine's template renders, in its order: the tools' schemas (before the
+    messages, where templates put them), each message's role and text with the tool calls
+    it made (name and arguments), or a completion's prompt; a Responses API `input` list
+    (with `instructions` first) reads like messages. Token ids are counted as tokens.
+    Without the tools and calls, an agent's request read as a few tokens, and histories
+    that differed only in their calls as one prefix."""
+    prompt = payload.get("prompt", payload.get("input"))
+    if payload.get("messages") is None and _token_ids(prompt):
+        ids = ",".join(map(str, prompt))  # a stable text to hash: the same ids, the same text
+        return ids[:limit], int(len(prompt) * CHARS_PER_TOKEN)
     parts: list[str] = []
     size = 0
+    for text in _segments(payload, prompt):
+        if size < limit:  # past the kept prefix: only count
+            parts.append(text)
+        size += len(text)
+    return "".join(parts)[:limit], size
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
+
+
+def _segments(payload: Mapping[str, Any], prompt: Any) -> Iterator[str]:
     messages = payload.get("messages")
+    tools = payload.get("tools")
+    if isinstance(tools, list) and tools:
+        yield "<|tools|>" + orjson.dumps(tools).decode()
     if isinstance(messages, list):
         for m in messages:
-            if not isinstance(m, dict):
-                continue
-            content = _content_text(m.get("content"))
-            if size >= limit:  # past the kept prefix: only count
-                size += len(content) + 4
-                continue
-            text = f"<|{m.get('role', '')}|>{content}"
-            parts.append(text)
-            size += len(text)
-    else:
-        prompt = payload.get("prompt", payload.get("input"))
-        if isinstance(prompt, str):
-            parts.append(prompt)
-        elif isinstance(prompt, list):
-            parts.extend(p for p in prompt if isinstance(p, str))
-        size = sum(len(p) for p in parts)
-    return "".join(parts)[:limit], size
+            if isinstance(m, dict):
+                yield _message_text(m)
+        return
+    if isinstance(prompt, str):
+        yield prompt
+        return
+    if not isinstance(prompt, list):
+        return
+    instructions = payload.get("instructions")
+    if isinstance(instructions, str) and instructions and "input" in payload:
+        yield f"<|system|>{instructions}"
+    for item in prompt:
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):  # a Responses API input item
+            kind = item.get("type")
+            if kind == "function_call":
+                yield _call_text(item)
+            elif kind == "function_call_output":
+                output = item.get("output")
+                yield f"<|tool|>{output if isinstance(output, str) else ''}"
+            elif "role" in item:
+                yield _message_text(item)
+
+
+def _message_text(m: Mapping[str, Any]) -> str:
+    text = f"<|{m.get('role', '')}|>{_content_text(m.get('content'))}"
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                text += _call_text(function)
+    return text
+
+
+def _call_text(call: Mapping[str, Any]) -> str:
+    """A tool call's name and arguments (a JSON string in the OpenAI APIs)."""
+    name, arguments = call.get("name"), call.get("arguments")
+    return (
+        f"<|call|>{name if isinstance(name, str) else ''}"
+        f"{arguments if isinstance(arguments, str) else ''}"
+    )
 
 
 def estimate_tokens(chars: int) -> int:

@@ -10,6 +10,7 @@ import pytest
 from llmgw.config import Config
 from llmgw.errors import BadRequest, BodyTooLarge, LlmgwError
 from llmgw.request import build_request, needs_body, prompt_text
+from llmgw.types import RequestInfo
 
 from .helpers import config, static_model
 
@@ -218,3 +219,65 @@ def test_needs_body_only_when_routing_reads_it(
     headers: dict[str, str], path: str, want: bool
 ) -> None:
     assert needs_body(cfg(), headers, path) is want
+
+
+# -- what the engine's template renders: tools, tool calls, Responses items, token ids -------
+def _parsed(path: str, payload: dict[str, Any]) -> RequestInfo:
+    cfg = config({"chat": static_model(2)})
+    return build_request(cfg, {}, path, orjson.dumps(payload))
+
+
+def _call(arguments: str) -> dict[str, Any]:
+    return {"id": "c1", "type": "function", "function": {"name": "write", "arguments": arguments}}
+
+
+def test_tools_and_tool_calls_are_in_the_prompt_and_its_estimate() -> None:
+    """An agent's ~20 KB of tool schemas and call arguments read as a few tokens, and two
+    histories that differed only in their calls as one prefix."""
+    tools = [
+        {"type": "function", "function": {"name": f"t{i}", "description": "d" * 500}}
+        for i in range(40)
+    ]
+    asked = _parsed(
+        CHAT, {"model": "chat", "tools": tools, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert asked.prompt.startswith("<|tools|>") and asked.prompt_tokens > 4000
+
+    def history(arguments: str) -> RequestInfo:
+        messages = [
+            {"role": "user", "content": "write the file"},
+            {"role": "assistant", "content": None, "tool_calls": [_call(arguments)]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+        return _parsed(CHAT, {"model": "chat", "messages": messages})
+
+    a, b = history("A" * 20000), history("B" * 20000)
+    assert a.prompt_tokens > 4000 and a.prompt != b.prompt
+
+
+def test_responses_input_items_read_like_messages_with_instructions_first() -> None:
+    system = "You are careful. " * 100
+
+    def turn(items: list[dict[str, Any]]) -> RequestInfo:
+        return _parsed("/v1/responses", {"model": "chat", "instructions": system, "input": items})
+
+    first = [{"role": "user", "content": [{"type": "input_text", "text": "hello " * 200}]}]
+    later: list[dict[str, Any]] = [
+        *first,
+        {"type": "function_call", "name": "search", "arguments": '{"q": "x"}', "call_id": "c"},
+        {"type": "function_call_output", "call_id": "c", "output": "found " * 100},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "hi " * 200}]},
+    ]
+    a, b = turn(first), turn(later)
+    assert a.prompt.startswith("<|system|>You are careful.") and a.prompt_tokens > 500
+    assert b.prompt.startswith(a.prompt) and b.prompt_tokens > a.prompt_tokens
+    assert turn([{"role": "user", "content": "bye " * 300}]).prompt != a.prompt
+
+
+def test_a_prompt_of_token_ids_counts_them_and_hashes_them() -> None:
+    ids = list(range(1000, 5000))
+    a = _parsed("/v1/completions", {"model": "chat", "prompt": ids})
+    longer = _parsed("/v1/completions", {"model": "chat", "prompt": [*ids, 7, 7]})
+    other = _parsed("/v1/completions", {"model": "chat", "prompt": list(range(20000, 24000))})
+    assert a.prompt_tokens == 4000 and a.raw_prompt == tuple(ids)
+    assert longer.prompt.startswith(a.prompt[:1000]) and other.prompt != a.prompt
