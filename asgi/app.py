@@ -75,8 +75,10 @@ class ProxyApp:
 
     def reload(self, config: Config) -> None:
         """Route requests that arrive from now on with `config` (one snapshot swap every
-        part reads); raises ConfigError. Upstream pool limits stay as they were at start."""
+        part reads); raises ConfigError. The upstream pool's limits apply to its next
+        connections and reads (they were accepted and ignored)."""
         self.router.reload(config)
+        self.pool.limits = pool_limits(config)
 
     async def startup(self) -> None:
         await self.router.start()

@@ -102,7 +102,16 @@ class Gateway:
         scheduler.registry = registry
         scheduler.rng = old.scheduler.rng
         for name, router in old.scheduler.routers.items():
-            if name in scheduler.routers and router.spec == config.models[name]:
+            spec = config.models.get(name)
+            if spec is None:
+                continue
+            if router.spec != spec and _but_endpoints(router.spec) == _but_endpoints(spec):
+                # Only the endpoint list changed (a replica added, a weight): the same
+                # plugins carry on, as with discovery; their ring follows the registry's
+                # endpoints, and an endpoint that leaves is forgotten there. Rebuilt, the
+                # prefix index lost every endpoint's, and every session its cache home.
+                router.spec = spec
+            if router.spec == spec:
                 scheduler.routers[name] = router  # keeps its ring and prefix index
         for name in set(old.config.models) | set(config.models):
             if self.manages(name) or discovered(old.config, name):
@@ -113,6 +122,10 @@ class Gateway:
             elif registry.states(name):
                 registry.set_endpoints(name, [])
         self.snapshot = Snapshot(config, scheduler)
+
+
+def _but_endpoints(spec: ModelSpec) -> ModelSpec:
+    return spec.model_copy(update={"endpoints": ()})
 
 
 def _launch_settings(spec: ModelSpec | None) -> object:

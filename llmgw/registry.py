@@ -6,6 +6,7 @@ in, the scheduler reads. Time comes from an injected clock.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -200,7 +201,8 @@ class Registry:
         """New breaker settings and staleness (a config reload); live state is kept."""
         self._breaker = breaker
         self.staleness = staleness
-        for state in self._by_id.values():
+        # Draining endpoints too: one that comes back returns with its state as it was.
+        for state in itertools.chain(self._by_id.values(), self._draining.values()):
             state.breaker.settings = breaker
 
     def set_endpoints(self, model: str, endpoints: Iterable[Endpoint]) -> None:
@@ -265,7 +267,10 @@ class Registry:
     def acquire(self, model: str, endpoint_id: str) -> int:
         """Count a request sent to the endpoint; returns its half-open period's number if
         it is a probe (`Breaker.on_dispatch`), else 0."""
-        state = self._by_id.get((model, endpoint_id))
+        key = (model, endpoint_id)
+        # A draining endpoint (a reload removed it) counts too: Envoy may retry on a fallback
+        # listed before the reload, and its release is charged there.
+        state = self._by_id.get(key) or self._draining.get(key)
         if state is None:
             return 0
         state.inflight += 1

@@ -348,12 +348,15 @@ class ConfigWatcher:
         self.rejected = 0
         self._seen = self._stamp()
 
-    def _stamp(self) -> tuple[int, int] | None:
+    def _stamp(self) -> tuple[int, ...] | None:
+        """What tells a changed file: a file replaced by rename has a new inode, and its
+        ctime moves whatever mtime a deployer keeps (`cp -p`, rsync -a, a Nix store
+        symlink swap: same size and mtime, and the change went unseen)."""
         try:
             st = os.stat(self.path)
         except OSError:
             return None
-        return st.st_mtime_ns, st.st_size
+        return st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev, st.st_ctime_ns
 
     def reload(self) -> bool:
         """Load the file and apply it; False (old config kept) if it is invalid."""

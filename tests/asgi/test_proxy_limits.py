@@ -449,3 +449,17 @@ def test_the_proxy_command_gives_uvicorn_the_client_idle_timeout(
     assert config.timeout_keep_alive == 42
     if http == "httptools":
         assert config.http.keep_alive == 42  # type: ignore[union-attr]
+
+
+def test_a_reload_changes_the_upstream_pools_limits() -> None:
+    """Accepted and shown in app.config, they were ignored until a restart."""
+    config = load_dict({"models": {"m1": {"endpoints": ["127.0.0.1:9"]}}})
+    app = ProxyApp(config, scrape=False)
+    changed = load_dict(
+        {
+            "models": {"m1": {"endpoints": ["127.0.0.1:9"]}},
+            "limits": {"upstream_read_timeout": 5, "upstream_max_connections": 3},
+        }
+    )
+    app.reload(changed)
+    assert (app.pool.limits.read_timeout, app.pool.limits.max_connections) == (5.0, 3)

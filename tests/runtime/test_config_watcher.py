@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 from llmgw.config import Config
@@ -33,3 +34,19 @@ async def test_a_reload_that_raises_does_not_stop_later_reloads(tmp_path: Path) 
         assert len(applied) == 2 and not task.done()
     finally:
         task.cancel()
+
+
+def test_a_file_replaced_with_the_same_size_and_mtime_is_seen(tmp_path: Path) -> None:
+    """`cp -p`, rsync -a or a symlink swap keep mtime; a same-length edit (a weight 1 -> 2)
+    went unseen by a watcher that compared mtime and size only."""
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(CONFIG)
+    applied: list[Config] = []
+    watcher = ConfigWatcher(path, applied.append, interval=0)
+    before = path.stat()
+    replacement = tmp_path / "next.yaml"
+    replacement.write_text(CONFIG.replace("8000", "8001"))
+    os.utime(replacement, ns=(before.st_atime_ns, before.st_mtime_ns))
+    replacement.replace(path)  # a rename: a new inode, same size and mtime
+    assert watcher.check() is True and len(applied) == 1
+    assert watcher.check() is None  # nothing new
