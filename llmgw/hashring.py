@@ -13,9 +13,9 @@ Zadimoghaddam 2018): a replica whose load would exceed ceil(c * mean) is skipped
 from __future__ import annotations
 
 import functools
-import math
 from bisect import bisect_right
 from collections.abc import Container, Iterable, Iterator, Mapping
+from fractions import Fraction
 
 import mmh3
 
@@ -156,8 +156,21 @@ class HashRing:
         if not self.replica_ids:
             return []
         total = sum(load.get(r, 0) for r in self.replica_ids)
-        capacity = math.ceil(c * (total + 1) / len(self.replica_ids))
+        capacity = bounded_capacity(c, total, len(self.replica_ids))
         out = self._first(key, among, load, capacity)
         if out:
             return out
         return self.candidates(key) if among is None else self.candidates_among(key, among)
+
+
+@functools.lru_cache(maxsize=64)
+def _decimal(c: float) -> Fraction:
+    return Fraction(repr(c))
+
+
+def bounded_capacity(c: float, total: int, n: int) -> int:
+    """ceil(c x (total + 1) / n), with `c` read as the decimal it was written as: in floats,
+    c = 1.1 with 49 in flight over 5 gave 11.000000000000002, a capacity of 12, and one
+    request past the bound."""
+    share = _decimal(c) * (total + 1)
+    return -(-share.numerator // (share.denominator * n))

@@ -264,13 +264,19 @@ class Registry:
             yield from states
 
     # -- dispatch accounting -------------------------------------------------------------
+    def _live_or_draining(self, model: str, endpoint_id: str) -> EndpointState | None:
+        """An endpoint's state, also while it drains (removed, requests still in flight):
+        what those requests do is charged there, or its state came back with a prefill
+        queued for good when the endpoint did."""
+        key = (model, endpoint_id)
+        return self._by_id.get(key) or self._draining.get(key)
+
     def acquire(self, model: str, endpoint_id: str) -> int:
         """Count a request sent to the endpoint; returns its half-open period's number if
         it is a probe (`Breaker.on_dispatch`), else 0."""
-        key = (model, endpoint_id)
         # A draining endpoint (a reload removed it) counts too: Envoy may retry on a fallback
         # listed before the reload, and its release is charged there.
-        state = self._by_id.get(key) or self._draining.get(key)
+        state = self._live_or_draining(model, endpoint_id)
         if state is None:
             return 0
         state.inflight += 1
@@ -366,7 +372,7 @@ class Registry:
         now: its tokens are no longer pending; if it is early, the modelled queue was long.
         Only an `observed` first token (not one inferred at the request's end) says the edge
         reports them, which switches the queue estimate to the pending prefill tokens."""
-        state = self._by_id.get((model, endpoint_id))
+        state = self._live_or_draining(model, endpoint_id)
         if state is None:
             return
         if observed:
@@ -389,7 +395,7 @@ class Registry:
 
     def saw_token(self, model: str, endpoint_id: str) -> None:
         """A token of a stream from this endpoint reached the edge: a step ended now."""
-        state = self._by_id.get((model, endpoint_id))
+        state = self._live_or_draining(model, endpoint_id)
         if state is not None:
             state.token_at = self.clock()
 

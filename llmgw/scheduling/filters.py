@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 from llmgw.breaker import BreakerState
 from llmgw.errors import NoCapacity, NoHealthyEndpoint
+from llmgw.hashring import bounded_capacity
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 
@@ -114,7 +113,7 @@ class BoundedLoadFilter:
         total = 0
         for s in states:
             total += s.inflight + s.remote_inflight
-        capacity = math.ceil(c * (total + 1) / len(states))
+        capacity = bounded_capacity(c, total, len(states))
         kept = [s for s in candidates if s.inflight + s.remote_inflight < capacity]
         return _kept(candidates, kept) if kept else candidates
 
