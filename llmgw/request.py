@@ -207,8 +207,12 @@ def check_body_size(size: int, max_bytes: int, *, complete: bool = True) -> None
         )
 
 
-def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
-    """Parse an OpenAI-style JSON body. Raises BadRequest / BodyTooLarge with a clear message."""
+def parse_body(
+    body: bytes, *, max_bytes: int, prefix_chars: int, model_given: bool = False
+) -> BodyFields:
+    """Parse an OpenAI-style JSON body. Raises BadRequest / BodyTooLarge with a clear message.
+    `model_given`: a header named the model, so the body may leave it out (engines serve
+    their model then) or send null."""
     check_body_size(len(body), max_bytes)
     try:
         payload = orjson.loads(body)
@@ -217,7 +221,9 @@ def parse_body(body: bytes, *, max_bytes: int, prefix_chars: int) -> BodyFields:
     if not isinstance(payload, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(payload).__name__}")
     model = payload.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None and model_given:
+        model = ""
+    elif not isinstance(model, str) or not model:
         raise BadRequest("request body needs a string field 'model'")
     stream = payload.get("stream")
     if stream is None:  # absent, or null: the OpenAI API's "boolean or null"
@@ -302,6 +308,7 @@ def build_request(
             body,
             max_bytes=config.limits.max_body_bytes,
             prefix_chars=config.limits.prompt_prefix_chars,
+            model_given=bool(headers.get(config.model_header)),
         )
     model = headers.get(config.model_header) or (fields.model if fields else None)
     if not model:

@@ -281,3 +281,15 @@ def test_a_prompt_of_token_ids_counts_them_and_hashes_them() -> None:
     other = _parsed("/v1/completions", {"model": "chat", "prompt": list(range(20000, 24000))})
     assert a.prompt_tokens == 4000 and a.raw_prompt == tuple(ids)
     assert longer.prompt.startswith(a.prompt[:1000]) and other.prompt != a.prompt
+
+
+def test_a_body_without_model_is_routed_by_the_model_header_whatever_the_strategy() -> None:
+    """With the header naming the model, a body that leaves `model` out (engines serve
+    theirs) was a 400 only where the strategy read the body."""
+    body = orjson.dumps({"messages": [{"role": "user", "content": "hi"}]})
+    for model in ("chat", "plain"):
+        assert build_request(cfg(), {"x-llmgw-model": model}, CHAT, body).model == model
+    with pytest.raises(BadRequest, match="string field 'model'"):
+        build_request(cfg(), {}, CHAT, body)
+    with pytest.raises(BadRequest, match="string field 'model'"):  # a wrong type still is
+        build_request(cfg(), {"x-llmgw-model": "chat"}, CHAT, orjson.dumps({"model": 3}))
