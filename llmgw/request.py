@@ -6,6 +6,7 @@ errors and therefore the same Decision, whether it came through Envoy or ASGI.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import uuid
 from collections.abc import Iterator, Mapping
@@ -115,7 +116,8 @@ def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int]:
     """`prompt_text`, and the length in characters of the whole prompt it was cut from.
 
     What an engine's template renders, in its order: the tools' schemas (before the
-    messages, where templates put them), each message's role and text with the tool calls
+    messages, where templates put them; a digest in the text, their length in the count),
+    each message's role and text with the tool calls
     it made (name and arguments), or a completion's prompt; a Responses API `input` list
     (with `instructions` first) reads like messages. Token ids are counted as tokens.
     Without the tools and calls, an agent's request read as a few tokens, and histories
@@ -126,6 +128,13 @@ def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int]:
         return ids[:limit], int(len(prompt) * CHARS_PER_TOKEN)
     parts: list[str] = []
     size = 0
+    tools = payload.get("tools")
+    if isinstance(tools, list) and tools:
+        # Counted whole, kept as a digest: a 20 KB tool list verbatim would fill the kept
+        # prefix and hide each conversation behind it (every turn of the agent alike).
+        schemas = orjson.dumps(tools)
+        parts.append(f"<|tools|>{hashlib.blake2b(schemas, digest_size=8).hexdigest()}")
+        size += len(schemas) + 9
     for text in _segments(payload, prompt):
         if size < limit:  # past the kept prefix: only count
             parts.append(text)
@@ -143,9 +152,6 @@ def _token_ids(value: Any) -> bool:
 
 def _segments(payload: Mapping[str, Any], prompt: Any) -> Iterator[str]:
     messages = payload.get("messages")
-    tools = payload.get("tools")
-    if isinstance(tools, list) and tools:
-        yield "<|tools|>" + orjson.dumps(tools).decode()
     if isinstance(messages, list):
         for m in messages:
             if isinstance(m, dict):

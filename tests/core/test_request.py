@@ -241,7 +241,14 @@ def test_tools_and_tool_calls_are_in_the_prompt_and_its_estimate() -> None:
     asked = _parsed(
         CHAT, {"model": "chat", "tools": tools, "messages": [{"role": "user", "content": "hi"}]}
     )
-    assert asked.prompt.startswith("<|tools|>") and asked.prompt_tokens > 4000
+    assert asked.prompt_tokens > 4000
+    # The tools as a digest: the conversation stays inside the kept prefix, and another
+    # tool set is another prefix.
+    assert asked.prompt.startswith("<|tools|>") and asked.prompt.endswith("<|user|>hi")
+    fewer = _parsed(
+        CHAT, {"model": "chat", "tools": tools[:1], "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert len(fewer.prompt) == len(asked.prompt) and fewer.prompt != asked.prompt
 
     def history(arguments: str) -> RequestInfo:
         messages = [
