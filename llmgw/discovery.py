@@ -137,7 +137,12 @@ def selector_text(labels: Mapping[str, str]) -> str:
 
 
 def join(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    return f"{bracketed(ip)}:{port}"
+
+
+def bracketed(host: str) -> str:
+    """A host as an address writes it before `:port`: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def slice_port(slice_: Mapping[str, Any], wanted: str | int | None, default: int) -> int | None:

@@ -197,8 +197,6 @@ class MetricContract:
         for key, value in overrides.items():
             if key not in fields:
                 raise ValueError(f"unknown metric role {key!r} (allowed: {', '.join(fields)})")
-            if key == "path" and not value.startswith("/"):
-                raise ValueError(f"path must start with '/', got {value!r}")
             fields[key] = value if key in ("model_label", "path") else (value,)
         return MetricContract(**fields)  # type: ignore[arg-type]
 

@@ -258,11 +258,10 @@ def _completion_prompt(prompt: Any) -> str | tuple[int, ...] | None:
     of them is not chat messages); several prompts in one request: None (no one prefix)."""
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return tuple(prompt)
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            return prompt[0]
+    if _token_ids(prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
     return None
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+from llmgw.discovery import join
+
 
 class HttpGetError(Exception):
     pass
@@ -44,7 +46,7 @@ class KeepAliveGetter:
     async def _get(self, path: str) -> tuple[int, bytes]:
         reader, writer = await self._connect()
         writer.write(
-            f"GET {path} HTTP/1.1\r\nHost: {_authority(self.host, self.port)}\r\n"
+            f"GET {path} HTTP/1.1\r\nHost: {join(self.host, self.port)}\r\n"
             "Accept: text/plain\r\nUser-Agent: llmgw-scraper\r\n\r\n".encode()
         )
         await writer.drain()
@@ -107,8 +109,3 @@ class KeepAliveGetter:
             writer.close()
             with contextlib.suppress(OSError, asyncio.CancelledError):
                 await writer.wait_closed()
-
-
-def _authority(host: str, port: int) -> str:
-    """`host:port` for the Host header: an IPv6 literal in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -25,6 +25,7 @@ import zmq.asyncio
 from zmq.utils.monitor import _MonitorMessage, parse_monitor_message
 
 from llmgw.config import Config, KvEventsSpec
+from llmgw.discovery import bracketed
 from llmgw.kvevents import EventBatch, KvEventError, decode_batch, decode_seq
 from llmgw.kvindex import SeqVerdict
 from llmgw.registry import Registry
@@ -44,14 +45,9 @@ class Source:
     topic: str
 
 
-def _in_url(host: str) -> str:
-    """A host as a ZMQ address writes it: an IPv6 literal in brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
 def source_from_spec(spec: KvEventsSpec, host: str) -> Source:
     assert spec.endpoint is not None
-    host = _in_url(host)
+    host = bracketed(host)
     replay = spec.replay_endpoint.format(host=host) if spec.replay_endpoint else None
     return Source(spec.endpoint.format(host=host), replay, spec.topic)
 
@@ -68,7 +64,7 @@ def source_from_engine(body: bytes, host: str) -> Source | None:
         return None
 
     def reachable(address: str) -> str:  # the engine binds a wildcard: connect to its host
-        return address.replace("*", _in_url(host)).replace("0.0.0.0", _in_url(host))
+        return address.replace("*", bracketed(host)).replace("0.0.0.0", bracketed(host))
 
     replay = conf.get("replay_endpoint")
     return Source(

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from llmgw.config import endpoints_of, load_dict
+from llmgw.discovery import join
 from llmgw.registry import Registry
-from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter, _authority
+from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
 from llmgw.runtime.scraper import Scraper
 from llmgw.testing.wait import eventually
 
@@ -220,8 +221,8 @@ async def test_a_body_ended_by_the_servers_close_is_read_to_the_end() -> None:
 
 
 def test_an_ipv6_hosts_header_is_bracketed() -> None:
-    assert _authority("::1", 8000) == "[::1]:8000"
-    assert _authority("10.0.0.1", 8000) == "10.0.0.1:8000"
+    assert join("::1", 8000) == "[::1]:8000"
+    assert join("10.0.0.1", 8000) == "10.0.0.1:8000"
 
 
 @pytest.mark.parametrize(
