@@ -119,11 +119,18 @@ class ModelActivation:
     def backoff_over(self, now: float) -> bool:
         return self.failed_at is None or now - self.failed_at >= self.settings.failure_backoff
 
-    def begin_wait(self) -> None:
+    def backoff_left(self, now: float) -> int:
+        """Whole seconds until a failed start's backoff is over (a request then starts it)."""
+        if self.failed_at is None:
+            return 1
+        return math.ceil(self.failed_at + self.settings.failure_backoff - now)
+
+    def begin_wait(self, now: float) -> None:
         if self.waiters >= self.settings.max_waiting_requests:
             raise NoCapacity(
                 f"{self.waiters} requests already wait for model {self.model!r} to load "
-                f"(scaling.max_waiting_requests); retry later"
+                f"(scaling.max_waiting_requests); retry after the Retry-After delay",
+                retry_after=self.retry_after(now),
             )
         self.waiters += 1
 
@@ -201,7 +208,8 @@ class ModelActivation:
         if self.state is ActivationState.FAILED:
             return ModelFailed(
                 f"model {self.model!r} failed to start: {self.last_error}; "
-                f"the next request after {self.settings.failure_backoff:g}s tries again"
+                f"the next request after {self.settings.failure_backoff:g}s tries again",
+                retry_after=self.backoff_left(now),
             )
         return ModelLoading(
             f"model {self.model!r} is loading; retry after the Retry-After delay",

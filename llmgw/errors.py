@@ -18,10 +18,18 @@ class LlmgwError(Exception):
     # The rest of the request may still be on its way: the connection cannot carry another.
     closes: bool = False
 
-    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        headers: dict[str, str] | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.headers: dict[str, str] = dict(headers or {})
+        if retry_after is not None:  # whole seconds, at least 1 (RFC 9110 delay-seconds)
+            self.headers["retry-after"] = str(max(1, retry_after))
 
     def body(self) -> bytes:
         """The OpenAI-style error body: {"error": {"message", "type", "code"}}."""
@@ -137,7 +145,7 @@ class ModelLoading(LlmgwError):
 
     def __init__(self, message: str, *, retry_after: int) -> None:
         retry_after = max(1, min(60, retry_after))
-        super().__init__(message, headers={"retry-after": str(retry_after)})
+        super().__init__(message, retry_after=retry_after)
         self.retry_after = retry_after
 
 

@@ -132,7 +132,7 @@ class Activator:
         machine = self.machines[model]
         if machine.running and self.registry.states(model):
             return
-        machine.begin_wait()
+        machine.begin_wait(self.clock())
         try:
             self._request(model)
             deadline = self.clock() + self.config.activation_timeout

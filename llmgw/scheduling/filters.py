@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from llmgw.breaker import BreakerState
 from llmgw.errors import NoCapacity, NoHealthyEndpoint
 from llmgw.hashring import bounded_capacity
@@ -38,6 +40,20 @@ class HealthyFilter:
             [s for s in candidates if s.breaker.state is closed or s.breaker.available(now)],
         )
 
+    def retry_after(self, ctx: PickContext, candidates: list[EndpointState]) -> int:
+        """Seconds until the first of these breakers lets a probe through (every one open or
+        probing): its cooldown's end, or 1 s while a probe is out (it ends any time)."""
+        now = ctx.now
+        return max(
+            1,
+            math.ceil(
+                min(
+                    s.breaker.opened_until - now if s.breaker.state is BreakerState.OPEN else 1.0
+                    for s in candidates
+                )
+            ),
+        )
+
 
 class ModelServesFilter:
     """Drops endpoints whose last scrape showed no series for the requested model."""
@@ -66,6 +82,10 @@ class NotSaturatedFilter:
         "every endpoint of model {model!r} is saturated (queue or KV cache full); "
         "retry later or add replicas"
     )
+
+    def retry_after(self, ctx: PickContext, candidates: list[EndpointState]) -> int:
+        """A queue drains in seconds, and the next scrape (every `scrape.interval`) sees it."""
+        return 1
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
         queue_ceiling = ctx.spec.saturation.queue_ceiling

@@ -103,6 +103,9 @@ class Filter(Protocol):
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]: ...
 
+    # Optional: `retry_after(ctx, candidates) -> int`, the seconds until one of the
+    # candidates it dropped may pass again; the error then carries `Retry-After`.
+
 
 class Scorer(Protocol):
     name: str

@@ -7,12 +7,13 @@ patch, and calls this once per pick. Compiled with the filters and pickers, a 16
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from itertools import repeat
 from operator import add, mul
 from typing import Protocol
 
 from llmgw.config import ModelMode, ModelSpec
-from llmgw.errors import ModelDisabled, ModelNotReady, NoHealthyEndpoint
+from llmgw.errors import LlmgwError, ModelDisabled, ModelNotReady, NoHealthyEndpoint
 from llmgw.hashring import HashRing
 from llmgw.registry import EndpointState, Registry
 from llmgw.scheduling.interfaces import (
@@ -127,7 +128,7 @@ def run_pick(
         if dropped is not None:
             dropped.append((flt.name, _left_out(candidates, kept)))
         if not kept:
-            raise flt.when_empty(flt.empty_message.format(model=request.model))
+            raise _nothing_left(flt, ctx, candidates)
         candidates = kept
 
     columns: list[ScorerColumn] = []
@@ -178,6 +179,18 @@ def run_pick(
         tokens,
         ctx.now,
     )
+
+
+def _nothing_left(flt: Filter, ctx: PickContext, candidates: list[EndpointState]) -> LlmgwError:
+    """The error of a filter that dropped every candidate, with `Retry-After` when the
+    filter can say when one comes back (its optional `retry_after(ctx, candidates)`)."""
+    message = flt.empty_message.format(model=ctx.request.model)
+    hint: Callable[[PickContext, list[EndpointState]], int] | None = getattr(
+        flt, "retry_after", None
+    )
+    if hint is None:
+        return flt.when_empty(message)
+    return flt.when_empty(message, retry_after=hint(ctx, candidates))
 
 
 def _in_subset(address: str, subset: frozenset[str]) -> bool:

@@ -85,6 +85,8 @@ def test_failed_start_keeps_error_and_retries_only_after_backoff() -> None:
     assert m.request(5) is Action.NONE
     err = m.not_ready_error(5)
     assert isinstance(err, ModelFailed) and "no such model" in err.message and err.status == 503
+    assert err.headers["retry-after"] == "8"  # the backoff ends at 13 s: a retry then starts it
+    assert m.not_ready_error(12.5).headers["retry-after"] == "1"
     assert m.request(13) is Action.START
     assert m.last_error is None
 
@@ -110,15 +112,17 @@ def test_retry_after_never_drops_below_the_floor_while_loading() -> None:
     assert isinstance(err, ModelLoading) and int(err.headers["retry-after"]) >= RETRY_AFTER_FLOOR
 
 
-def test_waiters_are_capped() -> None:
-    m = machine(max_waiting_requests=2)
-    m.begin_wait()
-    m.begin_wait()
+def test_waiters_are_capped_and_told_when_the_start_should_be_done() -> None:
+    m = machine(max_waiting_requests=2, expected_start_seconds=30)
+    m.request(0)
+    m.begin_wait(1)
+    m.begin_wait(1)
     with pytest.raises(NoCapacity) as info:
-        m.begin_wait()
+        m.begin_wait(10)
     assert info.value.status == 429
+    assert info.value.headers["retry-after"] == "20"  # the start's expected remaining time
     m.end_wait()
-    m.begin_wait()
+    m.begin_wait(10)
 
 
 def test_always_on_model_is_never_idle_stopped_and_restarts_after_backoff() -> None:

@@ -61,12 +61,23 @@ def expect(
     return info.value
 
 
-def test_all_endpoints_unhealthy_is_503_no_healthy_endpoint() -> None:
-    sched, reg, _ = scheduler()
+def test_all_endpoints_unhealthy_is_503_no_healthy_endpoint_with_retry_after() -> None:
+    """Retry-After names the first breaker's cooldown end (the README promised it; the 503
+    had none, so clients retried at once or gave up)."""
+    clock = FakeClock()
+    reg = Registry(breaker=BreakerSettings(failure_threshold=1, base_cooldown=30), clock=clock)
+    sched = Scheduler(config({"chat": static_model(5)}), reg, seed=1)
     for a in ADDRS:
         trip(reg, "chat", a)
+        clock.advance(2.0)  # the first one's cooldown ends first: 30 s after its trip
     err = expect(NoHealthyEndpoint, 503, "no_healthy_endpoint", sched, req())
     assert "'chat'" in err.message
+    assert err.response_headers()["retry-after"] == "20"
+    clock.advance(19.5)
+    assert (
+        expect(NoHealthyEndpoint, 503, "no_healthy_endpoint", sched, req()).headers["retry-after"]
+        == "1"
+    )  # half a second left: at least 1
 
 
 def test_all_endpoints_saturated_is_429_all_saturated() -> None:
@@ -74,7 +85,7 @@ def test_all_endpoints_saturated_is_429_all_saturated() -> None:
     sched, reg, _ = scheduler({"chat": static_model(5, strategy="chat")})
     for i, a in enumerate(ADDRS):
         scrape(reg, "chat", a, waiting=64 if i % 2 else 0, kv=0.99 if i % 2 == 0 else 0.1)
-    expect(NoCapacity, 429, "all_saturated", sched, req())
+    assert expect(NoCapacity, 429, "all_saturated", sched, req()).headers["retry-after"] == "1"
 
 
 def test_default_strategy_queues_on_saturated_engines_rather_than_shedding() -> None:
@@ -266,7 +277,9 @@ def test_lease_on_a_half_open_endpoint_is_a_probe() -> None:
     d = sched.pick(req())
     lease = sched.acquire(d)
     assert lease.probe
-    expect(NoHealthyEndpoint, 503, "no_healthy_endpoint", sched, req())  # its one slot is taken
+    # Its one slot is taken: a probe ends any time, so the retry comes soon.
+    err = expect(NoHealthyEndpoint, 503, "no_healthy_endpoint", sched, req())
+    assert err.headers["retry-after"] == "1"
     lease.finish(Outcome.CANCELLED)
     assert sched.pick(req()).endpoint.id == ADDRS[0]
 
