@@ -26,6 +26,7 @@ from llmgw.asgi.middleware import (
 from llmgw.asgi.types import Message, Receive, Scope, Send
 from llmgw.asgi.upstream import (
     ConnectFailed,
+    PoolBusy,
     PoolLimits,
     ResetBeforeResponse,
     UpstreamBroken,
@@ -35,7 +36,7 @@ from llmgw.asgi.upstream import (
     UpstreamTimeout,
 )
 from llmgw.config import Config
-from llmgw.errors import LlmgwError, RouteNotFound, UpstreamUnreachable
+from llmgw.errors import LlmgwError, NoCapacity, RouteNotFound, UpstreamUnreachable
 from llmgw.gateway import ConfigSource
 from llmgw.lifecycle import DECISION_HEADER, Lifecycle, debug_summary
 from llmgw.types import Outcome
@@ -128,7 +129,7 @@ class Forwarder:
                 dispatch, scope["method"], target.decode("latin-1"), headers, body
             )
             await self._relay(dispatch, response, send, watch)
-        except UpstreamUnreachable as error:
+        except (UpstreamUnreachable, NoCapacity) as error:
             await send_error(send, error)
         except UpstreamError as error:
             # Cut after the head went out (engine died mid-stream): nothing can be retried.
@@ -165,7 +166,17 @@ class Forwarder:
             except (ConnectFailed, ResetBeforeResponse, UpstreamTimeout, UpstreamBroken) as exc:
                 # Nothing went to the client yet (a broken head included): try a fallback.
                 log.debug("upstream %s failed before answering: %s", address, exc)
-                if dispatch.fall_back(Outcome.FAILURE) is None:
+                # A pool at its limit says the endpoint is busy, not failing: no breaker
+                # verdict (three of them opened a healthy, busy endpoint's breaker).
+                busy = isinstance(exc, PoolBusy)
+                if dispatch.fall_back(Outcome.CANCELLED if busy else Outcome.FAILURE) is None:
+                    if busy:
+                        dispatch.finish(Outcome.CANCELLED)
+                        raise NoCapacity(
+                            f"every endpoint of model {endpoint.model!r} tried has all its "
+                            f"connections busy (tried {dispatch.attempts}; last: {exc})",
+                            retry_after=1,
+                        ) from None
                     raise UpstreamUnreachable(
                         f"no endpoint of model {endpoint.model!r} answered "
                         f"(tried {dispatch.attempts}; last: {exc})"

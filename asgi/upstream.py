@@ -42,6 +42,11 @@ class ConnectFailed(UpstreamError):
     """No connection could be made (refused, unreachable, timed out): nothing was sent."""
 
 
+class PoolBusy(ConnectFailed):
+    """Every pooled connection to the endpoint stayed busy past the wait: this router's own
+    limit (`limits.upstream_max_connections`), not a sign the endpoint fails."""
+
+
 class ResetBeforeResponse(UpstreamError):
     """The request was written but the connection closed before any response byte."""
 
@@ -458,7 +463,7 @@ class UpstreamPool:
                     # the wake-up on, or the next waiter sleeps beside an idle connection.
                     self._wake_one(host)
                 if isinstance(exc, TimeoutError):
-                    raise ConnectFailed(
+                    raise PoolBusy(
                         address,
                         f"all {self.limits.max_connections} connections busy for "
                         f"{self.limits.connect_timeout:g} s (limits.upstream_max_connections)",

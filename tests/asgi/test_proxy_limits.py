@@ -27,6 +27,7 @@ from llmgw.asgi.testing import (
     make_config,
     serve,
 )
+from llmgw.breaker import BreakerState
 from llmgw.config import Config, LimitsSpec, load_dict
 from llmgw.request import CLIENT_MAX_HEADERS, CLIENT_MAX_HEADERS_KB
 
@@ -463,3 +464,43 @@ def test_a_reload_changes_the_upstream_pools_limits() -> None:
     )
     app.reload(changed)
     assert (app.pool.limits.read_timeout, app.pool.limits.max_connections) == (5.0, 3)
+
+
+async def test_a_busy_pool_is_no_endpoint_failure_and_answers_429_with_retry_after() -> None:
+    """Waiting past upstream_connect_timeout for one of the endpoint's pooled connections
+    counted as the endpoint failing: three opened the breaker of a healthy, busy engine (and
+    the client got 502 upstream_unreachable). Now no verdict, and a 429 with Retry-After."""
+    release = asyncio.Event()
+
+    async def holds(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await release.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(holds).start()
+    config = make_config(
+        [upstream.address],
+        limits={"upstream_max_connections": 1, "upstream_connect_timeout": 0.05},
+    )
+    app, protocol = _proxy(config)
+    try:
+        async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+            first = asyncio.create_task(client.post(CHAT, content=BODY, timeout=DEADLINE))
+            while not upstream.requests:  # the one connection is taken
+                await asyncio.wait_for(upstream.received.wait(), DEADLINE)
+            for _ in range(4):  # past failure_threshold (3)
+                busy = await client.post(CHAT, content=BODY, timeout=DEADLINE)
+                assert busy.status_code == 429, busy.text
+                assert busy.json()["error"]["code"] == "all_saturated"
+                assert "connections busy" in busy.json()["error"]["message"]
+                assert busy.headers["retry-after"] == "1"
+            (breaker,) = app.router.registry.breaker_states().values()
+            assert breaker is BreakerState.CLOSED
+            release.set()
+            assert (await first).status_code == 200
+            assert _inflight(app) == 0
+    finally:
+        release.set()
+        await upstream.stop()
