@@ -647,12 +647,13 @@ class Exchange:
         lifecycle = self.lifecycle
         status, upstream, content_type = response_head(headers)
         self.status = status
-        lifecycle.response(status, content_type=content_type)
         served = metadata_value(message, METADATA_NAMESPACE, SERVED_KEY)
         if isinstance(served, str) and served:
             lifecycle.answered_by(served.split(",", 1)[0].strip())
         elif upstream:
             lifecycle.answered_by(upstream)
+        # After answered_by: the status is the serving host's (a probe there is decided by it).
+        lifecycle.response(status, content_type=content_type)
         # Not the first token: engines (vLLM) send the head before prefill ends. Only a
         # response body message (when Envoy is set to send bodies) marks the first byte.
         if headers.end_of_stream:

@@ -264,6 +264,11 @@ class Lifecycle:
         self._status = status
         if content_type is not None:
             self._streamed = content_type.lstrip().lower().startswith("text/event-stream")
+        lease = self.lease
+        if lease is not None and lease.probe and outcome_for_status(status) is Outcome.SUCCESS:
+            # A half-open probe is decided by the answer's head, not its last token: held to
+            # the end of a long stream, its slot kept the endpoint refused for minutes.
+            lease.answered()
 
     def fall_back(self, outcome: Outcome) -> Endpoint | None:
         """Finish the current attempt with `outcome` and lease the next fallback endpoint.

@@ -284,6 +284,13 @@ class Registry:
             self.on_load(model, state)
         return state.breaker.on_dispatch()
 
+    def probe_answered(self, model: str, endpoint_id: str, probe: int) -> None:
+        """A probe of half-open period `probe` answered well: a success for the breaker,
+        its slot freed (`Lease.answered`); its release later carries no probe."""
+        state = self._live_or_draining(model, endpoint_id)
+        if state is not None:
+            state.breaker.record(True, self.clock(), probe=probe)
+
     def release(
         self,
         model: str,

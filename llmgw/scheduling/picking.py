@@ -12,6 +12,7 @@ from itertools import repeat
 from operator import add, mul
 from typing import Protocol
 
+from llmgw.breaker import BreakerState
 from llmgw.config import ModelMode, ModelSpec
 from llmgw.errors import LlmgwError, ModelDisabled, ModelNotReady, NoHealthyEndpoint
 from llmgw.hashring import HashRing
@@ -169,10 +170,14 @@ def run_pick(
         len(offered),
     )
     ready_at, ttft, tokens = ctx.prediction or (None, None, None)
+    # Fallbacks only where the breaker is closed: a half-open endpoint takes its probes as
+    # a primary. Listed, every concurrent request listed it, and Envoy's retries (which
+    # ask no breaker) landed as many probes there as primaries failed.
+    closed = BreakerState.CLOSED
     return new_decision(
         request.model,
         chosen.endpoint,
-        tuple([candidates[i].endpoint for i in order[1:]]),
+        tuple([candidates[i].endpoint for i in order[1:] if candidates[i].breaker.state is closed]),
         why,
         ready_at,
         ttft,

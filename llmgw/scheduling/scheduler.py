@@ -173,6 +173,13 @@ class Lease:
         if self.on_first_token is not None:
             self.on_first_token()
 
+    def answered(self) -> None:
+        """A half-open probe got a good answer's head: its verdict now, and its slot free;
+        the rest of the request counts as any other's."""
+        if self.probe and not self.done:
+            self.registry.probe_answered(self.model, self.endpoint_id, self.probe)
+            self.probe = 0
+
     def token(self) -> None:
         """A later token of the stream reached the edge: the engine ended a step now (the
         latency scorer's step phase, `EndpointState.token_at`)."""

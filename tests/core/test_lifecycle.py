@@ -6,10 +6,11 @@ import logging
 
 import pytest
 
+from llmgw.breaker import BreakerState
 from llmgw.errors import ConfigError, LlmgwError, ModelNotReady
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import AwaitActivation, Hooks, Lifecycle, debug_summary
-from llmgw.registry import Registry
+from llmgw.registry import EndpointState, Registry
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import Decision, Endpoint, EngineMetrics, Outcome
 
@@ -406,3 +407,68 @@ def test_an_error_answer_is_no_first_token(status: int) -> None:
     answered.response(200)
     answered.first_byte()
     assert seen == [pytest.approx(0.05)] and state.reports_first_token
+
+
+def _half_open_gateway(n: int, **top: object) -> tuple[Gateway, FakeClock, EndpointState]:
+    """n endpoints (strategy ring); the first one's breaker just half-opened."""
+    clock = FakeClock()
+    cfg = config({"chat": static_model(n, strategy="ring")}, **top)
+    gw = Gateway(Scheduler(cfg, Registry(clock=clock), seed=1))
+    state = gw.scheduler.registry.get("chat", "10.0.0.1:8000")
+    assert state is not None
+    for _ in range(3):  # failure_threshold
+        state.breaker.record(False, clock())
+    clock.advance(1.0)  # base_cooldown
+    assert state.breaker.available(clock()) and state.breaker.state is BreakerState.HALF_OPEN
+    return gw, clock, state
+
+
+def test_a_half_open_endpoint_is_no_fallback_so_envoy_retries_cannot_flood_its_probes() -> None:
+    """Every pick listed it as a fallback while its one probe slot was free; Envoy retries
+    (no breaker asked) landed one probe per failed primary there (3 with half_open_probes 1).
+    Found by a review helper."""
+    gw, _, state = _half_open_gateway(3, destination_fallbacks=True)
+    primaries = 0
+    for i in range(60):
+        lifecycle = Lifecycle(gw)
+        decision = lifecycle.route({"x-llmgw-model": "chat", "x-session-id": f"s{i}"}, CHAT, None)
+        assert isinstance(decision, Decision)
+        if decision.endpoint.id == state.id:  # the probe itself, as a primary
+            primaries += 1
+            lifecycle.finish(Outcome.CANCELLED)
+            continue
+        assert state.id not in [f.id for f in decision.fallbacks]
+        lifecycle.answered_by(state.endpoint.address)  # Envoy's own pick on a retry
+        assert state.breaker.probes_inflight <= state.breaker.settings.half_open_probes
+        lifecycle.finish(Outcome.CANCELLED)
+    assert primaries > 0  # it still takes probes as the primary
+
+
+def test_a_probe_is_decided_by_its_answers_head_not_its_last_token() -> None:
+    """One replica, half-open after a blip: its probe answered 200 and streamed, yet every
+    other request was a 503 no_healthy_endpoint until the stream's last token (minutes for
+    a long generation). Found by a review helper."""
+    gw, clock, state = _half_open_gateway(1)
+    probe = Lifecycle(gw)
+    assert isinstance(probe.route({"x-llmgw-model": "chat"}, CHAT, None), Decision)
+    assert state.breaker.probes_inflight == 1
+    probe.response(200, content_type="text/event-stream")
+    assert state.breaker.probes_inflight == 0  # decided: one success of success_threshold 2
+    second = Lifecycle(gw)
+    assert isinstance(second.route({"x-llmgw-model": "chat"}, CHAT, None), Decision)
+    second.response(200, content_type="text/event-stream")
+    assert state.breaker.state is BreakerState.CLOSED
+    clock.advance(60.0)
+    probe.finish(Outcome.FAILURE)  # cut mid-stream a minute later: an ordinary failure
+    second.finish()
+    assert state.breaker.state is BreakerState.CLOSED and state.inflight == 0
+
+
+def test_a_probe_answered_with_an_error_status_is_decided_at_its_end() -> None:
+    gw, _, state = _half_open_gateway(1)
+    probe = Lifecycle(gw)
+    assert isinstance(probe.route({"x-llmgw-model": "chat"}, CHAT, None), Decision)
+    probe.response(500)
+    assert state.breaker.probes_inflight == 1 and state.breaker.state is BreakerState.HALF_OPEN
+    probe.finish()
+    assert state.breaker.state is BreakerState.OPEN
