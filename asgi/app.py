@@ -54,7 +54,7 @@ class ProxyApp:
             peers=self.router.peer_stats,
         )
         self.pool = UpstreamPool(pool_limits(config))
-        self.forwarder = Forwarder(self.pool, self.router.gateway)
+        self.forwarder = Forwarder(self.pool, self.router.gateway, on_error=self.telemetry.error)
         self.routed = SchedulerMiddleware(
             self.forwarder, config, router=self.router, telemetry=self.telemetry, buffer_body=True
         )
@@ -125,14 +125,14 @@ class ProxyApp:
             return
         if scope["method"] not in ("GET", "HEAD"):
             refused = MethodNotAllowed(f"{path} answers GET only", headers={"allow": "GET, HEAD"})
-            await send_error(send, refused)
+            await self._error(send, refused)
             return
         status, content_type, body = handler(path)
         await self._send(send, status, content_type, body)
 
     async def _explain(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
-            await send_error(send, MethodNotAllowed(f"{EXPLAIN_PATH} answers POST only"))
+            await self._error(send, MethodNotAllowed(f"{EXPLAIN_PATH} answers POST only"))
             return
         config = self.router.gateway.config
         if not config.admin.explain:  # answered before the body is read
@@ -147,13 +147,18 @@ class ProxyApp:
         except Disconnected:
             return
         except BodyTooLarge:
-            await send_error(send, BodyTooLarge(f"explain query is over {MAX_QUERY_BYTES} bytes"))
+            await self._error(send, BodyTooLarge(f"explain query is over {MAX_QUERY_BYTES} bytes"))
             return
         except LlmgwError as error:
-            await send_error(send, error)
+            await self._error(send, error)
             return
         status, body = explain(self.router.gateway, query)
         await self._send(send, status, "application/json", body)
+
+    async def _error(self, send: Send, error: LlmgwError) -> None:
+        """Answer `error`, counted in `llmgw_errors_total` as every error answered."""
+        self.telemetry.error(error)
+        await send_error(send, error)
 
     async def _send(self, send: Send, status: int, content_type: str, body: bytes) -> None:
         await send(

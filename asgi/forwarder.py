@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from llmgw.asgi.middleware import (
     DISPATCH_KEY,
@@ -94,15 +95,23 @@ def pool_limits(config: Config) -> PoolLimits:
 class Forwarder:
     """The inner ASGI app: forwards a routed request to `scope["state"]["llmgw_dispatch"]`."""
 
-    def __init__(self, pool: UpstreamPool, config: ConfigSource) -> None:
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        config: ConfigSource,
+        on_error: Callable[[LlmgwError], object] | None = None,
+    ) -> None:
         self.pool = pool
         self._config = config  # read per request: a reload applies to the next one
+        self.on_error = on_error  # told of an error answered without a request routed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope.get("state") or {}
         dispatch: Lifecycle | None = state.get(DISPATCH_KEY)
         if dispatch is None:
             error = RouteNotFound(f"no route for {scope['method']} {scope['path']}")
+            if self.on_error is not None:
+                self.on_error(error)
             await send_error(send, error)
             return
         limits = dispatch.config.limits
@@ -112,7 +121,7 @@ class Forwarder:
             return
         except LlmgwError as error:  # 413 or 408: the endpoint was never asked
             dispatch.finish(Outcome.CANCELLED)
-            await send_error(send, error)
+            await send_error(send, dispatch.refuse(error))
             return
         query: bytes = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
@@ -130,7 +139,7 @@ class Forwarder:
             )
             await self._relay(dispatch, response, send, watch)
         except (UpstreamUnreachable, NoCapacity) as error:
-            await send_error(send, error)
+            await send_error(send, dispatch.refuse(error))
         except UpstreamError as error:
             # Cut after the head went out (engine died mid-stream): nothing can be retried.
             # A failure for the breaker; uvicorn closes the client connection unfinished.

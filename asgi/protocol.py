@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -67,6 +68,8 @@ class GuardedProtocol(HttpToolsProtocol):
     write_timeout: float = LimitsSpec().client_write_timeout
     max_headers = CLIENT_MAX_HEADERS
     max_head_bytes = CLIENT_MAX_HEADERS_KB * 1024
+    # Told of each error this layer answers (the app's telemetry: `llmgw_errors_total`).
+    on_error: Callable[[LlmgwError], object] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -87,7 +90,10 @@ class GuardedProtocol(HttpToolsProtocol):
         self._open_cycles: list[Any] = []
 
     @classmethod
-    def use(cls, limits: LimitsSpec) -> None:
+    def use(
+        cls, limits: LimitsSpec, on_error: Callable[[LlmgwError], object] | None = None
+    ) -> None:
+        cls.on_error = on_error
         cls.header_timeout = limits.client_header_timeout
         cls.keep_alive = limits.client_idle_timeout
         cls.write_timeout = limits.client_write_timeout
@@ -129,6 +135,9 @@ class GuardedProtocol(HttpToolsProtocol):
             cycle.keep_alive = False
             return
         self._raw.write(_reply(error))
+        on_error = type(self).on_error  # via the class: a plain function would bind self
+        if on_error is not None:
+            on_error(error)
         self._linger()
 
     def _linger(self) -> None:
@@ -343,10 +352,13 @@ class _LingeringTransport:
         return getattr(self._raw, name)
 
 
-def guarded(limits: LimitsSpec) -> type[GuardedProtocol]:
-    """The protocol class for one server with these limits."""
+def guarded(
+    limits: LimitsSpec, on_error: Callable[[LlmgwError], object] | None = None
+) -> type[GuardedProtocol]:
+    """The protocol class for one server with these limits; `on_error` is told of each
+    error it answers (`ProxyApp.telemetry.error`)."""
     protocol: type[GuardedProtocol] = type("Guarded", (GuardedProtocol,), {})
-    protocol.use(limits)
+    protocol.use(limits, on_error)
     return protocol
 
 

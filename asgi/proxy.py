@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         # h11's too (the httptools protocol sets its own from the same limit)
         "timeout_keep_alive": config.limits.client_idle_timeout,
     }
+    if args.log_format == "json":  # no text handlers of uvicorn's: its lines reach ours
+        options["log_config"] = None
     if http == "httptools":  # with the head limits uvicorn lacks (llmgw.asgi.protocol)
         options["http"] = WORKER_PROTOCOL if args.workers > 1 else guarded(config.limits)
     else:  # h11 bounds the head's size itself, not its time
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         config_path=args.config,
         reload_interval=args.reload_interval,
     )
+    if http == "httptools":  # its errors counted with the app's
+        options["http"] = guarded(config.limits, app.telemetry.error)
     server = draining_server(uvicorn.Config(app, **options), app, args.drain_delay)
     try:
         server.run()

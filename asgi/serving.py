@@ -92,12 +92,12 @@ def worker_app() -> ProxyApp:
     args = orjson.loads(os.environ[WORKER_ARGS])
     configure(args["log_level"], args["log_format"])
     config = load_file(args["config"])
-    WorkerProtocol.use(config.limits)
     app = build_app(
         config,
         scrape=args["scrape"],
         config_path=args["config"],
         reload_interval=args["reload_interval"],
     )
+    WorkerProtocol.use(config.limits, app.telemetry.error)
     drain_worker_on_sigterm(app, args["drain_delay"])
     return app

@@ -363,7 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="seconds between checks of the config file for changes (0: only on SIGHUP)",
     )
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     parser.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
     return parser

@@ -71,6 +71,8 @@ class Hooks:
     ttft: Callable[[str, float, float | None], None] | None = None
     # A dispatched request ended (once, after its lease is released): the decision trace.
     finished: Callable[[Lifecycle, Outcome], None] | None = None
+    # (model, outcome) once per dispatched request, however many endpoints it tried.
+    ended: Callable[[str, Outcome], None] | None = None
     # A request was dispatched (its lease taken, the registry as the pick saw it): the trace.
     dispatched: Callable[[Lifecycle], None] | None = None
 
@@ -101,6 +103,7 @@ class Lifecycle:
     __slots__ = (
         "_attempt",
         "_in_use",
+        "_sent_at",
         "_started",
         "_status",
         "_streamed",
@@ -128,6 +131,9 @@ class Lifecycle:
         self._status: int | None = None
         self._streamed: bool | None = None  # the answer is an event stream (None: unknown)
         self.ttft: float | None = None  # seconds from dispatch to the first response byte
+        # When the first attempt was sent (registry clock): a fallback's answer is timed
+        # from there, as its client waited (the time lost on a failed primary included).
+        self._sent_at: float | None = None
         self._in_use = False
         self._started = time.perf_counter() if started is None else started
 
@@ -196,6 +202,7 @@ class Lifecycle:
         self.lease = self.snapshot.scheduler.acquire(
             decision, unstreamed=request is not None and _unstreamed(request)
         )
+        self._sent_at = self.lease.started
         activation = self.gateway.activation
         if activation is not None and activation.manages(decision.model):
             activation.use_begin(decision.model)  # keeps the model alive until finish
@@ -235,8 +242,9 @@ class Lifecycle:
             return
         lease.first_token()
         hook, decision = self.hooks.ttft, self.decision
-        if lease.started is not None:
-            self.ttft = lease.registry.clock() - lease.started
+        sent_at = self._sent_at if self._sent_at is not None else lease.started
+        if sent_at is not None:
+            self.ttft = lease.registry.clock() - sent_at
         if hook is not None and self.ttft is not None and decision is not None:
             observed = self.ttft
             # The prediction is for the primary; a fallback's wait says nothing about it.
@@ -341,6 +349,8 @@ class Lifecycle:
             activation = self.gateway.activation
             if activation is not None:
                 activation.use_end(lease.model)
+        if self.hooks.ended is not None:
+            self.hooks.ended(lease.model, outcome)
         if self.hooks.finished is not None:
             self.hooks.finished(self, outcome)
 

@@ -33,10 +33,21 @@ def configure(level: str = "info", fmt: str = "text") -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("llmgw")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    own = logging.getLogger("llmgw")
+    own.handlers[:] = [handler]
+    own.setLevel(level.upper())
+    own.propagate = False
+    if fmt == "json":
+        # Every other library's records too (uvicorn's, asyncio's, grpc's, aiohttp's): one
+        # JSON object a line means all lines; the edges hand uvicorn no text handlers.
+        root = logging.getLogger()
+        root.handlers[:] = [handler]
+        root.setLevel(max(logging.WARNING, own.level))  # others' info lines: not ours
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # no text handlers
+            uvicorn = logging.getLogger(name)
+            uvicorn.handlers[:] = []
+            uvicorn.propagate = True
+        logging.getLogger("uvicorn").setLevel(own.level)  # its start-up lines, as before
 
 
 _decisions = logging.getLogger("llmgw.decision")

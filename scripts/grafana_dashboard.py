@@ -29,7 +29,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
                 [
                     (
                         "{{model}} {{outcome}}",
-                        f"sum by (model, outcome) (rate(llmgw_outcomes_total{{{M}}}{W}))",
+                        f"sum by (model, outcome) (rate(llmgw_requests_total{{{M}}}{W}))",
                     )
                 ],
             ),

@@ -117,6 +117,8 @@ def decision_reason(decision: Decision) -> str:
     chosen = ids.index(decision.endpoint.id)
     totals = rationale.totals
     runner_up = max((i for i in range(len(ids)) if i != chosen), key=lambda i: totals[i])
+    if totals[chosen] < totals[runner_up]:  # a sampling picker's draw, against the scores
+        return rationale.picker
     best, best_lead = rationale.picker, 1e-9
     for column in rationale.columns:
         lead = (column.raw[chosen] - column.raw[runner_up]) * column.weight
@@ -196,6 +198,9 @@ class _RegistryCollector(Collector):
             confirmed_share = hits_confirmed(state.calibration)
             if confirmed_share is not None:
                 confirmed.add_metric([model, eid], confirmed_share)
+        for model in self.registry.models():  # left the set with requests still running
+            for state in self.registry.draining(model):
+                inflight.add_metric([model, state.id], state.inflight)
         yield inflight
         yield breaker
         yield age
@@ -353,9 +358,17 @@ class Telemetry:
         )
         self._outcomes = Counter(
             f"{prefix}_outcomes",
-            "How dispatched requests ended, per endpoint, as the breaker reads them (an "
+            "How each attempt of a dispatched request ended, per endpoint, as the breaker "
+            "reads them (a request that fell back counts once per endpoint tried; an "
             "engine's 4xx answer is a success: the engine worked; 429/503 backpressure)",
             ["model", "endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self._requests = Counter(
+            f"{prefix}_requests",
+            "Dispatched requests by model and how they ended (once per request, whichever "
+            "endpoint answered; refused ones are in errors_total)",
+            ["model", "outcome"],
             registry=self.registry,
         )
         self._stages = Histogram(
@@ -370,7 +383,8 @@ class Telemetry:
         # model's prediction was off (observed - predicted): an operator sees drift here.
         self._ttft = Histogram(
             f"{prefix}_ttft_observed_seconds",
-            "Time from dispatch to the first response body byte, per model",
+            "Time from dispatch to the first response body byte, per model (from the first "
+            "attempt: a fallback's includes the time lost on the endpoints before it)",
             ["model"],
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
@@ -433,6 +447,9 @@ class Telemetry:
             child = self._outcome_children[key] = self._outcomes.labels(*key)
         child.inc()
 
+    def ended(self, model: str, outcome: Outcome) -> None:
+        self._requests.labels(model, outcome.value).inc()
+
     def error(self, error: LlmgwError) -> None:
         self._errors.labels(error.code, str(error.status)).inc()
 
@@ -445,6 +462,7 @@ class Telemetry:
             outcome=self.outcome,
             stage=self.stage,
             ttft=self.ttft,
+            ended=self.ended,
         )
 
     def ttft(self, model: str, observed: float, predicted: float | None) -> None:

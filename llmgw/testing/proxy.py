@@ -37,7 +37,7 @@ class ProxyThread:
         self._stop = asyncio.Event()
         try:
             async with serve(
-                self.app, http=guarded(self.app.config.limits)
+                self.app, http=guarded(self.app.config.limits, self.app.telemetry.error)
             ) as base:  # listening before it returns: no polling
                 started.set_result(base)
                 await self._stop.wait()

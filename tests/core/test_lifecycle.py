@@ -474,3 +474,26 @@ def test_a_probe_answered_with_an_error_status_is_decided_at_its_end() -> None:
     probe.finish()
     seen.append(state.breaker.state)
     assert seen == [BreakerState.HALF_OPEN, BreakerState.OPEN]
+
+
+def test_a_fallbacks_first_byte_is_timed_from_the_first_attempt_and_the_request_ends_once() -> None:
+    """The observed TTFT of a request answered by a fallback left out the time lost on the
+    failed primary (0.6 s of an engine's slow 503: 1 ms recorded); and the requests panel
+    summed per-attempt outcomes, two for one request. Found by a review helper."""
+    clock = FakeClock()
+    gw = Gateway(Scheduler(config({"chat": static_model(3)}), Registry(clock=clock), seed=1))
+    seen: list[float] = []
+    ended: list[tuple[str, Outcome]] = []
+    hooks = Hooks(
+        ttft=lambda _m, observed, _p: seen.append(observed), ended=lambda m, o: ended.append((m, o))
+    )
+    lifecycle = Lifecycle(gw, hooks)
+    assert isinstance(lifecycle.route(HEADERS, CHAT, None), Decision)
+    clock.advance(0.6)  # the primary answers 503 after 0.6 s
+    assert lifecycle.fall_back(Outcome.BACKPRESSURE) is not None
+    clock.advance(0.05)
+    lifecycle.response(200, content_type="text/event-stream")
+    lifecycle.first_byte()
+    lifecycle.finish()
+    assert seen == [pytest.approx(0.65)]
+    assert ended == [("chat", Outcome.SUCCESS)]

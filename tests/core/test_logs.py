@@ -4,9 +4,10 @@ import io
 import logging
 
 import orjson
+import pytest
 
 from llmgw.config import load_dict
-from llmgw.logs import JsonFormatter, log_decision
+from llmgw.logs import JsonFormatter, configure, log_decision
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.types import RequestInfo
 
@@ -35,3 +36,28 @@ def test_decision_is_logged_as_one_json_line_with_its_rationale() -> None:
         "model-serves": 0,
         "blind-imbalance": 0,
     }
+
+
+def test_json_format_covers_other_libraries_lines_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--log-format json` formatted only llmgw's loggers: uvicorn's start-up lines and other
+    libraries' warnings stayed text in a stream promised as one JSON object a line. Found
+    by a review helper."""
+    for name in ("", "llmgw", "uvicorn", "uvicorn.error", "uvicorn.access"):  # restored after
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "handlers", list(logger.handlers))
+        monkeypatch.setattr(logger, "level", logger.level)
+        monkeypatch.setattr(logger, "propagate", logger.propagate)
+    configure("info", "json")
+    logging.getLogger("uvicorn.error").setLevel(logging.INFO)  # uvicorn sets it (--log-level)
+    logging.getLogger("uvicorn.error").info("Started server process [%d]", 42)
+    logging.getLogger("asyncio").warning("a library's warning")
+    logging.getLogger("asyncio").info("a library's info line: below warning, not shown")
+    logging.getLogger("llmgw.proxy").info("ours")
+    lines = capsys.readouterr().err.splitlines()
+    assert [orjson.loads(line)["msg"] for line in lines] == [
+        "Started server process [42]",
+        "a library's warning",
+        "ours",
+    ]

@@ -231,3 +231,14 @@ def test_cli_serves_then_drains_on_sigterm(tmp_path: Path, workers: int) -> None
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_an_unknown_log_level_is_a_usage_error_as_on_the_proxy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--log-level verbose` crashed with a ValueError traceback from logging (the proxy
+    refused it with a usage error). Found by a review helper."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--config", "x.yaml", "--log-level", "verbose"])
+    assert info.value.code == 2
+    assert "invalid choice: 'verbose'" in capsys.readouterr().err

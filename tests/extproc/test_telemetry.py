@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,18 @@ def test_reason_is_the_picker_on_a_tie_or_without_scorers() -> None:
     tie = (ScorerColumn("queue", 1.0, (1.0, 1.0, 1.0)),)
     assert decision_reason(decision(tie)) == "max-score"
     assert decision_reason(decision(())) == "max-score"
+
+
+def test_a_sampling_pickers_choice_that_scored_worse_is_the_pickers() -> None:
+    """A random or softmax pick below the best other total was credited to the scorer it
+    led on ('kv' for a draw the scores argued against). Found by a review helper."""
+    columns = (
+        ScorerColumn("queue", 1.0, (0.2, 1.0, 0.5)),
+        ScorerColumn("kv", 1.0, (0.9, 0.2, 0.5)),  # a leads on kv, b on the total
+    )
+    d = decision(columns)
+    d = Decision(d.model, d.endpoint, (), dataclasses.replace(d.rationale, picker="random"))
+    assert decision_reason(d) == "random"
 
 
 def test_each_instance_has_its_own_registry() -> None:
