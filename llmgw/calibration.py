@@ -166,6 +166,17 @@ def _plausible(value: float | None, bounds: tuple[float, float]) -> float | None
     return value
 
 
+def own_service(cal: Calibration, expected: float) -> float | None:
+    """An endpoint's own time in batch where it is plausible and within 10x of `expected`
+    (the model's, at that endpoint's speed), as the pooled value leaves outliers out: a
+    look-alike publishing milliseconds priced its slot waits 1000x, one publishing 0 s
+    freed its full batch at once and drew every request."""
+    own = _plausible(cal.service.value, SERVICE_S)
+    if own is None or not expected / 10 <= own <= expected * 10:
+        return None
+    return own
+
+
 class Calibration:
     """Per-endpoint latency estimates; None until the endpoint has published enough."""
 

@@ -238,7 +238,8 @@ class Lifecycle:
         if (request is not None and _unstreamed(request, self._streamed)) or (
             status is not None and not 200 <= status < 300
         ):
-            lease.first_token(observed=False)
+            # An error answered: no generation, no first token for the engine to count.
+            lease.first_token(observed=False, counted=status is None or 200 <= status < 300)
             return
         lease.first_token()
         hook, decision = self.hooks.ttft, self.decision

@@ -37,13 +37,16 @@ class PendingPrefill:
     (engines admit in arrival order), or at the first scrape past its predicted first
     token (`ready_at`), else at its end."""
 
-    __slots__ = ("blind", "open", "ready_at", "sent_at", "tokens")
+    __slots__ = ("blind", "open", "owed", "ready_at", "sent_at", "tokens")
 
     def __init__(
         self, tokens: float, blind: bool = False, sent_at: float = 0.0, ready_at: float = 0.0
     ) -> None:
         self.tokens = tokens
         self.open = True
+        # Closed by a first token the engine counts at its next scrape: that count is this
+        # entry's, not a later open one's (it would close a prefill not even started).
+        self.owed = False
         self.blind = blind
         self.sent_at = sent_at
         self.ready_at = ready_at
@@ -374,11 +377,13 @@ class Registry:
         waited: tuple[float, float, float] | None = None,
         prefill: PendingPrefill | None = None,
         sent_at: float | None = None,
+        counted: bool = True,
     ) -> None:
         """The request predicted to finish its prefill at `ready_at` produced its first token
         now: its tokens are no longer pending; if it is early, the modelled queue was long.
         Only an `observed` first token (not one inferred at the request's end) says the edge
-        reports them, which switches the queue estimate to the pending prefill tokens."""
+        reports them, which switches the queue estimate to the pending prefill tokens.
+        `counted`: the engine's first-token count will include it (not an error answered)."""
         state = self._live_or_draining(model, endpoint_id)
         if state is None:
             return
@@ -393,7 +398,7 @@ class Registry:
                     _drop_blind(state, blind.popleft())
         else:
             state.misses_first_tokens = True
-        _prefill_over(state, prefill, prefill_tokens)
+        _prefill_over(state, prefill, prefill_tokens, owed=counted)
         now = self.clock()
         if ready_at > now:
             state.busy_until = max(now, state.busy_until - (ready_at - now))
@@ -423,6 +428,9 @@ class Registry:
         ):
             _count_first_tokens(state, count - prev.ttft_count)
             state.counts_first_tokens = state.misses_first_tokens
+        elif count is not None and prev is not None and prev.ttft_count is not None:
+            for entry in state.prefills:  # a restarted engine will not count those first tokens
+                entry.owed = False
         if state.blind:
             _drain_blind(state, now)
         if _restarted(state, metrics):
@@ -504,40 +512,50 @@ def _count_first_tokens(state: EndpointState, first_tokens: float) -> None:
     pending = state.counted_prefill
     while queue:
         entry = queue[0]
-        if entry.open:
+        if entry.open or entry.owed:
             if close <= 0:
                 break
-            entry.open = False
-            pending -= entry.tokens
+            if entry.open:
+                entry.open = False
+                pending -= entry.tokens
+            entry.owed = False
             close -= 1
         queue.popleft()
     state.counted_prefill = pending if queue and pending > 0.0 else 0.0
 
 
-def _close(state: EndpointState, entry: PendingPrefill) -> None:
-    """A prefill is over before a scrape counted it (its first token seen, or it ended)."""
+def _close(state: EndpointState, entry: PendingPrefill, owed: bool = False) -> None:
+    """A prefill is over before a scrape counted it (its first token seen, or it ended);
+    `owed`: the engine's next count includes its first token."""
     if entry.open:
         entry.open = False
+        entry.owed = owed
         left = state.counted_prefill - entry.tokens
         state.counted_prefill = left if left > 0.0 else 0.0
 
 
+_MAX_OWED = 4096  # entries kept for the engine's next count (scrapes failing for long)
+
+
 def _drop_ended(queue: deque[PendingPrefill]) -> None:
-    """Ended entries at the head leave: a queue stays bounded by the requests in flight."""
-    while queue and not queue[0].open:
+    """Ended entries at the head leave, but those the engine's next count includes wait for
+    it: the queue stays bounded by the requests in flight and one scrape's first tokens."""
+    while queue and not queue[0].open and (not queue[0].owed or len(queue) > _MAX_OWED):
         queue.popleft()
 
 
-def _prefill_over(state: EndpointState, prefill: PendingPrefill | None, tokens: float) -> None:
+def _prefill_over(
+    state: EndpointState, prefill: PendingPrefill | None, tokens: float, owed: bool = False
+) -> None:
     """A request's prefill is over (its first token, or its end): it leaves whichever
-    estimate holds it, once."""
+    estimate holds it, once; `owed`: the engine counts its first token."""
     if prefill is not None and prefill.blind:
         _drop_blind(state, prefill)
         return
     if tokens:
         state.pending_prefill = max(0.0, state.pending_prefill - tokens)
     if prefill is not None:
-        _close(state, prefill)
+        _close(state, prefill, owed)
 
 
 def _drop_blind(state: EndpointState, entry: PendingPrefill) -> None:

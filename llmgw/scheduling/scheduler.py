@@ -144,10 +144,11 @@ class Lease:
     # closed (`Registry.record_scrape`); closed here at the latest.
     prefill: PendingPrefill | None = None
 
-    def first_token(self, observed: bool = True) -> None:
+    def first_token(self, observed: bool = True, counted: bool = True) -> None:
         """The first response body byte arrived (the engine finished this prefill); with
         `observed` False the request ended without the edge seeing one (Envoy without body
-        events): its prefill is over, but that says nothing about the edge."""
+        events): its prefill is over, but that says nothing about the edge. `counted`: the
+        engine produced a first token for it (its next scrape counts it), not an error."""
         if self.first_token_seen or self.done:
             return
         self.first_token_seen = True
@@ -167,6 +168,7 @@ class Lease:
                 waited=waited,
                 prefill=self.prefill,
                 sent_at=self.started,
+                counted=counted,
             )
         if observed:  # a first token ends an engine step too
             self.registry.saw_token(self.model, self.endpoint_id)
@@ -189,7 +191,7 @@ class Lease:
         """The request is over: its prefill is done by now (inferred, not seen: a no-op if
         the first byte was seen, and an edge without body events keeps the time-drained
         queue estimate), then `finish`. A fallback's failed attempt uses `finish` alone."""
-        self.first_token(observed=False)
+        self.first_token(observed=False, counted=outcome is Outcome.SUCCESS)
         self.finish(outcome)
 
     def finish(self, outcome: Outcome) -> None:

@@ -8,7 +8,7 @@ from itertools import repeat
 from operator import truediv
 from typing import overload
 
-from llmgw.calibration import Calibration, Costs, DecayedRatio, pooled, slowdowns
+from llmgw.calibration import Calibration, Costs, DecayedRatio, own_service, pooled, slowdowns
 from llmgw.registry import EndpointState
 from llmgw.scheduling.interfaces import PickContext
 from llmgw.scheduling.prefix import PrefixIndex
@@ -684,8 +684,9 @@ class LatencyScorer:
             if slow != 1.0:
                 prefill = prefills[i] = work * slow
                 if serv is not None:
-                    own = s.calibration.service.value
-                    serv = own if own is not None else serv * slow
+                    expected = serv * slow
+                    own = own_service(s.calibration, expected)
+                    serv = own if own is not None else expected
             # A float (compiled, mypyc: an int is another type); peers' requests count too.
             load = s.inflight + s.remote_inflight + 0.0
             if s.reports_first_token:  # the edge sees first tokens: exact pending work

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -1050,3 +1051,66 @@ def test_the_step_taken_out_of_each_prefill_is_the_decode_step_not_the_stalled_m
     assert cal.floor == pytest.approx(0.01)
     cal.on_scrape(metrics(steps=501, step_s=total + 0.001))  # a lone step: ignored
     assert cal.floor == pytest.approx(0.01)
+
+
+def test_an_ended_requests_first_token_count_does_not_close_a_later_prefill() -> None:
+    """Behind Envoy without response bodies a request that ended before the next scrape was
+    closed at its end; the engine's count of its first token then closed the next open
+    prefill, one not even started, and the queue term forgot it. Found by a review helper."""
+    clock = FakeClock(NOW)
+    sched, a, _ = _one_endpoint(clock)
+    _scrape_first_tokens(sched.registry, 0.0)
+    warm = sched.acquire(sched.pick(request("w" * 400, rid="w")))
+    clock.advance(0.05)
+    warm.end(Outcome.SUCCESS)  # no first token seen: this edge sees none
+    _scrape_first_tokens(sched.registry, 1.0)
+    assert a.counts_first_tokens and a.counted_prefill == 0.0
+    short = sched.acquire(sched.pick(request("a" * 400, rid="a")))
+    long_decision = sched.pick(request("b" * 64000, rid="b"))
+    long_lease = sched.acquire(long_decision)
+    for _ in range(3):  # more requests arrive (and end) before the scrape
+        sched.acquire(sched.pick(request("c" * 400, rid="c"))).end(Outcome.FAILURE)
+    clock.advance(0.05)
+    short.end(Outcome.SUCCESS)
+    _scrape_first_tokens(sched.registry, 2.0)  # the one first token: the short request's
+    assert long_decision.prefill_tokens is not None
+    assert a.counted_prefill == pytest.approx(long_decision.prefill_tokens)
+    assert long_lease.prefill is not None and long_lease.prefill.open
+
+
+def _with_speed(address: str, step: float, per_token: float, service: float) -> EndpointState:
+    s = state(address)
+    s.calibration.floor = step
+    s.calibration.prefill_long.add(per_token * 10_000, 10_000)
+    s.calibration.service.add(service, 1.0)
+    return s
+
+
+@pytest.mark.parametrize(
+    ("published", "inflight", "expect"),
+    [
+        # milliseconds for seconds (1000x): 2 beyond its 8 slots, one freed each 4 s / 8
+        (2000.0, 10, lambda q: q < 10.0),
+        # 0 s: its full batch (32 beyond its slots) read as freeing slots at once
+        (0.0, 40, lambda q: q > 1.0),
+    ],
+    ids=["1000x", "zero"],
+)
+def test_a_slower_replicas_own_time_in_batch_is_checked_as_the_pooled_one(
+    published: float, inflight: int, expect: Callable[[float], bool]
+) -> None:
+    """A replica at or past speed_band took its own published time in batch unchecked (the
+    pooled value leaves one 10x off out): 500 s of slot wait, or none with 32 waiting.
+    Found by a review helper."""
+    fleet = [_with_speed(f"{c}:1", 0.02, 100e-6, 2.0) for c in "abc"]
+    odd = _with_speed("d:1", 0.04, 200e-6, published)
+    states = [*fleet, odd]
+    for s in states:
+        s.peak_running = 8.0
+        s.inflight = 4
+    odd.inflight = inflight
+    scorer = LatencyScorer(speed_band=1.5)
+    req = RequestInfo("m", "r", prompt="word " * 800, prompt_tokens=1000)
+    scorer.score(context(states, request=req, now=NOW), states)
+    queue = scorer.terms()["queue_s"][3]
+    assert expect(queue), queue
