@@ -345,8 +345,10 @@ class Calibration:
         started = _delta(m.finished_total, prev.finished_total)
         if started is not None:
             started += m.running - prev.running
-        if prompt is not None and started is not None:
-            # Both sides decay together, once a scrape: the same window of traffic.
+        if prompt is not None and started is not None and (started > 0 or sent_count > 0):
+            # Both sides decay together, once a scrape: the same window of traffic. An idle
+            # window adds nothing: it decayed the ratio below its minimum requests within a
+            # minute of idling, and prices jumped by the ratio when traffic came back.
             self.engine_prompt.add(prompt, started)
             self.router_prompt.add(sent_tokens, sent_count)
         cached = _delta(m.cached_tokens_total, prev.cached_tokens_total)

@@ -754,6 +754,22 @@ def test_the_token_ratio_is_per_request_so_other_clients_traffic_does_not_move_i
     assert cal.sent_tokens == 0.0 and cal.sent_count == 0.0  # folded in once
 
 
+def test_the_token_ratio_holds_through_an_idle_spell() -> None:
+    """Idle scrapes decayed both sides until too few requests were left: the ratio snapped
+    back to 1 after a minute or so of quiet, and the first requests after it were priced
+    by 1.0 until 20 more came (found by a review helper)."""
+    cal = Calibration()
+    page = replace(metrics(), prompt_tokens_total=0.0, finished_total=0.0)
+    cal.on_scrape(page)
+    cal.sent_tokens, cal.sent_count = 30 * 400.0, 30.0
+    page = replace(page, prompt_tokens_total=30 * 600.0, finished_total=30.0)
+    cal.on_scrape(page)
+    assert pooled([cal]).engine_tokens == pytest.approx(1.5)
+    for _ in range(2000):  # 200 s of scrapes every 0.1 s with nothing sent or served
+        cal.on_scrape(page)
+    assert pooled([cal]).engine_tokens == pytest.approx(1.5)
+
+
 def test_a_token_ratio_near_one_is_left_at_one() -> None:
     """An engine counting 5 % more tokens than this router estimates (a chat template's
     markers) keeps its published costs; 20 % more converts."""
