@@ -62,6 +62,30 @@ def test_bad_engine_args_say_what_to_fix(text: str, fix: str) -> None:
         engine_args(text)
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["decode_ms=nan", "prefill_us_per_token=inf", "decode_ms=-inf", "decode_batch_factor=nan"],
+)
+def test_non_finite_engine_args_are_refused_as_engine_args(
+    text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NaN and inf were taken: inf replayed for ever, nan was reported as a bad trace line
+    (found by a review helper)."""
+    key = text.partition("=")[0]
+    with pytest.raises(ValueError, match=f"--engine-args {key}: must be a finite number"):
+        engine_args(text)
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(0.5, "a", [1]) + "\n")
+    assert main([str(path), "--engine-args", text]) == 2
+    err = capsys.readouterr().err
+    assert "--engine-args" in err and "not a trace line" not in err
+
+
+def test_an_engine_arg_of_the_wrong_type_is_named() -> None:
+    with pytest.raises(ValueError, match="--engine-args kv_blocks: '2k' is not an integer"):
+        engine_args("kv_blocks=2k")
+
+
 def test_a_traced_session_sits_where_the_ring_put_its_key() -> None:
     ring, traced = HashRing(ENDPOINTS), TraceRing(ENDPOINTS)
     for key in ("alice", "bob", "user-17", "x"):
