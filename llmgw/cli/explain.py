@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import sys
 import urllib.error
@@ -94,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         status, answer = ask(args.url, query, args.timeout)
+    except http.client.InvalidURL as exc:  # a typo in the port
+        print(f"llmgw explain: --url {args.url}: {exc}", file=sys.stderr)
+        return 1
+    except http.client.HTTPException as exc:  # not HTTP/1.1: the ext_proc gRPC port
+        print(
+            f"llmgw explain: no HTTP answer from {args.url} ({type(exc).__name__}: {exc}): "
+            "is this llmgw's health port (ext_proc) or the proxy's port, not the gRPC port?",
+            file=sys.stderr,
+        )
+        return 1
     except (OSError, ValueError) as exc:
         print(f"llmgw explain: no answer from {args.url}: {exc}", file=sys.stderr)
         return 1

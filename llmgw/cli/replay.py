@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -70,7 +71,13 @@ def engine_args(text: str) -> tuple[int | None, EngineConfig]:
         elif key == "max_num_batched_tokens":
             values[key] = None if raw.strip().lower() in ("", "none") else int(raw)
         else:
-            values[key] = kind(raw)
+            try:
+                values[key] = kind(raw)
+            except ValueError:
+                what = "an integer" if kind is int else "a number"
+                raise ValueError(f"--engine-args {key}: {raw.strip()!r} is not {what}") from None
+            if kind is float and not math.isfinite(values[key]):  # inf replayed for ever
+                raise ValueError(f"--engine-args {key}: must be a finite number")
     return replicas, EngineConfig(**values)
 
 

@@ -78,7 +78,7 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                     try:
                         row = json.loads(line)
                         _check_row(row)
-                    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
                         raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
                     rows.append(row)
                     where[id(row)] = f"{path}:{number}"
@@ -104,7 +104,7 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
     for row in rows:
         try:
             out.append(_arrival(row, t0, clocked, decode_ms, output_tokens))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             raise ValueError(f"{where[id(row)]}: not a trace line ({exc!r})") from None
     return out
 
@@ -126,6 +126,34 @@ def _check_row(row: Any) -> None:
     for name in ("outcome", "decision", "fleet", "clock", "engines", "costs"):
         if row.get(name) is not None and not isinstance(row[name], dict):
             raise TypeError(f"{name} is not an object")
+    # The times a replay spaces and holds requests by, and the engine view `--mirror`
+    # replays: a string, a short row or JSON's Infinity broke the replay far from the
+    # line, or replayed for ever.
+    _check_number(row.get("t_pick"), "t_pick")
+    for part, keys in (
+        ("outcome", ("ttft_ms", "duration_ms")),
+        ("clock", ("pick", "first", "end")),
+    ):
+        fields = row.get(part) or {}
+        for key in keys:
+            _check_number(fields.get(key), f"{part}.{key}")
+    for endpoint, seen in (row.get("engines") or {}).items():
+        if seen is None:  # its metrics were stale at the pick
+            continue
+        if not isinstance(seen, list) or len(seen) < 4:
+            raise ValueError(f"engines[{endpoint!r}] is {seen!r}, not a list of 4 or more numbers")
+        for value in seen:
+            _check_number(value, f"engines[{endpoint!r}]")
+
+
+def _check_number(value: Any, name: str) -> None:
+    """`value` is absent (None) or a finite number; raises naming the field otherwise."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} is {value!r}, not a number")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} is {value!r}, not a finite number")
 
 
 def _arrival(
@@ -229,7 +257,10 @@ def _costs(costs: dict[str, Any]) -> tuple[float | None, ...]:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and value > 0 else None
+    """A positive, finite number, else None (an infinite speed would replay for ever)."""
+    if isinstance(value, int | float) and 0 < value < math.inf:
+        return float(value)
+    return None
 
 
 def fit_engine(

@@ -265,6 +265,7 @@ class RotatingFile:
     does not hold its last lines), at rotation and at close."""
 
     FLUSH_EVERY = 1.0  # seconds: what a crash may lose
+    BUFFER = 1 << 16  # bytes buffered; flushed here before the file object would flush
 
     def __init__(self, path: str | Path, max_bytes: int, backups: int) -> None:
         self.path = Path(path)
@@ -274,24 +275,40 @@ class RotatingFile:
         self._size = 0
         self._flushed = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
+        # The lines (and bytes) in the buffer: a failed close loses them (`dropped`).
+        self._pending = 0
+        self._buffered = 0
+        self.dropped = 0  # lines `write` accepted that a failed close lost (a full disk)
 
     def write(self, line: bytes) -> None:
+        """Appends `line` (buffered), or raises OSError and the line is not written."""
         file = self._file
         if file is None:
-            file = self._file = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115
-            self._size = file.tell()
+            file = self._file = self._open()
         if self._size and self._size + len(line) > self.max_bytes:
             self._rotate()
             file = self._file
             assert file is not None
+        if self._buffered + len(line) > self.BUFFER:
+            self.flush()  # here, not within file.write: a failure leaves the line out
         file.write(line)
         self._size += len(line)
+        if len(line) <= self.BUFFER:  # a longer one went straight to the file
+            self._pending += 1
+            self._buffered += len(line)
         now = time.monotonic()
         if now - self._flushed >= self.FLUSH_EVERY:
             self._flushed = now
-            file.flush()
+            with contextlib.suppress(OSError):  # the line is buffered: a later flush retries
+                self.flush()
         elif self._timer is None:
             self._timer = _flush_later(self.FLUSH_EVERY, self._timed_flush)
+
+    def _open(self) -> BinaryIO:
+        file = open(self.path, "ab", buffering=self.BUFFER)  # noqa: SIM115
+        self._size = file.tell()
+        self._pending = self._buffered = 0
+        return file
 
     def _timed_flush(self) -> None:
         self._timer = None
@@ -306,20 +323,29 @@ class RotatingFile:
             if older.exists():
                 os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
         os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-        self._file = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115
-        self._size = 0
+        self._file = self._open()
 
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
+            self._pending = self._buffered = 0
 
     def close(self) -> None:
+        """Flushes and closes; on an error (a full disk) the buffered lines are lost (counted
+        in `dropped`) and the file is closed all the same: the next write reopens it."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        file, self._file = self._file, None
+        if file is None:
+            return
+        try:
+            file.close()
+        except BaseException:
+            self.dropped += self._pending
+            raise
+        finally:
+            self._pending = self._buffered = 0
 
 
 def _flush_later(delay: float, flush: Callable[[], None]) -> asyncio.TimerHandle | None:
@@ -348,6 +374,7 @@ class TraceWriter:
         self.edge = edge
         self.written = 0
         self.lost = 0  # lines a write error lost (a missing directory, a full disk)
+        self._dropped = 0  # the file's `dropped` already counted in `lost`
         self._warned = float("-inf")
         self._random = (rng or random.Random()).random
         # Views taken at dispatch, by lifecycle, until it ends (only sampled requests).
@@ -376,21 +403,32 @@ class TraceWriter:
             return
         try:
             self._file.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             # The request has been served: losing its line must not fail its answer.
-            self.lost += 1
-            now = time.monotonic()
-            if now - self._warned >= WARN_EVERY:
-                self._warned = now
-                log.warning("decision trace: %s; %d lines lost so far", exc, self.lost)
+            self._lose(1, exc)
             return
         self.written += 1
+
+    def _lose(self, lines: int, exc: BaseException) -> None:
+        """Counts `lines` lost to `exc`, and the buffered lines a failed close lost (counted
+        written when they were buffered); warns at most once a `WARN_EVERY`."""
+        dropped = self._file.dropped - self._dropped
+        self._dropped += dropped
+        self.written -= dropped
+        self.lost += lines + dropped
+        now = time.monotonic()
+        if now - self._warned >= WARN_EVERY:
+            self._warned = now
+            log.warning("decision trace: %s; %d lines lost so far", exc, self.lost)
 
     def flush(self) -> None:
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except (OSError, ValueError) as exc:  # a full disk at stop: the buffered lines
+            self._lose(0, exc)
 
 
 def trace_writer(spec: TraceSpec, edge: str) -> TraceWriter | None:

@@ -67,7 +67,8 @@ class ModelRouter:
     def shadow(self) -> ModelRouter:
         """A twin for `Scheduler.explain`: its own plugin copies (their per-pick scratch, a
         round-robin position) and ring cache, so explaining moves nothing of this router;
-        prefix indexes are shared and only read (it never observes or forgets)."""
+        prefix indexes are shared and only read (it never observes or forgets: the caller
+        runs this router's restart and ring catch-up first)."""
         twin = copy.copy(self)
         twin.scorers = [(copy.copy(s), w) for s, w in self.scorers]
         twin.picker = copy.copy(self.picker)
@@ -256,7 +257,16 @@ class Scheduler:
         rng = random.Random()
         rng.setstate(self.rng.getstate())
         dropped: list[tuple[str, tuple[str, ...]]] = []
-        ids = tuple([s.id for s in self.registry.states(request.model)])
+        states = self.registry.states(request.model)
+        ids = tuple([s.id for s in states])
+        if router.mode is not ModelMode.OFF:
+            # The live router's catch-up, as the next real pick would run it first
+            # (`run_pick`; idempotent): a restarted engine's or a departed endpoint's
+            # prefix-index entries are forgotten, or the shadow (which forgets nothing)
+            # would price a cache that is gone and explain another endpoint.
+            if router.restart_epoch != self.registry.restart_epoch:
+                router.forget_restarted(states, self.registry.restart_epoch)
+            router.ring_for(states)
         try:
             decision = self._pick(request, router.shadow(), rng, dropped)
         except LlmgwError as exc:

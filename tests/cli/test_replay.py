@@ -62,6 +62,30 @@ def test_bad_engine_args_say_what_to_fix(text: str, fix: str) -> None:
         engine_args(text)
 
 
+@pytest.mark.parametrize(
+    "text",
+    ["decode_ms=nan", "prefill_us_per_token=inf", "decode_ms=-inf", "decode_batch_factor=nan"],
+)
+def test_non_finite_engine_args_are_refused_as_engine_args(
+    text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NaN and inf were taken: inf replayed for ever, nan was reported as a bad trace line
+    (found by a review helper)."""
+    key = text.partition("=")[0]
+    with pytest.raises(ValueError, match=f"--engine-args {key}: must be a finite number"):
+        engine_args(text)
+    path = tmp_path / "t.jsonl"
+    path.write_text(line(0.5, "a", [1]) + "\n")
+    assert main([str(path), "--engine-args", text]) == 2
+    err = capsys.readouterr().err
+    assert "--engine-args" in err and "not a trace line" not in err
+
+
+def test_an_engine_arg_of_the_wrong_type_is_named() -> None:
+    with pytest.raises(ValueError, match="--engine-args kv_blocks: '2k' is not an integer"):
+        engine_args("kv_blocks=2k")
+
+
 def test_a_traced_session_sits_where_the_ring_put_its_key() -> None:
     ring, traced = HashRing(ENDPOINTS), TraceRing(ENDPOINTS)
     for key in ("alice", "bob", "user-17", "x"):
@@ -123,6 +147,55 @@ def test_a_line_of_the_wrong_shape_is_named_not_a_traceback(
     assert main([str(path)]) == 2
     err = capsys.readouterr().err
     assert "t.jsonl:2: not a trace line" in err and "Traceback" not in err
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"outcome": {"ttft_ms": "20", "duration_ms": 120.0}},
+        {"outcome": {"ttft_ms": [], "duration_ms": 120.0}},
+        {"outcome": {"ttft_ms": INF, "duration_ms": 120.0}},
+        {"outcome": {"ttft_ms": 20.0, "duration_ms": INF}},
+        {"outcome": {"ttft_ms": 20.0, "duration_ms": NAN}},
+        {"t_pick": INF},
+        {"t_pick": INF, "outcome": {}},
+        {"t_pick": "1.0"},
+        {"clock": {"pick": INF, "first": None, "end": 2.0}},
+        {"clock": {"pick": 1.0, "first": "x", "end": 2.0}},
+        {"clock": {"pick": 1.0, "first": None, "end": NAN}},
+        {"engines": {ENDPOINTS[0]: [1.0, 2.0]}},
+        {"engines": {ENDPOINTS[0]: [0.0, 1.0, 0.1, NAN, 1.0]}},
+        {"engines": {ENDPOINTS[0]: [0.0, 1.0, 0.1, "0", 1.0]}},
+        {"prompt_tokens": INF},
+        {"output_tokens": INF},
+        {"blocks": [INF]},
+    ],
+    ids=json.dumps,
+)
+def test_a_line_with_a_bad_time_or_engine_view_is_named_not_a_traceback(
+    tmp_path: Path, extra: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """These fields were read unchecked: a traceback (TypeError, OverflowError, a zip of
+    unequal rows in --mirror) or a replay 'over inf s' (found by a review helper)."""
+    path = tmp_path / "t.jsonl"
+    bad = {**json.loads(line(1.0, "b", [1])), **extra}
+    path.write_text(line(0.5, "a", [1]) + "\n" + json.dumps(bad) + "\n")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "t.jsonl:2: not a trace line" in err and "Traceback" not in err
+
+
+def test_an_infinite_fleet_speed_is_not_a_measured_speed(tmp_path: Path) -> None:
+    """An infinite prefill cost or step in `fleet` became the replay's engine speed: a
+    replay that never ended (found by a review helper)."""
+    path = tmp_path / "t.jsonl"
+    fleet = {"prefill_us_per_token": INF, "step_ms": INF}
+    path.write_text(line(0.5, "a", [1], fleet=fleet) + "\n")
+    (arrival,) = read_trace([path], 4.0, None)
+    assert (arrival.prefill_us_per_token, arrival.step_ms) == (None, None)
 
 
 def test_a_long_idle_gap_replays_without_stepping_through_it(tmp_path: Path) -> None:

@@ -71,6 +71,35 @@ def test_explain_charges_nothing_and_learns_nothing() -> None:
     assert scorer.index.size() > 0
 
 
+def test_explain_after_an_engine_restart_is_the_next_real_pick() -> None:
+    """The explain shadow priced the prefix cache of an engine that had restarted (only the
+    next real pick forgot it), so explain named another endpoint (found by a review helper)."""
+    cfg = config({"chat": static_model(2)}, admin={"explain": True})
+    clock = FakeClock()
+    reg = Registry(breaker=BreakerSettings(), clock=clock)
+    sched = Scheduler(cfg, reg, seed=1)
+
+    def scrape(address: str, finished: float, waiting: float = 0.0) -> None:
+        metrics = EngineMetrics(waiting=waiting, running=1, kv_usage=0.1, finished_total=finished)
+        reg.record_scrape("chat", address, metrics)
+
+    for address in ADDRS[:2]:
+        scrape(address, 100.0)
+    home = sched.pick(req("r0", session="alice")).endpoint.id
+    other = ADDRS[1] if home == ADDRS[0] else ADDRS[0]
+    scrape(other, 101.0)  # the home is a little busier, still cheaper for its cache...
+    clock.advance(0.5)
+    scrape(home, 3.0, waiting=1.0)  # ...until its counter goes back: restarted, cache empty
+    assert reg.restart_epoch == 1
+    clock.advance(0.5)
+    request = req("r1", session="alice", prompt=LONG + " and more")
+    explained = sched.explain(request).decision
+    real = sched.pick(request)
+    assert explained is not None
+    assert explained.rationale.totals == real.rationale.totals
+    assert explained.destinations == real.destinations == (other, home)
+
+
 def test_explain_shows_each_filters_verdict_per_endpoint() -> None:
     sched, reg, _ = setup("chat")  # filters: healthy, model-serves, not-saturated, ...
     reg.acquire("chat", ADDRS[1])

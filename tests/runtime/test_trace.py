@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import random
@@ -13,6 +15,7 @@ import httpx
 import orjson
 import pytest
 
+import llmgw.runtime.trace as trace_module
 from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.testing import address_of, serve
 from llmgw.cli.replay_trace import read_trace
@@ -260,6 +263,94 @@ def test_a_trace_write_error_loses_the_line_not_the_answer(
     run_lifecycle(gateway, hooks, 2)
     writer.close()
     assert writer.written == 1 and len(lines(folder / "trace.jsonl")) == 1
+
+
+class Disk:
+    """Files the trace module opens fail their writes (ENOSPC) while `full`."""
+
+    def __init__(self) -> None:
+        self.full = False
+
+    def open(self, path: Any, mode: str = "r", buffering: int = -1, **_: Any) -> Any:
+        disk = self
+
+        class Raw(io.FileIO):
+            def write(self, data: Any) -> int:
+                if disk.full:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return super().write(data)
+
+        return io.BufferedWriter(Raw(path, mode.replace("b", "")), buffer_size=buffering)
+
+
+@pytest.fixture
+def disk(monkeypatch: pytest.MonkeyPatch) -> Disk:
+    fake = Disk()
+    monkeypatch.setattr(trace_module, "open", fake.open, raising=False)
+    return fake
+
+
+def exchange_with(gateway: Gateway, hooks: Hooks, content: str) -> None:
+    exchange = Exchange(gateway, hooks)
+    headers = chat_headers(**{"x-session-id": SESSION, "content-type": "application/json"})
+    request = orjson.dumps({"model": "m1", "messages": [{"role": "user", "content": content}]})
+    parse(exchange.handle(request_headers(headers)))
+    parse(exchange.handle(request_body(request)))
+    parse(exchange.handle(response_headers(200)))
+    assert parse(exchange.handle(response_trailers())) is not None
+    exchange.close()
+
+
+def test_a_full_disk_at_rotation_loses_lines_not_answers(tmp_path: Path, disk: Disk) -> None:
+    """Closing the old file at rotation failed (its buffer could not be flushed) and the
+    writer kept the closed file: the next line that did not rotate raised ValueError out of
+    the request's `finished` hook (found by a review helper)."""
+    path = tmp_path / "trace.jsonl"
+    cfg = config(["10.0.0.1:8000"], path=str(path), max_bytes=4096, backups=1)
+    gateway = Gateway(Scheduler(cfg, seed=1))
+    writer = TraceWriter(cfg.trace, "extproc")
+    hooks = Hooks("extproc", finished=writer, dispatched=writer.dispatched)
+    disk.full = True
+    exchange_with(gateway, hooks, "hi")  # a ~1 KB line, buffered
+    assert (writer.lost, writer.written) == (0, 1)
+    exchange_with(gateway, hooks, "a long document. " * 2500)  # ~3.5 KB: rotates, close fails
+    assert (writer.lost, writer.written) == (2, 0)  # the buffered line went with it
+    exchange_with(gateway, hooks, "hi again")  # under max_bytes: no rotation, file reopened
+    assert (writer.lost, writer.written) == (2, 1)
+    disk.full = False
+    writer.close()
+    assert [r["outcome"]["status"] for r in lines(path)] == [200]
+
+
+def test_a_full_disk_at_close_counts_the_buffered_lines_lost(tmp_path: Path, disk: Disk) -> None:
+    """Server stop on a full disk: the buffered lines are lost and counted, close does not
+    raise (found by a review helper)."""
+    path = tmp_path / "trace.jsonl"
+    cfg = config(["10.0.0.1:8000"], path=str(path))
+    gateway = Gateway(Scheduler(cfg, seed=1))
+    writer = TraceWriter(cfg.trace, "extproc")
+    hooks = Hooks("extproc", finished=writer, dispatched=writer.dispatched)
+    exchange_with(gateway, hooks, "hi")
+    exchange_with(gateway, hooks, "hi again")
+    disk.full = True
+    writer.close()
+    assert (writer.lost, writer.written) == (2, 0)
+    assert path.read_bytes() == b""
+
+
+def test_a_rotating_file_reopens_after_a_failed_rotation(tmp_path: Path, disk: Disk) -> None:
+    """A failed close kept the closed file object: every later write raised ValueError
+    (found by a review helper)."""
+    file = RotatingFile(tmp_path / "t.jsonl", max_bytes=100, backups=1)
+    file.write(b"x" * 60 + b"\n")
+    disk.full = True
+    with pytest.raises(OSError):
+        file.write(b"y" * 60 + b"\n")  # rotation: closing flushes -> ENOSPC
+    assert file.dropped == 1  # the x line
+    disk.full = False  # space is back
+    file.write(b"z" * 10 + b"\n")
+    file.close()
+    assert (tmp_path / "t.jsonl").read_bytes() == b"z" * 10 + b"\n"
 
 
 async def test_a_buffered_line_reaches_the_file_within_a_second_even_when_traffic_stops(
