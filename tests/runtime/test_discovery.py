@@ -173,6 +173,32 @@ async def test_losing_the_api_server_keeps_the_last_endpoints_and_reports_since_
     )
 
 
+async def test_a_start_waits_through_a_throttled_or_failed_first_list_until_it_is_answered(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    """A first list answered 429 or 500 (or an API not yet reachable) ended the start at
+    once: the replica turned ready with no endpoint, well before startup_timeout (found by
+    a review helper)."""
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001], replicas=1)
+    await eventually(lambda: any(p.ready for p in kube.deployments[(NS, "vllm")].pods))
+    kube.list_errors = [429, 500]
+    discovery = await followed(config_for(service={"namespace": NS, "name": "vllm"}))
+    assert followed.addresses() == ports(7001)  # listed before start() returned
+    assert discovery.followers["chat"].reflectors[0].lists == 1 and not kube.list_errors
+
+
+async def test_a_start_on_an_api_that_keeps_failing_returns_after_startup_timeout(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    kube.list_errors = [500] * 1000
+    discovery = await followed(
+        config_for(service={"namespace": NS, "name": "vllm"}), startup_timeout=0.3
+    )
+    reflector = discovery.followers["chat"].reflectors[0]
+    assert reflector.lists == 0 and reflector.last_error is not None
+    assert "API error 500" in reflector.last_error
+
+
 async def test_rbac_forbidden_is_a_startup_error_naming_verb_resource_and_role(
     kube: FakeKubernetes, followed: Followed
 ) -> None:

@@ -113,7 +113,9 @@ class Reflector:
         self.last_error: str | None = None
         # RBAC refused the list, or the API does not serve it (no CRD): a startup error.
         self.forbidden: StartError | None = None
-        self.listed = asyncio.Event()  # the first list answered (or failed)
+        # The first list answered, or failed for good (`forbidden`): a start waits for it.
+        # Other failures (429, 500, the API unreachable) are retried: a start keeps waiting.
+        self.listed = asyncio.Event()
         self.lists = 0
         self.watches = 0
         self.expired = 0  # 410s seen
@@ -163,7 +165,8 @@ class Reflector:
                 await self._list()
             except Exception as exc:  # API errors; connection refused, timeouts: API away
                 self._failed(exc)
-                self.listed.set()
+                if self.forbidden is not None:
+                    self.listed.set()
                 await self._back_off()
                 continue
             self.listed.set()
