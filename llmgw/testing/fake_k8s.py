@@ -15,7 +15,8 @@ talks to it unchanged (`Configuration(host="http://127.0.0.1:PORT")`):
   `metadata.name` field selectors), list and watch, over objects put by the test.
 - Watches that allow bookmarks get a BOOKMARK before the server ends them.
 - Errors are `v1` `Status` objects (403 Forbidden, 404 NotFound, 410 Expired; 429 or 500
-  on the lists `list_errors` names).
+  on the lists `list_errors` names; ERROR events of the codes `watch_errors` names).
+- `empty_watches`: watches ended at once with no event (a proxy cutting long requests).
 - `go_down()` / `come_back()`: the API server unreachable, then back on the same port.
 
 Each Deployment simulates its pods: scaling up adds a not-ready endpoint per pod (one
@@ -82,6 +83,8 @@ class FakeKubernetes:
         self.watches_served = 0
         self.expire_watches = 0  # answer this many watches with a 410 Expired ERROR event
         self.list_errors: list[int] = []  # answer the next lists with these codes (429, 500)
+        self.watch_errors: list[int] = []  # answer the next watches with an ERROR event of each
+        self.empty_watches = 0  # end this many watches at once, no event (a proxy cutting them)
         self.bookmarks_sent = 0
         self._watch_generation = 0  # end_watches() bumps it: open streams end
         self._version = 100
@@ -560,18 +563,30 @@ class FakeKubernetes:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         sent = since
+        error: tuple[int, str, str] | None = None
         if self.expire_watches > 0:
             self.expire_watches -= 1
-            expired = {
+            error = 410, "Expired", f"too old resource version: {since} ({self._version})"
+        elif self.watch_errors:
+            code = self.watch_errors.pop(0)
+            reason = "TooManyRequests" if code == 429 else "InternalError"
+            error = code, reason, "the watch failed on the server"
+        if error is not None:
+            code, reason, message = error
+            status = {
                 "kind": "Status",
                 "apiVersion": "v1",
                 "metadata": {},
                 "status": "Failure",
-                "message": f"too old resource version: {since} ({self._version})",
-                "reason": "Expired",
-                "code": 410,
+                "message": message,
+                "reason": reason,
+                "code": code,
             }
-            await response.write((json.dumps({"type": "ERROR", "object": expired}) + "\n").encode())
+            await response.write((json.dumps({"type": "ERROR", "object": status}) + "\n").encode())
+            await response.write_eof()
+            return response
+        if self.empty_watches > 0:
+            self.empty_watches -= 1
             await response.write_eof()
             return response
         with contextlib.suppress(ConnectionResetError):
