@@ -11,7 +11,7 @@ Two instances, two meanings:
   503s included).
 
 Check is answered from the live state; Watch streams follow `refresh()`, which the server
-calls on drain and once a second.
+calls before the health port opens, once the router has started, on drain and once a second.
 """
 
 from __future__ import annotations

@@ -175,6 +175,13 @@ class ExtProcServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._health_changed.wait(), HEALTH_REFRESH_INTERVAL)
 
+    async def _stop_health_refresh(self) -> None:
+        task, self._health_refresh = self._health_refresh, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     # -- HTTP ----------------------------------------------------------------------------
     async def _healthz(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -242,18 +249,22 @@ class ExtProcServer:
             probes = grpc.aio.server()
             add_to_server(self.probe_health, probes)
             self._ports["grpc_health"] = self._bind(probes, self._ports["grpc_health"], tls=None)
+            await self.probe_health.refresh()  # Watch agrees with Check from the first stream
             await probes.start()
             self._grpc_health = probes
+        # Watch streams follow the start (it may wait for discovery's first lists).
+        self._health_refresh = asyncio.create_task(self._refresh_health())
         try:
             await self.router.start()
         except BaseException:  # discovery refused (RBAC): close what is already listening
+            await self._stop_health_refresh()
             if self._grpc_health is not None:
                 await self._grpc_health.stop(0)
                 self._grpc_health = None
             raise
         await server.start()
         self._grpc = server
-        self._health_refresh = asyncio.create_task(self._refresh_health())
+        self._health_changed.set()  # readiness is SERVING now: tell Watch streams at once
         if self._ports["health"] is not None:
             self._ports["health"] = await self._serve_http(
                 [
@@ -298,11 +309,7 @@ class ExtProcServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
-        if self._health_refresh is not None:
-            self._health_refresh.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_refresh
-            self._health_refresh = None
+        await self._stop_health_refresh()
         if self._grpc_health is not None:
             await self._grpc_health.stop(0)
             self._grpc_health = None

@@ -161,7 +161,9 @@ def slice_addresses(
     slices: Iterable[Mapping[str, Any]], port: str | int | None = None, default_port: int = 8000
 ) -> list[str]:
     """`ip:port` of every endpoint that takes new requests: Ready (a nil `ready` counts as
-    ready, as the API says) and not terminating. A dual-stack Service lists each pod in an
+    ready, as the API says), serving and not terminating. A Service that publishes not-ready
+    addresses (a StatefulSet's headless one, LWS) has every endpoint `ready`: its pod's
+    readiness is in `serving` alone. A dual-stack Service lists each pod in an
     IPv4 and an IPv6 slice: a pod is one endpoint, at its IPv4 address (as two it was
     scraped twice and its load split between them)."""
     out: set[str] = set()
@@ -173,7 +175,11 @@ def slice_addresses(
             continue
         for endpoint in slice_.get("endpoints") or []:
             conditions = endpoint.get("conditions") or {}
-            if conditions.get("ready") is False or conditions.get("terminating") is True:
+            if (
+                conditions.get("ready") is False
+                or conditions.get("serving") is False
+                or conditions.get("terminating") is True
+            ):
                 continue
             ref = endpoint.get("targetRef") or {}
             if ref.get("name"):

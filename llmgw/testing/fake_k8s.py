@@ -14,7 +14,9 @@ talks to it unchanged (`Configuration(host="http://127.0.0.1:PORT")`):
   `GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools` (label and
   `metadata.name` field selectors), list and watch, over objects put by the test.
 - Watches that allow bookmarks get a BOOKMARK before the server ends them.
-- Errors are `v1` `Status` objects (403 Forbidden, 404 NotFound, 410 Expired).
+- Errors are `v1` `Status` objects (403 Forbidden, 404 NotFound, 410 Expired; 429 or 500
+  on the lists `list_errors` names; ERROR events of the codes `watch_errors` names).
+- `empty_watches`: watches ended at once with no event (a proxy cutting long requests).
 - `go_down()` / `come_back()`: the API server unreachable, then back on the same port.
 
 Each Deployment simulates its pods: scaling up adds a not-ready endpoint per pod (one
@@ -80,6 +82,9 @@ class FakeKubernetes:
         self.watch_supported = True
         self.watches_served = 0
         self.expire_watches = 0  # answer this many watches with a 410 Expired ERROR event
+        self.list_errors: list[int] = []  # answer the next lists with these codes (429, 500)
+        self.watch_errors: list[int] = []  # answer the next watches with an ERROR event of each
+        self.empty_watches = 0  # end this many watches at once, no event (a proxy cutting them)
         self.bookmarks_sent = 0
         self._watch_generation = 0  # end_watches() bumps it: open streams end
         self._version = 100
@@ -316,9 +321,11 @@ class FakeKubernetes:
         self, request: web.Request, resource: str, group: str, forbid_key: str
     ) -> web.StreamResponse:
         await self._record(request)
+        watching = request.query.get("watch") in ("true", "1")
+        if not watching and self.list_errors:
+            return failed_list(self.list_errors.pop(0))
         if resource in self.unserved:  # the API server has no such resource (no CRD)
             return web.Response(status=404, text="404 page not found\n")
-        watching = request.query.get("watch") in ("true", "1")
         if forbid_key in self.forbidden:
             return forbidden(request, "watch" if watching else "list", resource, group)
         ns = request.match_info["ns"]
@@ -520,6 +527,8 @@ class FakeKubernetes:
     async def _slices(self, request: web.Request) -> web.StreamResponse:
         await self._record(request)
         watching = request.query.get("watch") in ("true", "1")
+        if not watching and self.list_errors:
+            return failed_list(self.list_errors.pop(0))
         if "list-slices" in self.forbidden or (watching and "watch-slices" in self.forbidden):
             verb = "watch" if watching else "list"
             return forbidden(request, verb, "endpointslices", "discovery.k8s.io")
@@ -554,18 +563,30 @@ class FakeKubernetes:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         sent = since
+        error: tuple[int, str, str] | None = None
         if self.expire_watches > 0:
             self.expire_watches -= 1
-            expired = {
+            error = 410, "Expired", f"too old resource version: {since} ({self._version})"
+        elif self.watch_errors:
+            code = self.watch_errors.pop(0)
+            reason = "TooManyRequests" if code == 429 else "InternalError"
+            error = code, reason, "the watch failed on the server"
+        if error is not None:
+            code, reason, message = error
+            status = {
                 "kind": "Status",
                 "apiVersion": "v1",
                 "metadata": {},
                 "status": "Failure",
-                "message": f"too old resource version: {since} ({self._version})",
-                "reason": "Expired",
-                "code": 410,
+                "message": message,
+                "reason": reason,
+                "code": code,
             }
-            await response.write((json.dumps({"type": "ERROR", "object": expired}) + "\n").encode())
+            await response.write((json.dumps({"type": "ERROR", "object": status}) + "\n").encode())
+            await response.write_eof()
+            return response
+        if self.empty_watches > 0:
+            self.empty_watches -= 1
             await response.write_eof()
             return response
         with contextlib.suppress(ConnectionResetError):
@@ -641,6 +662,13 @@ def status_response(
         },
         status=code,
     )
+
+
+def failed_list(code: int) -> web.Response:
+    """A list the API server fails: 429 (API Priority and Fairness throttling), else 500."""
+    if code == 429:
+        return status_response(429, "TooManyRequests", "too many requests, please try again")
+    return status_response(code, "InternalError", "an error on the server has prevented it")
 
 
 def forbidden(request: web.Request, verb: str, resource: str, group: str) -> web.Response:

@@ -136,6 +136,18 @@ SLICES: list[tuple[str, list[dict[str, Any]], str | int | None, list[str]]] = [
         None,
         [],
     ),
+    (
+        "published-not-ready-not-serving",  # publishNotReadyAddresses: `ready` always true
+        [_slice(_ep("10.0.0.1", ready=True, serving=False, terminating=False))],
+        None,
+        [],
+    ),
+    (
+        "nil-serving-counts-as-serving",
+        [_slice(_ep("10.0.0.1", serving=None))],
+        None,
+        ["10.0.0.1:8000"],
+    ),
     ("ipv6", [_slice(_ep("fd00::1", ready=True))], None, ["[fd00::1]:8000"]),
     (
         "port-by-name",
@@ -180,6 +192,20 @@ def test_slice_addresses_keep_only_ready_endpoints_that_are_not_terminating(
     slices: list[dict[str, Any]], port: str | int | None, expected: list[str]
 ) -> None:
     assert slice_addresses(slices, port) == expected
+
+
+def test_a_not_ready_pod_of_a_service_publishing_not_ready_addresses_is_not_routed() -> None:
+    """With `publishNotReadyAddresses` (a StatefulSet's headless Service, LWS) every endpoint
+    is `ready` and the pod's readiness is in `serving` alone: a pod failing its readiness
+    probe was routed, by discovery and by on-demand Kubernetes (found by a review helper)."""
+    from llmgw.runtime.controlplanes.k8s import ready_addresses  # noqa: PLC0415
+
+    slice_ = _slice(
+        _ep("10.0.0.1", ready=True, serving=True, terminating=False),
+        _ep("10.0.0.2", ready=True, serving=False, terminating=False),
+    )
+    assert slice_addresses([slice_], "http") == ["10.0.0.1:8000"]
+    assert ready_addresses([slice_], 8000) == ["10.0.0.1:8000"]
 
 
 def _stack(family: str, ip: str, pod: str) -> dict[str, Any]:

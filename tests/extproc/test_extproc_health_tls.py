@@ -17,6 +17,7 @@ from llmgw.extproc.tls import ServerTls
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.health import readiness
 from llmgw.testing.extproc import make_config
+from llmgw.testing.wait import eventually
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -123,6 +124,44 @@ async def test_a_failed_start_closes_the_health_port_it_opened() -> None:
     assert port
     with pytest.raises(grpc.aio.AioRpcError):
         await check(port, "liveness")
+
+
+async def test_watch_on_the_probe_port_agrees_with_check_while_the_router_starts() -> None:
+    """The probe port serves while the router starts (discovery waits for its first list):
+    Check said liveness SERVING, readiness NOT_SERVING, but Watch said SERVICE_UNKNOWN for
+    both until the start was over (found by a review helper)."""
+    srv = ExtProcServer(
+        make_config(), host="127.0.0.1", grpc_port=0, grpc_health_port=0, health_port=None,
+        metrics_port=None, scrape=False,
+    )  # fmt: skip
+    release = asyncio.Event()
+    real_start = srv.router.start
+
+    async def slow_start() -> None:  # Kubernetes discovery waiting for its first list
+        await release.wait()
+        await real_start()
+
+    srv.router.start = slow_start  # type: ignore[method-assign]
+    start = asyncio.create_task(srv.start())
+    try:
+        await eventually(lambda: bool(srv.ports.get("grpc_health")))
+        port = srv.ports["grpc_health"]
+        assert await check(port, "liveness") == SERVING
+        assert await check(port, "readiness") == NOT_SERVING
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            live = stub.Watch(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+            ready = stub.Watch(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+            assert (await live.read()).status == SERVING
+            assert (await ready.read()).status == NOT_SERVING
+            release.set()
+            assert (await ready.read()).status == SERVING  # the start is over
+            live.cancel()
+            ready.cancel()
+    finally:
+        release.set()
+        await start
+        await srv.stop(1.0)
 
 
 async def test_watch_streams_see_the_drain(server: ExtProcServer) -> None:

@@ -4,6 +4,7 @@ Services, InferencePools and pod selectors feed the registry through one update 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import sys
@@ -18,6 +19,7 @@ from llmgw.config import Config, load_dict
 from llmgw.registry import Registry
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.kube.discovery import Discovery
+from llmgw.runtime.kube.reflector import Reflector
 from llmgw.runtime.router import Router
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.testing.fake_k8s import FakeKubernetes
@@ -173,6 +175,32 @@ async def test_losing_the_api_server_keeps_the_last_endpoints_and_reports_since_
     )
 
 
+async def test_a_start_waits_through_a_throttled_or_failed_first_list_until_it_is_answered(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    """A first list answered 429 or 500 (or an API not yet reachable) ended the start at
+    once: the replica turned ready with no endpoint, well before startup_timeout (found by
+    a review helper)."""
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001], replicas=1)
+    await eventually(lambda: any(p.ready for p in kube.deployments[(NS, "vllm")].pods))
+    kube.list_errors = [429, 500]
+    discovery = await followed(config_for(service={"namespace": NS, "name": "vllm"}))
+    assert followed.addresses() == ports(7001)  # listed before start() returned
+    assert discovery.followers["chat"].reflectors[0].lists == 1 and not kube.list_errors
+
+
+async def test_a_start_on_an_api_that_keeps_failing_returns_after_startup_timeout(
+    kube: FakeKubernetes, followed: Followed
+) -> None:
+    kube.list_errors = [500] * 1000
+    discovery = await followed(
+        config_for(service={"namespace": NS, "name": "vllm"}), startup_timeout=0.3
+    )
+    reflector = discovery.followers["chat"].reflectors[0]
+    assert reflector.lists == 0 and reflector.last_error is not None
+    assert "API error 500" in reflector.last_error
+
+
 async def test_rbac_forbidden_is_a_startup_error_naming_verb_resource_and_role(
     kube: FakeKubernetes, followed: Followed
 ) -> None:
@@ -205,6 +233,70 @@ async def test_a_role_granting_list_but_not_watch_polls_the_list_quietly(
     refused = [r for r in caplog.records if "watching" in r.getMessage()]
     assert len(refused) == 1 and "grant `watch`" in refused[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.fixture
+def back_offs(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The delays the reflectors pause for, recorded instead of waited (never a sleep)."""
+    delays: list[float] = []
+
+    async def pause(_reflector: Reflector, seconds: float) -> None:
+        delays.append(seconds)
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(Reflector, "_pause", pause)
+    return delays
+
+
+async def test_a_watch_failing_on_the_server_backs_off_and_watches_again_not_polls(
+    kube: FakeKubernetes, followed: Followed, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 500 or 429 ERROR event in a watch was taken for a refused watch: the list was
+    polled every second for a minute (an API server throttling us got more requests) and
+    logged as refused (found by a review helper)."""
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001, 7002], replicas=1)
+    await eventually(lambda: any(p.ready for p in kube.deployments[(NS, "vllm")].pods))
+    kube.watch_errors = [500, 429]
+    discovery = await followed(config_for(service={"namespace": NS, "name": "vllm"}))
+    await eventually(lambda: kube.watches_served == 3)  # two failed, then one that holds
+    reflector = discovery.followers["chat"].reflectors[0]
+    assert reflector.mode == "watch" and reflector.lists == 3  # listed again after each
+    assert not [r for r in caplog.records if "refused" in r.getMessage()]
+    kube.scale("vllm", 2, namespace=NS)
+    await eventually(lambda: followed.addresses() == ports(7001, 7002))
+
+
+async def test_watches_failing_while_lists_succeed_back_off_doubling(
+    kube: FakeKubernetes, followed: Followed, back_offs: list[float]
+) -> None:
+    """Each good list reset the back-off: a watch failing every time was retried every
+    0.2 s, for good, where the README promises 0.2 s doubling to 30 s (found by a review
+    helper)."""
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001], replicas=1)
+    kube.watch_errors = [500] * 4
+    await followed(config_for(service={"namespace": NS, "name": "vllm"}), backoff=(1.0, 100.0))
+    await eventually(lambda: kube.watches_served == 5)
+    assert len(back_offs) == 4
+    assert all(later > 1.5 * earlier for earlier, later in itertools.pairwise(back_offs))
+    # A watch that works (its bookmark here) starts the back-off over.
+    kube.watch_errors = [500]
+    kube.end_watches()
+    await eventually(lambda: kube.watches_served == 7)
+    assert len(back_offs) == 5 and back_offs[-1] <= 1.2
+
+
+async def test_a_watch_ending_at_once_with_no_event_is_not_reopened_in_a_busy_loop(
+    kube: FakeKubernetes, followed: Followed, back_offs: list[float]
+) -> None:
+    """A watch ended at once with nothing in it (a proxy cutting long requests) was opened
+    again with no delay: a thread sending watch requests as fast as it could (found by a
+    review helper)."""
+    kube.add_deployment("vllm", namespace=NS, pod_ports=[7001], replicas=1)
+    kube.empty_watches = 4
+    await followed(config_for(service={"namespace": NS, "name": "vllm"}), backoff=(1.0, 100.0))
+    await eventually(lambda: kube.watches_served == 5)
+    assert len(back_offs) == 4
+    assert all(later > 1.5 * earlier for earlier, later in itertools.pairwise(back_offs))
 
 
 async def test_a_router_whose_discovery_is_refused_stops_the_scraper_it_started(

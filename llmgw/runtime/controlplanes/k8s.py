@@ -340,7 +340,9 @@ class KubernetesControlPlane:
         assert reflector is not None
         try:
             async with asyncio.timeout(self.stop_timeout):
-                await reflector.listed.wait()
+                while not reflector.listed.is_set() and reflector.stale_since is None:
+                    state.changed.clear()  # set by a list and by a failure (on_error)
+                    await state.changed.wait()
                 while state.pods_listed and reflector.stale_since is None:
                     state.changed.clear()
                     await state.changed.wait()

@@ -2,9 +2,12 @@
 
 List, then watch from the list's resourceVersion with bookmarks on; when a watch ends
 (the server's `timeoutSeconds`), watch again from the last version seen (bookmarks keep
-it fresh); on 410 Gone (the version expired) list again; on any other error back off
-(exponential, jittered, capped) and list again. While the API cannot be reached the last
-objects are kept and `stale_since` says since when.
+it fresh); on 410 Gone (the version expired) list again; a refused watch (403, 405) polls
+the list for a while instead; on any other error, and on a watch that ends at once with no
+event, back off (exponential, jittered, capped) and list again. The back-off starts over
+once a watch works (an event, or a watch the server ended in time) or a polled list
+answers: a good list between failing watches does not reset it. While the API cannot be
+reached the last objects are kept and `stale_since` says since when.
 
 The official client is synchronous: calls run on a thread pool the owner passes in, so
 long-lived watches never hold the loop's default executor (which DNS lookups need).
@@ -35,6 +38,12 @@ from llmgw.runtime.kube import DISCOVERY_RBAC, forbidden, status_message, unreac
 log = logging.getLogger("llmgw.k8s")
 
 _WatchBase: Any = k8s_watch.Watch  # untyped in the client (mypy --strict)
+SHORT_WATCH = 1.0  # seconds: a watch ended sooner with no event failed (client-go's rule)
+
+
+def _server_trouble(exc: ApiException) -> bool:
+    """429 (throttled) or 5xx: the API server cannot answer now; a retry may succeed."""
+    return isinstance(exc.status, int) and (exc.status == 429 or exc.status >= 500)
 
 
 class _RawWatch(_WatchBase):  # type: ignore[misc]
@@ -113,7 +122,9 @@ class Reflector:
         self.last_error: str | None = None
         # RBAC refused the list, or the API does not serve it (no CRD): a startup error.
         self.forbidden: StartError | None = None
-        self.listed = asyncio.Event()  # the first list answered (or failed)
+        # The first list answered, or failed for good (`forbidden`): a start waits for it.
+        # Other failures (429, 500, the API unreachable) are retried: a start keeps waiting.
+        self.listed = asyncio.Event()
         self.lists = 0
         self.watches = 0
         self.expired = 0  # 410s seen
@@ -123,7 +134,7 @@ class Reflector:
         self._stopping = asyncio.Event()
         self._stopped = threading.Event()  # read by the watch thread
         self._watch: Any = None
-        self._watch_thread: Future[None] | None = None
+        self._watch_thread: Future[int] | None = None
         self._task: asyncio.Task[None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -163,22 +174,28 @@ class Reflector:
                 await self._list()
             except Exception as exc:  # API errors; connection refused, timeouts: API away
                 self._failed(exc)
-                self.listed.set()
+                if self.forbidden is not None:
+                    self.listed.set()
                 await self._back_off()
                 continue
             self.listed.set()
             if not self.use_watch or time.monotonic() < self._watch_retry_at:
                 self.mode = "list"
+                self._failures = 0
                 await self._pause(self.poll_interval)
                 continue
             self.mode = "watch"
             while not self._stopping.is_set():
+                opened = time.monotonic()
                 try:
-                    await self._watch_once()
+                    events = await self._watch_once()
                 except ApiException as exc:
                     if exc.status == 410:  # our version expired: list again, at once
                         self.expired += 1
                         log.info("watch of %s expired (410): listing again", self.what)
+                    elif _server_trouble(exc):  # not a refusal: back off, list, watch again
+                        self._failed(exc, verb="watch")
+                        await self._back_off()
                     else:
                         # Refused (403: a Role granting list but not watch; 405: a proxy):
                         # poll the list for a while instead. Retried at the back-off, each
@@ -191,6 +208,15 @@ class Reflector:
                     self._failed(exc, verb="watch")
                     await self._back_off()
                     break
+                if self._stopping.is_set():
+                    return
+                if events == 0 and time.monotonic() - opened < SHORT_WATCH:
+                    # Ended at once with nothing (a proxy cutting long requests): opened
+                    # again at once, it made a busy loop of requests.
+                    self._short_watch()
+                    await self._back_off()
+                    break
+                self._failures = 0  # the server ended it in time: watches work
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -220,15 +246,17 @@ class Reflector:
         self.forbidden = None
         self.on_change(self.items)
 
-    async def _watch_once(self) -> None:
-        """One watch request, until the server ends it; events are applied on the loop."""
+    async def _watch_once(self) -> int:
+        """One watch request, until the server ends it; events are applied on the loop.
+        Returns how many events (bookmarks included) it brought."""
         loop = asyncio.get_running_loop()
         watch = self._watch = _RawWatch()
         stopped = self._stopped
         query = self.query
         version = self.version
 
-        def run() -> None:
+        def run() -> int:
+            events = 0
             stream = watch.stream(
                 query.list_fn,
                 *query.args,
@@ -242,13 +270,15 @@ class Reflector:
                 if stopped.is_set():
                     watch.stop()
                     break
+                events += 1
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
                     loop.call_soon_threadsafe(self._on_event, event["type"], event["raw_object"])
+            return events
 
         self.watches += 1
         self._watch_thread = self._pool.submit(run)
         try:
-            await asyncio.wrap_future(self._watch_thread)
+            return await asyncio.wrap_future(self._watch_thread)
         finally:
             self._watch = None
 
@@ -259,6 +289,7 @@ class Reflector:
         if metadata.get("resourceVersion"):
             self.version = str(metadata["resourceVersion"])
         self._in_contact()
+        self._failures = 0  # the watch works
         name = metadata.get("name")
         if kind not in ("ADDED", "MODIFIED", "DELETED") or not name:
             return  # BOOKMARK: only the version moved
@@ -270,7 +301,6 @@ class Reflector:
 
     # -- contact and errors ---------------------------------------------------------------
     def _in_contact(self) -> None:
-        self._failures = 0
         if self._stale_mono is not None:
             log.warning(
                 "Kubernetes API reachable again for %s after %.1fs without it: caught up",
@@ -319,6 +349,15 @@ class Reflector:
             )
         else:
             log.debug("%s: still failing: %s", self.what, message)
+
+    def _short_watch(self) -> None:
+        self._failures += 1
+        log.log(
+            logging.WARNING if self._failures == 1 else logging.DEBUG,
+            "watch of %s ended at once with no event (a proxy cutting long requests?): "
+            "backing off, then listing again",
+            self.what,
+        )
 
     def _watch_refused(self, exc: ApiException) -> None:
         hint = ""
