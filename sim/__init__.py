@@ -14,7 +14,8 @@ Errors are `{"error": {"message", "type", "param", "code"}}`: 400 bad JSON, miss
 Behaviour (`model.py`, pure, tested with an injected clock): continuous batching of at
 most `max_num_seqs`, a FIFO queue of at most `max_queue`, `kv_blocks` blocks of
 `block_size` tokens (4 characters a token) reserved for prompt + output, a chained-hash
-prefix cache with LRU eviction. TTFT = queue wait + prefill of the *uncached* prompt
+prefix cache with LRU eviction (a hit is whole blocks and stops before the prompt's last
+token, as vLLM's: a prompt of exactly n cached blocks hits n - 1). TTFT = queue wait + prefill of the *uncached* prompt
 tokens (`prefill_us_per_token`); then one token per `decode_ms`, growing by
 `decode_batch_factor` per extra running sequence. All latencies are multiplied by
 `time_scale` (0 = no latency at all) and by the `slowdown` fault. Deterministic given

@@ -241,15 +241,17 @@ class EngineModel:
             seq = self.waiting[0]
             request = seq.request
             needed = self.blocks_needed(request)
-            if not self.kv.can_allocate(request.block_hashes, needed):
+            # vLLM (KVCacheManager.get_computed_blocks): the last prompt token is always
+            # computed, for its logits, and a hit is whole blocks: a prompt of exactly n
+            # cached blocks hits n - 1 of them and computes the last one again.
+            hits = max(request.prompt_tokens - 1, 0) // config.block_size
+            if not self.kv.can_allocate(request.block_hashes, needed, hits):
                 break
             self.waiting.popleft()
-            seq.allocation = self.kv.allocate(request.block_hashes, needed, request.token_ids)
-            # At least one prompt token is always recomputed to produce logits.
-            cached = min(
-                seq.allocation.cached_blocks * config.block_size, request.prompt_tokens - 1
+            seq.allocation = self.kv.allocate(
+                request.block_hashes, needed, request.token_ids, max_hits=hits
             )
-            seq.cached_tokens = max(cached, 0)
+            seq.cached_tokens = seq.allocation.cached_blocks * config.block_size
             seq.scheduled_time = now
             seq.prefill_remaining = request.prompt_tokens - seq.cached_tokens
             self.stats.prefix_queries_tokens += request.prompt_tokens

@@ -184,3 +184,26 @@ async def test_vllm_time_to_first_token_is_observed_at_the_first_token() -> None
         after = counts((await client.get("/metrics")).text)
     assert (during[ttft], during[prefill], during[e2e]) == (1, 0, 0)
     assert (after[ttft], after[prefill], after[e2e]) == (1, 1, 1)
+
+
+def sample_values(text: str) -> dict[tuple[str, str | None], float]:
+    return {
+        (s.name, s.labels.get("le")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+async def test_vllm_prefix_cache_hits_count_whole_blocks() -> None:
+    """A prompt of exactly two cached blocks hits one block on vLLM (the hit stops before
+    the last token, at a block boundary); the simulator counted 31 of 32 tokens, a number
+    vLLM never reports (found by a review helper)."""
+    async with (
+        SimFleet(replicas=1, model="m1", time_scale=0, block_size=16) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client,
+    ):
+        body = {"model": "m1", "prompt": "x" * 128, "max_tokens": 1}  # 32 tokens = 2 blocks
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        text = (await client.get("/metrics")).text
+    assert sample_values(text)[("vllm:prefix_cache_hits_total", None)] == 16

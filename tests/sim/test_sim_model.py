@@ -134,24 +134,32 @@ def test_a_shared_head_hits_only_up_to_the_first_different_block() -> None:
     assert other.cached_tokens == 8
 
 
-def test_a_fully_cached_prompt_still_recomputes_one_token() -> None:
+def test_a_fully_cached_prompt_hits_whole_blocks_and_computes_its_last_block_again() -> None:
+    """vLLM's hit stops before the prompt's last token and at a block boundary: a prompt of
+    exactly two cached blocks hits one. The simulator hit 7 of 8 tokens, a part of a block,
+    which vLLM never reports (found by a review helper)."""
     model = EngineModel(config(block_size=4))
     model.submit(SeqRequest(8, 1, h("a", "b")), 0.0)
     now = run_until_idle(model)
     again = model.submit(SeqRequest(8, 1, h("a", "b")), now)
     run_until_idle(model, now)
-    assert again.cached_tokens == 7
+    assert again.cached_tokens == 4
+    longer = model.submit(SeqRequest(9, 1, h("a", "b")), now)  # one token past the blocks
+    run_until_idle(model, now)
+    assert longer.cached_tokens == 8
+    assert model.stats.prefix_hits_tokens == 12
 
 
 def test_concurrent_sequences_share_cached_blocks_instead_of_copying() -> None:
     model = EngineModel(config(block_size=4, kv_blocks=64))
     prompt = h("a", "b", "c")
-    model.submit(SeqRequest(12, 4, prompt), 0.0)
+    model.submit(SeqRequest(13, 3, prompt), 0.0)
     step(model, 0.0)
     used_by_one = model.kv.used_blocks
-    model.submit(SeqRequest(12, 4, prompt), 1.0)
+    model.submit(SeqRequest(13, 3, prompt), 1.0)
     step(model, 1.0)
-    # The second sequence reuses 3 prompt blocks and adds only its output blocks.
+    # The second sequence reuses 3 full prompt blocks and adds only the block holding its
+    # last prompt token and its output (a hit stops before the last token, as in vLLM).
     assert model.kv.used_blocks == used_by_one + 1
 
 
@@ -312,7 +320,7 @@ def test_chunked_prefill_counts_a_prompt_once_and_caches_its_blocks() -> None:
     assert model.stats.prefix_queries_tokens == 16
     again = model.submit(SeqRequest(16, 1, h("a", "b", "c", "d")), 1.0)
     run_until_idle(model, 1.0)
-    assert again.cached_tokens == 15
+    assert again.cached_tokens == 12  # whole blocks; the last one is computed again
 
 
 def test_chunked_prefill_budget_below_max_num_seqs_is_refused() -> None:
