@@ -102,7 +102,7 @@ class Replica:
         config = self.options.engine_config
         model = EngineModel(replace(config, kv_events=True) if events else config)
         model.slowdown = self.options.faults.slowdown
-        observations = ModelObservations(self.options.engine)
+        observations = ModelObservations(self.options.engine, config.max_model_len)
         driver = EngineDriver(
             model,
             on_finish=observations.observe,

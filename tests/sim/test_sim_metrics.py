@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.promtext import CONTRACTS, extract
 from llmgw.sim import SimFleet
+from llmgw.types import Engine
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "metrics-vllm-0.32.0-busy.txt"
 
@@ -207,3 +208,23 @@ async def test_vllm_prefix_cache_hits_count_whole_blocks() -> None:
             assert (await client.post("/v1/completions", json=body)).status_code == 200
         text = (await client.get("/metrics")).text
     assert sample_values(text)[("vllm:prefix_cache_hits_total", None)] == 16
+
+
+async def test_vllm_computed_tokens_histogram_is_served_as_vllm_serves_it() -> None:
+    """vLLM 0.32 serves vllm:request_prefill_kv_computed_tokens (each finished request's
+    prompt minus its cached tokens), which the router's vLLM contract reads; the simulator
+    had none, so calibration took its other branch on the simulator only (found by a review
+    helper)."""
+    fleet = SimFleet(replicas=1, model="m1", time_scale=0, max_model_len=512)
+    async with fleet, httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client:
+        body = {"model": "m1", "prompt": "x" * 400, "max_tokens": 2}  # 100 tokens, 6 blocks
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        text = (await client.get("/metrics")).text
+    name = "vllm:request_prefill_kv_computed_tokens"
+    metrics = extract(text, CONTRACTS[Engine.VLLM], model="m1")
+    assert metrics.computed_tokens_sum == 100 + 4  # the second hit 96 tokens
+    assert sample_values(text)[(name + "_count", None)] == 2
+    # vLLM's buckets are 1-2-5 up to max_model_len: the fixture's engine ran with 512.
+    assert shape(text)[name] == shape(FIXTURE.read_text())[name]
+    assert label_sets(text)[name] == label_sets(FIXTURE.read_text())[name]
