@@ -256,7 +256,6 @@ class EngineModel:
             seq.prefill_remaining = request.prompt_tokens - seq.cached_tokens
             self.stats.prefix_queries_tokens += request.prompt_tokens
             self.stats.prefix_hits_tokens += seq.cached_tokens
-            self.stats.prompt_tokens += request.prompt_tokens
             self.running.append(seq)
             chunk = self._take_chunk(seq, budget)
             prefill_tokens += chunk
@@ -289,6 +288,9 @@ class EngineModel:
                 continue  # aborted during the step
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                # vLLM counts the prompt with its first token (the prefix-cache query was
+                # counted when the sequence was admitted).
+                self.stats.prompt_tokens += seq.request.prompt_tokens
             elif seq.last_token_time is not None:
                 seq.token_intervals.append(now - seq.last_token_time)
             seq.last_token_time = now

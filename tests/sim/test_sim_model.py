@@ -326,3 +326,20 @@ def test_chunked_prefill_counts_a_prompt_once_and_caches_its_blocks() -> None:
 def test_chunked_prefill_budget_below_max_num_seqs_is_refused() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         config(max_num_batched_tokens=2, max_num_seqs=4)
+
+
+def test_prompt_tokens_are_counted_at_the_first_token_and_cache_queries_at_admission() -> None:
+    """vLLM 0.32 (IterationStats.update_from_output) counts a prompt's tokens when its first
+    token comes out, its prefix-cache query when it is scheduled; the simulator counted both
+    at admission, so a scrape during a long prefill read its prompt too early (found by a
+    review helper)."""
+    model = EngineModel(config(max_num_batched_tokens=4, block_size=4))
+    model.submit(SeqRequest(10, 2), 0.0)
+    now = step(model, 0.0)  # 4 of 10 prompt tokens
+    assert (model.stats.prefix_queries_tokens, model.stats.prompt_tokens) == (10, 0)
+    now = step(model, now)
+    assert model.stats.prompt_tokens == 0
+    step(model, now)  # the last 2, and the first token
+    assert model.stats.prompt_tokens == 10
+    run_until_idle(model, now)
+    assert model.stats.prompt_tokens == 10
