@@ -26,7 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.samples import Sample
 
-from llmgw.sim.model import EngineModel, Sequence
+from llmgw.sim.model import FINISH_ABORT, EngineModel, Sequence
 
 ENGINES = ("vllm", "sglang", "trtllm")
 
@@ -136,6 +136,12 @@ class ModelObservations:
             self.ttft.observe(seq.first_token_time - seq.arrival_time)
 
     def observe(self, seq: Sequence) -> None:
+        # vLLM observes inter-token latencies as the tokens come, so an aborted request's
+        # count; the rest is recorded for finished requests only (an abort drops its stats).
+        for gap in seq.token_intervals:
+            self.itl.observe(gap)
+        if seq.finish_reason == FINISH_ABORT:
+            return
         scheduled, first, last = seq.scheduled_time, seq.first_token_time, seq.last_token_time
         if scheduled is not None:
             self.queue.observe(scheduled - seq.arrival_time)
@@ -148,8 +154,6 @@ class ModelObservations:
             self.inference.observe(last - scheduled)
             if seq.output_tokens > 1:
                 self.tpot.observe((last - first) / (seq.output_tokens - 1))
-        for gap in seq.token_intervals:
-            self.itl.observe(gap)
 
 
 @dataclass

@@ -201,7 +201,8 @@ class EngineModel:
         return seq
 
     def abort(self, seq: Sequence, now: float) -> None:
-        """Drop a sequence (client went away); its blocks are released at once."""
+        """Drop a sequence (client went away); its blocks are released at once. As on vLLM,
+        it is not counted as finished (vLLM drops an aborted request's stats)."""
         if seq.finished:
             return
         if seq in self.waiting:
@@ -301,6 +302,7 @@ class EngineModel:
                 reason = FINISH_STOP if seq.request.natural_stop else FINISH_LENGTH
                 self.running.remove(seq)
                 self._finish(seq, reason, now)
+                self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
                 finished.append(seq)
         self._in_step = []
         return StepResult(emitted=emitted, finished=finished)
@@ -318,4 +320,3 @@ class EngineModel:
         if seq.allocation is not None:
             self.kv.free(seq.allocation)
             seq.allocation = None
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

@@ -228,3 +228,35 @@ async def test_vllm_computed_tokens_histogram_is_served_as_vllm_serves_it() -> N
     # vLLM's buckets are 1-2-5 up to max_model_len: the fixture's engine ran with 512.
     assert shape(text)[name] == shape(FIXTURE.read_text())[name]
     assert label_sets(text)[name] == label_sets(FIXTURE.read_text())[name]
+
+
+async def test_vllm_a_client_abort_is_not_counted_as_a_finished_request() -> None:
+    """vLLM 0.32 (AsyncLLM.generate -> OutputProcessor.abort_requests) drops a request
+    whose client went away without recording it as finished: no request_success, e2e,
+    queue or computed-tokens observation; its inter-token latencies were observed as its
+    tokens came. The simulator counted it as finished "abort" with all of those (found by
+    a review helper)."""
+    async with SimFleet(replicas=1, model="m1", decode_ms=20, time_scale=1) as fleet:
+        engine = fleet.replicas[0].engine()
+        body = {"model": "m1", "prompt": "hi", "max_tokens": 2000, "stream": True}
+        async with httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if '"text"' in line and engine.running[0].output_tokens >= 3:
+                        break
+            await fleet.replicas[0].wait_until(lambda: not engine.running, timeout=3)
+            text = (await client.get("/metrics")).text
+    s = {
+        (x.name, x.labels.get("finished_reason")): x.value
+        for f in text_string_to_metric_families(text)
+        for x in f.samples
+    }
+    assert s[("vllm:request_success_total", "abort")] == 0
+    for name in (
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_kv_computed_tokens",
+    ):
+        assert s[(f"vllm:{name}_count", None)] == 0, name
+    assert s[("vllm:time_to_first_token_seconds_count", None)] == 1
+    assert s[("vllm:inter_token_latency_seconds_count", None)] >= 2

@@ -215,7 +215,10 @@ def test_time_scale_and_slowdown_multiply_step_time() -> None:
     assert run_until_idle(slow) == pytest.approx(10 * 0.001 * 0.5 * 4)
 
 
-def test_abort_releases_blocks_and_counts_as_abort() -> None:
+def test_abort_releases_blocks_and_is_not_counted_as_finished() -> None:
+    """vLLM drops an aborted request's state without recording it as finished; the
+    simulator counted it in request_success{finished_reason="abort"} (found by a review
+    helper)."""
     model = EngineModel(config())
     running = model.submit(SeqRequest(8, 100), 0.0)
     step(model, 0.0)
@@ -225,7 +228,8 @@ def test_abort_releases_blocks_and_counts_as_abort() -> None:
     model.abort(waiting, 0.2)
     assert not model.has_work
     assert model.kv.used_blocks == 0
-    assert model.stats.finished == {"abort": 2}
+    assert (running.finish_reason, waiting.finish_reason) == ("abort", "abort")
+    assert model.stats.finished == {}
 
 
 def test_natural_stop_reports_stop_and_max_tokens_reports_length() -> None:
