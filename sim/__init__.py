@@ -8,6 +8,9 @@ SSE shaped like vLLM 0.32, `stream_options.include_usage`), `GET /v1/models`,
 `GET /health`, `GET /metrics` (vLLM, SGLang or TensorRT-LLM names and labels, chosen by
 `engine`), `GET|POST /admin/faults`, `POST /admin/reset`. Every response carries
 `x-sim-replica: <index>`; non-streamed answers also carry `x-sim-cached-tokens`.
+One choice per request (`n` must be 1). Without `max_tokens` a completion gets vLLM's 16
+(finish_reason "length"); a chat request a length drawn from `default_output_tokens`
+(finish_reason "stop").
 Errors are `{"error": {"message", "type", "param", "code"}}`: 400 bad JSON, missing
 `model`, wrong types or too long; 404 unknown model; 429 waiting queue full.
 

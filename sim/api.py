@@ -12,6 +12,7 @@ from llmgw.sim.tokens import chat_prompt
 CHAT = "chat"
 COMPLETION = "completion"
 SYSTEM_FINGERPRINT = "llmgw-sim"
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -142,6 +143,10 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
         completion = _optional_int(body, "max_completion_tokens", 1)
         if completion is not None:
             max_tokens = completion
+    elif "max_tokens" not in body:
+        # vLLM's CompletionRequest: `max_tokens: int | None = 16` (OpenAI's default); chat
+        # has none, and the simulator then draws a natural length.
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     n = _optional_int(body, "n", 1)
     if n is not None and n != 1:
         raise ApiError(400, "n: only n=1 is supported by the simulator", "n")

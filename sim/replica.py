@@ -45,7 +45,8 @@ class ReplicaOptions:
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     seed: int = 0
     faults: Faults = field(default_factory=Faults)
-    # Output length range when a request sets no max_tokens (finish_reason "stop").
+    # Output length range of a chat request without max_tokens (finish_reason "stop"); a
+    # completion without it gets 16, as on vLLM.
     default_output_tokens: tuple[int, int] = (16, 64)
     # CLI: a crash fault exits the process; in-process fleets drop sockets instead.
     crash_exits_process: bool = False

@@ -62,12 +62,25 @@ async def test_chat_completion_non_streaming(client: httpx.AsyncClient) -> None:
     assert response.headers["x-sim-replica"] == "0"
 
 
-async def test_completion_without_max_tokens_stops_naturally(client: httpx.AsyncClient) -> None:
+async def test_chat_without_max_tokens_stops_naturally(client: httpx.AsyncClient) -> None:
+    chat = {"model": "m2", "messages": [{"role": "user", "content": "Once"}]}
+    response = await client.post("/v1/chat/completions", json=chat)
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert 16 <= body["usage"]["completion_tokens"] <= 64
+
+
+async def test_completion_without_max_tokens_gets_vllms_default_of_16(
+    client: httpx.AsyncClient,
+) -> None:
+    """vLLM 0.32's CompletionRequest has `max_tokens: int | None = 16` (OpenAI's default):
+    the simulator drew 16 to 64 tokens and stopped "naturally" (found by a review helper)."""
     response = await client.post("/v1/completions", json={"model": "m2", "prompt": "Once"})
     body = response.json()
     assert body["object"] == "text_completion"
-    assert body["choices"][0]["finish_reason"] == "stop"
-    assert 16 <= body["usage"]["completion_tokens"] <= 64
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 16
 
 
 async def test_streamed_chat_has_the_shape_of_real_vllm(client: httpx.AsyncClient) -> None:
