@@ -478,14 +478,21 @@ class EngineCollector:
         self._served = list(served)
 
     def collect(self) -> Iterator[Metric]:
-        # One family per name, even with several models, or the exposition repeats HELP.
+        # One family per name, even with several models, or the exposition repeats HELP;
+        # a series without a model label (vllm:cache_config_info) is served once.
         merged: dict[str, Metric] = {}
         for served in self._served:
             for family in self._families(served):
-                if family.name in merged:
-                    merged[family.name].samples.extend(family.samples)
-                else:
+                into = merged.get(family.name)
+                if into is None:
                     merged[family.name] = family
+                    continue
+                seen = {(s.name, tuple(sorted(s.labels.items()))) for s in into.samples}
+                into.samples.extend(
+                    s
+                    for s in family.samples
+                    if (s.name, tuple(sorted(s.labels.items()))) not in seen
+                )
         yield from merged.values()
 
 

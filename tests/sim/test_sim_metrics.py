@@ -260,3 +260,23 @@ async def test_vllm_a_client_abort_is_not_counted_as_a_finished_request() -> Non
         assert s[(f"vllm:{name}_count", None)] == 0, name
     assert s[("vllm:time_to_first_token_seconds_count", None)] == 1
     assert s[("vllm:inter_token_latency_seconds_count", None)] >= 2
+
+
+async def test_a_two_model_replica_serves_the_cache_config_series_once() -> None:
+    """vllm:cache_config_info has no model_name label: each served model added the same
+    series again, a duplicate Prometheus drops and that the router's contract (summing it
+    over engines) read as twice the KV size (found by a review helper)."""
+    async with (
+        SimFleet(replicas=1, models=["a", "b"], time_scale=0) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client,
+    ):
+        text = (await client.get("/metrics")).text
+    series = [
+        tuple(sorted(s.labels.items()))
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:cache_config_info"
+    ]
+    assert len(series) == 1
+    for model in ("a", "b"):
+        assert extract(text, CONTRACTS[Engine.VLLM], model=model).kv_tokens == 2048 * 16
