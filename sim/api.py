@@ -52,8 +52,8 @@ class CompletionCall:
     kind: str
     model: str
     prompt: str
-    # Set when the prompt came as token ids: their count is the prompt length.
-    prompt_token_count: int | None
+    # Set when the prompt came as token ids: the engine takes them as they are.
+    prompt_token_ids: tuple[int, ...] | None
     max_tokens: int | None
     stream: bool
     include_usage: bool
@@ -92,7 +92,7 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
         raise ApiError(400, "model: Field required", "model")
     if not isinstance(model, str):
         raise ApiError(400, "model: Input should be a valid string", "model")
-    prompt_token_count: int | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
     if kind == CHAT:
         messages = body.get("messages")
         if messages is None:
@@ -135,7 +135,7 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
             isinstance(p, int) and not isinstance(p, bool) for p in raw_prompt
         ):
             prompt = " ".join(map(str, raw_prompt))
-            prompt_token_count = max(1, len(raw_prompt))
+            prompt_token_ids = tuple(raw_prompt)
         else:
             raise ApiError(400, "prompt: Input should be a string or a list of tokens", "prompt")
     max_tokens = _optional_int(body, "max_tokens", 1)
@@ -165,7 +165,7 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
         kind=kind,
         model=model,
         prompt=prompt,
-        prompt_token_count=prompt_token_count,
+        prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,

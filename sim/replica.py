@@ -27,7 +27,13 @@ from llmgw.sim.model import (
     SeqRequest,
     Sequence,
 )
-from llmgw.sim.tokens import OutputText, block_hashes, count_tokens, token_ids
+from llmgw.sim.tokens import (
+    OutputText,
+    block_hashes,
+    count_tokens,
+    id_block_hashes,
+    token_ids,
+)
 
 _NOT_FOUND = Response(404, b'{"detail":"Not Found"}')
 _NOT_ALLOWED = Response(405, b'{"detail":"Method Not Allowed"}')
@@ -302,11 +308,16 @@ class Replica:
 
     def _seq_request(self, call: api.CompletionCall) -> SeqRequest:
         config = self.options.engine_config
-        prompt_tokens = call.prompt_token_count or count_tokens(call.prompt)
-        hashes = (
-            block_hashes(call.prompt, config.block_size) if config.enable_prefix_caching else ()
-        )
-        ids = token_ids(call.prompt) if self.options.kv_events_port is not None else ()
+        caching, events = config.enable_prefix_caching, self.options.kv_events_port is not None
+        given = call.prompt_token_ids
+        if given is not None:  # token ids: hashed and published as they are, as vLLM does
+            prompt_tokens = len(given)
+            hashes = id_block_hashes(given, config.block_size) if caching else ()
+            ids = given if events else ()
+        else:
+            prompt_tokens = count_tokens(call.prompt)
+            hashes = block_hashes(call.prompt, config.block_size) if caching else ()
+            ids = token_ids(call.prompt) if events else ()
         if call.max_tokens is not None:
             return SeqRequest(prompt_tokens, call.max_tokens, hashes, token_ids=ids)
         low, high = self.options.default_output_tokens
