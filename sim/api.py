@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,11 +61,44 @@ class CompletionCall:
     include_usage: bool
 
 
+# vLLM's request models validate in pydantic's lax mode; these take what it takes.
+_INT_TEXT = re.compile(r"[+-]?\d+(?:_\d+)*(?:\.0*)?")
+_TRUE = frozenset({"true", "yes", "on", "1", "t", "y"})
+_FALSE = frozenset({"false", "no", "off", "0", "f", "n"})
+
+
+def _lax_int(value: object) -> int | None:
+    """An int as pydantic's lax mode reads one: an int or bool, an integral float, a string
+    of digits (spaces around, `_` between, `.0` after); None otherwise."""
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, str) and _INT_TEXT.fullmatch(text := value.strip()):
+        return int(text.split(".")[0])
+    return None
+
+
+def _lax_bool(value: object) -> bool | None:
+    """A bool as pydantic's lax mode reads one: a bool, 0 or 1, or a word such as "true",
+    "yes", "off" (any case); None otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+    return None
+
+
 def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
+    raw = body.get(name)
+    if raw is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    value = _lax_int(raw)
+    if value is None:
         raise ApiError(400, f"{name}: Input should be a valid integer", name)
     if value < minimum:
         raise ApiError(400, f"{name}: Input should be greater than or equal to {minimum}", name)
@@ -71,10 +106,11 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
 
 
 def _optional_bool(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
+    raw = body.get(name, False)
+    if raw is None:
         return False
-    if not isinstance(value, bool):
+    value = _lax_bool(raw)
+    if value is None:
         raise ApiError(400, f"{name}: Input should be a valid boolean", name)
     return value
 
@@ -153,11 +189,13 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
     include_usage = False
+    # vLLM's check, on the raw values: `data.get("stream_options") and not data.get("stream")`
+    # (an empty stream_options passes it).
+    if options and not body.get("stream"):
+        raise ApiError(
+            400, "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
     if options is not None:
-        if not stream:
-            raise ApiError(
-                400, "Stream options can only be defined when `stream=True`.", "stream_options"
-            )
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options: Input should be a valid object", "stream_options")
         include_usage = _optional_bool(options, "include_usage")
