@@ -762,7 +762,7 @@ def simulate(
             kv_seq[index] += 1
             push(now + kv_event_lag, _KV, index, eid)
 
-    observations = [ModelObservations() for _ in range(n)]
+    observations = [ModelObservations(max_model_len=e.config.max_model_len) for e in engines]
     pages = [
         make_registry("vllm", [ServedModel(MODEL, engines[i], observations[i])]) for i in range(n)
     ]

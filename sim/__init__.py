@@ -8,13 +8,17 @@ SSE shaped like vLLM 0.32, `stream_options.include_usage`), `GET /v1/models`,
 `GET /health`, `GET /metrics` (vLLM, SGLang or TensorRT-LLM names and labels, chosen by
 `engine`), `GET|POST /admin/faults`, `POST /admin/reset`. Every response carries
 `x-sim-replica: <index>`; non-streamed answers also carry `x-sim-cached-tokens`.
+One choice per request (`n` must be 1). Without `max_tokens` a completion gets vLLM's 16
+(finish_reason "length"); a chat request a length drawn from `default_output_tokens`
+(finish_reason "stop").
 Errors are `{"error": {"message", "type", "param", "code"}}`: 400 bad JSON, missing
 `model`, wrong types or too long; 404 unknown model; 429 waiting queue full.
 
 Behaviour (`model.py`, pure, tested with an injected clock): continuous batching of at
 most `max_num_seqs`, a FIFO queue of at most `max_queue`, `kv_blocks` blocks of
 `block_size` tokens (4 characters a token) reserved for prompt + output, a chained-hash
-prefix cache with LRU eviction. TTFT = queue wait + prefill of the *uncached* prompt
+prefix cache with LRU eviction (a hit is whole blocks and stops before the prompt's last
+token, as vLLM's: a prompt of exactly n cached blocks hits n - 1). TTFT = queue wait + prefill of the *uncached* prompt
 tokens (`prefill_us_per_token`); then one token per `decode_ms`, growing by
 `decode_batch_factor` per extra running sequence. All latencies are multiplied by
 `time_scale` (0 = no latency at all) and by the `slowdown` fault. Deterministic given

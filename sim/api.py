@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +14,7 @@ from llmgw.sim.tokens import chat_prompt
 CHAT = "chat"
 COMPLETION = "completion"
 SYSTEM_FINGERPRINT = "llmgw-sim"
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -51,18 +54,51 @@ class CompletionCall:
     kind: str
     model: str
     prompt: str
-    # Set when the prompt came as token ids: their count is the prompt length.
-    prompt_token_count: int | None
+    # Set when the prompt came as token ids: the engine takes them as they are.
+    prompt_token_ids: tuple[int, ...] | None
     max_tokens: int | None
     stream: bool
     include_usage: bool
 
 
+# vLLM's request models validate in pydantic's lax mode; these take what it takes.
+_INT_TEXT = re.compile(r"[+-]?\d+(?:_\d+)*(?:\.0*)?")
+_TRUE = frozenset({"true", "yes", "on", "1", "t", "y"})
+_FALSE = frozenset({"false", "no", "off", "0", "f", "n"})
+
+
+def _lax_int(value: object) -> int | None:
+    """An int as pydantic's lax mode reads one: an int or bool, an integral float, a string
+    of digits (spaces around, `_` between, `.0` after); None otherwise."""
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    if isinstance(value, str) and _INT_TEXT.fullmatch(text := value.strip()):
+        return int(text.split(".")[0])
+    return None
+
+
+def _lax_bool(value: object) -> bool | None:
+    """A bool as pydantic's lax mode reads one: a bool, 0 or 1, or a word such as "true",
+    "yes", "off" (any case); None otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+    return None
+
+
 def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
-    value = body.get(name)
-    if value is None:
+    raw = body.get(name)
+    if raw is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    value = _lax_int(raw)
+    if value is None:
         raise ApiError(400, f"{name}: Input should be a valid integer", name)
     if value < minimum:
         raise ApiError(400, f"{name}: Input should be greater than or equal to {minimum}", name)
@@ -70,10 +106,11 @@ def _optional_int(body: dict[str, Any], name: str, minimum: int) -> int | None:
 
 
 def _optional_bool(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
+    raw = body.get(name, False)
+    if raw is None:
         return False
-    if not isinstance(value, bool):
+    value = _lax_bool(raw)
+    if value is None:
         raise ApiError(400, f"{name}: Input should be a valid boolean", name)
     return value
 
@@ -91,7 +128,7 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
         raise ApiError(400, "model: Field required", "model")
     if not isinstance(model, str):
         raise ApiError(400, "model: Input should be a valid string", "model")
-    prompt_token_count: int | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
     if kind == CHAT:
         messages = body.get("messages")
         if messages is None:
@@ -134,7 +171,7 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
             isinstance(p, int) and not isinstance(p, bool) for p in raw_prompt
         ):
             prompt = " ".join(map(str, raw_prompt))
-            prompt_token_count = max(1, len(raw_prompt))
+            prompt_token_ids = tuple(raw_prompt)
         else:
             raise ApiError(400, "prompt: Input should be a string or a list of tokens", "prompt")
     max_tokens = _optional_int(body, "max_tokens", 1)
@@ -142,17 +179,23 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
         completion = _optional_int(body, "max_completion_tokens", 1)
         if completion is not None:
             max_tokens = completion
+    elif "max_tokens" not in body:
+        # vLLM's CompletionRequest: `max_tokens: int | None = 16` (OpenAI's default); chat
+        # has none, and the simulator then draws a natural length.
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
     n = _optional_int(body, "n", 1)
     if n is not None and n != 1:
         raise ApiError(400, "n: only n=1 is supported by the simulator", "n")
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
     include_usage = False
+    # vLLM's check, on the raw values: `data.get("stream_options") and not data.get("stream")`
+    # (an empty stream_options passes it).
+    if options and not body.get("stream"):
+        raise ApiError(
+            400, "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
     if options is not None:
-        if not stream:
-            raise ApiError(
-                400, "Stream options can only be defined when `stream=True`.", "stream_options"
-            )
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options: Input should be a valid object", "stream_options")
         include_usage = _optional_bool(options, "include_usage")
@@ -160,7 +203,7 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
         kind=kind,
         model=model,
         prompt=prompt,
-        prompt_token_count=prompt_token_count,
+        prompt_token_ids=prompt_token_ids,
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,

@@ -69,8 +69,10 @@ class KVCache:
             matched += 1
         return matched
 
-    def can_allocate(self, block_hashes: tuple[bytes, ...], total_blocks: int) -> bool:
-        matched = self.match_prefix(block_hashes)
+    def can_allocate(
+        self, block_hashes: tuple[bytes, ...], total_blocks: int, max_hits: int | None = None
+    ) -> bool:
+        matched = self.match_prefix(block_hashes[:max_hits])
         matched_evictable = sum(
             1 for h in block_hashes[:matched] if self._by_hash[h] in self._evictable
         )
@@ -78,11 +80,16 @@ class KVCache:
         return total_blocks - matched <= free
 
     def allocate(
-        self, block_hashes: tuple[bytes, ...], total_blocks: int, token_ids: tuple[int, ...] = ()
+        self,
+        block_hashes: tuple[bytes, ...],
+        total_blocks: int,
+        token_ids: tuple[int, ...] = (),
+        max_hits: int | None = None,
     ) -> Allocation:
-        """Take `total_blocks` blocks, reusing cached prefix blocks; caller checked room.
+        """Take `total_blocks` blocks, reusing at most `max_hits` cached prefix blocks (the
+        others are computed again in blocks of their own); caller checked room.
         `token_ids` (the prompt's) go into the BlockStored events when they are on."""
-        matched = self.match_prefix(block_hashes)
+        matched = self.match_prefix(block_hashes[:max_hits])
         stored: list[int] = []  # indexes of prompt blocks newly cached by this call
         block_ids: list[int] = []
         for block_hash in block_hashes[:matched]:

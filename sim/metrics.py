@@ -26,7 +26,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.samples import Sample
 
-from llmgw.sim.model import EngineModel, Sequence
+from llmgw.sim.model import FINISH_ABORT, EngineModel, Sequence
 
 ENGINES = ("vllm", "sglang", "trtllm")
 
@@ -67,6 +67,19 @@ BUCKETS: dict[str, tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """vLLM's bounds for per-request token counts (build_1_2_5_buckets): 1, 2, 5, 10, ...
+    up to `max_model_len`."""
+    bounds: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(bounds)
+            bounds.append(float(mantissa * scale))
+        scale *= 10
+
+
 @dataclass
 class LatencyHistogram:
     """Cumulative-free bucket counts; rendered as Prometheus cumulative buckets."""
@@ -101,11 +114,13 @@ class ModelObservations:
     """Per-model latency histograms, fed as vLLM feeds them: time to first token when the
     first token comes (`first_token`), the rest when a sequence finishes (`observe`; queue =
     scheduled - arrival, prefill = first token - scheduled, decode = last token - first
-    token, inference = last token - scheduled). A scrape in between sees a request's time
-    to first token and not yet its prefill or queue time, as on vLLM."""
+    token, inference = last token - scheduled; computed = prompt - cached tokens). A scrape
+    in between sees a request's time to first token and not yet its prefill or queue time,
+    as on vLLM."""
 
-    def __init__(self, engine: str = "vllm") -> None:
+    def __init__(self, engine: str = "vllm", max_model_len: int = 8192) -> None:
         ttft, e2e, itl = BUCKETS[engine]
+        self.computed = LatencyHistogram(token_buckets(max_model_len))
         self.ttft = LatencyHistogram(ttft)
         self.e2e = LatencyHistogram(e2e)
         self.queue = LatencyHistogram(e2e)
@@ -121,19 +136,24 @@ class ModelObservations:
             self.ttft.observe(seq.first_token_time - seq.arrival_time)
 
     def observe(self, seq: Sequence) -> None:
+        # vLLM observes inter-token latencies as the tokens come, so an aborted request's
+        # count; the rest is recorded for finished requests only (an abort drops its stats).
+        for gap in seq.token_intervals:
+            self.itl.observe(gap)
+        if seq.finish_reason == FINISH_ABORT:
+            return
         scheduled, first, last = seq.scheduled_time, seq.first_token_time, seq.last_token_time
         if scheduled is not None:
             self.queue.observe(scheduled - seq.arrival_time)
         if seq.finished_time is not None:
             self.e2e.observe(seq.finished_time - seq.arrival_time)
+        self.computed.observe(seq.request.prompt_tokens - seq.cached_tokens)
         if scheduled is not None and first is not None and last is not None:
             self.prefill.observe(first - scheduled)
             self.decode.observe(last - first)
             self.inference.observe(last - scheduled)
             if seq.output_tokens > 1:
                 self.tpot.observe((last - first) / (seq.output_tokens - 1))
-        for gap in seq.token_intervals:
-            self.itl.observe(gap)
 
 
 @dataclass
@@ -278,6 +298,12 @@ def vllm_metrics(served: ServedModel) -> Iterator[Metric]:
         "Histogram of time_per_output_token_seconds per request.",
         labels,
         obs.tpot,
+    )
+    yield _histogram(
+        "vllm:request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+        labels,
+        obs.computed,
     )
     config = engine.config
     info = GaugeMetricFamily(
@@ -452,14 +478,21 @@ class EngineCollector:
         self._served = list(served)
 
     def collect(self) -> Iterator[Metric]:
-        # One family per name, even with several models, or the exposition repeats HELP.
+        # One family per name, even with several models, or the exposition repeats HELP;
+        # a series without a model label (vllm:cache_config_info) is served once.
         merged: dict[str, Metric] = {}
         for served in self._served:
             for family in self._families(served):
-                if family.name in merged:
-                    merged[family.name].samples.extend(family.samples)
-                else:
+                into = merged.get(family.name)
+                if into is None:
                     merged[family.name] = family
+                    continue
+                seen = {(s.name, tuple(sorted(s.labels.items()))) for s in into.samples}
+                into.samples.extend(
+                    s
+                    for s in family.samples
+                    if (s.name, tuple(sorted(s.labels.items()))) not in seen
+                )
         yield from merged.values()
 
 

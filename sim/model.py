@@ -201,7 +201,8 @@ class EngineModel:
         return seq
 
     def abort(self, seq: Sequence, now: float) -> None:
-        """Drop a sequence (client went away); its blocks are released at once."""
+        """Drop a sequence (client went away); its blocks are released at once. As on vLLM,
+        it is not counted as finished (vLLM drops an aborted request's stats)."""
         if seq.finished:
             return
         if seq in self.waiting:
@@ -241,20 +242,21 @@ class EngineModel:
             seq = self.waiting[0]
             request = seq.request
             needed = self.blocks_needed(request)
-            if not self.kv.can_allocate(request.block_hashes, needed):
+            # vLLM (KVCacheManager.get_computed_blocks): the last prompt token is always
+            # computed, for its logits, and a hit is whole blocks: a prompt of exactly n
+            # cached blocks hits n - 1 of them and computes the last one again.
+            hits = max(request.prompt_tokens - 1, 0) // config.block_size
+            if not self.kv.can_allocate(request.block_hashes, needed, hits):
                 break
             self.waiting.popleft()
-            seq.allocation = self.kv.allocate(request.block_hashes, needed, request.token_ids)
-            # At least one prompt token is always recomputed to produce logits.
-            cached = min(
-                seq.allocation.cached_blocks * config.block_size, request.prompt_tokens - 1
+            seq.allocation = self.kv.allocate(
+                request.block_hashes, needed, request.token_ids, max_hits=hits
             )
-            seq.cached_tokens = max(cached, 0)
+            seq.cached_tokens = seq.allocation.cached_blocks * config.block_size
             seq.scheduled_time = now
             seq.prefill_remaining = request.prompt_tokens - seq.cached_tokens
             self.stats.prefix_queries_tokens += request.prompt_tokens
             self.stats.prefix_hits_tokens += seq.cached_tokens
-            self.stats.prompt_tokens += request.prompt_tokens
             self.running.append(seq)
             chunk = self._take_chunk(seq, budget)
             prefill_tokens += chunk
@@ -287,6 +289,9 @@ class EngineModel:
                 continue  # aborted during the step
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                # vLLM counts the prompt with its first token (the prefix-cache query was
+                # counted when the sequence was admitted).
+                self.stats.prompt_tokens += seq.request.prompt_tokens
             elif seq.last_token_time is not None:
                 seq.token_intervals.append(now - seq.last_token_time)
             seq.last_token_time = now
@@ -297,6 +302,7 @@ class EngineModel:
                 reason = FINISH_STOP if seq.request.natural_stop else FINISH_LENGTH
                 self.running.remove(seq)
                 self._finish(seq, reason, now)
+                self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
                 finished.append(seq)
         self._in_step = []
         return StepResult(emitted=emitted, finished=finished)
@@ -314,4 +320,3 @@ class EngineModel:
         if seq.allocation is not None:
             self.kv.free(seq.allocation)
             seq.allocation = None
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

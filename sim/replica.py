@@ -27,7 +27,13 @@ from llmgw.sim.model import (
     SeqRequest,
     Sequence,
 )
-from llmgw.sim.tokens import OutputText, block_hashes, count_tokens, token_ids
+from llmgw.sim.tokens import (
+    OutputText,
+    block_hashes,
+    count_tokens,
+    id_block_hashes,
+    token_ids,
+)
 
 _NOT_FOUND = Response(404, b'{"detail":"Not Found"}')
 _NOT_ALLOWED = Response(405, b'{"detail":"Method Not Allowed"}')
@@ -45,7 +51,8 @@ class ReplicaOptions:
     engine_config: EngineConfig = field(default_factory=EngineConfig)
     seed: int = 0
     faults: Faults = field(default_factory=Faults)
-    # Output length range when a request sets no max_tokens (finish_reason "stop").
+    # Output length range of a chat request without max_tokens (finish_reason "stop"); a
+    # completion without it gets 16, as on vLLM.
     default_output_tokens: tuple[int, int] = (16, 64)
     # CLI: a crash fault exits the process; in-process fleets drop sockets instead.
     crash_exits_process: bool = False
@@ -102,7 +109,7 @@ class Replica:
         config = self.options.engine_config
         model = EngineModel(replace(config, kv_events=True) if events else config)
         model.slowdown = self.options.faults.slowdown
-        observations = ModelObservations(self.options.engine)
+        observations = ModelObservations(self.options.engine, config.max_model_len)
         driver = EngineDriver(
             model,
             on_finish=observations.observe,
@@ -301,11 +308,16 @@ class Replica:
 
     def _seq_request(self, call: api.CompletionCall) -> SeqRequest:
         config = self.options.engine_config
-        prompt_tokens = call.prompt_token_count or count_tokens(call.prompt)
-        hashes = (
-            block_hashes(call.prompt, config.block_size) if config.enable_prefix_caching else ()
-        )
-        ids = token_ids(call.prompt) if self.options.kv_events_port is not None else ()
+        caching, events = config.enable_prefix_caching, self.options.kv_events_port is not None
+        given = call.prompt_token_ids
+        if given is not None:  # token ids: hashed and published as they are, as vLLM does
+            prompt_tokens = len(given)
+            hashes = id_block_hashes(given, config.block_size) if caching else ()
+            ids = given if events else ()
+        else:
+            prompt_tokens = count_tokens(call.prompt)
+            hashes = block_hashes(call.prompt, config.block_size) if caching else ()
+            ids = token_ids(call.prompt) if events else ()
         if call.max_tokens is not None:
             return SeqRequest(prompt_tokens, call.max_tokens, hashes, token_ids=ids)
         low, high = self.options.default_output_tokens

@@ -47,6 +47,18 @@ def block_hashes(
     return tuple(hashes)
 
 
+def id_block_hashes(ids: tuple[int, ...], block_size: int) -> tuple[bytes, ...]:
+    """Chained hashes of the full blocks of a prompt given as token ids (a completion's):
+    the ids themselves, not a text, so they never equal a text prompt's hashes."""
+    hashes: list[bytes] = []
+    parent = b""
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        chunk = ",".join(map(str, ids[start : start + block_size])).encode()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16, person=b"token-ids").digest()
+        hashes.append(parent)
+    return tuple(hashes)
+
+
 def chat_prompt(messages: list[dict[str, object]]) -> str:
     """Flatten chat messages the way a chat template does: role markers then content."""
     parts: list[str] = []

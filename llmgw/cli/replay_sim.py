@@ -180,7 +180,9 @@ def simulate(
     targets = scraper.targets()
     index_of = {e: i for i, e in enumerate(endpoints)}
     engines = [EngineModel(engine) for _ in range(n)]
-    observations = [{m: ModelObservations() for m in models} for _ in range(n)]
+    observations = [
+        {m: ModelObservations(max_model_len=engine.max_model_len) for m in models} for _ in range(n)
+    ]
     pages = [
         make_registry("vllm", [ServedModel(m, engines[i], observations[i][m]) for m in models])
         for i in range(n)

@@ -62,12 +62,25 @@ async def test_chat_completion_non_streaming(client: httpx.AsyncClient) -> None:
     assert response.headers["x-sim-replica"] == "0"
 
 
-async def test_completion_without_max_tokens_stops_naturally(client: httpx.AsyncClient) -> None:
+async def test_chat_without_max_tokens_stops_naturally(client: httpx.AsyncClient) -> None:
+    chat = {"model": "m2", "messages": [{"role": "user", "content": "Once"}]}
+    response = await client.post("/v1/chat/completions", json=chat)
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert 16 <= body["usage"]["completion_tokens"] <= 64
+
+
+async def test_completion_without_max_tokens_gets_vllms_default_of_16(
+    client: httpx.AsyncClient,
+) -> None:
+    """vLLM 0.32's CompletionRequest has `max_tokens: int | None = 16` (OpenAI's default):
+    the simulator drew 16 to 64 tokens and stopped "naturally" (found by a review helper)."""
     response = await client.post("/v1/completions", json={"model": "m2", "prompt": "Once"})
     body = response.json()
     assert body["object"] == "text_completion"
-    assert body["choices"][0]["finish_reason"] == "stop"
-    assert 16 <= body["usage"]["completion_tokens"] <= 64
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 16
 
 
 async def test_streamed_chat_has_the_shape_of_real_vllm(client: httpx.AsyncClient) -> None:
@@ -114,9 +127,11 @@ async def test_streamed_completion_without_usage(client: httpx.AsyncClient) -> N
         (b'{"model": 5, "messages": []}', "model: Input should be a valid string"),
         (b'{"model": "m1"}', "messages: Field required"),
         (b'{"model": "m1", "messages": "hi"}', "messages"),
-        (b'{"model": "m1", "messages": [], "max_tokens": "7"}', "max_tokens"),
+        (b'{"model": "m1", "messages": [], "max_tokens": "seven"}', "max_tokens"),
+        (b'{"model": "m1", "messages": [], "max_tokens": 7.5}', "max_tokens"),
         (b'{"model": "m1", "messages": [], "max_tokens": 0}', "max_tokens"),
-        (b'{"model": "m1", "messages": [], "stream": "yes"}', "stream"),
+        (b'{"model": "m1", "messages": [], "stream": "maybe"}', "stream"),
+        (b'{"model": "m1", "messages": [], "stream": 2}', "stream"),
         (b'{"model": "m1", "messages": [], "n": 2}', "n"),
         (b'{"model": "m1", "messages": [], "max_tokens": 100000}', "context length"),
     ],
@@ -131,6 +146,34 @@ async def test_bad_requests_are_400_openai_errors(
     assert error["type"] == "BadRequestError"
     assert error["code"] == 400
     assert response.headers["x-sim-replica"] == "0"
+
+
+async def test_values_vllm_coerces_are_taken_as_vllm_takes_them(
+    client: httpx.AsyncClient,
+) -> None:
+    """vLLM 0.32's request models validate in pydantic's lax mode: an integral float or a
+    string of digits for an int, "true"/"yes"/"0" for a bool; an empty stream_options
+    without stream passes its check (`data.get("stream_options") and not
+    data.get("stream")`). The simulator answered 400 to each (found by a review helper)."""
+    cases: dict[str, tuple[dict[str, object], int]] = {
+        "max_tokens str": ({"max_tokens": "7"}, 7),
+        "max_tokens float": ({"max_tokens": 7.0}, 7),
+        "max_completion_tokens str": ({"max_completion_tokens": " 3 "}, 3),
+        "stream str": ({"max_tokens": 2, "stream": "true"}, 2),
+        "n float": ({"max_tokens": 2, "n": 1.0}, 2),
+        "empty stream_options": ({"max_tokens": 2, "stream_options": {}}, 2),
+    }
+    for name, (extra, tokens) in cases.items():
+        reply = await client.post("/v1/chat/completions", json={**CHAT, **extra})
+        assert reply.status_code == 200, (name, reply.text)
+        if extra.get("stream"):
+            assert reply.text.endswith("data: [DONE]\n\n"), name
+            assert reply.text.count('"delta":{"content"') == tokens, name
+        else:
+            assert reply.json()["usage"]["completion_tokens"] == tokens, name
+    usage = {"stream": "yes", "stream_options": {"include_usage": "on"}}
+    streamed = await client.post("/v1/chat/completions", json={**CHAT, **usage})
+    assert '"usage":{"prompt_tokens"' in streamed.text
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,15 @@ index they predict exactly what the engine's prefix cache will hit."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
+import httpx
 import msgpack
+import pytest
 
 from llmgw.kvevents import EventBatch, decode_batch
 from llmgw.kvindex import ExactPrefixIndex
+from llmgw.sim import SimFleet
 from llmgw.sim.kvcache import KVCache
 from llmgw.sim.model import EngineConfig, EngineModel, SeqRequest
 from llmgw.sim.tokens import block_hashes, chat_prompt, count_tokens, token_ids
@@ -98,3 +102,34 @@ def test_a_cache_reset_while_blocks_are_in_use_leaves_no_hit_the_events_do_not_r
     payload = msgpack.unpackb(msgpack.packb([0.0, kv.drain_events()]))
     index.apply_batch("e", decode_batch(0, payload), 0.0)
     assert index.match(ids, ["e"])["e"] == kv.match_prefix(hashes) * BS
+
+
+async def test_a_token_id_prompt_is_cached_and_published_as_its_own_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM hashes and publishes a completion prompt's own token ids, and the router looks
+    such a prompt up by them (`llmgw.tokenize`: used as is). The simulator cut the ids'
+    decimal text into 4-character tokens instead: its events never matched the router's
+    lookup, and the prompt's blocks were those of another token count (found by a review
+    helper)."""
+    ids = list(range(10_000, 10_064))  # 64 tokens = 4 blocks of 16
+    captured: list[dict[str, Any]] = []
+    async with (
+        SimFleet(replicas=1, model="m1", time_scale=0, block_size=16, kv_events_port=0) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client,
+    ):
+        publisher = fleet.replicas[0].kv_publisher
+        assert publisher is not None
+        monkeypatch.setattr(publisher, "publish", captured.extend)
+        body = {"model": "m1", "prompt": ids, "max_tokens": 1}
+        first = await client.post("/v1/completions", json=body)
+        again = await client.post("/v1/completions", json=body)
+    assert first.json()["usage"]["prompt_tokens"] == 64
+    assert again.headers["x-sim-cached-tokens"] == "48"  # 3 whole blocks: the last computed
+    stored = [e for e in captured if e["type"] == "BlockStored"]
+    assert [t for e in stored for t in e["token_ids"]] == ids
+    index = ExactPrefixIndex()
+    index.apply_batch("e", EventBatch(0, 0.0, ()), 0.0)
+    payload = msgpack.unpackb(msgpack.packb([0.0, stored, 0]))
+    index.apply_batch("e", decode_batch(1, payload), 0.0)
+    assert index.match(ids, ["e"])["e"] == 64

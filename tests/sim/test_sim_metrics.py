@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.promtext import CONTRACTS, extract
 from llmgw.sim import SimFleet
+from llmgw.types import Engine
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "metrics-vllm-0.32.0-busy.txt"
 
@@ -184,3 +185,98 @@ async def test_vllm_time_to_first_token_is_observed_at_the_first_token() -> None
         after = counts((await client.get("/metrics")).text)
     assert (during[ttft], during[prefill], during[e2e]) == (1, 0, 0)
     assert (after[ttft], after[prefill], after[e2e]) == (1, 1, 1)
+
+
+def sample_values(text: str) -> dict[tuple[str, str | None], float]:
+    return {
+        (s.name, s.labels.get("le")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+async def test_vllm_prefix_cache_hits_count_whole_blocks() -> None:
+    """A prompt of exactly two cached blocks hits one block on vLLM (the hit stops before
+    the last token, at a block boundary); the simulator counted 31 of 32 tokens, a number
+    vLLM never reports (found by a review helper)."""
+    async with (
+        SimFleet(replicas=1, model="m1", time_scale=0, block_size=16) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client,
+    ):
+        body = {"model": "m1", "prompt": "x" * 128, "max_tokens": 1}  # 32 tokens = 2 blocks
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        text = (await client.get("/metrics")).text
+    assert sample_values(text)[("vllm:prefix_cache_hits_total", None)] == 16
+
+
+async def test_vllm_computed_tokens_histogram_is_served_as_vllm_serves_it() -> None:
+    """vLLM 0.32 serves vllm:request_prefill_kv_computed_tokens (each finished request's
+    prompt minus its cached tokens), which the router's vLLM contract reads; the simulator
+    had none, so calibration took its other branch on the simulator only (found by a review
+    helper)."""
+    fleet = SimFleet(replicas=1, model="m1", time_scale=0, max_model_len=512)
+    async with fleet, httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client:
+        body = {"model": "m1", "prompt": "x" * 400, "max_tokens": 2}  # 100 tokens, 6 blocks
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        text = (await client.get("/metrics")).text
+    name = "vllm:request_prefill_kv_computed_tokens"
+    metrics = extract(text, CONTRACTS[Engine.VLLM], model="m1")
+    assert metrics.computed_tokens_sum == 100 + 4  # the second hit 96 tokens
+    assert sample_values(text)[(name + "_count", None)] == 2
+    # vLLM's buckets are 1-2-5 up to max_model_len: the fixture's engine ran with 512.
+    assert shape(text)[name] == shape(FIXTURE.read_text())[name]
+    assert label_sets(text)[name] == label_sets(FIXTURE.read_text())[name]
+
+
+async def test_vllm_a_client_abort_is_not_counted_as_a_finished_request() -> None:
+    """vLLM 0.32 (AsyncLLM.generate -> OutputProcessor.abort_requests) drops a request
+    whose client went away without recording it as finished: no request_success, e2e,
+    queue or computed-tokens observation; its inter-token latencies were observed as its
+    tokens came. The simulator counted it as finished "abort" with all of those (found by
+    a review helper)."""
+    async with SimFleet(replicas=1, model="m1", decode_ms=20, time_scale=1) as fleet:
+        engine = fleet.replicas[0].engine()
+        body = {"model": "m1", "prompt": "hi", "max_tokens": 2000, "stream": True}
+        async with httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if '"text"' in line and engine.running[0].output_tokens >= 3:
+                        break
+            await fleet.replicas[0].wait_until(lambda: not engine.running, timeout=3)
+            text = (await client.get("/metrics")).text
+    s = {
+        (x.name, x.labels.get("finished_reason")): x.value
+        for f in text_string_to_metric_families(text)
+        for x in f.samples
+    }
+    assert s[("vllm:request_success_total", "abort")] == 0
+    for name in (
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_kv_computed_tokens",
+    ):
+        assert s[(f"vllm:{name}_count", None)] == 0, name
+    assert s[("vllm:time_to_first_token_seconds_count", None)] == 1
+    assert s[("vllm:inter_token_latency_seconds_count", None)] >= 2
+
+
+async def test_a_two_model_replica_serves_the_cache_config_series_once() -> None:
+    """vllm:cache_config_info has no model_name label: each served model added the same
+    series again, a duplicate Prometheus drops and that the router's contract (summing it
+    over engines) read as twice the KV size (found by a review helper)."""
+    async with (
+        SimFleet(replicas=1, models=["a", "b"], time_scale=0) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client,
+    ):
+        text = (await client.get("/metrics")).text
+    series = [
+        tuple(sorted(s.labels.items()))
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:cache_config_info"
+    ]
+    assert len(series) == 1
+    for model in ("a", "b"):
+        assert extract(text, CONTRACTS[Engine.VLLM], model=model).kv_tokens == 2048 * 16

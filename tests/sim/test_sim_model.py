@@ -134,24 +134,32 @@ def test_a_shared_head_hits_only_up_to_the_first_different_block() -> None:
     assert other.cached_tokens == 8
 
 
-def test_a_fully_cached_prompt_still_recomputes_one_token() -> None:
+def test_a_fully_cached_prompt_hits_whole_blocks_and_computes_its_last_block_again() -> None:
+    """vLLM's hit stops before the prompt's last token and at a block boundary: a prompt of
+    exactly two cached blocks hits one. The simulator hit 7 of 8 tokens, a part of a block,
+    which vLLM never reports (found by a review helper)."""
     model = EngineModel(config(block_size=4))
     model.submit(SeqRequest(8, 1, h("a", "b")), 0.0)
     now = run_until_idle(model)
     again = model.submit(SeqRequest(8, 1, h("a", "b")), now)
     run_until_idle(model, now)
-    assert again.cached_tokens == 7
+    assert again.cached_tokens == 4
+    longer = model.submit(SeqRequest(9, 1, h("a", "b")), now)  # one token past the blocks
+    run_until_idle(model, now)
+    assert longer.cached_tokens == 8
+    assert model.stats.prefix_hits_tokens == 12
 
 
 def test_concurrent_sequences_share_cached_blocks_instead_of_copying() -> None:
     model = EngineModel(config(block_size=4, kv_blocks=64))
     prompt = h("a", "b", "c")
-    model.submit(SeqRequest(12, 4, prompt), 0.0)
+    model.submit(SeqRequest(13, 3, prompt), 0.0)
     step(model, 0.0)
     used_by_one = model.kv.used_blocks
-    model.submit(SeqRequest(12, 4, prompt), 1.0)
+    model.submit(SeqRequest(13, 3, prompt), 1.0)
     step(model, 1.0)
-    # The second sequence reuses 3 prompt blocks and adds only its output blocks.
+    # The second sequence reuses 3 full prompt blocks and adds only the block holding its
+    # last prompt token and its output (a hit stops before the last token, as in vLLM).
     assert model.kv.used_blocks == used_by_one + 1
 
 
@@ -207,7 +215,10 @@ def test_time_scale_and_slowdown_multiply_step_time() -> None:
     assert run_until_idle(slow) == pytest.approx(10 * 0.001 * 0.5 * 4)
 
 
-def test_abort_releases_blocks_and_counts_as_abort() -> None:
+def test_abort_releases_blocks_and_is_not_counted_as_finished() -> None:
+    """vLLM drops an aborted request's state without recording it as finished; the
+    simulator counted it in request_success{finished_reason="abort"} (found by a review
+    helper)."""
     model = EngineModel(config())
     running = model.submit(SeqRequest(8, 100), 0.0)
     step(model, 0.0)
@@ -217,7 +228,8 @@ def test_abort_releases_blocks_and_counts_as_abort() -> None:
     model.abort(waiting, 0.2)
     assert not model.has_work
     assert model.kv.used_blocks == 0
-    assert model.stats.finished == {"abort": 2}
+    assert (running.finish_reason, waiting.finish_reason) == ("abort", "abort")
+    assert model.stats.finished == {}
 
 
 def test_natural_stop_reports_stop_and_max_tokens_reports_length() -> None:
@@ -312,9 +324,26 @@ def test_chunked_prefill_counts_a_prompt_once_and_caches_its_blocks() -> None:
     assert model.stats.prefix_queries_tokens == 16
     again = model.submit(SeqRequest(16, 1, h("a", "b", "c", "d")), 1.0)
     run_until_idle(model, 1.0)
-    assert again.cached_tokens == 15
+    assert again.cached_tokens == 12  # whole blocks; the last one is computed again
 
 
 def test_chunked_prefill_budget_below_max_num_seqs_is_refused() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         config(max_num_batched_tokens=2, max_num_seqs=4)
+
+
+def test_prompt_tokens_are_counted_at_the_first_token_and_cache_queries_at_admission() -> None:
+    """vLLM 0.32 (IterationStats.update_from_output) counts a prompt's tokens when its first
+    token comes out, its prefix-cache query when it is scheduled; the simulator counted both
+    at admission, so a scrape during a long prefill read its prompt too early (found by a
+    review helper)."""
+    model = EngineModel(config(max_num_batched_tokens=4, block_size=4))
+    model.submit(SeqRequest(10, 2), 0.0)
+    now = step(model, 0.0)  # 4 of 10 prompt tokens
+    assert (model.stats.prefix_queries_tokens, model.stats.prompt_tokens) == (10, 0)
+    now = step(model, now)
+    assert model.stats.prompt_tokens == 0
+    step(model, now)  # the last 2, and the first token
+    assert model.stats.prompt_tokens == 10
+    run_until_idle(model, now)
+    assert model.stats.prompt_tokens == 10
