@@ -345,7 +345,7 @@ class Calibration:
         started = _delta(m.finished_total, prev.finished_total)
         if started is not None:
             started += m.running - prev.running
-        if prompt is not None and started is not None and (started > 0 or sent_count > 0):
+        if prompt is not None and started is not None and (prompt or started or sent_count):
             # Both sides decay together, once a scrape: the same window of traffic. An idle
             # window adds nothing: it decayed the ratio below its minimum requests within a
             # minute of idling, and prices jumped by the ratio when traffic came back.
