@@ -463,3 +463,15 @@ def test_a_reload_changes_the_upstream_pools_limits() -> None:
     )
     app.reload(changed)
     assert (app.pool.limits.read_timeout, app.pool.limits.max_connections) == (5.0, 3)
+
+
+async def test_a_get_of_the_explain_path_is_a_405_that_says_allow_post(
+    engine: ScriptedUpstream,
+) -> None:
+    """Every other 405 of the proxy named its method in `Allow` (RFC 9110 wants it); this
+    one had no header (found by a review helper)."""
+    app, protocol = _proxy(make_config([engine.address], admin={"explain": True}))
+    async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+        wrong = await client.get("/admin/explain")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
