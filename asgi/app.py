@@ -132,7 +132,10 @@ class ProxyApp:
 
     async def _explain(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
-            await self._error(send, MethodNotAllowed(f"{EXPLAIN_PATH} answers POST only"))
+            refused = MethodNotAllowed(
+                f"{EXPLAIN_PATH} answers POST only", headers={"allow": "POST"}
+            )
+            await self._error(send, refused)
             return
         config = self.router.gateway.config
         if not config.admin.explain:  # answered before the body is read

@@ -97,6 +97,30 @@ def _is_ip(host: str) -> bool:
     return True
 
 
+def host_name_problem(config: Config) -> str | None:
+    """Why Envoy could not reach an endpoint `config` names (None: it can), for
+    `envoy-config` and the ext_proc server alike (original-dst's envoy.yaml lists no
+    endpoints: the server's config, at start and on reload, is the one place to refuse).
+
+    Envoy takes llmgw's pick as an address: override-host matches it against its hosts'
+    resolved IPs, original-dst connects to it. With names, every request through Envoy
+    failed (503 upstream_unreachable, then open breakers), measured with Envoy 1.40. A
+    local on-demand model's endpoint is `launch.host:PORT`; Kubernetes gives pod IPs."""
+    why = (
+        "behind Envoy, endpoints must be IP addresses (llmgw's pick goes to Envoy as an "
+        "address, matched by IP); Kubernetes discovery gives pod IPs, and the embedded proxy "
+        "(`llmgw proxy`) takes host names"
+    )
+    for name, model in config.models.items():
+        for endpoint in model.endpoints:
+            if not _is_ip(_split(endpoint.address)[0]):
+                return f"endpoint {endpoint.address}: {why}"
+        launch = model.launch
+        if launch is not None and launch.command is not None and not _is_ip(launch.host):
+            return f"models.{name}.launch.host {launch.host!r}: {why}"
+    return None
+
+
 def _socket(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
@@ -236,17 +260,10 @@ def build(
             "an ORIGINAL_DST cluster cannot parse: set it false for shape original-dst, or use "
             "shape override-host"
         )
+    problem = host_name_problem(config)
+    if problem is not None:
+        raise ValueError(problem)
     addresses = list(dict.fromkeys(e.address for m in config.models.values() for e in m.endpoints))
-    named = [a for a in addresses if not _is_ip(_split(a)[0])]
-    if named:
-        # Envoy takes llmgw's pick as an address: override-host matches it against its hosts'
-        # resolved IPs, original-dst connects to it. With names, every request through Envoy
-        # failed (503 upstream_unreachable, then open breakers), measured with Envoy 1.40.
-        raise ValueError(
-            f"endpoint {named[0]}: behind Envoy, endpoints must be IP addresses (llmgw's pick "
-            "goes to Envoy as an address, matched by IP); Kubernetes discovery gives pod IPs, "
-            "and the embedded proxy (`llmgw proxy`) takes host names"
-        )
     if not addresses and shape != "original-dst":
         raise ValueError(
             f"shape {shape!r} needs static endpoints to list in the Envoy cluster; the config has "

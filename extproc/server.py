@@ -34,6 +34,7 @@ from llmgw import native
 from llmgw.catalog import catalog_answer
 from llmgw.config import Config, load_file
 from llmgw.errors import ConfigError
+from llmgw.extproc.envoyconfig import host_name_problem
 from llmgw.extproc.grpchealth import (
     PROCESS_SERVICE,
     LiveHealth,
@@ -83,6 +84,7 @@ class ExtProcServer:
         telemetry: Telemetry | None = None,
         reuse_port: bool = False,
     ) -> None:
+        refuse_host_names(config, "config")
         self.host = host
         self.router = router_for(config, scheduler=scheduler, scrape=scrape)
         self.gateway = self.router.gateway
@@ -296,6 +298,7 @@ class ExtProcServer:
 
     def reload(self, config: Config) -> None:
         """Route new streams with `config` (see `Router.reload`); raises ConfigError."""
+        refuse_host_names(config, "reloaded config")
         self.router.reload(config)
 
     def begin_drain(self) -> None:
@@ -318,6 +321,15 @@ class ExtProcServer:
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+
+
+def refuse_host_names(config: Config, source: str) -> None:
+    """ConfigError if an endpoint is named by host: Envoy would answer every request for it
+    with 503 (envoyconfig.host_name_problem). original-dst's envoy.yaml lists no endpoints,
+    so `envoy-config` never saw them: the server took them at start and on reload."""
+    problem = host_name_problem(config)
+    if problem is not None:
+        raise ConfigError([problem], source)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -463,6 +475,7 @@ def main(argv: list[str]) -> int:
     configure(args.log_level, args.log_format)
     try:
         config = load_file(args.config)
+        refuse_host_names(config, args.config)
         tls = server_tls(args)  # one pair for every worker (they share the port)
     except ConfigError as exc:
         print(exc, file=sys.stderr)

@@ -41,7 +41,7 @@ from llmgw.discovery import DiscoverySpec
 from llmgw.errors import ConfigError
 from llmgw.promtext import OPTIONAL_ROLES
 from llmgw.scheduling.specs import StrategySpec
-from llmgw.scheduling.strategies import PRESETS
+from llmgw.scheduling.strategies import PRESETS, tuned
 from llmgw.types import Endpoint, Engine
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
@@ -260,6 +260,11 @@ class ModelSpec(_Strict):
     @classmethod
     def _preset(cls, value: Any) -> Any:
         return _preset_strategy(value) if isinstance(value, str) else value
+
+    @field_validator("strategy")
+    @classmethod
+    def _tuned_preset(cls, value: StrategySpec) -> StrategySpec:
+        return tuned(value)
 
     @model_validator(mode="after")
     def _shape(self) -> ModelSpec:

@@ -74,5 +74,31 @@ PRESETS: dict[str, StrategySpec] = {
 }
 
 
+def tuned(spec: StrategySpec) -> StrategySpec:
+    """An explicit strategy whose scorers are those of exactly one preset is that preset
+    tuned (`{scorers: {latency: {params: {step_ms: 30}}}}`): what it leaves out (filters,
+    picker) is the preset's, and it reports the preset's name (metrics, x-llmgw-decision)
+    while only scorer params differ: another weight, filter or picker, or a `name`, makes it
+    another strategy. It got the generic defaults before: tuning a latency param added
+    `not-saturated` (429s the preset never gives), dropped `blind-imbalance`, and reported
+    the strategy as `custom`. Scorer sets two presets share (ring and bounded-ring;
+    round-robin and random, none) match neither."""
+    names = set(spec.scorers)
+    matches = [p for p in PRESETS.values() if set(p.scorers) == names]
+    if len(matches) != 1 or spec is matches[0]:
+        return spec
+    preset = matches[0]
+    given = spec.model_fields_set
+    filters = spec.filters if "filters" in given else preset.filters
+    picker = spec.picker if "picker" in given else preset.picker
+    same = (
+        filters == preset.filters
+        and picker == preset.picker
+        and all(s.weight == preset.scorers[n].weight for n, s in spec.scorers.items())
+    )
+    name = preset.name if "name" not in given and same else spec.name
+    return spec.model_copy(update={"filters": filters, "picker": picker, "name": name})
+
+
 def resolve(strategy: StrategySpec | str) -> StrategySpec:
     return PRESETS[strategy] if isinstance(strategy, str) else strategy

@@ -504,3 +504,15 @@ async def test_a_busy_pool_is_no_endpoint_failure_and_answers_429_with_retry_aft
     finally:
         release.set()
         await upstream.stop()
+
+
+async def test_a_get_of_the_explain_path_is_a_405_that_says_allow_post(
+    engine: ScriptedUpstream,
+) -> None:
+    """Every other 405 of the proxy named its method in `Allow` (RFC 9110 wants it); this
+    one had no header (found by a review helper)."""
+    app, protocol = _proxy(make_config([engine.address], admin={"explain": True}))
+    async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+        wrong = await client.get("/admin/explain")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"

@@ -575,6 +575,55 @@ def test_picker_params_like_scorers_and_the_flat_shorthand() -> None:
         assert picker.params == {"temperature": 0.2}
 
 
+@pytest.mark.parametrize(
+    ("strategy", "preset"),
+    [
+        ({"scorers": {"latency": {"params": {"step_ms": 20}}}}, "latency"),
+        ({"scorers": {"latency": 1}}, "latency"),
+        ({"scorers": {"queue": 1, "inflight": 1, "kv": {"params": {"ceiling": 0.9}}}}, "batch"),
+        ({"scorers": {"session": 1}, "filters": ["healthy"]}, None),  # ring or bounded-ring
+    ],
+)
+def test_a_strategy_with_one_presets_scorers_is_that_preset_tuned(
+    strategy: dict[str, Any], preset: str | None
+) -> None:
+    """README's `strategy: {scorers: {latency: {params: {...}}}}` got the generic filters
+    (not-saturated, no blind-imbalance) and the name `custom` (found by a review helper)."""
+    tuned = load_dict(one_model(endpoints=EP, strategy=strategy)).models["chat"].strategy
+    if preset is None:
+        assert tuned.name == "custom"
+        return
+    expected = load_dict(one_model(endpoints=EP, strategy=preset)).models["chat"].strategy
+    assert (tuned.name, tuned.filters, tuned.picker) == (
+        expected.name,
+        expected.filters,
+        expected.picker,
+    )
+    assert set(tuned.scorers) == set(expected.scorers)
+
+
+def test_a_tuned_presets_explicit_filters_picker_and_name_win() -> None:
+    def spec_of(**fields: Any) -> Any:
+        strategy = {"scorers": {"latency": {"params": {"step_ms": 20}}}, **fields}
+        return load_dict(one_model(endpoints=EP, strategy=strategy)).models["chat"].strategy
+
+    own = spec_of(filters=["healthy", "not-saturated"])
+    assert own.filters == ("healthy", "not-saturated") and own.name == "custom"
+    same = spec_of(filters=["healthy", "model-serves", "blind-imbalance"])
+    assert same.name == "latency"  # the README's KV-events example: the preset, tuned
+    softmax = spec_of(picker={"type": "softmax", "temperature": 0.2})
+    assert softmax.name == "custom" and softmax.filters[-1] == "blind-imbalance"
+    named = spec_of(name="fast")
+    assert named.name == "fast" and named.filters[-1] == "blind-imbalance"
+    reweighted = load_dict(one_model(endpoints=EP, strategy={"scorers": {"latency": 2}}))
+    assert reweighted.models["chat"].strategy.name == "custom"
+    # Scorers no preset has alone, or two presets share: the generic defaults.
+    for scorers in ({"latency": 1, "kv": 1}, {"session": 1}):
+        generic = load_dict(one_model(endpoints=EP, strategy={"scorers": scorers}))
+        strategy = generic.models["chat"].strategy
+        assert strategy.name == "custom" and "not-saturated" in strategy.filters
+
+
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 def test_an_ipv6_launch_host_gives_a_bracketed_endpoint_address(host: str) -> None:
     """`::1` was joined as `::1:24900`, an address nothing downstream could parse."""

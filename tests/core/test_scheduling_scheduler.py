@@ -95,6 +95,17 @@ def test_default_strategy_queues_on_saturated_engines_rather_than_shedding() -> 
     assert sched.pick(req()).endpoint.address in ADDRS
 
 
+def test_a_tuned_latency_param_still_queues_on_saturated_engines_as_latency() -> None:
+    """Setting a latency param as the README shows swapped in `not-saturated` (a 429 here)
+    and reported the strategy as `custom` (found by a review helper)."""
+    tuned = {"scorers": {"latency": {"params": {"step_ms": 20}}}}
+    sched, reg, _ = scheduler({"chat": static_model(5, strategy=tuned)})
+    for a in ADDRS:
+        scrape(reg, "chat", a, waiting=80, kv=0.99)
+    decision = sched.pick(req())
+    assert decision.endpoint.address in ADDRS and decision.rationale.strategy == "latency"
+
+
 def test_unknown_model_is_404_not_loading() -> None:
     sched, _, _ = scheduler()
     err = expect(ModelNotFound, 404, "model_not_found", sched, req("gpt-9"))

@@ -235,6 +235,23 @@ def test_input_envoy_would_refuse_is_refused_here(
     assert phrase in capsys.readouterr().err
 
 
+def test_an_on_demand_models_launch_host_name_is_refused_as_a_static_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`launch.host: localhost` gave the started model the endpoint localhost:PORT, which
+    Envoy never reached (every request a 503); a static `vllm-a:8000` was refused already
+    (found by a review helper)."""
+    launch = {"command": "vllm serve m --port {port}", "host": "localhost"}
+    lazy = {"launch": launch, "scaling": {"min": 0, "max": 1}}
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(yaml.safe_dump({"models": {"lazy": lazy}}))
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "models.lazy.launch.host 'localhost': behind Envoy, endpoints must be IP" in err
+    by_ip = load_dict({"models": {"lazy": {**lazy, "launch": {**launch, "host": "::1"}}}})
+    assert build(by_ip)["static_resources"]  # an IP (here IPv6) launch host is fine
+
+
 def test_large_and_small_timeouts_are_written_as_envoy_parses_them(tmp_path: Path) -> None:
     """`:g` wrote 1e+06s and 1e-05s: Envoy wants a plain decimal ending in a single s."""
     config = load_dict(

@@ -20,8 +20,11 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from llmgw.config import load_dict
-from llmgw.extproc.server import ExtProcServer, build_parser
+from llmgw.errors import ConfigError
+from llmgw.extproc import server as extproc_server
+from llmgw.extproc.server import ExtProcServer, build_parser, main
 from llmgw.runtime.ports import free_port
+from llmgw.runtime.router import ConfigWatcher
 from llmgw.testing.extproc import (
     chat_headers,
     make_config,
@@ -242,3 +245,54 @@ def test_an_unknown_log_level_is_a_usage_error_as_on_the_proxy(
         build_parser().parse_args(["--config", "x.yaml", "--log-level", "verbose"])
     assert info.value.code == 2
     assert "invalid choice: 'verbose'" in capsys.readouterr().err
+
+
+NAMED = {  # each names an endpoint by host: behind Envoy, every request for it is a 503
+    "static": {"endpoints": ["localhost:9100"]},
+    "launched": {
+        "launch": {"command": "vllm serve m --port {port}", "host": "localhost"},
+        "scaling": {"min": 0, "max": 1},
+    },
+}
+NAMED_PHRASE = {
+    "static": "endpoint localhost:9100: behind Envoy, endpoints must be IP addresses",
+    "launched": "models.m1.launch.host 'localhost': behind Envoy, endpoints must be IP addresses",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NAMED))
+def test_a_host_name_endpoint_is_refused_at_start_as_envoy_config_refuses_it(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """original-dst's envoy.yaml lists no endpoints, so `envoy-config` never saw them and the
+    server served a name (or an on-demand model's `launch.host: localhost`) that Envoy then
+    answered with 503 on every request (found by a review helper)."""
+
+    def served(*_: object) -> None:
+        raise AssertionError("served a config naming an endpoint by host")
+
+    monkeypatch.setattr(extproc_server, "_run_worker", served)
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(json.dumps({"models": {"m1": NAMED[kind]}}))
+    assert main(["--config", str(path), "--plaintext"]) == 2
+    assert NAMED_PHRASE[kind] in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="behind Envoy"):
+        ExtProcServer(load_dict({"models": {"m1": NAMED[kind]}}), scrape=False)
+
+
+@pytest.mark.parametrize("kind", sorted(NAMED))
+async def test_a_reload_naming_an_endpoint_by_host_is_rejected_and_the_old_config_kept(
+    kind: str, tmp_path: Path, server: ExtProcServer
+) -> None:
+    """A reload took a host-name endpoint (no envoy-config run to refuse it): every request
+    for the model was then Envoy's 503 (found by a review helper)."""
+    before = server.config
+    with pytest.raises(ConfigError) as info:
+        server.reload(load_dict({"models": {"m1": NAMED[kind]}}))
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith(NAMED_PHRASE[kind])
+    assert server.config is before
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(json.dumps({"models": {"m1": NAMED[kind]}}))
+    watcher = ConfigWatcher(path, server.reload, interval=0)
+    assert watcher.reload() is False and watcher.rejected == 1  # logged, old config kept
+    assert server.config is before
