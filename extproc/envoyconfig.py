@@ -15,8 +15,12 @@ Two shapes (both speak the Gateway API Inference Extension endpoint-picker proto
 Timeouts: `route_timeout` bounds a whole request (streams included; 0 disables);
 `limits.upstream_read_timeout` (the longest silence from an endpoint, the same knob as
 the embedded proxy's) is the route's idle timeout in `original-dst`, and the per-try idle
-timeout in `override-host`, so a replica that hangs is retried on a fallback (a route idle
-timeout there would end the request before the retry).
+timeout in `override-host`, so a replica that hangs is retried on a fallback; the route's
+idle timeout there is one silence a try ((retries + 1) x upstream_read_timeout), so it
+never ends the request before the last retry. With on-demand models, the idle timeouts
+add message_timeout: the stream is silent while llmgw waits for a start. The HCM's
+stream idle timeout is the same (Envoy's default, 300 s, is shorter than the default read
+timeout).
 
 Both: the ext_proc filter (`body_mode` override, the default) asks for request headers only
 (the server asks for the body per request with `mode_override`, so GETs and header-routed
@@ -252,10 +256,10 @@ def build(
             f"shape {shape!r} needs static endpoints to list in the Envoy cluster; the config has "
             "none (on-demand or Kubernetes-discovered models only): use shape original-dst"
         )
+    launched = any(m.launch is not None for m in config.models.values())
     if message_timeout is None:
         # A request for an on-demand model holds its ext_proc answer while the model starts:
         # Envoy must wait longer than llmgw's activation_timeout, or it cuts the wait short.
-        launched = any(m.launch is not None for m in config.models.values())
         message_timeout = config.activation_timeout + 5.0 if launched else 2.0
         if message_timeout > MAX_MESSAGE_TIMEOUT:
             raise ValueError(
@@ -270,11 +274,16 @@ def build(
         )
     if retries is None:
         retries = max(m.session.num_fallback_replicas for m in config.models.values())
+    read = read_timeout or config.limits.upstream_read_timeout
+    # Envoy's stream idle timer runs from the client's last byte (only traffic to or from
+    # the client resets it): through ext_proc's answer, which for an on-demand model waits
+    # for its start (up to message_timeout), and through every try's silence.
+    tries = retries + 1 if shape == "override-host" else 1
+    silence = tries * read + (message_timeout if launched else 0.0)
     timing = _Timing(
         route=duration(route_timeout, "--route-timeout"),
-        idle=duration(
-            read_timeout or config.limits.upstream_read_timeout, "limits.upstream_read_timeout"
-        ),
+        idle=duration(read, "limits.upstream_read_timeout"),
+        stream_idle=duration(silence, "stream idle timeout"),
         connect=duration(connect_timeout, "connect timeout"),
     )
     if config.limits.max_body_bytes + (64 << 10) + envoylimits.GRPC_MESSAGE_MARGIN >= 1 << 32:
@@ -327,6 +336,7 @@ def build(
         buffer_limit=max_body + (64 << 10),
         max_body=max_body,
         header_timeout=config.limits.client_header_timeout,
+        stream_idle=timing.stream_idle,
     )
     return {
         "admin": {"address": _socket(admin_host, admin_port)},
@@ -337,7 +347,8 @@ def build(
 @dataclass(frozen=True, slots=True)
 class _Timing:
     route: str  # whole request
-    idle: str  # longest silence mid-response
+    idle: str  # longest silence from one endpoint (one try)
+    stream_idle: str  # longest silence of the whole request: ext_proc's answer, every try
     connect: str
 
 
@@ -347,7 +358,11 @@ Clusters = list[dict[str, Any]]
 
 def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, Clusters]:
     """(a) ORIGINAL_DST reading the destination header: one host, no fallback (GIE default)."""
-    picked = {"cluster": ORIGINAL_DST_CLUSTER, "timeout": timing.route, "idle_timeout": timing.idle}
+    picked = {
+        "cluster": ORIGINAL_DST_CLUSTER,
+        "timeout": timing.route,
+        "idle_timeout": timing.stream_idle,
+    }
     routes: Routes = [
         {
             "match": {
@@ -363,7 +378,7 @@ def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, 
             "route": {
                 "cluster": POOL_CLUSTER,
                 "timeout": timing.route,
-                "idle_timeout": timing.idle,
+                "idle_timeout": timing.stream_idle,
             },
         }
         if addresses
@@ -394,8 +409,15 @@ def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, 
 def _override_host_shape(
     addresses: list[str], timing: _Timing, retries: int
 ) -> tuple[Routes, Clusters]:
-    """(b) The endpoints listed, override_host LB: primary first, fallbacks on retries."""
-    route: dict[str, Any] = {"cluster": POOL_CLUSTER, "timeout": timing.route}
+    """(b) The endpoints listed, override_host LB: primary first, fallbacks on retries.
+    Each try may be silent for `idle` (a hung replica is retried on the next); the route's
+    idle timeout lets every try take it (without one, Envoy's default 300 s cut a silent
+    answer short, and with no retries nothing bounded a hung replica's silence)."""
+    route: dict[str, Any] = {
+        "cluster": POOL_CLUSTER,
+        "timeout": timing.route,
+        "idle_timeout": timing.stream_idle,
+    }
     if retries > 0:
         route["retry_policy"] = {
             "retry_on": "5xx,reset,connect-failure,retriable-status-codes",
@@ -475,6 +497,7 @@ def _listener(
     buffer_limit: int,
     max_body: int,
     header_timeout: float,
+    stream_idle: str,
 ) -> dict[str, Any]:
     """The HTTP listener: client copies of the destination header stripped first, ext_proc,
     then the router; responses say which host answered (for the outcome after retries)."""
@@ -499,6 +522,9 @@ def _listener(
         "max_request_headers_kb": envoylimits.CODEC_MAX_HEADERS_KB,
         "common_http_protocol_options": {"max_headers_count": envoylimits.CODEC_MAX_HEADERS},
         "request_headers_timeout": duration(header_timeout, "limits.client_header_timeout"),
+        # The routes' idle timeout again, for the 503 route, which sets none: with every
+        # model on demand a start's wait matched it, and Envoy's default 300 s ended it.
+        "stream_idle_timeout": stream_idle,
         "local_reply_config": envoylimits.local_reply_config(max_body),
         "route_config": {
             "name": "llm",

@@ -344,3 +344,60 @@ def test_model_server_clusters_close_idle_connections_and_refuse_a_sub_ms_limit(
     )
     with pytest.raises(ValueError, match=r"give at least 0\.001 s"):
         build(tiny)
+
+
+def _hcm(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    hcm: dict[str, Any] = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"
+    ][0]["typed_config"]
+    return hcm
+
+
+def _routes(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    routes: list[dict[str, Any]] = _hcm(bootstrap)["route_config"]["virtual_hosts"][0]["routes"]
+    return routes
+
+
+@pytest.mark.parametrize("retries", [0, 1, 2])
+def test_override_host_lets_each_try_stay_silent_for_upstream_read_timeout(retries: int) -> None:
+    """override-host set upstream_read_timeout only as the retry policy's per-try idle
+    timeout: with no retries (`--retries 0`) nothing bounded a hung replica, and with retries
+    Envoy's default stream idle timeout (300 s) cut a silent answer before the 600 s llmgw
+    allows (found by a review helper)."""
+    config = load_file(EXAMPLE)
+    assert config.limits.upstream_read_timeout == 600
+    bootstrap = build(config, shape="override-host", retries=retries)
+    (route,) = (r["route"] for r in _routes(bootstrap))
+    every_try = f"{(retries + 1) * 600}s"  # the route never ends a try that may be retried
+    assert route["idle_timeout"] == _hcm(bootstrap)["stream_idle_timeout"] == every_try
+    if retries:
+        assert route["retry_policy"]["per_try_idle_timeout"] == "600s"
+    else:
+        assert "retry_policy" not in route
+
+
+def test_on_demand_models_get_idle_limits_that_outlast_the_start_wait() -> None:
+    """message_timeout was raised to activation_timeout + 5 for on-demand models, but the
+    stream was idle meanwhile and the route's idle timeout (upstream_read_timeout), or Envoy's
+    300 s default on the 503 route when every model starts on demand, ended the wait first
+    (found by a review helper)."""
+    lazy = {"launch": {"command": "serve {port}"}, "scaling": {"min": 0, "max": 1}}
+    mixed = load_dict(
+        {
+            "activation_timeout": 900,
+            "models": {"m": {"endpoints": ["127.0.0.1:1"]}, "big": lazy},
+        }
+    )
+    bootstrap = build(mixed)
+    # The start's wait (message_timeout 905 s), then the engine's silence (600 s).
+    assert [r["route"]["idle_timeout"] for r in _routes(bootstrap)] == ["1505s", "1505s"]
+    assert _hcm(bootstrap)["stream_idle_timeout"] == "1505s"
+    only = load_dict({"activation_timeout": 900, "models": {"big": lazy}})
+    bootstrap = build(only)
+    arrival = _routes(bootstrap)[-1]
+    assert "direct_response" in arrival  # no idle_timeout of its own: the HCM's applies
+    assert _hcm(bootstrap)["stream_idle_timeout"] == "1505s"
+    assert build(only, message_timeout=30)["static_resources"] != bootstrap["static_resources"]
+    assert _hcm(build(only, message_timeout=30))["stream_idle_timeout"] == "630s"
+    static = build(load_dict({"models": {"m": {"endpoints": ["127.0.0.1:1"]}}}))
+    assert [r["route"]["idle_timeout"] for r in _routes(static)] == ["600s", "600s"]
