@@ -256,6 +256,18 @@ def build(
             f"shape {shape!r} needs static endpoints to list in the Envoy cluster; the config has "
             "none (on-demand or Kubernetes-discovered models only): use shape original-dst"
         )
+    dynamic = [
+        n for n, m in config.models.items() if m.launch is not None or m.discovery is not None
+    ]
+    if dynamic and shape != "original-dst":
+        # Envoy would not find llmgw's pick among the cluster's hosts and fall back to a
+        # static endpoint: another model's engine (a 404, or another model's answer).
+        raise ValueError(
+            f"model {dynamic[0]}: shape {shape!r} lists only the static endpoints in its "
+            "cluster, and this model's endpoints (started on demand or discovered on "
+            "Kubernetes) are not among them: Envoy would send its requests to another "
+            "model's endpoint. Use shape original-dst"
+        )
     launched = any(m.launch is not None for m in config.models.values())
     if message_timeout is None:
         # A request for an on-demand model holds its ext_proc answer while the model starts:
@@ -301,8 +313,11 @@ def build(
         routes, clusters = _original_dst_shape(addresses, timing)
     else:
         routes, clusters = _override_host_shape(addresses, timing, retries)
+    fleet = _fleet_size(config, len(addresses))
     for cluster in clusters:  # the model-server clusters, both shapes
-        cluster["circuit_breakers"] = envoylimits.circuit_breakers(len(addresses))
+        # The ORIGINAL_DST cluster carries every model's requests, the pool only its hosts'.
+        size = fleet if cluster["name"] == ORIGINAL_DST_CLUSTER else len(addresses)
+        cluster["circuit_breakers"] = envoylimits.circuit_breakers(size)
         cluster["outlier_detection"] = envoylimits.outlier_detection()
         # Idle upstream connections closed before the engine closes them (vLLM and SGLang
         # serve with uvicorn's 5 s keep-alive; Envoy's own default is 1 h): a request sent
@@ -342,6 +357,20 @@ def build(
         "admin": {"address": _socket(admin_host, admin_port)},
         "static_resources": {"listeners": [listener], "clusters": [extproc_cluster, *clusters]},
     }
+
+
+def _fleet_size(config: Config, static: int) -> int:
+    """The endpoints Envoy may see at once, for the breakers: the static ones, each on-demand
+    model's `scaling.max`, and envoylimits.DISCOVERED_ENDPOINTS for each discovered model
+    (its size is unknown here)."""
+    size = static
+    for spec in config.models.values():
+        if spec.discovery is not None:
+            size += envoylimits.DISCOVERED_ENDPOINTS
+        elif spec.launch is not None:
+            scaled = spec.scaling.max if spec.scaling is not None else None
+            size += 1 if scaled is None else scaled
+    return size
 
 
 @dataclass(frozen=True, slots=True)

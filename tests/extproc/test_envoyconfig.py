@@ -14,6 +14,7 @@ import yaml
 
 from llmgw.config import load_dict, load_file
 from llmgw.extproc.envoyconfig import SHAPES, build, main, render
+from llmgw.extproc.envoylimits import DISCOVERED_ENDPOINTS, PER_ENDPOINT_REQUESTS
 from llmgw.extproc.grpchealth import PROCESS_SERVICE
 from llmgw.testing.extproc import BootstrapOptions, loopback_bootstrap, make_config
 
@@ -401,3 +402,51 @@ def test_on_demand_models_get_idle_limits_that_outlast_the_start_wait() -> None:
     assert _hcm(build(only, message_timeout=30))["stream_idle_timeout"] == "630s"
     static = build(load_dict({"models": {"m": {"endpoints": ["127.0.0.1:1"]}}}))
     assert [r["route"]["idle_timeout"] for r in _routes(static)] == ["600s", "600s"]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"launch": {"command": "serve {port}"}, "scaling": {"min": 0, "max": 1}},
+        {"discovery": {"service": {"namespace": "llmgw", "name": "vllm"}}},
+    ],
+    ids=["on-demand", "discovered"],
+)
+def test_override_host_refuses_a_model_whose_endpoints_are_not_in_its_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], other: dict[str, Any]
+) -> None:
+    """override-host lists only the static endpoints: llmgw's pick for an on-demand or
+    discovered model beside a static one was no host of the cluster, and Envoy sent the
+    request to the static model's engine (404, wrong model) (found by a review helper)."""
+    path = tmp_path / "llmgw.yaml"
+    models = {"m": {"endpoints": ["127.0.0.1:8000"]}, "other": other}
+    path.write_text(yaml.safe_dump({"models": models}))
+    assert main(["--config", str(path), "--shape", "override-host"]) == 2
+    err = capsys.readouterr().err
+    assert "model other: shape 'override-host' lists only the static endpoints" in err
+    assert "Use shape original-dst" in err
+    out = str(tmp_path / "envoy.yaml")
+    assert main(["--config", str(path), "--shape", "original-dst", "--out", out]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_breakers_count_on_demand_and_discovered_endpoints() -> None:
+    """The breakers were sized from the static endpoints alone: an on-demand or discovered
+    fleet (deploy/k8s) had one endpoint's 1,024 requests for every model together, the
+    1,025th a 503 overflow (found by a review helper)."""
+
+    def thresholds(config_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        bootstrap = build(load_dict(config_dict))
+        clusters = bootstrap["static_resources"]["clusters"][1:]  # after ext_proc's
+        return {c["name"]: c["circuit_breakers"]["thresholds"][0] for c in clusters}
+
+    lazy = {"launch": {"deployment": "big"}, "scaling": {"min": 0, "max": 8}}
+    got = thresholds({"models": {"m": {"endpoints": ["127.0.0.1:1"]}, "big": lazy}})
+    assert got["llm-original-dst"]["max_requests"] == 9 * PER_ENDPOINT_REQUESTS
+    assert got["llm-original-dst"]["retry_budget"]["min_retry_concurrency"] == 9
+    assert got["llm-pool"]["max_requests"] == PER_ENDPOINT_REQUESTS  # its one host
+    shipped = build(load_file(ROOT / "deploy" / "k8s" / "llmgw-config.yaml"))
+    (cluster,) = shipped["static_resources"]["clusters"][1:]
+    assert cluster["name"] == "llm-original-dst"
+    discovered = 2 * DISCOVERED_ENDPOINTS * PER_ENDPOINT_REQUESTS  # two discovered models
+    assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] == discovered
