@@ -90,6 +90,10 @@ def duration(seconds: float, what: str) -> str:
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{what}: {seconds!r} is not a duration in seconds (>= 0)")
     text = f"{seconds:.9f}".rstrip("0").rstrip(".")
+    if seconds and text == "0":  # Envoy reads 0 s as "no limit"
+        raise ValueError(
+            f"{what}: {seconds!r} is under Envoy's resolution of 1 ns (give 0 or more)"
+        )
     return f"{text or '0'}s"
 
 
@@ -286,6 +290,8 @@ def build(
         )
     if retries is None:
         retries = max(m.session.num_fallback_replicas for m in config.models.values())
+    if retries < 0:
+        raise ValueError(f"--retries {retries}: give 0 or more")
     read = read_timeout or config.limits.upstream_read_timeout
     # Envoy's stream idle timer runs from the client's last byte (only traffic to or from
     # the client resets it): through ext_proc's answer, which for an on-demand model waits
@@ -599,6 +605,17 @@ def render(bootstrap: dict[str, Any], source: str = "") -> str:
     return head + yaml.safe_dump(bootstrap, sort_keys=False, width=100)
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 0 or more")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmgw envoy-config",
@@ -631,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per ext_proc message (default 2, or activation_timeout + 5 with on-demand models)",
     )
     parser.add_argument("--route-timeout", type=float, default=600.0, help="0 disables")
-    parser.add_argument("--retries", type=int, help="override-host retries (default: fallbacks)")
+    parser.add_argument("--retries", type=_count, help="override-host retries (default: fallbacks)")
     parser.add_argument(
         "--body-mode",
         choices=tuple(BODY_MODES),
@@ -657,25 +674,23 @@ def main(argv: list[str]) -> int:
         config = load_file(args.config)
         listen_host, listen_port = _bind_address(args.listen, "--listen")
         admin_host, admin_port = _bind_address(args.admin, "--admin")
-        text = render(
-            build(
-                config,
-                shape=args.shape,
-                listen_host=listen_host,
-                listen_port=listen_port,
-                admin_host=admin_host,
-                admin_port=admin_port,
-                extproc_address=args.extproc,
-                fail_open=args.fail_open,
-                message_timeout=args.message_timeout,
-                route_timeout=args.route_timeout,
-                retries=args.retries,
-                body_mode=args.body_mode,
-                extproc_tls=not args.extproc_plaintext,
-                extproc_ca=args.extproc_ca,
-            ),
-            Path(args.config).name,
+        bootstrap = build(
+            config,
+            shape=args.shape,
+            listen_host=listen_host,
+            listen_port=listen_port,
+            admin_host=admin_host,
+            admin_port=admin_port,
+            extproc_address=args.extproc,
+            fail_open=args.fail_open,
+            message_timeout=args.message_timeout,
+            route_timeout=args.route_timeout,
+            retries=args.retries,
+            body_mode=args.body_mode,
+            extproc_tls=not args.extproc_plaintext,
+            extproc_ca=args.extproc_ca,
         )
+        text = render(bootstrap, Path(args.config).name)
     except (ConfigError, ValueError) as exc:
         print(f"llmgw envoy-config: {exc}", file=sys.stderr)
         return 2
@@ -688,6 +703,17 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
     streamed = BODY_MODES[args.body_mode][0]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    if streamed:
+        listener = bootstrap["static_resources"]["listeners"][0]
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        print(
+            f"llmgw envoy-config: note: with --body-mode {args.body_mode} (FULL_DUPLEX_STREAMED) "
+            "Envoy starts no message_timeout timer: an ext_proc server that never answers "
+            "(llmgw wedged, a partition that keeps the connection) holds each request for the "
+            f"stream idle timeout ({hcm['stream_idle_timeout']}), and --fail-open never routes "
+            "around it",
+            file=sys.stderr,
+        )
     if args.shape == "override-host" and args.retries != 0 and streamed:
         print(
             "llmgw envoy-config: note: Envoy (1.35 to at least 1.40) sends a FULL_DUPLEX_STREAMED "

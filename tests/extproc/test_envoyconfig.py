@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from llmgw.config import load_dict, load_file
-from llmgw.extproc.envoyconfig import SHAPES, build, main, render
+from llmgw.extproc.envoyconfig import SHAPES, build, duration, main, render
 from llmgw.extproc.envoylimits import DISCOVERED_ENDPOINTS, PER_ENDPOINT_REQUESTS
 from llmgw.extproc.grpchealth import PROCESS_SERVICE
 from llmgw.testing.extproc import BootstrapOptions, loopback_bootstrap, make_config
@@ -450,3 +450,32 @@ def test_breakers_count_on_demand_and_discovered_endpoints() -> None:
     assert cluster["name"] == "llm-original-dst"
     discovered = 2 * DISCOVERED_ENDPOINTS * PER_ENDPOINT_REQUESTS  # two discovered models
     assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] == discovered
+
+
+@pytest.mark.parametrize("body_mode", ["gie", "envoy-gateway", "override", "buffered"])
+def test_streamed_body_modes_say_message_timeout_and_fail_open_do_not_apply(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, body_mode: str
+) -> None:
+    """Envoy starts no message_timeout timer for a FULL_DUPLEX_STREAMED body: a stalled
+    ext_proc held every request until the idle timeout, fail-open or not, and neither the
+    command nor the README said so (found by a review helper)."""
+    out = str(tmp_path / "envoy.yaml")
+    assert main(["--config", str(EXAMPLE), "--body-mode", body_mode, "--out", out]) == 0
+    noted = "Envoy starts no message_timeout timer" in capsys.readouterr().err
+    assert noted == (body_mode in ("gie", "envoy-gateway"))
+
+
+def test_negative_retries_and_sub_nanosecond_durations_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--retries -1` wrote `num_retries: -1` (Envoy refuses it) and a duration under 1 ns
+    was written as 0 s, which Envoy reads as no limit (found by a review helper)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", str(EXAMPLE), "--shape", "override-host", "--retries", "-1"])
+    assert exited.value.code == 2
+    assert "--retries: '-1': give a whole number, 0 or more" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="under Envoy's resolution of 1 ns"):
+        build(load_file(EXAMPLE), message_timeout=1e-10)
+    with pytest.raises(ValueError, match="--retries -1: give 0 or more"):
+        build(load_file(EXAMPLE), shape="override-host", retries=-1)
+    assert duration(0, "x") == "0s" and duration(1e-9, "x") == "0.000000001s"
