@@ -15,8 +15,12 @@ Two shapes (both speak the Gateway API Inference Extension endpoint-picker proto
 Timeouts: `route_timeout` bounds a whole request (streams included; 0 disables);
 `limits.upstream_read_timeout` (the longest silence from an endpoint, the same knob as
 the embedded proxy's) is the route's idle timeout in `original-dst`, and the per-try idle
-timeout in `override-host`, so a replica that hangs is retried on a fallback (a route idle
-timeout there would end the request before the retry).
+timeout in `override-host`, so a replica that hangs is retried on a fallback; the route's
+idle timeout there is one silence a try ((retries + 1) x upstream_read_timeout), so it
+never ends the request before the last retry. With on-demand models, the idle timeouts
+add message_timeout: the stream is silent while llmgw waits for a start. The HCM's
+stream idle timeout is the same (Envoy's default, 300 s, is shorter than the default read
+timeout).
 
 Both: the ext_proc filter (`body_mode` override, the default) asks for request headers only
 (the server asks for the body per request with `mode_override`, so GETs and header-routed
@@ -86,6 +90,10 @@ def duration(seconds: float, what: str) -> str:
     if not math.isfinite(seconds) or seconds < 0:
         raise ValueError(f"{what}: {seconds!r} is not a duration in seconds (>= 0)")
     text = f"{seconds:.9f}".rstrip("0").rstrip(".")
+    if seconds and text == "0":  # Envoy reads 0 s as "no limit"
+        raise ValueError(
+            f"{what}: {seconds!r} is under Envoy's resolution of 1 ns (give 0 or more)"
+        )
     return f"{text or '0'}s"
 
 
@@ -269,10 +277,22 @@ def build(
             f"shape {shape!r} needs static endpoints to list in the Envoy cluster; the config has "
             "none (on-demand or Kubernetes-discovered models only): use shape original-dst"
         )
+    dynamic = [
+        n for n, m in config.models.items() if m.launch is not None or m.discovery is not None
+    ]
+    if dynamic and shape != "original-dst":
+        # Envoy would not find llmgw's pick among the cluster's hosts and fall back to a
+        # static endpoint: another model's engine (a 404, or another model's answer).
+        raise ValueError(
+            f"model {dynamic[0]}: shape {shape!r} lists only the static endpoints in its "
+            "cluster, and this model's endpoints (started on demand or discovered on "
+            "Kubernetes) are not among them: Envoy would send its requests to another "
+            "model's endpoint. Use shape original-dst"
+        )
+    launched = any(m.launch is not None for m in config.models.values())
     if message_timeout is None:
         # A request for an on-demand model holds its ext_proc answer while the model starts:
         # Envoy must wait longer than llmgw's activation_timeout, or it cuts the wait short.
-        launched = any(m.launch is not None for m in config.models.values())
         message_timeout = config.activation_timeout + 5.0 if launched else 2.0
         if message_timeout > MAX_MESSAGE_TIMEOUT:
             raise ValueError(
@@ -287,11 +307,18 @@ def build(
         )
     if retries is None:
         retries = max(m.session.num_fallback_replicas for m in config.models.values())
+    if retries < 0:
+        raise ValueError(f"--retries {retries}: give 0 or more")
+    read = read_timeout or config.limits.upstream_read_timeout
+    # Envoy's stream idle timer runs from the client's last byte (only traffic to or from
+    # the client resets it): through ext_proc's answer, which for an on-demand model waits
+    # for its start (up to message_timeout), and through every try's silence.
+    tries = retries + 1 if shape == "override-host" else 1
+    silence = tries * read + (message_timeout if launched else 0.0)
     timing = _Timing(
         route=duration(route_timeout, "--route-timeout"),
-        idle=duration(
-            read_timeout or config.limits.upstream_read_timeout, "limits.upstream_read_timeout"
-        ),
+        idle=duration(read, "limits.upstream_read_timeout"),
+        stream_idle=duration(silence, "stream idle timeout"),
         connect=duration(connect_timeout, "connect timeout"),
     )
     if config.limits.max_body_bytes + (64 << 10) + envoylimits.GRPC_MESSAGE_MARGIN >= 1 << 32:
@@ -309,8 +336,11 @@ def build(
         routes, clusters = _original_dst_shape(addresses, timing)
     else:
         routes, clusters = _override_host_shape(addresses, timing, retries)
+    fleet = _fleet_size(config, len(addresses))
     for cluster in clusters:  # the model-server clusters, both shapes
-        cluster["circuit_breakers"] = envoylimits.circuit_breakers(len(addresses))
+        # The ORIGINAL_DST cluster carries every model's requests, the pool only its hosts'.
+        size = fleet if cluster["name"] == ORIGINAL_DST_CLUSTER else len(addresses)
+        cluster["circuit_breakers"] = envoylimits.circuit_breakers(size)
         cluster["outlier_detection"] = envoylimits.outlier_detection()
         # Idle upstream connections closed before the engine closes them (vLLM and SGLang
         # serve with uvicorn's 5 s keep-alive; Envoy's own default is 1 h): a request sent
@@ -344,6 +374,7 @@ def build(
         buffer_limit=max_body + (64 << 10),
         max_body=max_body,
         header_timeout=config.limits.client_header_timeout,
+        stream_idle=timing.stream_idle,
     )
     return {
         "admin": {"address": _socket(admin_host, admin_port)},
@@ -351,10 +382,25 @@ def build(
     }
 
 
+def _fleet_size(config: Config, static: int) -> int:
+    """The endpoints Envoy may see at once, for the breakers: the static ones, each on-demand
+    model's `scaling.max`, and envoylimits.DISCOVERED_ENDPOINTS for each discovered model
+    (its size is unknown here)."""
+    size = static
+    for spec in config.models.values():
+        if spec.discovery is not None:
+            size += envoylimits.DISCOVERED_ENDPOINTS
+        elif spec.launch is not None:
+            scaled = spec.scaling.max if spec.scaling is not None else None
+            size += 1 if scaled is None else scaled
+    return size
+
+
 @dataclass(frozen=True, slots=True)
 class _Timing:
     route: str  # whole request
-    idle: str  # longest silence mid-response
+    idle: str  # longest silence from one endpoint (one try)
+    stream_idle: str  # longest silence of the whole request: ext_proc's answer, every try
     connect: str
 
 
@@ -364,7 +410,11 @@ Clusters = list[dict[str, Any]]
 
 def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, Clusters]:
     """(a) ORIGINAL_DST reading the destination header: one host, no fallback (GIE default)."""
-    picked = {"cluster": ORIGINAL_DST_CLUSTER, "timeout": timing.route, "idle_timeout": timing.idle}
+    picked = {
+        "cluster": ORIGINAL_DST_CLUSTER,
+        "timeout": timing.route,
+        "idle_timeout": timing.stream_idle,
+    }
     routes: Routes = [
         {
             "match": {
@@ -380,7 +430,7 @@ def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, 
             "route": {
                 "cluster": POOL_CLUSTER,
                 "timeout": timing.route,
-                "idle_timeout": timing.idle,
+                "idle_timeout": timing.stream_idle,
             },
         }
         if addresses
@@ -411,8 +461,15 @@ def _original_dst_shape(addresses: list[str], timing: _Timing) -> tuple[Routes, 
 def _override_host_shape(
     addresses: list[str], timing: _Timing, retries: int
 ) -> tuple[Routes, Clusters]:
-    """(b) The endpoints listed, override_host LB: primary first, fallbacks on retries."""
-    route: dict[str, Any] = {"cluster": POOL_CLUSTER, "timeout": timing.route}
+    """(b) The endpoints listed, override_host LB: primary first, fallbacks on retries.
+    Each try may be silent for `idle` (a hung replica is retried on the next); the route's
+    idle timeout lets every try take it (without one, Envoy's default 300 s cut a silent
+    answer short, and with no retries nothing bounded a hung replica's silence)."""
+    route: dict[str, Any] = {
+        "cluster": POOL_CLUSTER,
+        "timeout": timing.route,
+        "idle_timeout": timing.stream_idle,
+    }
     if retries > 0:
         route["retry_policy"] = {
             "retry_on": "5xx,reset,connect-failure,retriable-status-codes",
@@ -492,6 +549,7 @@ def _listener(
     buffer_limit: int,
     max_body: int,
     header_timeout: float,
+    stream_idle: str,
 ) -> dict[str, Any]:
     """The HTTP listener: client copies of the destination header stripped first, ext_proc,
     then the router; responses say which host answered (for the outcome after retries)."""
@@ -516,6 +574,9 @@ def _listener(
         "max_request_headers_kb": envoylimits.CODEC_MAX_HEADERS_KB,
         "common_http_protocol_options": {"max_headers_count": envoylimits.CODEC_MAX_HEADERS},
         "request_headers_timeout": duration(header_timeout, "limits.client_header_timeout"),
+        # The routes' idle timeout again, for the 503 route, which sets none: with every
+        # model on demand a start's wait matched it, and Envoy's default 300 s ended it.
+        "stream_idle_timeout": stream_idle,
         "local_reply_config": envoylimits.local_reply_config(max_body),
         "route_config": {
             "name": "llm",
@@ -561,6 +622,17 @@ def render(bootstrap: dict[str, Any], source: str = "") -> str:
     return head + yaml.safe_dump(bootstrap, sort_keys=False, width=100)
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 0 or more")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmgw envoy-config",
@@ -593,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per ext_proc message (default 2, or activation_timeout + 5 with on-demand models)",
     )
     parser.add_argument("--route-timeout", type=float, default=600.0, help="0 disables")
-    parser.add_argument("--retries", type=int, help="override-host retries (default: fallbacks)")
+    parser.add_argument("--retries", type=_count, help="override-host retries (default: fallbacks)")
     parser.add_argument(
         "--body-mode",
         choices=tuple(BODY_MODES),
@@ -619,25 +691,23 @@ def main(argv: list[str]) -> int:
         config = load_file(args.config)
         listen_host, listen_port = _bind_address(args.listen, "--listen")
         admin_host, admin_port = _bind_address(args.admin, "--admin")
-        text = render(
-            build(
-                config,
-                shape=args.shape,
-                listen_host=listen_host,
-                listen_port=listen_port,
-                admin_host=admin_host,
-                admin_port=admin_port,
-                extproc_address=args.extproc,
-                fail_open=args.fail_open,
-                message_timeout=args.message_timeout,
-                route_timeout=args.route_timeout,
-                retries=args.retries,
-                body_mode=args.body_mode,
-                extproc_tls=not args.extproc_plaintext,
-                extproc_ca=args.extproc_ca,
-            ),
-            Path(args.config).name,
+        bootstrap = build(
+            config,
+            shape=args.shape,
+            listen_host=listen_host,
+            listen_port=listen_port,
+            admin_host=admin_host,
+            admin_port=admin_port,
+            extproc_address=args.extproc,
+            fail_open=args.fail_open,
+            message_timeout=args.message_timeout,
+            route_timeout=args.route_timeout,
+            retries=args.retries,
+            body_mode=args.body_mode,
+            extproc_tls=not args.extproc_plaintext,
+            extproc_ca=args.extproc_ca,
         )
+        text = render(bootstrap, Path(args.config).name)
     except (ConfigError, ValueError) as exc:
         print(f"llmgw envoy-config: {exc}", file=sys.stderr)
         return 2
@@ -650,6 +720,17 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
     streamed = BODY_MODES[args.body_mode][0]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    if streamed:
+        listener = bootstrap["static_resources"]["listeners"][0]
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        print(
+            f"llmgw envoy-config: note: with --body-mode {args.body_mode} (FULL_DUPLEX_STREAMED) "
+            "Envoy starts no message_timeout timer: an ext_proc server that never answers "
+            "(llmgw wedged, a partition that keeps the connection) holds each request for the "
+            f"stream idle timeout ({hcm['stream_idle_timeout']}), and --fail-open never routes "
+            "around it",
+            file=sys.stderr,
+        )
     if args.shape == "override-host" and args.retries != 0 and streamed:
         print(
             "llmgw envoy-config: note: Envoy (1.35 to at least 1.40) sends a FULL_DUPLEX_STREAMED "

@@ -4,7 +4,8 @@
   per cluster by default; LLM streams are long, so a fleet of 16 replicas x 256 sequences
   would see 503 overflows, and 3 retries let a failing replica's 5xx through under load.
   A retry budget of 100 % of active requests never overflows (each request retries one try
-  at a time), with a floor of one per endpoint.
+  at a time), with a floor of one per endpoint. The fleet: the static endpoints, each
+  on-demand model's `scaling.max`, and DISCOVERED_ENDPOINTS for each discovered model.
 - Outlier detection: a replica that answers 5xx or resets streams (counted as 5xx) is
   ejected for a while, even before llmgw's breaker hears of it.
 - Header limits answered with 431 by a few lines of Lua before ext_proc (see
@@ -28,6 +29,9 @@ _T = "type.googleapis.com/"
 # Requests (and pending requests) one endpoint may have in Envoy at once: above any
 # engine's batch (vLLM's max_num_seqs defaults to 256).
 PER_ENDPOINT_REQUESTS = 1024
+# The endpoints a Kubernetes-discovered model counts for the breakers: its size is known only
+# at run time, and the breakers are fixed in the bootstrap (a larger fleet still shares these).
+DISCOVERED_ENDPOINTS = 64
 # The client header limits (CLIENT_MAX_HEADERS*) are checked by a Lua filter: Envoy's
 # HTTP/1 codec closes the connection without a response past its own limits, and ext_proc
 # answers 500 when its mutation pushes the map over them. The codec's own, far above: room

@@ -29,14 +29,20 @@ SIM = f"{shlex.quote(sys.executable)} -m llmgw.sim --port {{port}} --model {{mod
 
 
 def make_config(
-    *, activation_timeout: float = 30, idle_timeout: float = 600, start_delay: float = 0
+    *,
+    activation_timeout: float = 30,
+    idle_timeout: float = 600,
+    start_delay: float = 0,
+    **top_level: Any,
 ) -> Config:
     command = SIM if not start_delay else f"sh -c 'sleep {start_delay}; exec {SIM}'"
     return load_dict(
         {
+            **top_level,
             "activation_timeout": activation_timeout,
             "activation_poll_interval": 0.05,
             "models": {
+                **top_level.get("models", {}),
                 "lazy": {
                     "launch": {"command": command, "expected_start_seconds": 5},
                     "scaling": {
@@ -127,6 +133,20 @@ async def test_short_timeout_is_503_retry_after_and_the_start_completes(edge_nam
         second = await client.post(f"{edge.url}/v1/chat/completions", json=chat("lazy"))
         assert second.status_code == 200
         assert edge.status()["starts"] == 1
+
+
+async def test_a_start_longer_than_upstream_read_timeout_is_waited_for_through_envoy() -> None:
+    """The stream is silent while llmgw waits for the start: the route's idle timeout,
+    upstream_read_timeout (600 s, here 1 s), ended it with Envoy's 504 although Envoy would
+    wait message_timeout for llmgw's answer (found by a review helper)."""
+    config = make_config(
+        start_delay=2,
+        limits={"upstream_read_timeout": 1.0},
+        models={"m": {"endpoints": ["127.0.0.1:9"]}},  # the arrival route: its pool's
+    )
+    async with envoy_edge(config) as edge, httpx.AsyncClient(timeout=30) as client:
+        reply = await client.post(f"{edge.url}/v1/chat/completions", json=chat("lazy"))
+        assert reply.status_code == 200, reply.text
 
 
 async def test_unknown_is_404_and_disabled_is_503_without_a_start(edge_name: str) -> None:

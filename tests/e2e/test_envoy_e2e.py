@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -235,6 +236,24 @@ def test_client_abort_releases_the_lease(stack: StackFactory, sim_fleet: Threade
     assert all(state is BreakerState.CLOSED for state in states.values())
     text = s.extproc.server.telemetry.render()[0].decode()
     assert 'outcome="cancelled"} 1.0' in text
+
+
+def test_a_hung_replica_without_retries_is_cut_after_upstream_read_timeout(
+    stack: StackFactory, sim_fleet: ThreadedFleet
+) -> None:
+    """override-host without retries (num_fallback_replicas: 0, or --retries 0) set no idle
+    limit (upstream_read_timeout was only the retry policy's per-try one): a hung replica
+    held the request for Envoy's 300 s stream idle timeout (found by a review helper)."""
+    endpoints = [f"127.0.0.1:{p}" for p in sim_fleet.ports]
+    models = {"m1": {"endpoints": endpoints, "session": {"num_fallback_replicas": 0}}}
+    config = fleet_config(sim_fleet, models=models, limits={"upstream_read_timeout": 1.0})
+    s = stack("override-host", config=config)
+    sim_fleet.call(lambda: [r.set_faults(hang=True) for r in sim_fleet.fleet.replicas])
+    started = time.monotonic()
+    body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
+    reply = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=10)
+    assert reply.status_code == 504, reply.text
+    assert time.monotonic() - started < 5
 
 
 def test_openai_client_through_envoy(stack: StackFactory) -> None:

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from llmgw.config import load_dict, load_file
-from llmgw.extproc.envoyconfig import SHAPES, build, main, render
+from llmgw.extproc.envoyconfig import SHAPES, build, duration, main, render
+from llmgw.extproc.envoylimits import DISCOVERED_ENDPOINTS, PER_ENDPOINT_REQUESTS
 from llmgw.extproc.grpchealth import PROCESS_SERVICE
 from llmgw.testing.extproc import BootstrapOptions, loopback_bootstrap, make_config
 
@@ -361,3 +362,137 @@ def test_model_server_clusters_close_idle_connections_and_refuse_a_sub_ms_limit(
     )
     with pytest.raises(ValueError, match=r"give at least 0\.001 s"):
         build(tiny)
+
+
+def _hcm(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    hcm: dict[str, Any] = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"
+    ][0]["typed_config"]
+    return hcm
+
+
+def _routes(bootstrap: dict[str, Any]) -> list[dict[str, Any]]:
+    routes: list[dict[str, Any]] = _hcm(bootstrap)["route_config"]["virtual_hosts"][0]["routes"]
+    return routes
+
+
+@pytest.mark.parametrize("retries", [0, 1, 2])
+def test_override_host_lets_each_try_stay_silent_for_upstream_read_timeout(retries: int) -> None:
+    """override-host set upstream_read_timeout only as the retry policy's per-try idle
+    timeout: with no retries (`--retries 0`) nothing bounded a hung replica, and with retries
+    Envoy's default stream idle timeout (300 s) cut a silent answer before the 600 s llmgw
+    allows (found by a review helper)."""
+    config = load_file(EXAMPLE)
+    assert config.limits.upstream_read_timeout == 600
+    bootstrap = build(config, shape="override-host", retries=retries)
+    (route,) = (r["route"] for r in _routes(bootstrap))
+    every_try = f"{(retries + 1) * 600}s"  # the route never ends a try that may be retried
+    assert route["idle_timeout"] == _hcm(bootstrap)["stream_idle_timeout"] == every_try
+    if retries:
+        assert route["retry_policy"]["per_try_idle_timeout"] == "600s"
+    else:
+        assert "retry_policy" not in route
+
+
+def test_on_demand_models_get_idle_limits_that_outlast_the_start_wait() -> None:
+    """message_timeout was raised to activation_timeout + 5 for on-demand models, but the
+    stream was idle meanwhile and the route's idle timeout (upstream_read_timeout), or Envoy's
+    300 s default on the 503 route when every model starts on demand, ended the wait first
+    (found by a review helper)."""
+    lazy = {"launch": {"command": "serve {port}"}, "scaling": {"min": 0, "max": 1}}
+    mixed = load_dict(
+        {
+            "activation_timeout": 900,
+            "models": {"m": {"endpoints": ["127.0.0.1:1"]}, "big": lazy},
+        }
+    )
+    bootstrap = build(mixed)
+    # The start's wait (message_timeout 905 s), then the engine's silence (600 s).
+    assert [r["route"]["idle_timeout"] for r in _routes(bootstrap)] == ["1505s", "1505s"]
+    assert _hcm(bootstrap)["stream_idle_timeout"] == "1505s"
+    only = load_dict({"activation_timeout": 900, "models": {"big": lazy}})
+    bootstrap = build(only)
+    arrival = _routes(bootstrap)[-1]
+    assert "direct_response" in arrival  # no idle_timeout of its own: the HCM's applies
+    assert _hcm(bootstrap)["stream_idle_timeout"] == "1505s"
+    assert build(only, message_timeout=30)["static_resources"] != bootstrap["static_resources"]
+    assert _hcm(build(only, message_timeout=30))["stream_idle_timeout"] == "630s"
+    static = build(load_dict({"models": {"m": {"endpoints": ["127.0.0.1:1"]}}}))
+    assert [r["route"]["idle_timeout"] for r in _routes(static)] == ["600s", "600s"]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"launch": {"command": "serve {port}"}, "scaling": {"min": 0, "max": 1}},
+        {"discovery": {"service": {"namespace": "llmgw", "name": "vllm"}}},
+    ],
+    ids=["on-demand", "discovered"],
+)
+def test_override_host_refuses_a_model_whose_endpoints_are_not_in_its_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], other: dict[str, Any]
+) -> None:
+    """override-host lists only the static endpoints: llmgw's pick for an on-demand or
+    discovered model beside a static one was no host of the cluster, and Envoy sent the
+    request to the static model's engine (404, wrong model) (found by a review helper)."""
+    path = tmp_path / "llmgw.yaml"
+    models = {"m": {"endpoints": ["127.0.0.1:8000"]}, "other": other}
+    path.write_text(yaml.safe_dump({"models": models}))
+    assert main(["--config", str(path), "--shape", "override-host"]) == 2
+    err = capsys.readouterr().err
+    assert "model other: shape 'override-host' lists only the static endpoints" in err
+    assert "Use shape original-dst" in err
+    out = str(tmp_path / "envoy.yaml")
+    assert main(["--config", str(path), "--shape", "original-dst", "--out", out]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_breakers_count_on_demand_and_discovered_endpoints() -> None:
+    """The breakers were sized from the static endpoints alone: an on-demand or discovered
+    fleet (deploy/k8s) had one endpoint's 1,024 requests for every model together, the
+    1,025th a 503 overflow (found by a review helper)."""
+
+    def thresholds(config_dict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        bootstrap = build(load_dict(config_dict))
+        clusters = bootstrap["static_resources"]["clusters"][1:]  # after ext_proc's
+        return {c["name"]: c["circuit_breakers"]["thresholds"][0] for c in clusters}
+
+    lazy = {"launch": {"deployment": "big"}, "scaling": {"min": 0, "max": 8}}
+    got = thresholds({"models": {"m": {"endpoints": ["127.0.0.1:1"]}, "big": lazy}})
+    assert got["llm-original-dst"]["max_requests"] == 9 * PER_ENDPOINT_REQUESTS
+    assert got["llm-original-dst"]["retry_budget"]["min_retry_concurrency"] == 9
+    assert got["llm-pool"]["max_requests"] == PER_ENDPOINT_REQUESTS  # its one host
+    shipped = build(load_file(ROOT / "deploy" / "k8s" / "llmgw-config.yaml"))
+    (cluster,) = shipped["static_resources"]["clusters"][1:]
+    assert cluster["name"] == "llm-original-dst"
+    discovered = 2 * DISCOVERED_ENDPOINTS * PER_ENDPOINT_REQUESTS  # two discovered models
+    assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] == discovered
+
+
+@pytest.mark.parametrize("body_mode", ["gie", "envoy-gateway", "override", "buffered"])
+def test_streamed_body_modes_say_message_timeout_and_fail_open_do_not_apply(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, body_mode: str
+) -> None:
+    """Envoy starts no message_timeout timer for a FULL_DUPLEX_STREAMED body: a stalled
+    ext_proc held every request until the idle timeout, fail-open or not, and neither the
+    command nor the README said so (found by a review helper)."""
+    out = str(tmp_path / "envoy.yaml")
+    assert main(["--config", str(EXAMPLE), "--body-mode", body_mode, "--out", out]) == 0
+    noted = "Envoy starts no message_timeout timer" in capsys.readouterr().err
+    assert noted == (body_mode in ("gie", "envoy-gateway"))
+
+
+def test_negative_retries_and_sub_nanosecond_durations_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--retries -1` wrote `num_retries: -1` (Envoy refuses it) and a duration under 1 ns
+    was written as 0 s, which Envoy reads as no limit (found by a review helper)."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", str(EXAMPLE), "--shape", "override-host", "--retries", "-1"])
+    assert exited.value.code == 2
+    assert "--retries: '-1': give a whole number, 0 or more" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="under Envoy's resolution of 1 ns"):
+        build(load_file(EXAMPLE), message_timeout=1e-10)
+    with pytest.raises(ValueError, match="--retries -1: give 0 or more"):
+        build(load_file(EXAMPLE), shape="override-host", retries=-1)
+    assert duration(0, "x") == "0s" and duration(1e-9, "x") == "0.000000001s"
