@@ -206,10 +206,10 @@ def add_try_option(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="[EDGE:]NAME=JSON",
         help="extra llmgw contender with an explicit strategy, through Envoy (`envoy:`, the "
-        "default) or `llmgw proxy` (`asgi:`); the JSON replaces the whole preset, filters "
-        'included, e.g. x={"scorers": {"load": 1}} or asgi:nophase={"scorers": {"latency": '
-        '{"params": {"step_phase": false}}}, "filters": ["healthy", "model-serves", '
-        '"blind-imbalance"]}',
+        "default) or `llmgw proxy` (`asgi:`); the JSON is a strategy as in the config (one "
+        "preset's scorers alone: that preset tuned, its filters and picker unless given), "
+        'e.g. x={"scorers": {"load": 1}} or asgi:nophase={"scorers": {"latency": '
+        '{"params": {"step_phase": false}}}}',
     )
 
 
