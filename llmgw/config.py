@@ -518,9 +518,32 @@ def load_dict(data: Any, source: str = "config") -> Config:
         raise ConfigError(["<root>: nested too deeply to be a config"], source) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping: PyYAML keeps the last, so a
+    model block copied without renaming it replaced the first model, and check-config
+    called the file valid. Merged keys (`<<: *base`) may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable: the base class says so
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_text(text: str, source: str = "config") -> Config:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except RecursionError:
         raise ConfigError(["<yaml>: nested too deeply to be a config"], source) from None
     except yaml.YAMLError as exc:

@@ -405,6 +405,38 @@ def test_yaml_nested_past_the_recursion_limit_is_a_config_error() -> None:
         load_text("models: " + "[" * 5000 + "]" * 5000)
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (
+            "models:\n  chat:\n    endpoints: [10.0.0.1:8000]\n"
+            "  chat:\n    endpoints: [10.0.0.2:8000]\n",
+            "line 4, column 3: duplicate key 'chat'",
+        ),
+        (
+            "models:\n  chat:\n    endpoints: [10.0.0.1:8000]\n    endpoints: [10.0.0.2:8000]\n",
+            "line 4, column 5: duplicate key 'endpoints'",
+        ),
+    ],
+    ids=["model-twice", "field-twice"],
+)
+def test_a_key_given_twice_is_refused(text: str, where: str) -> None:
+    """PyYAML kept the last of two equal keys: a model block copied without renaming it
+    replaced the first model, and check-config called the file valid (found by a review
+    helper)."""
+    with pytest.raises(ConfigError) as info:
+        load_text(text)
+    assert info.value.problems == [f"<yaml>: {where}"]
+
+
+def test_a_merged_key_may_still_be_overridden() -> None:
+    text = (
+        "models:\n  chat: &base\n    endpoints: [10.0.0.1:8000]\n"
+        "  code:\n    <<: *base\n    endpoints: [10.0.0.2:8000]\n"
+    )
+    assert load_text(text).models["code"].endpoints[0].address == "10.0.0.2:8000"
+
+
 def test_unclosed_flow_sequence_is_a_yaml_error() -> None:
     with pytest.raises(ConfigError) as info:
         load_text("models:\n  chat: {endpoints: [a:1\n")
