@@ -31,6 +31,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
     ValidationError,
     field_validator,
     model_validator,
@@ -63,7 +66,7 @@ class _Strict(BaseModel):
 
 class EndpointSpec(_Strict):
     address: str
-    weight: float = Field(default=1.0, gt=0)
+    weight: StrictFloat = Field(default=1.0, gt=0)
 
     @field_validator("address")
     @classmethod
@@ -93,11 +96,11 @@ def host_port(value: str) -> str:
 
 
 class ScalingSpec(_Strict):
-    min: int = Field(default=0, ge=0)
-    max: int | None = Field(default=None, ge=0)
-    idle_timeout: float = Field(default=600.0, gt=0)
-    start_timeout: float = Field(default=300.0, gt=0)
-    max_waiting_requests: int = Field(default=256, ge=1)
+    min: StrictInt = Field(default=0, ge=0)
+    max: StrictInt | None = Field(default=None, ge=0)
+    idle_timeout: StrictFloat = Field(default=600.0, gt=0)
+    start_timeout: StrictFloat = Field(default=300.0, gt=0)
+    max_waiting_requests: StrictInt = Field(default=256, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> ScalingSpec:
@@ -112,12 +115,12 @@ class LaunchSpec(_Strict):
     command: str | None = None
     health_path: str = "/health"
     host: str = "127.0.0.1"
-    base_port: int = Field(default=0, ge=0, le=65535)
+    base_port: StrictInt = Field(default=0, ge=0, le=65535)
     deployment: str | None = None
     namespace: str = "default"
     service: str | None = None
-    port: int = Field(default=8000, ge=1, le=65535)
-    expected_start_seconds: float = Field(default=30.0, gt=0)
+    port: StrictInt = Field(default=8000, ge=1, le=65535)
+    expected_start_seconds: StrictFloat = Field(default=30.0, gt=0)
 
     @field_validator("host")
     @classmethod
@@ -166,9 +169,9 @@ def launch_argv(command: str, *, port: int, host: str, model: str) -> list[str]:
 
 class SessionSpec(_Strict):
     headers: tuple[str, ...] = ("x-session-id",)
-    num_fallback_replicas: int = Field(default=2, ge=0)
-    num_virtual_nodes: int = Field(default=100, ge=1)
-    bounded_load: float | None = Field(default=None, ge=1.0)
+    num_fallback_replicas: StrictInt = Field(default=2, ge=0)
+    num_virtual_nodes: StrictInt = Field(default=100, ge=1)
+    bounded_load: StrictFloat | None = Field(default=None, ge=1.0)
 
     @field_validator("headers")
     @classmethod
@@ -185,8 +188,8 @@ def _preset_strategy(name: str) -> StrategySpec:
 
 
 class SaturationSpec(_Strict):
-    queue_ceiling: float = Field(default=64, gt=0)
-    kv_ceiling: float = Field(default=0.98, gt=0, le=1)
+    queue_ceiling: StrictFloat = Field(default=64, gt=0)
+    kv_ceiling: StrictFloat = Field(default=0.98, gt=0, le=1)
 
 
 class KvEventsSpec(_Strict):
@@ -199,8 +202,8 @@ class KvEventsSpec(_Strict):
     endpoint: str | None = None
     replay_endpoint: str | None = None
     topic: str = ""
-    discover: bool = False
-    resync: float = Field(default=10.0, ge=0)  # seconds gap-free after a gap before trusting
+    discover: StrictBool = False
+    resync: StrictFloat = Field(default=10.0, ge=0)  # seconds gap-free after a gap before trusting
 
     @model_validator(mode="after")
     def _source(self) -> KvEventsSpec:
@@ -293,11 +296,11 @@ class ModelSpec(_Strict):
 
 
 class BreakerSpec(_Strict):
-    failure_threshold: int = Field(default=3, ge=1)
-    success_threshold: int = Field(default=2, ge=1)
-    base_cooldown: float = Field(default=1.0, gt=0)
-    max_cooldown: float = Field(default=60.0, gt=0)
-    half_open_probes: int = Field(default=1, ge=1)
+    failure_threshold: StrictInt = Field(default=3, ge=1)
+    success_threshold: StrictInt = Field(default=2, ge=1)
+    base_cooldown: StrictFloat = Field(default=1.0, gt=0)
+    max_cooldown: StrictFloat = Field(default=60.0, gt=0)
+    half_open_probes: StrictInt = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _caps(self) -> BreakerSpec:
@@ -310,44 +313,44 @@ class BreakerSpec(_Strict):
 
 
 class ScrapeSpec(_Strict):
-    interval: float = Field(default=0.1, gt=0)
-    timeout: float = Field(default=0.5, gt=0)
-    staleness: float = Field(default=2.0, gt=0)
-    jitter: float = Field(default=0.1, ge=0, le=1)
+    interval: StrictFloat = Field(default=0.1, gt=0)
+    timeout: StrictFloat = Field(default=0.5, gt=0)
+    staleness: StrictFloat = Field(default=2.0, gt=0)
+    jitter: StrictFloat = Field(default=0.1, ge=0, le=1)
     # A replica added to a running model takes at most this many requests at once until
     # its first scrape says how busy it is (it may still be warming up).
-    warmup_inflight: int = Field(default=2, ge=1)
+    warmup_inflight: StrictInt = Field(default=2, ge=1)
 
 
 class LimitsSpec(_Strict):
-    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
-    prompt_prefix_chars: int = Field(default=32 * 1024, ge=0)
+    max_body_bytes: StrictInt = Field(default=8 * 1024 * 1024, ge=1024)
+    prompt_prefix_chars: StrictInt = Field(default=32 * 1024, ge=0)
     # The embedded proxy's upstream connections (per endpoint, HTTP/1.1 keep-alive).
-    upstream_max_connections: int = Field(default=512, ge=1)
-    upstream_connect_timeout: float = Field(default=5.0, gt=0)
-    upstream_read_timeout: float = Field(default=600.0, gt=0)  # longest silence mid-response
+    upstream_max_connections: StrictInt = Field(default=512, ge=1)
+    upstream_connect_timeout: StrictFloat = Field(default=5.0, gt=0)
+    upstream_read_timeout: StrictFloat = Field(default=600.0, gt=0)  # longest silence mid-response
     # Idle keep-alive kept this long: below uvicorn's 5 s, which vLLM and SGLang serve with.
-    upstream_idle_timeout: float = Field(default=4.0, gt=0)
+    upstream_idle_timeout: StrictFloat = Field(default=4.0, gt=0)
     # A client's request: its head must arrive whole within client_header_timeout s of the
     # connection (or, on a kept-alive one, of its first byte); its body may pause at most
     # client_body_timeout s between two reads (nginx's two timeouts). Then 408 and close.
-    client_header_timeout: float = Field(default=60.0, gt=0)
-    client_body_timeout: float = Field(default=60.0, gt=0)
+    client_header_timeout: StrictFloat = Field(default=60.0, gt=0)
+    client_body_timeout: StrictFloat = Field(default=60.0, gt=0)
     # A client's idle keep-alive connection is kept this long: past what client pools keep
     # theirs (httpx 5 s, aiohttp 15 s, ingress-nginx and AWS balancers 60 s), so they never
     # send on a connection the proxy is closing (a front proxy that keeps longer, Envoy's
     # 1 h, needs its own set below this). uvicorn's 5 s did, once in ~6,000 requests of a
     # 15 s aiohttp pool: the request failed (ServerDisconnectedError).
-    client_idle_timeout: float = Field(default=75.0, gt=0)
+    client_idle_timeout: StrictFloat = Field(default=75.0, gt=0)
     # The proxy's answer: a client that accepts no response byte for this long (its socket
     # open, nothing read) is dropped and its request ends as cancelled.
-    client_write_timeout: float = Field(default=60.0, gt=0)
+    client_write_timeout: StrictFloat = Field(default=60.0, gt=0)
 
 
 class AdminSpec(_Strict):
     # POST /admin/explain on the health port (the proxy: its own port). Read-only, but it
     # shows endpoints and scores: off unless asked for.
-    explain: bool = False
+    explain: StrictBool = False
 
 
 class PeersSpec(_Strict):
@@ -360,7 +363,7 @@ class PeersSpec(_Strict):
     # names them all. Re-resolved every `resolve_interval` seconds; datagrams from any
     # other address are dropped. This replica may be among them (it skips itself).
     addresses: tuple[str, ...] = Field(min_length=1)
-    resolve_interval: float = Field(default=10.0, gt=0)
+    resolve_interval: StrictFloat = Field(default=10.0, gt=0)
     # The name of an environment variable holding a secret every replica shares: datagrams
     # then carry an HMAC-SHA256 tag, and untagged or wrongly tagged ones are dropped. Read
     # at start (a replica without it does not start), not at load: configs are checked
@@ -413,9 +416,9 @@ class TraceSpec(_Strict):
     """The decision trace: one JSON line per sampled request (never prompt text)."""
 
     path: str | None = None  # a JSONL file; None: no trace
-    sample: float = Field(default=1.0, ge=0, le=1)  # share of requests written
-    max_bytes: int = Field(default=64 * 1024 * 1024, ge=4096)  # rotate past this size
-    backups: int = Field(default=3, ge=1)  # rotated files kept (path.1 .. path.N)
+    sample: StrictFloat = Field(default=1.0, ge=0, le=1)  # share of requests written
+    max_bytes: StrictInt = Field(default=64 * 1024 * 1024, ge=4096)  # rotate past this size
+    backups: StrictInt = Field(default=3, ge=1)  # rotated files kept (path.1 .. path.N)
 
 
 class Config(_Strict):
@@ -426,18 +429,18 @@ class Config(_Strict):
     admin: AdminSpec = AdminSpec()
     trace: TraceSpec = TraceSpec()
     peers: PeersSpec | None = None
-    activation_timeout: float = Field(default=45.0, gt=0)
-    activation_poll_interval: float = Field(default=0.25, gt=0)
+    activation_timeout: StrictFloat = Field(default=45.0, gt=0)
+    activation_poll_interval: StrictFloat = Field(default=0.25, gt=0)
     model_header: str = "x-llmgw-model"
-    debug_headers: bool = False
+    debug_headers: StrictBool = False
     # ext_proc: list the fallbacks after the primary in `x-gateway-destination-endpoint` and
     # `envoy.lb` (for gateways that retry down the list, e.g. llmgw's override-host config).
     # Off: the primary only, which ORIGINAL_DST clusters (GIE's reference config) need.
-    destination_fallbacks: bool = False
+    destination_fallbacks: StrictBool = False
     # ext_proc: honour GIE's conformance-test headers (`test-epp-endpoint-selection` picks
     # among the listed IPs; `x-conformance-test-served-endpoint` echoes the served host).
-    conformance_headers: bool = False
-    seed: int | None = None
+    conformance_headers: StrictBool = False
+    seed: StrictInt | None = None
 
     @field_validator("models")
     @classmethod

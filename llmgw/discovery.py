@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 # RFC 1123 label (namespaces) and subdomain (object names), as the API server checks them.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -67,9 +67,12 @@ class ServiceSource(_Named):
 
     port: str | int | None = None
 
-    @field_validator("port")
+    @field_validator("port", mode="before")
     @classmethod
-    def _port(cls, value: str | int | None) -> str | int | None:
+    def _port(cls, value: Any) -> Any:
+        # Before pydantic's union, which read `port: true` as port 1.
+        if isinstance(value, bool) or not isinstance(value, int | str | None):
+            raise ValueError(f"must be a port name or a number in 1..65535, got {value!r}")
         if isinstance(value, int) and not 0 < value < 65536:
             raise ValueError(f"must be a port name or a number in 1..65535, got {value}")
         if isinstance(value, str) and not _DNS_LABEL.match(value):
@@ -86,7 +89,7 @@ class PodSource(_Namespaced):
     """Pods by label selector (clusters without a Service or an InferencePool)."""
 
     selector: dict[str, str] = Field(min_length=1)
-    port: int = Field(ge=1, le=65535)
+    port: StrictInt = Field(ge=1, le=65535)
 
     @field_validator("selector")
     @classmethod

@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    field_validator,
+    model_validator,
+)
 
 from llmgw.scheduling.plugins import (
     FILTERS,
@@ -44,7 +51,7 @@ class PickerSpec(_Strict):
 
 
 class ScorerSpec(_Strict):
-    weight: float = Field(default=1.0, ge=0)
+    weight: StrictFloat = Field(default=1.0, ge=0)
     params: Params = Field(default_factory=dict)
 
 

@@ -348,6 +348,69 @@ def test_invalid_config_names_the_path_of_the_problem(data: Any, path: str, phra
     assert phrase in message
 
 
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (
+            one_model(launch=LAUNCH, scaling={"min": True}),
+            "models.chat.scaling.min: Input should be a valid integer",
+        ),
+        (
+            one_model(endpoints=[{"address": EP[0], "weight": True}]),
+            "models.chat.endpoints.0.weight: Input should be a valid number",
+        ),
+        (
+            {**one_model(endpoints=EP), "scrape": {"interval": True}},
+            "scrape.interval: Input should be a valid number",
+        ),
+        ({**one_model(endpoints=EP), "seed": True}, "seed: Input should be a valid integer"),
+        (
+            one_model(endpoints=EP, strategy={"scorers": {"queue": True}}),
+            "models.chat.strategy.scorers.queue.weight: Input should be a valid number",
+        ),
+        (
+            {**one_model(endpoints=EP), "limits": {"max_body_bytes": "1048576"}},
+            "limits.max_body_bytes: Input should be a valid integer",
+        ),
+        (
+            one_model(launch=LAUNCH, scaling={"max": 1.5}),
+            "models.chat.scaling.max: Input should be a valid integer",
+        ),
+        (
+            one_model(discovery={"service": {"name": "vllm", "port": True}}),
+            "models.chat.discovery.service.port: must be a port name or a number in 1..65535, "
+            "got True",
+        ),
+        (
+            {**one_model(endpoints=EP), "debug_headers": "yes"},
+            "debug_headers: Input should be a valid boolean",
+        ),
+    ],
+    ids=[
+        "scaling.min",
+        "weight",
+        "scrape.interval",
+        "seed",
+        "scorer-weight",
+        "string-number",
+        "float-for-int",
+        "discovery-port",
+        "string-bool",
+    ],
+)
+def test_a_boolean_or_a_string_where_a_number_belongs_is_refused(
+    data: dict[str, Any], problem: str
+) -> None:
+    """YAML `yes`/`on`/`true` was read as 1: `scaling.min: true` started a replica at boot,
+    `weight: on` was weight 1 (found by a review helper)."""
+    assert problems_of(data) == [problem]
+
+
+def test_an_int_where_a_float_belongs_still_loads() -> None:
+    cfg = load_dict({**one_model(endpoints=[{"address": EP[0], "weight": 2}]), "seed": 7})
+    assert cfg.models["chat"].endpoints[0].weight == 2.0 and cfg.seed == 7
+
+
 def test_peers_of_a_family_the_listen_address_reaches_load() -> None:
     for listen, address in (("[::]:9005", "10.0.0.2:9005"), ("0.0.0.0:9005", "peers:9005")):
         loaded = load_dict(
