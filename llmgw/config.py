@@ -22,6 +22,7 @@ import importlib.util
 import ipaddress
 import re
 import shlex
+import string
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from llmgw.types import Endpoint, Engine
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+_PLACEHOLDERS = ("port", "host", "model")  # in launch.command
 _METRIC_ROLES = (
     "waiting",
     "running",
@@ -147,6 +149,12 @@ def launch_argv(command: str, *, port: int, host: str, model: str) -> list[str]:
     """`launch.command` with its placeholders filled, split as a shell would (no shell runs).
     Raises ValueError saying what to fix."""
     try:
+        # The names alone: format() also reads `{port.real}` and `{host[0]}`, and `{port.x}`
+        # escaped as an AttributeError (a traceback from check-config).
+        names = [f for _, f, _, _ in string.Formatter().parse(command) if f is not None]
+        unknown = next((f for f in names if f not in _PLACEHOLDERS), None)
+        if unknown is not None:
+            raise KeyError(unknown)
         filled = command.format(port=port, host=host, model=model)
     except (KeyError, IndexError) as exc:
         raise ValueError(

@@ -95,10 +95,11 @@ class Gateway:
         if problems:
             raise ConfigError(problems, "reloaded config")
         registry = old.scheduler.registry
-        registry.configure(breaker=config.breaker.settings(), staleness=config.scrape.staleness)
         # Built over a scratch registry (its constructor would also set the endpoints of
-        # models the control plane owns), then pointed at the live one before publishing.
+        # models the control plane owns), then pointed at the live one before publishing;
+        # built before the live registry changes, so a build that raises changes nothing.
         scheduler = Scheduler(config, Registry())
+        registry.configure(breaker=config.breaker.settings(), staleness=config.scrape.staleness)
         scheduler.registry = registry
         scheduler.rng = old.scheduler.rng
         for name, router in old.scheduler.routers.items():

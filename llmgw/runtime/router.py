@@ -359,7 +359,8 @@ class ConfigWatcher:
         return st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev, st.st_ctime_ns
 
     def reload(self) -> bool:
-        """Load the file and apply it; False (old config kept) if it is invalid."""
+        """Load the file and apply it; False (old config kept) if it is invalid or loading or
+        applying it raised anything else (from a SIGHUP handler it escaped the callback)."""
         self._seen = self._stamp()
         try:
             self.apply(load_file(self.path))
@@ -369,6 +370,15 @@ class ConfigWatcher:
                 "config reload rejected, keeping the running config: %s",
                 exc,
                 extra={"path": str(self.path), "problems": exc.problems},
+            )
+            return False
+        except Exception as exc:  # a bug building or applying it: kept, counted, logged, not raised
+            self.rejected += 1
+            log.exception(
+                "config reload failed, keeping the running config: %s: %s",
+                type(exc).__name__,
+                exc,
+                extra={"path": str(self.path)},
             )
             return False
         self.reloads += 1

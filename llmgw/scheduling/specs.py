@@ -43,10 +43,12 @@ class PickerSpec(_Strict):
             return {"type": value}
         if isinstance(value, Mapping) and set(value) - {"type", "params"}:
             params = {k: v for k, v in value.items() if k not in ("type", "params")}
-            return {
-                "type": value.get("type", "max-score"),
-                "params": {**params, **(value.get("params") or {})},
-            }
+            given = value.get("params")
+            if given is None:
+                given = {}
+            if not isinstance(given, Mapping):  # left for pydantic to say (a TypeError here)
+                return {"type": value.get("type", "max-score"), "params": given}
+            return {"type": value.get("type", "max-score"), "params": {**params, **given}}
         return value
 
 

@@ -315,6 +315,27 @@ INVALID: list[tuple[str, Any, str, str]] = [
         "unknown placeholder {prot} (known: {port}, {host}, {model}",
     ),
     (
+        "launch-attribute-placeholder",  # an AttributeError traceback from check-config
+        one_model(launch={"command": "vllm serve m --port {port.foo}"}, scaling={"max": 1}),
+        "models.chat.launch.command",
+        "unknown placeholder {port.foo} (known: {port}, {host}, {model}",
+    ),
+    (
+        "launch-index-placeholder",  # a TypeError traceback; `{host[0]}` took one letter
+        one_model(launch={"command": "vllm serve m --host {host[0]}"}, scaling={"max": 1}),
+        "models.chat.launch.command",
+        "unknown placeholder {host[0]}",
+    ),
+    (
+        "picker-shorthand-params-not-a-mapping",  # a TypeError traceback from check-config
+        one_model(
+            endpoints=EP,
+            strategy={"picker": {"type": "softmax", "temperature": 0.2, "params": [1]}},
+        ),
+        "models.chat.strategy.picker.params",
+        "valid dictionary",
+    ),
+    (
         "launch-unclosed-quote",
         one_model(launch={"command": "vllm serve 'm --port {port}"}, scaling={"max": 1}),
         "models.chat.launch.command",

@@ -6,6 +6,8 @@ import asyncio
 import os
 from pathlib import Path
 
+import pytest
+
 from llmgw.config import Config
 from llmgw.runtime.router import ConfigWatcher
 from llmgw.testing.wait import eventually
@@ -50,3 +52,22 @@ def test_a_file_replaced_with_the_same_size_and_mtime_is_seen(tmp_path: Path) ->
     replacement.replace(path)  # a rename: a new inode, same size and mtime
     assert watcher.check() is True and len(applied) == 1
     assert watcher.check() is None  # nothing new
+
+
+def test_a_reload_that_raises_anything_is_rejected_counted_and_the_old_config_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only ConfigError was caught: any other exception escaped the SIGHUP callback,
+    uncounted and without the "keeping the running config" line (found by a review
+    helper)."""
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(CONFIG)
+
+    def apply(config: Config) -> None:
+        raise RuntimeError("a bug in building this one")
+
+    watcher = ConfigWatcher(path, apply, interval=0)
+    path.write_text(CONFIG + "# an edit\n")
+    assert watcher.reload() is False
+    assert (watcher.rejected, watcher.reloads) == (1, 0)
+    assert "keeping the running config: RuntimeError: a bug in building this one" in caplog.text
