@@ -8,6 +8,7 @@ their params as keyword arguments and reject bad ones with a ValueError.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -46,25 +47,69 @@ P = TypeVar("P")
 
 
 class PluginError(ValueError):
-    """A plugin rejected its params (unknown name, wrong type or value)."""
+    """A plugin rejected its params (unknown name, wrong type or value); `param` names the
+    one param at fault when there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
-def _accepted(factory: Callable[..., Any]) -> list[str] | None:
-    """The param names a plugin takes, or None where its signature cannot be read."""
+# What a param's annotation (or, where mypyc kept none, its default) says it takes.
+_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+_WANTED = {
+    bool: "true or false",
+    int: "a whole number",
+    float: "a number",
+    str: "a string",
+}
+
+
+def _params(factory: Callable[..., Any]) -> dict[str, type | None] | None:
+    """Each param a plugin takes and its kind (bool, int, float, str; None: unchecked), or
+    None where its signature cannot be read. The Python sources carry annotations, the
+    compiled classes (`llmgw/native.py`) their defaults alone: both give one kind
+    (`tests/core/test_scheduling_plugins.py` checks they agree), so a config loads alike
+    either way."""
     try:
-        return [
-            p.name
-            for p in inspect.signature(factory).parameters.values()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        ]
+        parameters = inspect.signature(factory).parameters.values()
     except (TypeError, ValueError):
         return None
+    out: dict[str, type | None] = {}
+    for p in parameters:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        annotation = p.annotation
+        name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+        kind = _KINDS.get(name)
+        if kind is None and p.default is not p.empty:
+            kind = _KINDS.get(type(p.default).__name__)
+        out[p.name] = kind
+    return out
+
+
+def _checked(name: str, kind: type | None, value: Any) -> Any:
+    """`value` as the param takes it (an int for a float param: a float), or PluginError."""
+    if kind is None:
+        return value
+    if kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):
+            raise PluginError(f"must be a finite number, got {value!r}", name)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise PluginError(f"must be {_WANTED[kind]}, got {value!r}", name)
+    return float(value) if kind is float else value
 
 
 def _build(factory: Callable[..., P], params: Mapping[str, Any]) -> P:
-    # Unknown names first, in one message of our own: Python and the compiled plugins
-    # (`llmgw/native.py`) word a bad keyword differently.
-    accepted = _accepted(factory)
+    # Unknown names and wrong types first, in messages of our own: the compiled plugins
+    # (`llmgw/native.py`) word them differently, and the Python sources took any type
+    # (`calibrate: "false"`, a string, left calibration on).
+    accepted = _params(factory)
     if accepted is not None:
         unknown = [name for name in params if name not in accepted]
         if unknown:
@@ -72,6 +117,7 @@ def _build(factory: Callable[..., P], params: Mapping[str, Any]) -> P:
                 f"unknown param{'s' if len(unknown) > 1 else ''} "
                 f"{', '.join(repr(u) for u in unknown)} (accepted: {', '.join(accepted) or 'none'})"
             )
+        params = {name: _checked(name, accepted[name], v) for name, v in params.items()}
     try:
         return factory(**params)
     except (TypeError, ValueError) as exc:

@@ -24,7 +24,13 @@ from llmgw.scheduling.plugins import (
     make_scorer,
 )
 
-Params = dict[str, float | int | str | bool]
+# Any value: the plugin's own signature says which type each param takes (`plugins._build`);
+# a union here put pydantic's member names in the paths (`params.step_ms.float`, `.int`, ...).
+Params = dict[str, Any]
+
+
+def _at(exc: PluginError) -> str:
+    return f".{exc.param}" if exc.param is not None else ""
 
 
 class _Strict(BaseModel):
@@ -83,7 +89,7 @@ class StrategySpec(_Strict):
             try:
                 make_scorer(name, scorer.params)
             except PluginError as exc:
-                raise ValueError(f"scorers.{name}.params: {exc}") from None
+                raise ValueError(f"scorers.{name}.params{_at(exc)}: {exc}") from None
         if self.picker.type not in PICKERS:
             raise ValueError(
                 f"picker.type: unknown picker {self.picker.type!r} (known: {', '.join(PICKERS)})"
@@ -91,7 +97,7 @@ class StrategySpec(_Strict):
         try:
             make_picker(self.picker.type, self.picker.params)
         except PluginError as exc:
-            raise ValueError(f"picker.params: {exc}") from None
+            raise ValueError(f"picker.params{_at(exc)}: {exc}") from None
         for i, name in enumerate(self.filters):
             if name not in FILTERS:
                 raise ValueError(

@@ -25,6 +25,7 @@ from llmgw.errors import ConfigError
 from llmgw.types import Endpoint, Engine
 
 EP = ["10.0.0.1:8000"]
+NAN = float("nan")
 LAUNCH = {"command": "vllm serve m --port {port}"}
 
 
@@ -191,6 +192,45 @@ INVALID: list[tuple[str, Any, str, str]] = [
         one_model(endpoints=EP, strategy={"scorers": {"kv": {"params": {"ceiling": 2}}}}),
         "models.chat.strategy.scorers.kv.params",
         "ceiling",
+    ),
+    # Plugin params: each one's type checked against its plugin's signature, alike in the
+    # Python sources (which took any type) and the compiled build (found by a review helper).
+    (
+        "plugin-param-wrong-type",
+        one_model(
+            endpoints=EP,
+            strategy={"scorers": {"latency": {"params": {"work_weight": 1.0, "step_ms": "x"}}}},
+        ),
+        "models.chat.strategy.scorers.latency.params.step_ms",
+        "must be a number, got 'x'",
+    ),
+    (
+        "plugin-param-nan",  # was four problems at `.float`, `.int`, `.str`, `.bool`
+        one_model(endpoints=EP, strategy={"scorers": {"latency": {"params": {"step_ms": NAN}}}}),
+        "models.chat.strategy.scorers.latency.params.step_ms",
+        "must be a finite number, got nan",
+    ),
+    (
+        "plugin-param-string-for-a-bool",  # calibration stayed on with the Python sources
+        one_model(
+            endpoints=EP, strategy={"scorers": {"latency": {"params": {"calibrate": "false"}}}}
+        ),
+        "models.chat.strategy.scorers.latency.params.calibrate",
+        "must be true or false, got 'false'",
+    ),
+    (
+        "session-bounded-load-true",  # every pick raised with the Python sources (a 500)
+        one_model(
+            endpoints=EP, strategy={"scorers": {"session": {"params": {"bounded_load": True}}}}
+        ),
+        "models.chat.strategy.scorers.session.params.bounded_load",
+        "must be a number, got True",
+    ),
+    (
+        "picker-param-bool",
+        one_model(endpoints=EP, strategy={"picker": {"type": "softmax", "temperature": True}}),
+        "models.chat.strategy.picker.params.temperature",
+        "must be a number, got True",
     ),
     (
         "zero-smoothing",
