@@ -41,7 +41,7 @@ from pydantic import (
 )
 
 from llmgw.breaker import BreakerSettings
-from llmgw.discovery import DiscoverySpec
+from llmgw.discovery import DiscoverySpec, namespace_name, object_name
 from llmgw.errors import ConfigError
 from llmgw.promtext import OPTIONAL_ROLES
 from llmgw.scheduling.specs import StrategySpec
@@ -50,6 +50,10 @@ from llmgw.types import Endpoint, Engine
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+# A header name (RFC 9110 token): one with a space, a colon or nothing in it never matches,
+# and what it turned on (session affinity, the model header) was silently off.
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_NOT_A_HEADER = "must be an HTTP header name (RFC 9110 token), got"
 _PLACEHOLDERS = ("port", "host", "model")  # in launch.command
 _METRIC_ROLES = (
     "waiting",
@@ -77,8 +81,8 @@ class EndpointSpec(_Strict):
 
 
 def canonical_address(address: str) -> str:
-    """One spelling per server: the host lower-cased, an IPv6 literal compressed, the port
-    without leading zeros (`Node-A:08000` and `node-a:8000` were two endpoints of one
+    """One spelling per server: the host lower-cased, an IPv6 literal compressed (an
+    IPv4-mapped one as its IPv4 address), the port without leading zeros (`Node-A:08000` and `node-a:8000` were two endpoints of one
     server: two ring replicas, its load split between them)."""
     host, _, port = address.rpartition(":")
     bare = host.removeprefix("[").removesuffix("]")
@@ -86,6 +90,8 @@ def canonical_address(address: str) -> str:
         ip = ipaddress.ip_address(bare)
     except ValueError:
         return f"{host.lower()}:{int(port)}"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return f"{ip.ipv4_mapped}:{int(port)}"  # [::ffff:10.0.0.1] is 10.0.0.1
     return f"[{ip.compressed}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
 
 
@@ -94,6 +100,13 @@ def host_port(value: str) -> str:
     m = _ADDRESS.match(value)
     if m is None or not 0 < int(m.group(2)) < 65536:
         raise ValueError(f"must be host:port with a port in 1..65535, got {value!r}")
+    if m.group(1).startswith("["):
+        try:
+            ipaddress.IPv6Address(m.group(1)[1:-1])
+        except ValueError:
+            raise ValueError(
+                f"must be host:port with an IPv6 address in the brackets, got {value!r}"
+            ) from None
     return value
 
 
@@ -135,6 +148,24 @@ class LaunchSpec(_Strict):
                 raise ValueError(f"must be an IP address or a host name, got {value!r}") from None
             return value
         return bare
+
+    @field_validator("health_path")
+    @classmethod
+    def _health_path(cls, value: str) -> str:
+        # `GET health HTTP/1.1` got a 400, and every start failed after start_timeout.
+        if not value.startswith("/"):
+            raise ValueError(f"must start with '/' (the engine's health path), got {value!r}")
+        return value
+
+    @field_validator("deployment", "service")
+    @classmethod
+    def _object_name(cls, value: str | None) -> str | None:
+        return None if value is None else object_name(value)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        return namespace_name(value)
 
     @model_validator(mode="after")
     def _one_kind(self) -> LaunchSpec:
@@ -186,6 +217,9 @@ class SessionSpec(_Strict):
     def _lower(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:
             raise ValueError("must name at least one header")
+        for i, name in enumerate(value):
+            if not _TOKEN.match(name):
+                raise ValueError(f"{i}: {_NOT_A_HEADER} {name!r}")
         return tuple(h.lower() for h in value)
 
 
@@ -283,6 +317,9 @@ class ModelSpec(_Strict):
         dupes = sorted({a for a in addresses if addresses.count(a) > 1})
         if dupes:
             raise ValueError(f"endpoints: duplicate address {', '.join(dupes)}")
+        if self.endpoints and self.launch is not None:
+            # Routed to the static endpoints while the launch never ran (its status "off").
+            raise ValueError("endpoints: give either endpoints or launch, not both")
         if self.discovery is not None and (self.endpoints or self.launch is not None):
             raise ValueError(
                 "discovery: give either discovery or endpoints/launch, not both (an on-demand "
@@ -464,6 +501,8 @@ class Config(_Strict):
         # written was never read.
         if not value.strip():
             raise ValueError("must name a header")
+        if not _TOKEN.match(value.strip()):
+            raise ValueError(f"{_NOT_A_HEADER} {value.strip()!r}")
         return value.strip().lower()
 
 

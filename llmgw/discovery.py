@@ -37,15 +37,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def namespace_name(value: str) -> str:
+    """`value` if the API server takes it as a namespace (a pydantic validator's check)."""
+    if not _DNS_LABEL.match(value) or len(value) > 63:
+        raise ValueError(f"must be a Kubernetes namespace name (RFC 1123 label), got {value!r}")
+    return value
+
+
+def object_name(value: str) -> str:
+    """`value` if the API server takes it as an object's name (a pydantic validator's check)."""
+    if not _DNS_SUBDOMAIN.match(value) or len(value) > 253:
+        raise ValueError(f"must be a Kubernetes object name (RFC 1123 subdomain), got {value!r}")
+    return value
+
+
 class _Namespaced(_Strict):
     namespace: str = "default"
 
     @field_validator("namespace")
     @classmethod
     def _namespace(cls, value: str) -> str:
-        if not _DNS_LABEL.match(value) or len(value) > 63:
-            raise ValueError(f"must be a Kubernetes namespace name (RFC 1123 label), got {value!r}")
-        return value
+        return namespace_name(value)
 
 
 class _Named(_Namespaced):
@@ -54,11 +66,7 @@ class _Named(_Namespaced):
     @field_validator("name")
     @classmethod
     def _object_name(cls, value: str) -> str:
-        if not _DNS_SUBDOMAIN.match(value) or len(value) > 253:
-            raise ValueError(
-                f"must be a Kubernetes object name (RFC 1123 subdomain), got {value!r}"
-            )
-        return value
+        return object_name(value)
 
 
 class ServiceSource(_Named):

@@ -54,6 +54,9 @@ class PickerSpec(_Strict):
                 given = {}
             if not isinstance(given, Mapping):  # left for pydantic to say (a TypeError here)
                 return {"type": value.get("type", "max-score"), "params": given}
+            twice = sorted(set(params) & set(given))
+            if twice:  # one of the two silently won
+                raise ValueError(f"params.{twice[0]}: given twice, beside type and in params")
             return {"type": value.get("type", "max-score"), "params": {**params, **given}}
         return value
 

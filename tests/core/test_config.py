@@ -393,6 +393,84 @@ INVALID: list[tuple[str, Any, str, str]] = [
         "models.chat.strategy.name",
         "should match pattern",
     ),
+    # Found by a review helper: each loaded, then failed or did nothing at run time.
+    (
+        "launch-health-path-relative",  # `GET health`: a 400, every start failed at timeout
+        one_model(launch={**LAUNCH, "health_path": "health"}, scaling={"max": 1}),
+        "models.chat.launch.health_path",
+        "must start with '/'",
+    ),
+    (
+        "session-header-empty",  # a header name that never matches: affinity silently off
+        one_model(endpoints=EP, session={"headers": ["x-a", ""]}),
+        "models.chat.session.headers.1",
+        "must be an HTTP header name (RFC 9110 token), got ''",
+    ),
+    (
+        "session-header-trailing-colon",
+        one_model(endpoints=EP, session={"headers": ["x-session-id:"]}),
+        "models.chat.session.headers.0",
+        "RFC 9110 token",
+    ),
+    (
+        "session-header-spaces",
+        one_model(endpoints=EP, session={"headers": ["x session id"]}),
+        "models.chat.session.headers.0",
+        "RFC 9110 token",
+    ),
+    (
+        "model-header-spaces",
+        {**one_model(endpoints=EP), "model_header": "x model"},
+        "model_header",
+        "must be an HTTP header name (RFC 9110 token), got 'x model'",
+    ),
+    (
+        "bracketed-address-not-ipv6",  # the proxy resolved "1:2" as a host name
+        one_model(endpoints=["[1:2]:8000"]),
+        "models.chat.endpoints.0.address",
+        "an IPv6 address in the brackets",
+    ),
+    (
+        "bracketed-ipv4",
+        one_model(endpoints=["[10.0.0.1]:8000"]),
+        "models.chat.endpoints.0.address",
+        "an IPv6 address in the brackets",
+    ),
+    (
+        "launch-and-endpoints",  # routed to the static endpoint, status "off", never launched
+        one_model(endpoints=EP, launch=LAUNCH, scaling={"min": 0, "max": 1}),
+        "models.chat.endpoints",
+        "give either endpoints or launch, not both",
+    ),
+    (
+        "picker-param-given-twice",  # one of the two silently won
+        one_model(
+            endpoints=EP,
+            strategy={
+                "picker": {"type": "softmax", "temperature": 0.1, "params": {"temperature": 0.5}}
+            },
+        ),
+        "models.chat.strategy.picker.params.temperature",
+        "given twice, beside type and in params",
+    ),
+    (
+        "launch-deployment-not-a-name",  # failed at the first request instead
+        one_model(launch={"deployment": "My Model"}, scaling={"max": 1}),
+        "models.chat.launch.deployment",
+        "must be a Kubernetes object name",
+    ),
+    (
+        "launch-namespace-not-a-name",
+        one_model(launch={"deployment": "vllm-big", "namespace": "Prod"}, scaling={"max": 1}),
+        "models.chat.launch.namespace",
+        "must be a Kubernetes namespace name",
+    ),
+    (
+        "launch-service-not-a-name",
+        one_model(launch={"deployment": "vllm-big", "service": "big_svc"}, scaling={"max": 1}),
+        "models.chat.launch.service",
+        "must be a Kubernetes object name",
+    ),
     ("no-models", {"models": {}}, "models", "at least one model"),
     ("models-missing", {"breaker": {}}, "models", "required field is missing"),
 ]
@@ -799,8 +877,15 @@ def test_a_launch_command_with_escaped_braces_fills_its_placeholders() -> None:
 @pytest.mark.parametrize(
     "pair",
     [("Node-A:8000", "node-a:8000"), ("10.0.0.1:8000", "10.0.0.1:08000"),
-     ("[::1]:8000", "[0:0:0:0:0:0:0:1]:8000")],
+     ("[::1]:8000", "[0:0:0:0:0:0:0:1]:8000"), ("10.0.0.1:8000", "[::ffff:10.0.0.1]:8000")],
 )  # fmt: skip
 def test_two_spellings_of_one_endpoint_are_a_duplicate(pair: tuple[str, str]) -> None:
+    """The IPv4-mapped spelling of an IPv4 endpoint was another server: two ring replicas
+    of one (found by a review helper)."""
     with pytest.raises(ConfigError, match="duplicate address"):
         load_dict(one_model(endpoints=list(pair)))
+
+
+def test_an_ipv4_mapped_endpoint_is_spelled_as_its_ipv4_address() -> None:
+    cfg = load_dict(one_model(endpoints=["[::FFFF:10.0.0.1]:8000"]))
+    assert cfg.models["chat"].endpoints[0].address == "10.0.0.1:8000"
