@@ -86,7 +86,8 @@ class Gateway:
         """Route requests that arrive from now on with `config`; raises ConfigError.
 
         Endpoints that stay keep inflight counts, breakers and metrics; requests already
-        routed finish on the endpoint they were given. Launch and scaling of a launched
+        routed finish on the endpoint they were given. A changed `seed` re-seeds the random
+        choices as a start would (an unchanged one keeps their state going). Launch and scaling of a launched
         model, discovery sources and the decision trace change only on restart: such a
         config is rejected and nothing changes.
         """
@@ -101,7 +102,8 @@ class Gateway:
         scheduler = Scheduler(config, Registry())
         registry.configure(breaker=config.breaker.settings(), staleness=config.scrape.staleness)
         scheduler.registry = registry
-        scheduler.rng = old.scheduler.rng
+        if config.seed == old.config.seed:
+            scheduler.rng = old.scheduler.rng  # else the new seed's, as at a start
         for name, router in old.scheduler.routers.items():
             spec = config.models.get(name)
             if spec is None:

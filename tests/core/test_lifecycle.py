@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 
@@ -245,6 +246,17 @@ def test_reload_that_changes_the_decision_trace_is_rejected_as_restart_only() ->
     assert gw.snapshot is before
     gw.reload(config({"chat": static_model(3)}))  # the same trace (none): applied
     assert gw.snapshot is not before
+
+
+def test_a_reload_that_changes_the_seed_reseeds_the_random_choices() -> None:
+    """The reload was accepted and the old random state kept: the new seed was neither
+    applied nor refused (found by a review helper)."""
+    gw = Gateway(Scheduler(config({"chat": static_model(2)}, seed=1)))
+    rng = gw.scheduler.rng
+    gw.reload(config({"chat": static_model(3)}, seed=1))
+    assert gw.scheduler.rng is rng  # the same seed: the random choices carry on
+    gw.reload(config({"chat": static_model(3)}, seed=2))
+    assert gw.scheduler.rng.getstate() == random.Random(2).getstate()
 
 
 def test_first_byte_reports_observed_and_predicted_ttft_once() -> None:
