@@ -125,6 +125,17 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([5.0], 90) == 5.0
 
 
+def test_nearest_rank_is_exact_where_floats_would_round_up() -> None:
+    """ceil(q / 100 * n) in floats read 0.14 * 50 as 7.000000000000001: the 14th
+    percentile of 1..50 was the 8th value, not the 7th (ttft_quantiles_ms asks q = 14, 28,
+    56, ...). (found by a review helper)"""
+    values = [float(v) for v in range(1, 51)]
+    assert percentile(values, 14) == 7.0
+    assert percentile(values, 28) == 14.0
+    assert percentile(values, 56) == 28.0
+    assert percentile(values, 14.1) == 8.0  # a fractional q keeps its decimal meaning
+
+
 # -- the regime grid (bench/workloads/grid.py) ------------------------------------------
 
 from bench.loadclient import ring_picker, round_robin_picker  # noqa: E402
