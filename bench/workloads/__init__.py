@@ -125,6 +125,12 @@ class Workload:
             digest.update(f"{c.index}|{c.session_id}|{c.start_s:.9f}|{c.system}".encode())
             for t in c.turns:
                 digest.update(f"|{t.user}|{t.reply}|{t.max_tokens}|{t.think_s:.9f}".encode())
+                # How the answer is read; written only when not the default, so a streamed
+                # turn read to its end keeps the fingerprint earlier results recorded.
+                if not t.stream:
+                    digest.update(b"|unstreamed")
+                if t.stop_after is not None:
+                    digest.update(f"|stop_after={t.stop_after}".encode())
         return digest.hexdigest()
 
 
