@@ -518,13 +518,13 @@ def _censored(times: list[float], failed: int) -> list[float]:
 
 def _ttfts(records: Iterable[RequestRecord]) -> tuple[list[float], int]:
     """The first-token times of the requests that got one, censored (`_censored`) by the
-    failed streamed requests; and how many of those failed."""
+    streamed requests that got none; and how many got none. A stream that failed after
+    its first token keeps that token's time (it still counts among the errors)."""
     ttfts: list[float] = []
     failed = 0
     for r in records:
-        if r.ok:
-            if r.ttft_s is not None:
-                ttfts.append(r.ttft_s)
+        if r.ttft_s is not None:
+            ttfts.append(r.ttft_s)
         elif r.stream:
             failed += 1
     return _censored(ttfts, failed), failed
@@ -947,13 +947,13 @@ def pool(
                 continue
             ttfts: list[float] = []
             per_seed: list[float | None] = []
-            answered = errors = 0
+            requests = errors = 0
             for path in paths:
                 lines = path.read_text().splitlines()
                 seed = [RequestRecord(**json.loads(line)) for line in lines]
-                seed_ttfts, seed_failed = _ttfts(seed)
+                seed_ttfts, _ = _ttfts(seed)
                 per_seed.append(_ms(percentile(seed_ttfts, 90)) if seed_ttfts else None)
-                answered += len(seed_ttfts) - seed_failed
+                requests += len(seed)
                 errors += sum(not r.ok for r in seed)
                 ttfts += seed_ttfts
             if ttfts:
@@ -962,7 +962,7 @@ def pool(
                     "ttft_p90_ms": _ms(percentile(ttfts, 90)),
                     "ttft_p90_ci_ms": [_ms(lo), _ms(hi)],
                     "seed_p90_ms": per_seed,
-                    "requests": answered + errors,
+                    "requests": requests,
                     "errors": errors,
                 }
     for rows in out.values():

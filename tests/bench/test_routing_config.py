@@ -4,16 +4,21 @@ decision trace where `--trace` asks for it."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import math
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.loadclient import RequestRecord
+from bench.loadclient import CHAT_PATH, RequestRecord, send_one
 from bench.routing import (
+    _ttfts,
     above_best,
     all_contenders,
     body_mode_contenders,
@@ -25,6 +30,7 @@ from bench.routing import (
     summarize,
     try_contenders,
 )
+from bench.workloads import Conversation, Turn
 from llmgw.config import load_dict
 
 
@@ -61,6 +67,63 @@ def test_summaries_count_a_restarted_replica_from_zero_and_unread_tokens() -> No
     summary = summarize([_record(40), _record(20)], 1.0, before, restarted, [])
     assert summary["served_per_replica"] == [4, 3] and summary["restarted"]
     assert summary["unread_tokens"] is None
+
+
+def test_a_request_whose_first_token_came_keeps_its_ttft_and_counts_as_an_error() -> None:
+    """A stream that failed or timed out after its first token was censored to +inf in
+    the TTFT percentiles, as if no token had come. (found by a review helper)"""
+    late = RequestRecord(0, 0, None, 0.0, 0.05, None, 200, 1, 10, error="timeout after 1 s")
+    never = RequestRecord(1, 0, None, 0.0, None, None, 0, 0, 10, error="timeout after 1 s")
+    ttfts, failed = _ttfts([_record(5), late, never])
+    assert ttfts == [0.01, 0.05, math.inf] and failed == 1
+    summary = summarize([_record(5), late, never], 1.0, [], [], [])
+    assert summary["errors"] == 2 and summary["ttft_failed"] == 1
+
+
+async def test_a_stream_cut_after_its_first_token_keeps_the_ttft_measured() -> None:
+    """The same through the load client: the first chunk comes, then the stream stalls
+    past the client's timeout. (found by a review helper)"""
+    stall = asyncio.Event()  # never set: the answer stalls after its first chunk
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "x"}}]}
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await stall.wait()
+        return response
+
+    app = web.Application()
+    app.router.add_post(CHAT_PATH, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    conv = Conversation(0, "s", 0.0, "", (Turn("hi", "", 100, 0.0),))
+    try:
+        async with aiohttp.ClientSession() as http:
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}{CHAT_PATH}"
+            loop = asyncio.get_running_loop()
+            record = await send_one(http, url, "m1", conv, 0, loop.time(), timeout_s=0.3)
+    finally:
+        stall.set()  # the handler ends, so the server shuts down at once
+        await runner.cleanup()
+    assert record.ttft_s is not None and record.error is not None and not record.ok
+    assert _ttfts([record]) == ([record.ttft_s], 0)
+
+
+def test_pooled_requests_count_the_unstreamed_ones(tmp_path: Path) -> None:
+    """pool's `requests` was streamed answers + errors: every unstreamed request that
+    succeeded (chat-docs, chat-unstreamed) was missing. (found by a review helper)"""
+    ring = next(c for c in all_contenders() if c.name == "client:ring")
+    records = [_record(5) for _ in range(6)]
+    records += [RequestRecord(k, 0, None, 0.0, None, 1.0, 200, 9, 10, stream=False) for k in range(4)]
+    records.append(RequestRecord(0, 1, None, 0.0, None, None, 503, 0, 10, stream=False))
+    (tmp_path / "s1").mkdir()
+    lines = "".join(json.dumps(r.to_json()) + "\n" for r in records)
+    records_file(tmp_path / "s1", ring.name, "cell").write_text(lines)
+    pooled = pool(tmp_path, [1], ["cell"], [ring])["cell"][ring.name]
+    assert pooled["requests"] == 11 and pooled["errors"] == 1
 
 
 def test_seeds_pool_each_cells_requests_and_mark_only_a_loss_in_every_seed(
