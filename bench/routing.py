@@ -557,7 +557,9 @@ def summarize(
         # A counter that went down means its replica restarted during the run: count from
         # zero, as Prometheus' increase() does (what it did before the restart is lost).
         return [
-            a.get(key, 0.0) - b.get(key, 0.0) if a.get(key, 0.0) >= b.get(key, 0.0) else a[key]
+            a.get(key, 0.0) - b.get(key, 0.0)
+            if a.get(key, 0.0) >= b.get(key, 0.0)
+            else a.get(key, 0.0)
             for a, b in zip(after, before, strict=True)
         ]
 

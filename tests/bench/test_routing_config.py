@@ -69,6 +69,17 @@ def test_summaries_count_a_restarted_replica_from_zero_and_unread_tokens() -> No
     assert summary["unread_tokens"] is None
 
 
+def test_a_counter_missing_after_a_restart_counts_from_zero() -> None:
+    """A replica that restarted and does not publish a counter yet (vLLM's per-label series
+    appear with their first sample): its delta read `after[key]`, a KeyError that ended the
+    run. (found by a review helper)"""
+    before = [{"vllm:request_success_total": 10.0, "vllm:prefix_cache_queries_total": 50.0}]
+    after = [{"vllm:request_success_total": 3.0}]
+    summary = summarize([_record(20)], 1.0, before, after, [])
+    assert summary["restarted"] and summary["served_per_replica"] == [3]
+    assert summary["prefix_hit_rate"] is None  # no queries since the restart
+
+
 def test_a_request_whose_first_token_came_keeps_its_ttft_and_counts_as_an_error() -> None:
     """A stream that failed or timed out after its first token was censored to +inf in
     the TTFT percentiles, as if no token had come. (found by a review helper)"""
