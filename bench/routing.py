@@ -28,7 +28,8 @@ Ray-compatible ring straight to a replica; `client:round-robin`).
 Load: `bench/loadclient.py` replays each cell open loop (Poisson conversation starts,
 multi-turn with think times); TTFT is timed on the client at the first chunk carrying
 content (the role chunk does not count). Before each run the replicas drain and reset
-(prefix caches cleared). Per cell and contender: TTFT p50/p90/p99, e2e p90, output
+(prefix caches cleared); a replica still busy after 60 s, or one that refuses the reset,
+skips the contender (printed with why). Per cell and contender: TTFT p50/p90/p99, e2e p90, output
 tokens/s, prefix hit rate (simulator counters), requests per replica max/mean, errors
 and 429s; each p90 with a 95 % interval (order statistics: a cell of ~160 requests
 cannot tell 1.05x apart, so `--seeds` pools several runs' requests per cell). Writes
@@ -453,17 +454,27 @@ async def scrape_all(
 async def reset_all(
     http: aiohttp.ClientSession, upstreams: list[str], path: str = "/metrics"
 ) -> None:
-    """Wait until every replica is idle, then clear faults and prefix caches."""
+    """Wait until every replica is idle, then clear faults and prefix caches. RuntimeError
+    (the caller skips the contender) when replicas are still busy after 60 s or one
+    refuses the reset (xsim answers 409 while busy): a run would start on the previous
+    one's cache and queue."""
     deadline = time.monotonic() + 60
     while True:
         snapshot = await scrape_all(http, upstreams, path)
-        busy = sum(_in_engine(m) for m in snapshot)
-        if busy == 0 or time.monotonic() > deadline:
+        busy = {u: _in_engine(m) for u, m in zip(upstreams, snapshot, strict=True)}
+        busy = {u: n for u, n in busy.items() if n}
+        if not busy:
             break
+        if time.monotonic() > deadline:
+            where = ", ".join(f"{u}: {n:g} request(s)" for u, n in busy.items())
+            raise RuntimeError(f"replicas still busy after 60 s: {where}; not reset")
         await asyncio.sleep(0.1)  # draining stragglers of the previous run
     for url in upstreams:
         async with http.post(url + "/admin/reset") as response:
-            await response.read()
+            body = await response.read()
+            if not 200 <= response.status < 300:
+                text = body[:200].decode("utf-8", "replace")
+                raise RuntimeError(f"{url}/admin/reset answered {response.status}: {text}")
 
 
 @dataclass

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import math
 import sys
+import types
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -17,6 +21,7 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.loadclient import CHAT_PATH, RequestRecord, send_one
+from bench import routing
 from bench.routing import (
     _ttfts,
     above_best,
@@ -26,11 +31,13 @@ from bench.routing import (
     pool,
     pooled_text,
     records_file,
+    reset_all,
     select_contenders,
     summarize,
     try_contenders,
 )
 from bench.workloads import Conversation, Turn
+from bench.xsim.engine import Engine, EngineParams, Request, block_hashes, make_app, tokenize
 from llmgw.config import load_dict
 
 
@@ -67,6 +74,56 @@ def test_summaries_count_a_restarted_replica_from_zero_and_unread_tokens() -> No
     summary = summarize([_record(40), _record(20)], 1.0, before, restarted, [])
     assert summary["served_per_replica"] == [4, 3] and summary["restarted"]
     assert summary["unread_tokens"] is None
+
+
+@contextlib.asynccontextmanager
+async def _serving(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_reset_refuses_to_go_on_with_a_replica_still_busy_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the 60 s drain deadline reset_all posted /admin/reset anyway, the xsim engine
+    answered 409 and kept its cache and queue, and the next contender ran on them.
+    (found by a review helper)"""
+    engine = Engine("r0", EngineParams(kv_blocks=64))
+    warm = Request(block_hashes(tokenize("alpha beta " * 80)), 160, 1, 0.0)
+    assert engine._try_admit(warm)
+    engine._publish_prefix(warm)
+    engine._release(warm)
+    engine.submit(Request(block_hashes(tokenize("leftover")), 3, 1, 0.0))  # still queued
+    clock = itertools.count(0.0, 100.0)  # each reading 100 s later: the deadline passes
+    monkeypatch.setattr(routing, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    async with _serving(make_app(engine, "m1", 0)) as url, aiohttp.ClientSession() as http:
+        with pytest.raises(RuntimeError, match=r"still busy after 60 s: .* 1 request"):
+            await reset_all(http, [url], "/xsim/metrics")
+    assert engine.cache  # untouched: the contender is skipped, not measured on it
+
+
+async def test_reset_refuses_to_go_on_when_a_replica_refuses_the_reset() -> None:
+    """reset_all read /admin/reset's answer and went on whatever it was. (found by a
+    review helper)"""
+
+    async def idle(_: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running{} 0\n")
+
+    async def refuse(_: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "busy"}}, status=409)
+
+    app = web.Application()
+    app.router.add_get("/metrics", idle)
+    app.router.add_post("/admin/reset", refuse)
+    async with _serving(app) as url, aiohttp.ClientSession() as http:
+        with pytest.raises(RuntimeError, match=r"/admin/reset answered 409: .*busy"):
+            await reset_all(http, [url])
 
 
 def test_a_counter_missing_after_a_restart_counts_from_zero() -> None:
