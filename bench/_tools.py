@@ -110,7 +110,8 @@ def parse_h2load(output: str) -> dict[str, Any]:
         "rps": float(finished.group(2)),
         "requests": int(counts.group(1)),
         "succeeded": int(counts.group(2)),
-        "failed": int(counts.group(3)) + int(counts.group(4)),
+        # `errored` (network errors) is a subset of `failed` (those and non-2xx/3xx answers)
+        "failed": int(counts.group(3)),
         "status_2xx": int(statuses.group(1)) if statuses else None,
         "status_non_2xx": sum(int(statuses.group(i)) for i in (2, 3, 4)) if statuses else None,
         "latency_mean_ms": _duration_ms(latency.group(3)) if latency else None,
