@@ -144,11 +144,12 @@ def engine_speed(level: str) -> EngineSpeed:
     )
 
 
-def base_port() -> int:
-    """Fixed ports when free: ring positions hash the addresses, so fixed ports keep the
-    ring's placement (and its imbalance) the same every run."""
+def base_port(count: int = REPLICAS) -> int:
+    """Fixed ports for `count` replicas when all are free: ring positions hash the
+    addresses, so fixed ports keep the ring's placement (and its imbalance) the same
+    every run."""
     for base in (18100, 28100, 38100):
-        if all(_port_free(base + i) for i in range(REPLICAS)):
+        if all(_port_free(base + i) for i in range(count)):
             return base
     return 0
 
