@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# A measurement that fell on a failed request (a p90 among timeouts): the worst result,
+# printed in its numeric column where `-` means no value (not run).
+FAIL = "fail"
 TOOLS = ("h2load", "wrk", "hey")
 _APT_PACKAGES = {"h2load": "nghttp2-client", "wrk": "wrk", "hey": "hey"}
 
@@ -226,7 +229,8 @@ def run_load(
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """A plain aligned text table; column order from the first row."""
+    """A plain aligned text table; column order from the first row; numbers (and `FAIL`)
+    right-aligned."""
     if not rows:
         return "(no rows)"
     columns = list(rows[0])
@@ -234,7 +238,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     line = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
     rule = "  ".join("-" * w for w in widths)
-    numeric = [all(isinstance(row.get(c), int | float | None) for row in rows) for c in columns]
+    numeric = [
+        all(isinstance(row.get(c), int | float | None) or row.get(c) == FAIL for row in rows)
+        for c in columns
+    ]
     body = [
         "  ".join(
             v.rjust(w) if num else v.ljust(w) for v, w, num in zip(r, widths, numeric, strict=True)

@@ -33,7 +33,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench._tools import format_table, write_results  # noqa: E402
+from bench._tools import FAIL, format_table, write_results  # noqa: E402
 from bench.peers import PEER_POLICIES, add_install_option, ensure_peers  # noqa: E402
 from bench.routing import (  # noqa: E402
     Contender,
@@ -46,6 +46,7 @@ from bench.routing import (  # noqa: E402
     base_port,
     best_p90,
     body_mode_contenders,
+    fell_on_failure,
     pool,
     pooled_text,
     records_file,
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# {command.strip()}\n# engines: bench/xsim, {args.replicas} replicas, rates x {scale:g} "
         f"(metrics {args.metrics}, cache info "
         f"{args.cache_info}); TTFT p90 ms (x the best in the column; * its 95% interval wholly "
-        f"above the best's, and with seeds pooled slower than it in every seed); "
+        f"above the best's, and with seeds pooled slower than it in every seed; fail: the p90 "
+        f"fell on a failed request; -: not run); "
         f"{time.monotonic() - started:.0f} s\n" + "\n\n".join(texts)
     )
     print(text)
@@ -256,11 +258,13 @@ def _rows(
         for n in names:
             s = results[n].get(c.name)
             best = best_p90(results[n])  # the one `*` compares with, as routing.py's tables
-            if s is None or not s.get("ttft_p90_ms") or not best:
+            mark = "*" if s is not None and above_best(s, results[n]) else ""
+            if s is not None and fell_on_failure(s):
+                row[n] = FAIL + mark  # slower than any answer; `-` is "not run"
+            elif s is None or not s.get("ttft_p90_ms") or not best:
                 row[n] = None
-                continue
-            mark = "*" if above_best(s, results[n]) else ""
-            row[n] = f"{s['ttft_p90_ms']:.0f} ({s['ttft_p90_ms'] / best:.2f}x){mark}"
+            else:
+                row[n] = f"{s['ttft_p90_ms']:.0f} ({s['ttft_p90_ms'] / best:.2f}x){mark}"
         rows.append(row)
     return rows
 

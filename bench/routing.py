@@ -64,7 +64,7 @@ sys.path.insert(0, str(HERE.parent))
 import aiohttp  # noqa: E402
 import yaml  # noqa: E402
 
-from bench._tools import format_table, write_results  # noqa: E402
+from bench._tools import FAIL, format_table, write_results  # noqa: E402
 from bench.loadclient import (  # noqa: E402
     CHAT_PATH,
     RequestRecord,
@@ -700,11 +700,17 @@ TABLE_COLUMNS = (
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
+    """One cell's contenders; a TTFT percentile that fell on a failed request reads `fail`
+    (an e2e percentile on one that never ended too)."""
     best = best_p90(rows)
     out = []
     for name, r in rows.items():
         row = {label: name if key == "contender" else r.get(key) for key, label in TABLE_COLUMNS}
-        row["p90/best"] = _ratio(r.get("ttft_p90_ms"), best)
+        for key, label in TABLE_COLUMNS:
+            counted = "errors" if key.startswith("e2e_") else "ttft_failed"
+            if key.endswith("_ms") and r.get(key) is None and r.get(counted):
+                row[label] = FAIL
+        row["p90/best"] = vs_best(r, best)
         bounds = r.get("ttft_p90_ci_ms")
         row["p90 95% CI"] = (
             "-".join("fail" if v is None else f"{v:.0f}" for v in bounds) if bounds else None
@@ -740,6 +746,51 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def fell_on_failure(row: dict[str, Any]) -> bool:
+    """`row`'s TTFT p90 fell on a failed request (+inf in the percentiles, written None):
+    slower than any answer, where None with nothing failed means no TTFT to read."""
+    return row.get("ttft_p90_ms") is None and bool(row.get("ttft_failed"))
+
+
+def vs_best(row: dict[str, Any] | None, best: float | None) -> float | str | None:
+    """A row's TTFT p90 over the cell's best: None where it did not run (tables print
+    `-`), `fail` where it fell on a failed request."""
+    if row is None:
+        return None
+    return FAIL if fell_on_failure(row) else _ratio(row.get("ttft_p90_ms"), best)
+
+
+HEAT_MAX = 4.0  # the heat map's top colour: this many times the best, or more, or `fail`
+
+
+def heat_cells(
+    results: dict[str, dict[str, dict[str, Any]]],
+) -> tuple[list[str], list[str], list[list[float]], list[list[str]]]:
+    """The heat map's cells (columns), contenders (rows), their values (p90 over the cell's
+    best; NaN blank: not run; `HEAT_MAX` for a p90 on a failed request) and labels."""
+    cells = [c for c in results if results[c]]
+    contenders = list(dict.fromkeys(name for c in cells for name in results[c]))
+    values: list[list[float]] = []
+    labels: list[list[str]] = []
+    for name in contenders:
+        value_row: list[float] = []
+        label_row: list[str] = []
+        for cell in cells:
+            ratio = vs_best(results[cell].get(name), best_p90(results[cell]))
+            if ratio == FAIL:
+                value_row.append(HEAT_MAX)
+                label_row.append(FAIL)
+            elif isinstance(ratio, float | int):
+                value_row.append(ratio)
+                label_row.append(f"{ratio:.2f}")
+            else:
+                value_row.append(math.nan)
+                label_row.append("-")
+        values.append(value_row)
+        labels.append(label_row)
+    return cells, contenders, values, labels
+
+
 def heatmap(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> Path | None:
     """Rows contenders, columns cells: TTFT p90 over the cell's best contender."""
     try:
@@ -751,29 +802,20 @@ def heatmap(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> Path |
     except ImportError:
         print("matplotlib is not installed: no heat map (.venv/bin/pip install matplotlib)")
         return None
-    cells = [c for c in results if results[c]]
-    contenders = list(dict.fromkeys(name for c in cells for name in results[c]))
+    cells, contenders, grid, labels = heat_cells(results)
     if not cells or not contenders:
         return None
-    grid: list[list[float]] = []
-    for name in contenders:
-        row = []
-        for cell in cells:
-            ratio = _ratio(results[cell].get(name, {}).get("ttft_p90_ms"), best_p90(results[cell]))
-            row.append(ratio if ratio is not None else math.nan)
-        grid.append(row)
     fig, ax = plt.subplots(figsize=(1.0 * len(cells) + 3, 0.42 * len(contenders) + 1.8))
-    image = ax.imshow(grid, cmap="RdYlGn_r", norm=LogNorm(vmin=1.0, vmax=4.0), aspect="auto")
+    image = ax.imshow(grid, cmap="RdYlGn_r", norm=LogNorm(vmin=1.0, vmax=HEAT_MAX), aspect="auto")
     ax.set_xticks(range(len(cells)), cells, rotation=40, ha="right", fontsize=8)
     ax.set_yticks(range(len(contenders)), contenders, fontsize=8)
-    for i, row in enumerate(grid):
-        for j, value in enumerate(row):
-            label = "-" if math.isnan(value) else f"{value:.2f}"
+    for i, row in enumerate(labels):
+        for j, label in enumerate(row):
             ax.text(j, i, label, ha="center", va="center", fontsize=7)
     ax.set_title("TTFT p90 / best contender of the cell (1.00 = best)")
     bar = fig.colorbar(image, ax=ax, fraction=0.03)
-    bar.set_ticks([1.0, 1.5, 2.0, 3.0, 4.0])
-    bar.set_ticklabels(["1", "1.5", "2", "3", ">=4"])
+    bar.set_ticks([1.0, 1.5, 2.0, 3.0, HEAT_MAX])
+    bar.set_ticklabels(["1", "1.5", "2", "3", ">=4, fail"])
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -910,11 +952,9 @@ def _run_seed(
     for c in contenders:
         row: dict[str, Any] = {"contender": c.name}
         for name in cell_names:
-            row[name] = _ratio(
-                results[name].get(c.name, {}).get("ttft_p90_ms"), best_p90(results[name])
-            )
+            row[name] = vs_best(results[name].get(c.name), best_p90(results[name]))
         summary_rows.append(row)
-    print("== TTFT p90 / best contender, per cell ==")
+    print("== TTFT p90 / best contender, per cell (`fail`: on a failed request; `-`: not run) ==")
     print(format_table(summary_rows))
     return every, results, summary_rows
 
@@ -961,13 +1001,14 @@ def pool(
                 continue
             ttfts: list[float] = []
             per_seed: list[float | None] = []
-            requests = errors = 0
+            requests = errors = failed = 0
             for path in paths:
                 lines = path.read_text().splitlines()
                 seed = [RequestRecord(**json.loads(line)) for line in lines]
-                seed_ttfts, _ = _ttfts(seed)
+                seed_ttfts, seed_failed = _ttfts(seed)
                 per_seed.append(_ms(percentile(seed_ttfts, 90)) if seed_ttfts else None)
                 requests += len(seed)
+                failed += seed_failed
                 errors += sum(not r.ok for r in seed)
                 ttfts += seed_ttfts
             if ttfts:
@@ -978,6 +1019,7 @@ def pool(
                     "seed_p90_ms": per_seed,
                     "requests": requests,
                     "errors": errors,
+                    "ttft_failed": failed,  # in the p90 as +inf
                 }
     for rows in out.values():
         best = best_p90(rows)
@@ -998,7 +1040,7 @@ def pooled_text(
         interval: dict[str, Any] = {"contender": c.name}
         for cell, rows in pooled.items():
             mine = rows.get(c.name)
-            ratio[cell] = _ratio(mine["ttft_p90_ms"], best_p90(rows)) if mine else None
+            ratio[cell] = vs_best(mine, best_p90(rows))
             if mine is None:
                 interval[cell] = None
                 continue
@@ -1009,7 +1051,8 @@ def pooled_text(
         ratios.append(ratio)
         intervals.append(interval)
     return (
-        f"== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender ==\n"
+        f"== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender "
+        "(`fail`: the p90 fell on a failed request; `-`: not run) ==\n"
         + format_table(ratios)
         + "\n\n== pooled TTFT p90, 95 % interval in ms (* a loss: wholly above the best "
         "contender's, and slower than it in every seed; `fail` a bound on a failed request, "

@@ -16,8 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import bench.crosscheck as crosscheck
-from bench import routing
+from bench import crosscheck, routing
 from bench.routing import Contender, all_contenders, best_p90
 
 
@@ -90,4 +89,25 @@ def test_a_contender_that_fails_to_start_is_skipped_and_the_run_goes_on(
     args = argparse.Namespace(replicas=4, metrics="full", cache_info=False, timeout=60.0)
     results = crosscheck._run_seed(args, 1, 1.0, ["decode-long"], contenders, {}, None)
     assert list(results["decode-long"]) == ["client:ring"]
-    assert "sglang-router:cache_aware: failed: sglang-router exited with 1" in capsys.readouterr().out
+    assert (
+        "sglang-router:cache_aware: failed: sglang-router exited with 1" in capsys.readouterr().out
+    )
+
+
+def test_a_p90_that_fell_on_failures_reads_fail_not_not_run() -> None:
+    """A contender whose p90 fell on failed requests (written None) read `-`, as one that
+    did not run. (found by a review helper)"""
+    results: dict[str, dict[str, dict[str, Any]]] = {
+        "w": {
+            "a": {"ttft_p90_ms": 50.0, "ttft_p90_ci_ms": [48.0, 52.0], "errors": 0},
+            "b": {
+                "ttft_p90_ms": None,
+                "ttft_p90_ci_ms": [60.0, None],
+                "errors": 3,
+                "ttft_failed": 3,
+            },
+        }
+    }
+    contenders = [Contender(n, "client") for n in "abc"]
+    rows = {r["contender"]: r["w"] for r in crosscheck._rows(results, ["w"], contenders)}
+    assert rows == {"a": "50 (1.00x)", "b": "fail*", "c": None}

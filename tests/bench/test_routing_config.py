@@ -20,13 +20,15 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.loadclient import CHAT_PATH, RequestRecord, send_one
 from bench import routing
+from bench.loadclient import CHAT_PATH, RequestRecord, send_one
 from bench.routing import (
+    HEAT_MAX,
     _ttfts,
     above_best,
     all_contenders,
     body_mode_contenders,
+    heat_cells,
     llmgw_config,
     pool,
     pooled_text,
@@ -34,6 +36,7 @@ from bench.routing import (
     reset_all,
     select_contenders,
     summarize,
+    table,
     try_contenders,
 )
 from bench.workloads import Conversation, Turn
@@ -185,7 +188,9 @@ def test_pooled_requests_count_the_unstreamed_ones(tmp_path: Path) -> None:
     succeeded (chat-docs, chat-unstreamed) was missing. (found by a review helper)"""
     ring = next(c for c in all_contenders() if c.name == "client:ring")
     records = [_record(5) for _ in range(6)]
-    records += [RequestRecord(k, 0, None, 0.0, None, 1.0, 200, 9, 10, stream=False) for k in range(4)]
+    records += [
+        RequestRecord(k, 0, None, 0.0, None, 1.0, 200, 9, 10, stream=False) for k in range(4)
+    ]
     records.append(RequestRecord(0, 1, None, 0.0, None, None, 503, 0, 10, stream=False))
     (tmp_path / "s1").mkdir()
     lines = "".join(json.dumps(r.to_json()) + "\n" for r in records)
@@ -244,6 +249,39 @@ def test_seeds_pool_each_cells_requests_and_mark_only_a_loss_in_every_seed(
     text = pooled_text(everything, [1, 2], contenders)
     marked = [line.split()[0] for line in text.splitlines() if line.rstrip().endswith("*")]
     assert marked == [slow.name]
+
+
+def test_a_p90_that_fell_on_failures_reads_fail_not_not_run(tmp_path: Path) -> None:
+    """With more than a tenth of its requests failed a contender's p90 is +inf (written
+    None): its ratio read `-`, what tables use for 'not run', and the heat map left its
+    cell blank. The worst result looked like a missing one. (found by a review helper)"""
+    by_name = {c.name: c for c in all_contenders()}
+    ring, rr, absent = (
+        by_name["client:ring"],
+        by_name["client:round-robin"],
+        by_name["asgi:default"],
+    )
+    good = [_record(5) for _ in range(10)]
+    timeout = RequestRecord(0, 0, None, 0.0, None, None, 0, 0, 10, error="timeout after 1 s")
+    (tmp_path / "s1").mkdir()
+    for c, rows in ((ring, good), (rr, good[:7] + [timeout] * 3)):
+        lines = "".join(json.dumps(r.to_json()) + "\n" for r in rows)
+        records_file(tmp_path / "s1", c.name, "cell").write_text(lines)
+    pooled = pool(tmp_path, [1], ["cell"], [ring, rr])
+    assert pooled["cell"][rr.name]["ttft_p90_ms"] is None
+    text = pooled_text(pooled, [1], [ring, rr, absent])
+    ratios = dict(line.split() for line in text.split("\n\n")[0].splitlines()[3:])
+    assert ratios == {ring.name: "1.0", rr.name: "fail", absent.name: "-"}
+    # One run's table and summary: the same summaries through summarize.
+    runs = {
+        ring.name: summarize(good, 1.0, [], [], []),
+        rr.name: summarize(good[:7] + [timeout] * 3, 1.0, [], [], []),
+    }
+    shown = table(runs).splitlines()[-1].split()
+    assert shown[0] == rr.name and shown[2] == "fail" and shown[-1] == "fail"  # p90, p90/best
+    _, names, values, labels = heat_cells({"cell": runs})
+    assert names == [ring.name, rr.name]
+    assert labels == [["1.00"], ["fail"]] and values[1][0] == HEAT_MAX
 
 
 def test_try_specs_name_their_edge_and_a_malformed_one_is_a_usage_error() -> None:
