@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# A measurement that fell on a failed request (a p90 among timeouts): the worst result,
+# printed in its numeric column where `-` means no value (not run).
+FAIL = "fail"
 TOOLS = ("h2load", "wrk", "hey")
 _APT_PACKAGES = {"h2load": "nghttp2-client", "wrk": "wrk", "hey": "hey"}
 
@@ -110,7 +113,8 @@ def parse_h2load(output: str) -> dict[str, Any]:
         "rps": float(finished.group(2)),
         "requests": int(counts.group(1)),
         "succeeded": int(counts.group(2)),
-        "failed": int(counts.group(3)) + int(counts.group(4)),
+        # `errored` (network errors) is a subset of `failed` (those and non-2xx/3xx answers)
+        "failed": int(counts.group(3)),
         "status_2xx": int(statuses.group(1)) if statuses else None,
         "status_non_2xx": sum(int(statuses.group(i)) for i in (2, 3, 4)) if statuses else None,
         "latency_mean_ms": _duration_ms(latency.group(3)) if latency else None,
@@ -225,7 +229,8 @@ def run_load(
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """A plain aligned text table; column order from the first row."""
+    """A plain aligned text table; column order from the first row; numbers (and `FAIL`)
+    right-aligned."""
     if not rows:
         return "(no rows)"
     columns = list(rows[0])
@@ -233,7 +238,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     line = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
     rule = "  ".join("-" * w for w in widths)
-    numeric = [all(isinstance(row.get(c), int | float | None) for row in rows) for c in columns]
+    numeric = [
+        all(isinstance(row.get(c), int | float | None) or row.get(c) == FAIL for row in rows)
+        for c in columns
+    ]
     body = [
         "  ".join(
             v.rjust(w) if num else v.ljust(w) for v, w, num in zip(r, widths, numeric, strict=True)

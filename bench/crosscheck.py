@@ -33,7 +33,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from bench._tools import format_table, write_results  # noqa: E402
+from bench._tools import FAIL, format_table, write_results  # noqa: E402
 from bench.peers import PEER_POLICIES, add_install_option, ensure_peers  # noqa: E402
 from bench.routing import (  # noqa: E402
     Contender,
@@ -44,7 +44,9 @@ from bench.routing import (  # noqa: E402
     add_try_option,
     all_contenders,
     base_port,
+    best_p90,
     body_mode_contenders,
+    fell_on_failure,
     pool,
     pooled_text,
     records_file,
@@ -55,6 +57,7 @@ from bench.routing import (  # noqa: E402
     try_contenders,
     warm_up,
 )
+from bench.workloads import Workload  # noqa: E402
 from bench.xsim.workloads import FLEET_KV_BLOCKS, SPECS, build  # noqa: E402
 
 DEFAULT_CONTENDERS = (
@@ -78,7 +81,8 @@ class Fleet:
         engine_args: tuple[str, ...] = (),
     ) -> None:
         cmd = [_python(), "-m", "bench.xsim.engine", "--replicas", str(replicas)]
-        cmd += ["--base-port", str(base_port() or 18600), "--kv-blocks", str(kv_blocks)]
+        cmd += ["--base-port", str(base_port(replicas) or 18600)]
+        cmd += ["--kv-blocks", str(kv_blocks)]
         cmd += ["--metrics", metrics] + (["--cache-info"] if cache_info else [])
         cmd += engine_args
         self.proc = subprocess.Popen(cmd, cwd=HERE.parent, stdout=subprocess.PIPE, text=True)
@@ -159,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         f"# {command.strip()}\n# engines: bench/xsim, {args.replicas} replicas, rates x {scale:g} "
         f"(metrics {args.metrics}, cache info "
         f"{args.cache_info}); TTFT p90 ms (x the best in the column; * its 95% interval wholly "
-        f"above the best's, and with seeds pooled slower than it in every seed); "
+        f"above the best's, and with seeds pooled slower than it in every seed; fail: the p90 "
+        f"fell on a failed request; -: not run); "
         f"{time.monotonic() - started:.0f} s\n" + "\n\n".join(texts)
     )
     print(text)
@@ -198,32 +203,50 @@ def _run_seed(
         try:
             with tempfile.TemporaryDirectory(prefix="crosscheck-") as scratch:
                 for contender in contenders:
-                    with start_contender(contender, fleet.urls, peers, Path(scratch)) as base:
-                        if base:
-                            asyncio.run(warm_up(base))
-                        for n in group:
-                            to = (
-                                None
-                                if records is None
-                                else records_file(records, contender.name, n)
-                            )
-                            summary = asyncio.run(
-                                run_one(base, fleet.urls, workloads[n], args.timeout,
-                                        _picker(contender, fleet.urls, base), "/xsim/metrics", to)
-                            )  # fmt: skip
-                            summary.pop("load_samples", None)
-                            results[n][contender.name] = summary
-                            print(
-                                f"  {contender.name:28s} {n:15s} TTFT p50/p90 "
-                                f"{summary['ttft_p50_ms']}/{summary['ttft_p90_ms']} ms, hit "
-                                f"{summary['prefix_hit_rate']}, busy {summary['busy_max_mean']}"
-                                f", errors {summary['errors']}, unread tokens "
-                                f"{summary['unread_tokens']}",
-                                flush=True,
-                            )
+                    try:
+                        _run_contender(
+                            args, contender, fleet, group, workloads, peers, Path(scratch),
+                            records, results,
+                        )  # fmt: skip
+                    except RuntimeError as exc:  # as routing.py's grid: the others still run
+                        print(f"  {contender.name}: failed: {exc}", flush=True)
         finally:
             fleet.close()
     return results
+
+
+def _run_contender(
+    args: argparse.Namespace,
+    contender: Contender,
+    fleet: Fleet,
+    group: list[str],
+    workloads: dict[str, Workload],
+    peers: dict[str, str],
+    scratch: Path,
+    records: Path | None,
+    results: dict[str, dict[str, dict[str, Any]]],
+) -> None:
+    """One contender on the workloads of one fleet; RuntimeError if it fails to start (or a
+    run finds the fleet still busy)."""
+    with start_contender(contender, fleet.urls, peers, scratch) as base:
+        if base:
+            asyncio.run(warm_up(base))
+        for n in group:
+            to = None if records is None else records_file(records, contender.name, n)
+            summary = asyncio.run(
+                run_one(base, fleet.urls, workloads[n], args.timeout,
+                        _picker(contender, fleet.urls, base), "/xsim/metrics", to)
+            )  # fmt: skip
+            summary.pop("load_samples", None)
+            results[n][contender.name] = summary
+            print(
+                f"  {contender.name:28s} {n:15s} TTFT p50/p90 "
+                f"{summary['ttft_p50_ms']}/{summary['ttft_p90_ms']} ms, hit "
+                f"{summary['prefix_hit_rate']}, busy {summary['busy_max_mean']}"
+                f", errors {summary['errors']}, unread tokens "
+                f"{summary['unread_tokens']}",
+                flush=True,
+            )
 
 
 def _rows(
@@ -234,12 +257,14 @@ def _rows(
         row: dict[str, Any] = {"contender": c.name}
         for n in names:
             s = results[n].get(c.name)
-            p90s = [r["ttft_p90_ms"] for r in results[n].values() if r.get("ttft_p90_ms")]
-            if s is None or not s.get("ttft_p90_ms") or not p90s:
+            best = best_p90(results[n])  # the one `*` compares with, as routing.py's tables
+            mark = "*" if s is not None and above_best(s, results[n]) else ""
+            if s is not None and fell_on_failure(s):
+                row[n] = FAIL + mark  # slower than any answer; `-` is "not run"
+            elif s is None or not s.get("ttft_p90_ms") or not best:
                 row[n] = None
-                continue
-            mark = "*" if above_best(s, results[n]) else ""
-            row[n] = f"{s['ttft_p90_ms']:.0f} ({s['ttft_p90_ms'] / min(p90s):.2f}x){mark}"
+            else:
+                row[n] = f"{s['ttft_p90_ms']:.0f} ({s['ttft_p90_ms'] / best:.2f}x){mark}"
         rows.append(row)
     return rows
 

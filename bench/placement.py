@@ -21,10 +21,17 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.loadclient import RequestRecord
+from bench.routing import _ttfts
+from bench.workloads import percentile
 
 SAMPLE_S = 0.25  # the live-conversation count is sampled this often
 
@@ -50,7 +57,7 @@ class Placement:
     history_imbalance: float  # max / mean of the final history chars homed per replica
     live_imbalance: float  # time-averaged max / mean of the conversations live per replica
     moved_turns: int  # turns served off their conversation's first replica
-    ttft_p90_ms: float
+    ttft_p90_ms: float  # bench/routing.py's, of all the requests: inf = fell on a failure
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ class Tail:
     """The slowest tenth of a contender's requests, pooled over seeds, against all."""
 
     requests: int
-    p90_ms: float
+    p90_ms: float  # bench/routing.py's pooled TTFT p90 (inf: it fell on a failed request)
     first_turns: tuple[int, int]  # (in the tail, in all)
     moved: tuple[int, int]
     prefills_ahead: tuple[float, float]  # mean requests still in prefill on the replica
@@ -85,9 +92,17 @@ def read_records(path: Path) -> list[Record]:
     return out
 
 
+def ttfts(path: Path) -> list[float]:
+    """Every request's TTFT in ms as bench/routing.py counts them: a streamed request
+    that got no first token (error, timeout) as inf, slower than any."""
+    records = [RequestRecord(**json.loads(line)) for line in path.read_text().splitlines()]
+    return [t * 1e3 for t in _ttfts(records)[0]]
+
+
 def p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[int(0.9 * (len(ordered) - 1))] if ordered else math.nan
+    """bench/routing.py's p90 (nearest rank), in the values' unit, to 0.1."""
+    value = percentile(values, 90)
+    return value if math.isinf(value) or math.isnan(value) else round(value, 1)
 
 
 def _homes(records: list[Record]) -> dict[int, str]:
@@ -103,8 +118,11 @@ def _imbalance(counts: list[float]) -> float:
     return max(counts) / mean if mean > 0 else math.nan
 
 
-def placement(seed: str, records: list[Record], replicas: list[str]) -> Placement:
-    """`replicas`: every replica of the fleet (one that got nothing counts as 0)."""
+def placement(
+    seed: str, records: list[Record], replicas: list[str], ttfts_ms: list[float]
+) -> Placement:
+    """`replicas`: every replica of the fleet (one that got nothing counts as 0);
+    `ttfts_ms`: every request's, failed ones too (`ttfts`), for the p90."""
     home = _homes(records)
     homed = Counter(home.values())
     history: Counter[str] = Counter()
@@ -132,7 +150,7 @@ def placement(seed: str, records: list[Record], replicas: list[str]) -> Placemen
         history_imbalance=round(_imbalance([float(history[x]) for x in replicas]), 2),
         live_imbalance=round(statistics.fmean(live), 2) if live else math.nan,
         moved_turns=sum(1 for r in records if r.replica != home[r.conversation]),
-        ttft_p90_ms=round(p90([r.ttft_s * 1e3 for r in records]), 1),
+        ttft_p90_ms=p90(ttfts_ms),
     )
 
 
@@ -157,7 +175,9 @@ def _context(records: list[Record]) -> list[tuple[float, bool, bool, int, int]]:
     return out
 
 
-def tail(per_seed: list[list[Record]]) -> Tail:
+def tail(per_seed: list[list[Record]], ttfts_ms: list[float]) -> Tail:
+    """`ttfts_ms`: every request's of every seed, failed ones too (`ttfts`), for the p90;
+    the rest reads the placed requests."""
     rows = sorted((row for records in per_seed for row in _context(records)), reverse=True)
     top = rows[: max(1, len(rows) // 10)]
 
@@ -172,7 +192,7 @@ def tail(per_seed: list[list[Record]]) -> Tail:
 
     return Tail(
         requests=len(rows),
-        p90_ms=round(p90([r[0] for r in rows]), 1),
+        p90_ms=p90(ttfts_ms),
         first_turns=share(1),
         moved=share(2),
         prefills_ahead=mean(3),
@@ -183,18 +203,18 @@ def tail(per_seed: list[list[Record]]) -> Tail:
 def analyse(folder: Path, cell: str) -> dict[str, dict[str, Any]]:
     """Contender stem -> {"seeds": [Placement...], "tail": Tail}, from `folder`/<seed>/."""
     seeds = sorted(p for p in folder.iterdir() if p.is_dir()) or [folder]
-    found: dict[str, list[tuple[str, list[Record]]]] = defaultdict(list)
+    found: dict[str, list[tuple[str, list[Record], list[float]]]] = defaultdict(list)
     for seed in seeds:
         for path in sorted(seed.glob(f"*@{cell}.records.jsonl")):
-            found[path.name.split("@")[0]].append((seed.name, read_records(path)))
+            found[path.name.split("@")[0]].append((seed.name, read_records(path), ttfts(path)))
     if not found:
         raise SystemExit(f"no *@{cell}.records.jsonl under {folder} (bench/routing.py --trace)")
     out: dict[str, dict[str, Any]] = {}
     for stem, runs in found.items():
-        replicas = sorted({r.replica for _, records in runs for r in records})
+        replicas = sorted({r.replica for _, records, _ in runs for r in records})
         out[stem] = {
-            "seeds": [placement(seed, records, replicas) for seed, records in runs],
-            "tail": tail([records for _, records in runs]),
+            "seeds": [placement(seed, records, replicas, ms) for seed, records, ms in runs],
+            "tail": tail([records for _, records, _ in runs], [t for *_, ms in runs for t in ms]),
         }
     return out
 
@@ -209,7 +229,7 @@ def report(result: dict[str, dict[str, Any]]) -> str:
             lines.append(
                 f"{stem:26s} {p.seed:>4s}  {p.conversations:5d}  {p.per_replica!s:14s}  "
                 f"{p.history_imbalance:16.2f}  {p.live_imbalance:13.2f}  {p.moved_turns:11d}"
-                f"  {p.ttft_p90_ms:11.1f}"
+                f"  {_ms(p.ttft_p90_ms):>11s}"
             )
     lines += [
         "",
@@ -220,11 +240,21 @@ def report(result: dict[str, dict[str, Any]]) -> str:
     for stem, parts in result.items():
         t = parts["tail"]
         lines.append(
-            f"{stem:26s} {t.requests:8d}  {t.p90_ms:6.1f}  {t.first_turns[0]:4d} / {t.first_turns[1]:<4d}"
+            f"{stem:26s} {t.requests:8d}  {_ms(t.p90_ms):>6s}  {t.first_turns[0]:4d} / {t.first_turns[1]:<4d}"
             f"  {t.moved[0]:2d} / {t.moved[1]:<2d}  {t.prefills_ahead[0]:5.2f} / {t.prefills_ahead[1]:<5.2f}"
             f"   {t.inflight[0]:5.2f} / {t.inflight[1]:<5.2f}"
         )
     return "\n".join(lines)
+
+
+def _ms(value: float) -> str:
+    """A p90 as the tables print it: `fail` where it fell on a failed request."""
+    return "fail" if math.isinf(value) else f"{value:.1f}"
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no inf: a p90 that fell on a failed request is written as null."""
+    return {k: None if isinstance(v, float) and math.isinf(v) else v for k, v in row.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     print(report(result))
     if args.out is not None:
         payload = {
-            stem: {"seeds": [asdict(p) for p in parts["seeds"]], "tail": asdict(parts["tail"])}
+            stem: {
+                "seeds": [_finite(asdict(p)) for p in parts["seeds"]],
+                "tail": _finite(asdict(parts["tail"])),
+            }
             for stem, parts in result.items()
         }
         args.out.write_text(json.dumps(payload, indent=1))

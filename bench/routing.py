@@ -28,7 +28,8 @@ Ray-compatible ring straight to a replica; `client:round-robin`).
 Load: `bench/loadclient.py` replays each cell open loop (Poisson conversation starts,
 multi-turn with think times); TTFT is timed on the client at the first chunk carrying
 content (the role chunk does not count). Before each run the replicas drain and reset
-(prefix caches cleared). Per cell and contender: TTFT p50/p90/p99, e2e p90, output
+(prefix caches cleared); a replica still busy after 60 s, or one that refuses the reset,
+skips the contender (printed with why). Per cell and contender: TTFT p50/p90/p99, e2e p90, output
 tokens/s, prefix hit rate (simulator counters), requests per replica max/mean, errors
 and 429s; each p90 with a 95 % interval (order statistics: a cell of ~160 requests
 cannot tell 1.05x apart, so `--seeds` pools several runs' requests per cell). Writes
@@ -63,7 +64,7 @@ sys.path.insert(0, str(HERE.parent))
 import aiohttp  # noqa: E402
 import yaml  # noqa: E402
 
-from bench._tools import format_table, write_results  # noqa: E402
+from bench._tools import FAIL, format_table, write_results  # noqa: E402
 from bench.loadclient import (  # noqa: E402
     CHAT_PATH,
     RequestRecord,
@@ -143,11 +144,12 @@ def engine_speed(level: str) -> EngineSpeed:
     )
 
 
-def base_port() -> int:
-    """Fixed ports when free: ring positions hash the addresses, so fixed ports keep the
-    ring's placement (and its imbalance) the same every run."""
+def base_port(count: int = REPLICAS) -> int:
+    """Fixed ports for `count` replicas when all are free: ring positions hash the
+    addresses, so fixed ports keep the ring's placement (and its imbalance) the same
+    every run."""
     for base in (18100, 28100, 38100):
-        if all(_port_free(base + i) for i in range(REPLICAS)):
+        if all(_port_free(base + i) for i in range(count)):
             return base
     return 0
 
@@ -453,17 +455,27 @@ async def scrape_all(
 async def reset_all(
     http: aiohttp.ClientSession, upstreams: list[str], path: str = "/metrics"
 ) -> None:
-    """Wait until every replica is idle, then clear faults and prefix caches."""
+    """Wait until every replica is idle, then clear faults and prefix caches. RuntimeError
+    (the caller skips the contender) when replicas are still busy after 60 s or one
+    refuses the reset (xsim answers 409 while busy): a run would start on the previous
+    one's cache and queue."""
     deadline = time.monotonic() + 60
     while True:
         snapshot = await scrape_all(http, upstreams, path)
-        busy = sum(_in_engine(m) for m in snapshot)
-        if busy == 0 or time.monotonic() > deadline:
+        busy = {u: _in_engine(m) for u, m in zip(upstreams, snapshot, strict=True)}
+        busy = {u: n for u, n in busy.items() if n}
+        if not busy:
             break
+        if time.monotonic() > deadline:
+            where = ", ".join(f"{u}: {n:g} request(s)" for u, n in busy.items())
+            raise RuntimeError(f"replicas still busy after 60 s: {where}; not reset")
         await asyncio.sleep(0.1)  # draining stragglers of the previous run
     for url in upstreams:
         async with http.post(url + "/admin/reset") as response:
-            await response.read()
+            body = await response.read()
+            if not 200 <= response.status < 300:
+                text = body[:200].decode("utf-8", "replace")
+                raise RuntimeError(f"{url}/admin/reset answered {response.status}: {text}")
 
 
 @dataclass
@@ -518,13 +530,13 @@ def _censored(times: list[float], failed: int) -> list[float]:
 
 def _ttfts(records: Iterable[RequestRecord]) -> tuple[list[float], int]:
     """The first-token times of the requests that got one, censored (`_censored`) by the
-    failed streamed requests; and how many of those failed."""
+    streamed requests that got none; and how many got none. A stream that failed after
+    its first token keeps that token's time (it still counts among the errors)."""
     ttfts: list[float] = []
     failed = 0
     for r in records:
-        if r.ok:
-            if r.ttft_s is not None:
-                ttfts.append(r.ttft_s)
+        if r.ttft_s is not None:
+            ttfts.append(r.ttft_s)
         elif r.stream:
             failed += 1
     return _censored(ttfts, failed), failed
@@ -557,7 +569,9 @@ def summarize(
         # A counter that went down means its replica restarted during the run: count from
         # zero, as Prometheus' increase() does (what it did before the restart is lost).
         return [
-            a.get(key, 0.0) - b.get(key, 0.0) if a.get(key, 0.0) >= b.get(key, 0.0) else a[key]
+            a.get(key, 0.0) - b.get(key, 0.0)
+            if a.get(key, 0.0) >= b.get(key, 0.0)
+            else a.get(key, 0.0)
             for a, b in zip(after, before, strict=True)
         ]
 
@@ -686,11 +700,17 @@ TABLE_COLUMNS = (
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
+    """One cell's contenders; a TTFT percentile that fell on a failed request reads `fail`
+    (an e2e percentile on one that never ended too)."""
     best = best_p90(rows)
     out = []
     for name, r in rows.items():
         row = {label: name if key == "contender" else r.get(key) for key, label in TABLE_COLUMNS}
-        row["p90/best"] = _ratio(r.get("ttft_p90_ms"), best)
+        for key, label in TABLE_COLUMNS:
+            counted = "errors" if key.startswith("e2e_") else "ttft_failed"
+            if key.endswith("_ms") and r.get(key) is None and r.get(counted):
+                row[label] = FAIL
+        row["p90/best"] = vs_best(r, best)
         bounds = r.get("ttft_p90_ci_ms")
         row["p90 95% CI"] = (
             "-".join("fail" if v is None else f"{v:.0f}" for v in bounds) if bounds else None
@@ -726,6 +746,51 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def fell_on_failure(row: dict[str, Any]) -> bool:
+    """`row`'s TTFT p90 fell on a failed request (+inf in the percentiles, written None):
+    slower than any answer, where None with nothing failed means no TTFT to read."""
+    return row.get("ttft_p90_ms") is None and bool(row.get("ttft_failed"))
+
+
+def vs_best(row: dict[str, Any] | None, best: float | None) -> float | str | None:
+    """A row's TTFT p90 over the cell's best: None where it did not run (tables print
+    `-`), `fail` where it fell on a failed request."""
+    if row is None:
+        return None
+    return FAIL if fell_on_failure(row) else _ratio(row.get("ttft_p90_ms"), best)
+
+
+HEAT_MAX = 4.0  # the heat map's top colour: this many times the best, or more, or `fail`
+
+
+def heat_cells(
+    results: dict[str, dict[str, dict[str, Any]]],
+) -> tuple[list[str], list[str], list[list[float]], list[list[str]]]:
+    """The heat map's cells (columns), contenders (rows), their values (p90 over the cell's
+    best; NaN blank: not run; `HEAT_MAX` for a p90 on a failed request) and labels."""
+    cells = [c for c in results if results[c]]
+    contenders = list(dict.fromkeys(name for c in cells for name in results[c]))
+    values: list[list[float]] = []
+    labels: list[list[str]] = []
+    for name in contenders:
+        value_row: list[float] = []
+        label_row: list[str] = []
+        for cell in cells:
+            ratio = vs_best(results[cell].get(name), best_p90(results[cell]))
+            if ratio == FAIL:
+                value_row.append(HEAT_MAX)
+                label_row.append(FAIL)
+            elif isinstance(ratio, float | int):
+                value_row.append(ratio)
+                label_row.append(f"{ratio:.2f}")
+            else:
+                value_row.append(math.nan)
+                label_row.append("-")
+        values.append(value_row)
+        labels.append(label_row)
+    return cells, contenders, values, labels
+
+
 def heatmap(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> Path | None:
     """Rows contenders, columns cells: TTFT p90 over the cell's best contender."""
     try:
@@ -737,29 +802,20 @@ def heatmap(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> Path |
     except ImportError:
         print("matplotlib is not installed: no heat map (.venv/bin/pip install matplotlib)")
         return None
-    cells = [c for c in results if results[c]]
-    contenders = list(dict.fromkeys(name for c in cells for name in results[c]))
+    cells, contenders, grid, labels = heat_cells(results)
     if not cells or not contenders:
         return None
-    grid: list[list[float]] = []
-    for name in contenders:
-        row = []
-        for cell in cells:
-            ratio = _ratio(results[cell].get(name, {}).get("ttft_p90_ms"), best_p90(results[cell]))
-            row.append(ratio if ratio is not None else math.nan)
-        grid.append(row)
     fig, ax = plt.subplots(figsize=(1.0 * len(cells) + 3, 0.42 * len(contenders) + 1.8))
-    image = ax.imshow(grid, cmap="RdYlGn_r", norm=LogNorm(vmin=1.0, vmax=4.0), aspect="auto")
+    image = ax.imshow(grid, cmap="RdYlGn_r", norm=LogNorm(vmin=1.0, vmax=HEAT_MAX), aspect="auto")
     ax.set_xticks(range(len(cells)), cells, rotation=40, ha="right", fontsize=8)
     ax.set_yticks(range(len(contenders)), contenders, fontsize=8)
-    for i, row in enumerate(grid):
-        for j, value in enumerate(row):
-            label = "-" if math.isnan(value) else f"{value:.2f}"
+    for i, row in enumerate(labels):
+        for j, label in enumerate(row):
             ax.text(j, i, label, ha="center", va="center", fontsize=7)
     ax.set_title("TTFT p90 / best contender of the cell (1.00 = best)")
     bar = fig.colorbar(image, ax=ax, fraction=0.03)
-    bar.set_ticks([1.0, 1.5, 2.0, 3.0, 4.0])
-    bar.set_ticklabels(["1", "1.5", "2", "3", ">=4"])
+    bar.set_ticks([1.0, 1.5, 2.0, 3.0, HEAT_MAX])
+    bar.set_ticklabels(["1", "1.5", "2", "3", ">=4, fail"])
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -896,11 +952,9 @@ def _run_seed(
     for c in contenders:
         row: dict[str, Any] = {"contender": c.name}
         for name in cell_names:
-            row[name] = _ratio(
-                results[name].get(c.name, {}).get("ttft_p90_ms"), best_p90(results[name])
-            )
+            row[name] = vs_best(results[name].get(c.name), best_p90(results[name]))
         summary_rows.append(row)
-    print("== TTFT p90 / best contender, per cell ==")
+    print("== TTFT p90 / best contender, per cell (`fail`: on a failed request; `-`: not run) ==")
     print(format_table(summary_rows))
     return every, results, summary_rows
 
@@ -947,13 +1001,14 @@ def pool(
                 continue
             ttfts: list[float] = []
             per_seed: list[float | None] = []
-            answered = errors = 0
+            requests = errors = failed = 0
             for path in paths:
                 lines = path.read_text().splitlines()
                 seed = [RequestRecord(**json.loads(line)) for line in lines]
                 seed_ttfts, seed_failed = _ttfts(seed)
                 per_seed.append(_ms(percentile(seed_ttfts, 90)) if seed_ttfts else None)
-                answered += len(seed_ttfts) - seed_failed
+                requests += len(seed)
+                failed += seed_failed
                 errors += sum(not r.ok for r in seed)
                 ttfts += seed_ttfts
             if ttfts:
@@ -962,8 +1017,9 @@ def pool(
                     "ttft_p90_ms": _ms(percentile(ttfts, 90)),
                     "ttft_p90_ci_ms": [_ms(lo), _ms(hi)],
                     "seed_p90_ms": per_seed,
-                    "requests": answered + errors,
+                    "requests": requests,
                     "errors": errors,
+                    "ttft_failed": failed,  # in the p90 as +inf
                 }
     for rows in out.values():
         best = best_p90(rows)
@@ -984,7 +1040,7 @@ def pooled_text(
         interval: dict[str, Any] = {"contender": c.name}
         for cell, rows in pooled.items():
             mine = rows.get(c.name)
-            ratio[cell] = _ratio(mine["ttft_p90_ms"], best_p90(rows)) if mine else None
+            ratio[cell] = vs_best(mine, best_p90(rows))
             if mine is None:
                 interval[cell] = None
                 continue
@@ -995,7 +1051,8 @@ def pooled_text(
         ratios.append(ratio)
         intervals.append(interval)
     return (
-        f"== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender ==\n"
+        f"== seeds {','.join(map(str, seeds))} pooled: TTFT p90 / best contender "
+        "(`fail`: the p90 fell on a failed request; `-`: not run) ==\n"
         + format_table(ratios)
         + "\n\n== pooled TTFT p90, 95 % interval in ms (* a loss: wholly above the best "
         "contender's, and slower than it in every seed; `fail` a bound on a failed request, "

@@ -39,6 +39,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 
 CHARS_PER_TOKEN = 4  # the simulators' stand-in tokenizer: 4 characters a token
 
@@ -124,6 +125,12 @@ class Workload:
             digest.update(f"{c.index}|{c.session_id}|{c.start_s:.9f}|{c.system}".encode())
             for t in c.turns:
                 digest.update(f"|{t.user}|{t.reply}|{t.max_tokens}|{t.think_s:.9f}".encode())
+                # How the answer is read; written only when not the default, so a streamed
+                # turn read to its end keeps the fingerprint earlier results recorded.
+                if not t.stream:
+                    digest.update(b"|unstreamed")
+                if t.stop_after is not None:
+                    digest.update(f"|stop_after={t.stop_after}".encode())
         return digest.hexdigest()
 
 
@@ -420,11 +427,13 @@ def build(name: str, seed: int = 1, scale: float = 1.0, **overrides: object) -> 
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]) of unsorted values; NaN when empty."""
+    """Nearest-rank percentile (q in [0, 100]) of unsorted values; NaN when empty. The rank
+    is computed exactly (q as the decimal it is written as): in floats 0.14 * 50 is
+    7.000000000000001, and its ceiling the wrong rank."""
     if not values:
         return math.nan
     ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    rank = max(1, math.ceil(Fraction(str(q)) * len(ordered) / 100))
     return ordered[rank - 1]
 
 

@@ -246,7 +246,9 @@ class Engine:
             r.held.append(h)
 
     def _release(self, r: Request) -> None:
-        for h in r.held:
+        # Tail first onto the LRU list, so a prompt's tail is evicted before its head (as
+        # vLLM frees blocks): eviction shortens a cached prefix instead of breaking it.
+        for h in reversed(r.held):
             refs = self.cache[h] - 1
             self.cache[h] = refs
             if refs == 0:

@@ -12,7 +12,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.workloads import WORKLOADS, build, percentile, quantile_interval
+from bench.workloads import (
+    WORKLOADS,
+    Conversation,
+    Turn,
+    Workload,
+    build,
+    percentile,
+    quantile_interval,
+)
 
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -27,6 +35,19 @@ def test_other_seed_gives_other_workload(name: str) -> None:
     assert (
         build(name, seed=3, scale=0.2).fingerprint() != build(name, seed=4, scale=0.2).fingerprint()
     )
+
+
+def test_fingerprint_tells_unstreamed_and_stopped_turns_from_streamed_ones() -> None:
+    """Turn.stream and Turn.stop_after were left out: an unstreamed workload, or one whose
+    client stops after 3 chunks, had the streamed one's fingerprint. (found by a review
+    helper)"""
+    turns = [Turn("hi", "", 16, 0.0), Turn("hi", "", 16, 0.0, stream=False)]
+    turns += [Turn("hi", "", 16, 0.0, stop_after=3), Turn("hi", "", 16, 0.0, stop_after=4)]
+    prints = {
+        Workload("w", 1, "", (Conversation(0, "s", 0.0, "sys", (t,)),), 1.0).fingerprint()
+        for t in turns
+    }
+    assert len(prints) == len(turns)
 
 
 def test_chat_turns_resend_the_growing_history_with_the_shared_system_prompt() -> None:
@@ -123,6 +144,17 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0
     assert percentile([3.0, 1.0, 2.0, 4.0], 100) == 4.0
     assert percentile([5.0], 90) == 5.0
+
+
+def test_nearest_rank_is_exact_where_floats_would_round_up() -> None:
+    """ceil(q / 100 * n) in floats read 0.14 * 50 as 7.000000000000001: the 14th
+    percentile of 1..50 was the 8th value, not the 7th (ttft_quantiles_ms asks q = 14, 28,
+    56, ...). (found by a review helper)"""
+    values = [float(v) for v in range(1, 51)]
+    assert percentile(values, 14) == 7.0
+    assert percentile(values, 28) == 14.0
+    assert percentile(values, 56) == 28.0
+    assert percentile(values, 14.1) == 8.0  # a fractional q keeps its decimal meaning
 
 
 # -- the regime grid (bench/workloads/grid.py) ------------------------------------------

@@ -166,6 +166,23 @@ def test_blocks_become_hits_only_after_prefill_and_are_evicted_least_recently_us
     assert engine._try_admit(later := _request("aaa " * 96)) and later.cached == 95
 
 
+def test_a_released_prompts_tail_is_evicted_before_its_head() -> None:
+    """Blocks were freed head first, so one eviction took block 0 and broke the whole
+    chain's hits, its other blocks left cached and useless; vLLM (and llmgw/sim) free
+    the tail first. (found by a review helper)"""
+    engine = Engine("r0", EngineParams(kv_blocks=6))
+    a = _request("abc " * 64, max_tokens=1)  # 4 full blocks, 5 with its answer
+    assert a.prompt == 64 and len(a.hashes) == 4
+    assert engine._try_admit(a)
+    engine._publish_prefix(a)
+    engine._release(a)
+    b = _request("xyz " * 32, max_tokens=1)  # 3 blocks, 2 free: evicts one of a's
+    assert engine._try_admit(b)
+    engine._release(b)
+    again = _request("abc " * 64, max_tokens=1)
+    assert engine._try_admit(again) and again.cached == 48  # a's first 3 blocks
+
+
 def test_tokens_are_not_four_characters() -> None:
     text = "conversation about a considerably longer sentence, with punctuation."
     assert len(text) / len(tokenize(text)) < 3.5
