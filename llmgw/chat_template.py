@@ -83,6 +83,40 @@ def _is_content(node: jinja2.nodes.Node) -> bool:
     return False
 
 
+def vllm_tools(tools: Any) -> Any:
+    """The tools as vLLM hands them to the template: `tool.model_dump()` of its
+    ChatCompletionToolsParam (vllm/entrypoints/openai/chat_completion/protocol.py, with
+    FunctionDefinition in vllm/entrypoints/generate/base/protocol.py): `type`, then
+    `function` with name, description and parameters (None when absent), `strict` and
+    `defer_loading` only when set (a tool's `defer_loading` carried into its function);
+    other keys dropped. A tool vLLM would reject (400) is handed over as given."""
+    if not isinstance(tools, list):
+        return tools
+    return [_dumped_tool(t) for t in tools]
+
+
+def _dumped_tool(tool: Any) -> Any:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return tool
+    defer = tool.get("defer_loading")
+    dumped = {
+        "name": function["name"],
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    for key in ("strict", "defer_loading"):
+        value = function.get(key)
+        if value is None and key == "defer_loading":
+            value = defer
+        if value is not None:
+            dumped[key] = value
+    out: dict[str, Any] = {"type": tool.get("type", "function"), "function": dumped}
+    if defer is not None:
+        out["defer_loading"] = defer
+    return out
+
+
 def vllm_messages(messages: list[Any], parts: bool) -> list[Any]:
     """The messages as vLLM hands them to the template: each content's text parts joined
     with newlines (None: ""), or with `parts`, the content as a list of parts (a string

@@ -177,6 +177,7 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
             loops_over_content,
             template_environment,
             vllm_messages,
+            vllm_tools,
         )
     except ImportError as exc:
         raise ValueError(
@@ -207,7 +208,7 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
         if isinstance(chat.kwargs, dict):  # the request's chat_template_kwargs, as vLLM does
             context.update(chat.kwargs)
         context["messages"] = vllm_messages(chat.messages, parts)
-        context["tools"] = chat.tools
+        context["tools"] = vllm_tools(chat.tools)
         return str(template.render(**context))
 
     template: Any = None

@@ -1,0 +1,192 @@
+"""The router's tokens for a request against what vLLM 0.32 prefills for it.
+
+Each expected text is vLLM 0.32's rendering of the same body with the same template
+(vLLM's own ChatCompletionRequest, parse_chat_messages, tool model_dump, build_chat_params
+and developer-role conversion, then transformers' apply_chat_template; produced by a
+review helper in vLLM's venv), kept here verbatim. The tokenizer is byte-level without
+merges, so any difference in the text is a difference in the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from llmgw.config import load_dict
+from llmgw.request import build_request
+from llmgw.tokenize import make_tokenizer
+
+CHAT = "/v1/chat/completions"
+
+# A shortened Qwen2.5 chat template.
+QWEN = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are Qwen.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+# Qwen3's reading of an assistant's reasoning.
+QWEN3 = r"""{%- for message in messages %}
+{%- if message.role == "assistant" %}
+{%- set reasoning_content = '' %}
+{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}{%- endif %}
+{{- '<|im_start|>assistant\n' }}{%- if reasoning_content %}{{- '<think>\n' + reasoning_content + '\n</think>\n\n' }}{%- endif %}{{- message.content + '<|im_end|>\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+# Llama 3.1's test for tool calls (`'tool_calls' in message`).
+LLAMA = r"""{%- for message in messages %}
+{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+{{- '<|im_start|>' + message['role'] + '\n\n' + message['content'] | trim + '<|im_end|>' }}
+{%- elif 'tool_calls' in message %}
+{%- if not message.tool_calls|length == 1 %}{{- raise_exception("This model only supports single tool-calls at once!") }}{%- endif %}
+{%- set tool_call = message.tool_calls[0].function %}
+{{- '<|im_start|>assistant\n\n' }}{{- '{"name": "' + tool_call.name + '", "parameters": ' }}{{- tool_call.arguments | tojson }}{{- "}<|im_end|>" }}
+{%- else %}
+{{- '<|im_start|>ipython\n\n' + message.content | tojson + '<|im_end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n\n' }}{%- endif %}"""
+# One that loops over content parts (vLLM's "openai" content format).
+PARTS = r"""{%- for message in messages %}{{- '<|im_start|>' + message.role + '\n' }}
+{%- if message.content is string %}{{- message.content }}{%- else %}{%- for c in message.content %}{%- if c.type == 'text' %}{{- c.text }}{%- elif c.type == 'image' %}<image>{%- endif %}{%- endfor %}{%- endif %}
+{{- '<|im_end|>\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+PLAIN = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_tokenizer(folder: Path, template: str | None = QWEN, bos: bool = False) -> str:
+    """A byte-level tokenizer without merges (one token a byte) with ChatML special tokens;
+    `bos`: a Llama-style BOS added with the special tokens."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import decoders, models, pre_tokenizers, processors  # noqa: PLC0415
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = tokenizers.Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    if bos:
+        bos_id = tok.token_to_id("<|endoftext|>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos_id)]
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    settings = {"eos_token": "<|im_end|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    return str(folder / "tokenizer.json")
+
+
+def encode(path: str, text: str, special: bool = False) -> tuple[int, ...]:
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    return tuple(Tokenizer.from_file(path).encode(text, add_special_tokens=special).ids)
+
+
+def router_tokens(
+    tmp_path: Path,
+    body: dict[str, Any],
+    template: str | None = QWEN,
+    path: str = CHAT,
+    bos: bool = False,
+) -> tuple[tuple[int, ...] | None, str]:
+    tok = byte_tokenizer(tmp_path / "tok", template, bos)
+    config = load_dict({"models": {"m": {"endpoints": ["a:1"]}}})
+    raw = build_request(config, {}, path, orjson.dumps(body)).raw_prompt
+    return make_tokenizer(tok).tokens(raw), tok
+
+
+def check(got: tuple[int, ...] | None, tok: str, vllm_text: str, special: bool = False) -> None:
+    want = encode(tok, vllm_text, special)
+    assert got is not None, "no tokens (the pick falls back), where vLLM renders the request"
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    assert got == want, f"the router's tokens part from vLLM's at token {first}"
+
+
+def test_tools_reach_the_template_as_vllm_dumps_them(tmp_path: Path) -> None:
+    """vLLM hands the template `tool.model_dump()`: type, then function's name,
+    description (null when absent) and parameters, other keys dropped; the router handed
+    the tools as sent, so an agent's prompt parted from the engine's within its system
+    prompt (found by a review helper)."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [
+            {
+                "function": {"name": "get_weather", "parameters": {"type": "object"}, "x": 1},
+                "type": "function",
+                "cache_control": {"type": "ephemeral"},
+            }
+        ],
+    }
+    got, tok = router_tokens(tmp_path, body)
+    check(
+        got,
+        tok,
+        "<|im_start|>system\nYou are Qwen.\n\n# Tools\n<tools>\n"
+        '{"type": "function", "function": {"name": "get_weather", "description": null, '
+        '"parameters": {"type": "object"}}}\n</tools><|im_end|>\n'
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    )
