@@ -175,6 +175,7 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
 
         from llmgw.chat_template import (  # noqa: PLC0415
             loops_over_content,
+            mentions_developer,
             template_environment,
             vllm_messages,
             vllm_tools,
@@ -207,12 +208,13 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
         context: dict[str, Any] = {**specials, "add_generation_prompt": True, "documents": None}
         if isinstance(chat.kwargs, dict):  # the request's chat_template_kwargs, as vLLM does
             context.update(chat.kwargs)
-        context["messages"] = vllm_messages(chat.messages, parts)
+        context["messages"] = vllm_messages(chat.messages, parts, developer)
         context["tools"] = vllm_tools(chat.tools)
         return str(template.render(**context))
 
     template: Any = None
     parts = isinstance(source, str) and loops_over_content(source)
+    developer = isinstance(source, str) and mentions_developer(source)
     if isinstance(source, str):
         try:
             template = template_environment().from_string(source)

@@ -190,3 +190,193 @@ def test_tools_reach_the_template_as_vllm_dumps_them(tmp_path: Path) -> None:
         '"parameters": {"type": "object"}}}\n</tools><|im_end|>\n'
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
     )
+
+
+def test_a_developer_message_becomes_the_system_message_as_in_vllm(tmp_path: Path) -> None:
+    """vLLM turns `developer` messages into `system` ones, merged with the others into one
+    at the start, when the template does not mention 'developer' (most do not; OpenAI-style
+    agents send their instructions so); the router rendered the role as given, and this
+    template skipped it for its default system prompt (found by a review helper)."""
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "s1"},
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+        ],
+    }
+    got, tok = router_tokens(tmp_path, body)
+    check(
+        got,
+        tok,
+        "<|im_start|>system\ns1\n\nbe brief<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    )
+
+
+def test_system_messages_stay_apart_without_a_developer_message(tmp_path: Path) -> None:
+    """vLLM merges system messages only when it converted a developer message."""
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "a"},
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": "b"},
+        ],
+    }
+    got, tok = router_tokens(tmp_path, body, PARTS)
+    check(
+        got,
+        tok,
+        "<|im_start|>system\na<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>system\nb<|im_end|>\n<|im_start|>assistant\n",
+    )
+
+
+def test_claude_codes_billing_header_is_dropped_as_vllm_drops_it(tmp_path: Path) -> None:
+    """vLLM drops a system text's leading `x-anthropic-billing-header` line (its value
+    changes every request); the router kept it, so every such request parted from the
+    engine's tokens within its first block (found by a review helper)."""
+    body = {
+        "model": "m",
+        "messages": [
+            {
+                "role": "system",
+                "content": "x-anthropic-billing-header: cc_version=2.1; cch=93af1\nYou are Claude Code.",
+            },
+            {"role": "user", "content": "hi"},
+        ],
+    }
+    got, tok = router_tokens(tmp_path, body)
+    check(
+        got,
+        tok,
+        "<|im_start|>system\nYou are Claude Code.<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    )
+
+
+def test_an_assistants_reasoning_reaches_the_template_as_reasoning_content(
+    tmp_path: Path,
+) -> None:
+    """vLLM 0.32 answers with `reasoning`; a client echoing the message back sends it, and
+    vLLM hands it to the template as `reasoning` and `reasoning_content` (what Qwen3 and
+    DeepSeek templates read); the router handed over `reasoning` only, and the thinking
+    block went missing (found by a review helper)."""
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "reasoning": "user greets"},
+            {"role": "user", "content": "more"},
+        ],
+    }
+    got, tok = router_tokens(tmp_path, body, QWEN3)
+    check(
+        got,
+        tok,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nuser greets\n"
+        "</think>\n\nhello<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n",
+    )
+
+
+def test_tool_calls_null_is_dropped_as_vllm_drops_it(tmp_path: Path) -> None:
+    """`"tool_calls": null` on an assistant message: vLLM leaves the key out; the router
+    kept it, and a Llama 3.1-style template (`'tool_calls' in message`, then
+    `message.tool_calls|length`) raised: no tokens for the whole conversation (found by a
+    review helper)."""
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "tool_calls": None},
+            {"role": "user", "content": "more"},
+        ],
+    }
+    got, tok = router_tokens(tmp_path, body, LLAMA)
+    check(
+        got,
+        tok,
+        "<|im_start|>user\n\nhi<|im_end|><|im_start|>assistant\n\nhello<|im_end|>"
+        "<|im_start|>user\n\nmore<|im_end|><|im_start|>assistant\n\n",
+    )
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "Par', "[1, 2]"])
+def test_tool_call_arguments_that_are_not_a_json_object_render_as_an_empty_one(
+    tmp_path: Path, arguments: str
+) -> None:
+    """vLLM 0.32 coerces arguments that are not a JSON object (a truncated call, a list)
+    to `{}` so the conversation goes on; the router's json.loads raised (or handed over
+    the list), and every later turn of that conversation got no tokens (found by a review
+    helper)."""
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "1", "content": "ok"},
+        ],
+    }
+    got, tok = router_tokens(tmp_path, body)
+    check(
+        got,
+        tok,
+        "<|im_start|>system\nYou are Qwen.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n",
+    )
+
+
+def test_a_tool_messages_text_parts_are_joined_for_a_parts_template(tmp_path: Path) -> None:
+    """vLLM joins a tool message's text parts with newlines even for a template that loops
+    over content parts (Claude Code and Cursor send tool results as parts); the router
+    handed the parts over, which such a template concatenated (found by a review helper)."""
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {
+                "role": "tool",
+                "tool_call_id": "1",
+                "content": [{"type": "text", "text": "r1"}, {"type": "input_text", "text": "r2"}],
+            },
+            {"role": "user", "content": "more"},
+        ],
+    }
+    got, tok = router_tokens(tmp_path, body, PARTS)
+    check(
+        got,
+        tok,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+        "<|im_start|>tool\nr1\nr2<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"
+        "<|im_start|>assistant\n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "rendered"),
+    [
+        (QWEN, "<|im_start|>system\nYou are Qwen.<|im_end|>\n<|im_start|>user\na\nb\nc\nd"),
+        (PARTS, "<|im_start|>user\nabcd"),
+    ],
+)
+def test_every_text_part_type_vllm_reads_reaches_the_template(
+    tmp_path: Path, template: str, rendered: str
+) -> None:
+    """vLLM reads input_text, output_text, refusal and thinking parts as text (and hands a
+    parts template each as a `text` part); the router read only text and input_text, and
+    only for a template that prints the content (found by a review helper)."""
+    content = [
+        {"type": "input_text", "text": "a"},
+        {"type": "output_text", "text": "b"},
+        {"type": "refusal", "refusal": "c"},
+        {"type": "thinking", "thinking": "d"},
+    ]
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    got, tok = router_tokens(tmp_path, body, template)
+    check(got, tok, rendered + "<|im_end|>\n<|im_start|>assistant\n")
