@@ -60,6 +60,42 @@ def template_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     return env
 
 
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def render_continuing(template: Any, source: str, context: dict[str, Any]) -> str:
+    """The render with `continue_final_message`: cut right after the final message's text
+    (transformers' render_jinja_template, transformers/utils/chat_template_utils.py, which
+    vLLM renders through): a tag appended to that text marks where. `context["messages"]`
+    is vLLM's (new dicts: the last one is changed in place). Raises where transformers
+    does (vLLM answers 400)."""
+    messages = context["messages"]
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or last.get("content") is None or "content" not in source:
+        raise ValueError("continue_final_message: no final message content to continue")
+    content = last["content"]
+    if isinstance(content, list):
+        for i in range(len(content) - 1, -1, -1):
+            block = content[i]
+            if isinstance(block, dict) and "text" in block:
+                final = block["text"]
+                content[i] = {**block, "text": final + _CONTINUE_TAG}
+                break
+        else:
+            raise ValueError("continue_final_message: no text in the final message")
+    else:
+        final = content
+        last["content"] = content + _CONTINUE_TAG
+    rendered = str(template.render(**context))
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ValueError("continue_final_message: the template drops the final message")
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
+
+
 def loops_over_content(source: str) -> bool:
     """Does the template iterate over a message's content (vLLM's "openai" content format:
     it then hands the template content parts; otherwise one string)? As vLLM tells it

@@ -380,3 +380,63 @@ def test_every_text_part_type_vllm_reads_reaches_the_template(
     body = {"model": "m", "messages": [{"role": "user", "content": content}]}
     got, tok = router_tokens(tmp_path, body, template)
     check(got, tok, rendered + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+GENERATION = (
+    "<|im_start|>system\nYou are Qwen.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"add_generation_prompt": False}, {"continue_final_message": True}]
+)
+def test_the_requests_own_fields_win_over_its_chat_template_kwargs(
+    tmp_path: Path, kwargs: dict[str, bool]
+) -> None:
+    """vLLM merges `chat_template_kwargs` first and the request's own fields over them
+    (add_generation_prompt defaults to true, continue_final_message to false), so
+    `chat_template_kwargs: {add_generation_prompt: false}` still renders the generation
+    prompt; the router let the kwargs win (found by a review helper)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    got, tok = router_tokens(tmp_path, {**body, "chat_template_kwargs": kwargs})
+    check(got, tok, GENERATION)
+
+
+def test_continue_final_message_ends_the_prompt_in_the_final_message(tmp_path: Path) -> None:
+    """With `continue_final_message` transformers (so vLLM) cuts the render right after the
+    final message's text, so the model continues it; the router rendered it closed, with
+    the end-of-turn marker after it (found by a review helper)."""
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Hel "},
+        ],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    got, tok = router_tokens(tmp_path, body)
+    check(got, tok, GENERATION + "Hel ")
+
+
+def test_a_completion_with_add_special_tokens_false_gets_no_bos(tmp_path: Path) -> None:
+    """vLLM's completions take `add_special_tokens` (default true); clients that render the
+    chat template themselves send false to avoid a second BOS. The router always added
+    the tokenizer's special tokens: its ids were one off from the first block (found by a
+    review helper)."""
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    body = {"model": "m", "prompt": text, "add_special_tokens": False}
+    got, tok = router_tokens(tmp_path, body, path="/v1/completions", bos=True)
+    check(got, tok, text, special=False)
+    body = {"model": "m", "prompt": text}
+    check(router_tokens(tmp_path, body, path="/v1/completions", bos=True)[0], tok, text, True)
+
+
+def test_a_chat_request_with_add_special_tokens_true_gets_the_bos(tmp_path: Path) -> None:
+    """vLLM's chat requests add the tokenizer's special tokens when `add_special_tokens`
+    is true (default false); the router never did (found by a review helper)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    got, tok = router_tokens(tmp_path, {**body, "add_special_tokens": True}, bos=True)
+    check(got, tok, GENERATION, special=True)
+    check(router_tokens(tmp_path, body, bos=True)[0], tok, GENERATION, special=False)
