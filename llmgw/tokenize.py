@@ -208,20 +208,36 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
     except Exception as exc:  # tokenizers raises a bare Exception
         raise ValueError(f"tokenizer: cannot load {path!r}: {exc}") from exc
     folder = file.parent
-    settings: dict[str, Any] = {}
-    config_file = folder / "tokenizer_config.json"
-    if config_file.is_file():
-        settings = json.loads(config_file.read_text())
+    settings = _json_file(folder / "tokenizer_config.json")
     template_file = folder / "chat_template.jinja"
     source = template_file.read_text() if template_file.is_file() else settings.get("chat_template")
-    if isinstance(source, list):  # named templates ({name, template}): the default one
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
-    specials = {k: _token_text(settings.get(k)) for k in ("bos_token", "eos_token")}
+    # Named templates ({name, template}): `tool_use` for a request with tools, else `default`
+    # (transformers' get_chat_template, which vLLM's resolve_chat_template calls).
+    named = (
+        {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        if isinstance(source, list)
+        else {"default": source}
+    )
+    templates: dict[str, tuple[Any, str, bool, bool]] = {}
+    for name, text in named.items():
+        if not isinstance(name, str) or not isinstance(text, str):
+            continue
+        try:
+            compiled = template_environment().from_string(text)
+        except jinja2.TemplateError as exc:
+            which = "" if name == "default" else f" {name!r}"
+            raise ValueError(
+                f"tokenizer {path!r}: its chat template{which} does not compile: {exc}"
+            ) from None
+        templates[name] = (compiled, text, loops_over_content(text), mentions_developer(text))
+    specials = _special_tokens(settings, folder)
 
     def render(chat: ChatPrompt) -> str:
-        if not isinstance(source, str):
+        chosen = templates.get("tool_use") if chat.tools is not None else None
+        chosen = chosen or templates.get("default")
+        if chosen is None:
             raise ValueError(f"tokenizer {path!r}: no chat template beside it")
+        template, text, parts, developer = chosen
         context: dict[str, Any] = {**specials, "add_generation_prompt": True, "documents": None}
         if isinstance(chat.kwargs, dict):  # as vLLM merges them (request.py's _chat_prompt)
             context.update(chat.kwargs)
@@ -229,19 +245,8 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
         context["messages"] = vllm_messages(chat.messages, parts, developer)
         context["tools"] = vllm_tools(chat.tools)
         if continuing:
-            return render_continuing(template, source, context)
+            return render_continuing(template, text, context)
         return str(template.render(**context))
-
-    template: Any = None
-    parts = isinstance(source, str) and loops_over_content(source)
-    developer = isinstance(source, str) and mentions_developer(source)
-    if isinstance(source, str):
-        try:
-            template = template_environment().from_string(source)
-        except jinja2.TemplateError as exc:
-            raise ValueError(
-                f"tokenizer {path!r}: its chat template does not compile: {exc}"
-            ) from None
 
     def encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         enc = tok.encode(text, add_special_tokens=special)
@@ -251,10 +256,44 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
     return PromptTokenizer(path, render, encode, special_ids.__contains__)
 
 
-def _token_text(value: Any) -> str:
-    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer configs
-        return str(value.get("content", ""))
-    return str(value or "")
+# The named special tokens transformers hands a chat template (SPECIAL_TOKENS_ATTRIBUTES).
+_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _json_file(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer: cannot read {str(file)!r}: {exc}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _special_tokens(settings: dict[str, Any], folder: Path) -> dict[str, str]:
+    """The special tokens a template sees (`bos_token`...), as transformers 5 loads them
+    (PreTrainedTokenizerBase.from_pretrained, transformers/tokenization_utils_base.py):
+    from tokenizer_config.json, with special_tokens_map.json's over them when the config
+    has no `added_tokens_decoder` (it is not read otherwise); unset ones are left out."""
+    values = dict(settings)
+    if "added_tokens_decoder" not in settings:
+        values.update(_json_file(folder / "special_tokens_map.json"))
+    out: dict[str, str] = {}
+    for key in _SPECIAL_TOKENS:
+        value = values.get(key)
+        if isinstance(value, dict):  # {"content": "<s>", ...}
+            value = value.get("content")
+        if value is not None:
+            out[key] = str(value)
+    return out
 
 
 def make_tokenizer(spec: str) -> PromptTokenizer:

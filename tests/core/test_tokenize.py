@@ -440,3 +440,63 @@ def test_a_chat_request_with_add_special_tokens_true_gets_the_bos(tmp_path: Path
     got, tok = router_tokens(tmp_path, {**body, "add_special_tokens": True}, bos=True)
     check(got, tok, GENERATION, special=True)
     check(router_tokens(tmp_path, body, bos=True)[0], tok, GENERATION, special=False)
+
+
+def test_a_request_with_tools_uses_the_named_tool_use_template(tmp_path: Path) -> None:
+    """Named templates (Hermes 2 Pro, Command R: default, tool_use, rag): vLLM takes the
+    template from `tokenizer.get_chat_template(None, tools=tools)`, `tool_use` when the
+    request has tools; the router always rendered `default` (found by a review helper)."""
+    folder = tmp_path / "tok"
+    tok = byte_tokenizer(folder, None)
+    loop = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    named = [
+        {"name": "default", "template": loop},
+        {
+            "name": "tool_use",
+            "template": "<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n" + loop,
+        },
+    ]
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "chat_template": named})
+    )
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": "d", "parameters": {"type": "object"}},
+        }
+    ]
+    config = load_dict({"models": {"m": {"endpoints": ["a:1"]}}})
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    tokenizer = make_tokenizer(tok)
+    for sent, text in [
+        ({**body, "tools": tools}, '<|im_start|>system\n[{"type": "function", "function": '
+         '{"name": "f", "description": "d", "parameters": {"type": "object"}}}]<|im_end|>\n'),
+        (body, ""),
+    ]:  # fmt: skip
+        raw = build_request(config, {}, CHAT, orjson.dumps(sent)).raw_prompt
+        check(tokenizer.tokens(raw), tok, text + "<|im_start|>user\nhi<|im_end|>\n")
+
+
+@pytest.mark.parametrize("added_tokens_decoder", [False, True])
+def test_special_tokens_come_from_special_tokens_map_json_as_transformers_reads_it(
+    tmp_path: Path, added_tokens_decoder: bool
+) -> None:
+    """transformers 5 (so vLLM) reads the special tokens from special_tokens_map.json too,
+    over tokenizer_config.json's, when the config has no `added_tokens_decoder` (a repo
+    that does not repeat them); the router read only tokenizer_config.json, so
+    `{{ bos_token }}` rendered empty and every token was one off from the engine's (found
+    by a review helper)."""
+    folder = tmp_path / "tok"
+    tok = byte_tokenizer(folder, PLAIN.replace("{{ bos_token }}", "{{ bos_token }}{{ eos_token }}"))
+    settings: dict[str, Any] = {"eos_token": "<|im_end|>"}
+    if added_tokens_decoder:
+        settings["added_tokens_decoder"] = {"256": {"content": "<|endoftext|>", "special": True}}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<|endoftext|>", "eos_token": {"content": "<|im_start|>"}})
+    )
+    got = make_tokenizer(tok).tokens([{"role": "user", "content": "hi"}])
+    head = "<|im_end|>" if added_tokens_decoder else "<|endoftext|><|im_start|>"
+    check(got, tok, head + "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
