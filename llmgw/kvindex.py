@@ -77,12 +77,17 @@ def root_key(lora: str | int | None) -> int:
 
 
 def block_keys(
-    token_ids: Sequence[int], block_size: int, lora_name: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    lora_name: str | None = None,
+    upto: int | None = None,
 ) -> list[int]:
-    """Chained keys of the full blocks of a token sequence (a partial tail is not cached)."""
+    """Chained keys of the full blocks of a token sequence (a partial tail is not cached);
+    `upto`: of its first that many tokens only."""
     key = root_key(lora_name)
     out: list[int] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    end = len(token_ids) if upto is None else min(upto, len(token_ids))
+    for start in range(0, end - block_size + 1, block_size):
         key = hash((key, tuple(token_ids[start : start + block_size])))
         out.append(key)
     return out
@@ -132,7 +137,10 @@ class ExactPrefixIndex:
     def match(
         self, token_ids: Sequence[int], endpoint_ids: Iterable[str], model: str | None = None
     ) -> dict[str, int]:
-        """Live endpoint id -> leading prompt tokens its engine holds (unknown ones absent).
+        """Live endpoint id -> leading prompt tokens its engine reuses (unknown ones absent):
+        whole cached blocks, short of the prompt's last token, which vLLM always computes
+        (KVCacheManager.get_computed_blocks, vllm/v1/core/kv_cache_manager.py: a hit is at
+        most num_tokens - 1 long), so a prompt of exactly k cached blocks reuses k - 1.
         `model`: the request's; an adapter's name (as engines tag its blocks) reads that
         adapter's blocks, any other name the base model's."""
         memo_tokens, keys_by_size = self._memo
@@ -151,7 +159,9 @@ class ExactPrefixIndex:
                 continue
             keys = keys_by_size.get((size, lora))
             if keys is None:
-                keys = keys_by_size[(size, lora)] = block_keys(token_ids, size, lora)
+                keys = keys_by_size[(size, lora)] = block_keys(
+                    token_ids, size, lora, len(token_ids) - 1
+                )
             blocks = e.blocks
             depth = 0
             for k in keys:

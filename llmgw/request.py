@@ -20,11 +20,19 @@ from llmgw.config import Config
 from llmgw.errors import BadRequest, BodyTooLarge, MethodNotAllowed
 from llmgw.scheduling.plugins import SCORERS
 from llmgw.scheduling.strategies import resolve
-from llmgw.tokenize import ChatPrompt
+from llmgw.tokenize import ChatPrompt, TextPrompt
 from llmgw.types import CHARS_PER_TOKEN, RequestInfo
 
-# Chat request fields a chat template renders besides the messages.
-_TEMPLATE_FIELDS = ("tools", "documents", "chat_template_kwargs", "add_generation_prompt")
+# Chat request fields that change what the engine prefills besides the messages.
+_TEMPLATE_FIELDS = (
+    "tools",
+    "documents",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "reasoning_effort",
+    "add_special_tokens",
+)
 # Paths whose JSON body names the model: the OpenAI-compatible APIs, and vLLM's and SGLang's
 # other JSON ones (reranking, scoring, pooling, classification, tokenizing).
 BODY_PATHS = (
@@ -240,17 +248,36 @@ def parse_body(
     if messages is not None and not isinstance(messages, list):
         raise BadRequest("field 'messages' must be an array")
     prompt, chars = prompt_parts(payload, prefix_chars)
-    raw: Any = messages if messages is not None else _completion_prompt(payload.get("prompt"))
-    if messages is not None:
-        extras = {k: payload[k] for k in _TEMPLATE_FIELDS if payload.get(k) is not None}
-        if extras:  # what else the chat template renders (vLLM passes these to it)
-            kwargs = extras.pop("chat_template_kwargs", None)
-            kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
-            for name in ("documents", "add_generation_prompt"):
-                if name in extras:
-                    kwargs[name] = extras.pop(name)
-            raw = ChatPrompt(messages, extras.get("tools"), kwargs or None)
+    raw: Any = messages
+    if messages is None:
+        raw = _completion_prompt(payload.get("prompt"))
+        if isinstance(raw, str) and payload.get("add_special_tokens") is False:
+            raw = TextPrompt(raw, add_special_tokens=False)  # vLLM's default: true
+    elif any(payload.get(k) is not None for k in _TEMPLATE_FIELDS):
+        raw = _chat_prompt(payload, messages)
     return BodyFields(model=model, prompt=prompt, stream=stream, prompt_chars=chars, raw_prompt=raw)
+
+
+def _chat_prompt(payload: Mapping[str, Any], messages: list[Any]) -> ChatPrompt:
+    """What vLLM renders a chat request with besides its messages: its kwargs are the
+    request's `chat_template_kwargs` with its own fields over them (build_chat_params in
+    vllm/entrypoints/openai/chat_completion/protocol.py: add_generation_prompt (true) and
+    continue_final_message (false) always, documents and reasoning_effort when given,
+    enable_thinking from reasoning_effort unless the kwargs set it)."""
+    given = payload.get("chat_template_kwargs")
+    kwargs = dict(given) if isinstance(given, dict) else {}
+    generation, final = payload.get("add_generation_prompt"), payload.get("continue_final_message")
+    kwargs["add_generation_prompt"] = True if generation is None else generation
+    kwargs["continue_final_message"] = False if final is None else final
+    effort = payload.get("reasoning_effort")
+    if effort is not None and "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = effort != "none"
+    for name in ("documents", "reasoning_effort"):
+        if payload.get(name) is not None:
+            kwargs[name] = payload[name]
+    return ChatPrompt(
+        messages, payload.get("tools"), kwargs, payload.get("add_special_tokens") is True
+    )
 
 
 def _completion_prompt(prompt: Any) -> str | tuple[int, ...] | None:

@@ -8,7 +8,8 @@ Two schemes (the latency scorer's `tokenizer` param):
 - a path to a Hugging Face `tokenizer.json`: the `tokenizers` library; chat requests are
   rendered with the model's chat template (`chat_template.jinja` beside it, or
   `chat_template` in `tokenizer_config.json`) with jinja2, as vLLM does; completions get
-  the tokenizer's special tokens (BOS), chat prompts only the template's own.
+  the tokenizer's special tokens (BOS), chat prompts only the template's own (either as
+  the request's `add_special_tokens` says, as in vLLM).
 Both are optional extras (`pip install 'llmgw[exact]'`); without them config load fails
 with a message saying so.
 
@@ -62,11 +63,24 @@ def _sim_encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, .
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
     """A chat request's messages with what else its template renders: `tools`, and the
-    request's `chat_template_kwargs` (a request without either carries its messages list)."""
+    kwargs vLLM renders it with (the request's `chat_template_kwargs` under its own fields);
+    `add_special_tokens`: the tokenizer's special tokens (BOS) added to the rendered text
+    (vLLM's default for chat: no). A request without any of them carries its messages
+    list."""
 
     messages: list[Any]
     tools: Any = None
     kwargs: Any = None
+    add_special_tokens: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrompt:
+    """A completion's prompt text and whether the tokenizer's special tokens are added to
+    it (vLLM's `add_special_tokens`, true by default: a plain string)."""
+
+    text: str
+    add_special_tokens: bool = True
 
 
 class PromptTokenizer:
@@ -96,7 +110,7 @@ class PromptTokenizer:
         self._cache_tokens = 0
         self._session_tokens = 0
         self._cache: OrderedDict[tuple[bool, str], tuple[int, ...]] = OrderedDict()
-        # session -> (chat, text, ids, start offsets) of its last prompt
+        # session -> (special tokens added, text, ids, start offsets) of its last prompt
         self._sessions: OrderedDict[str, tuple[bool, str, tuple[int, ...], tuple[int, ...]]] = (
             OrderedDict()
         )
@@ -113,14 +127,16 @@ class PromptTokenizer:
                 raw_prompt if isinstance(raw_prompt, ChatPrompt) else ChatPrompt(raw_prompt)
             )
             try:
-                chat, text = True, self._render_chat(chat_prompt)
+                special, text = chat_prompt.add_special_tokens, self._render_chat(chat_prompt)
             except Exception:  # a template error on odd messages: fall back, never fail the pick
                 return None
         elif isinstance(raw_prompt, str):
-            chat, text = False, raw_prompt
+            special, text = True, raw_prompt
+        elif isinstance(raw_prompt, TextPrompt):
+            special, text = raw_prompt.add_special_tokens, raw_prompt.text
         else:
             return None
-        key = (chat, text)
+        key = (special, text)
         cache = self._cache
         ids = cache.get(key)
         if ids is not None:
@@ -128,7 +144,7 @@ class PromptTokenizer:
             self.hits += 1
             return ids
         self.misses += 1
-        ids, ends = self._extend(chat, text, session) or self._encode(text, not chat)
+        ids, ends = self._extend(special, text, session) or self._encode(text, special)
         cache[key] = ids
         self._cache_tokens += len(ids)
         while self._cache_tokens > self.max_tokens and len(cache) > 1:
@@ -138,17 +154,17 @@ class PromptTokenizer:
             old = sessions.pop(session, None)
             if old is not None:
                 self._session_tokens -= len(old[2])
-            sessions[session] = (chat, text, ids, ends)
+            sessions[session] = (special, text, ids, ends)
             self._session_tokens += len(ids)
             while self._session_tokens > self.max_tokens and len(sessions) > 1:
                 self._session_tokens -= len(sessions.popitem(last=False)[1][2])
         return ids
 
     def _extend(
-        self, chat: bool, text: str, session: str | None
+        self, special: bool, text: str, session: str | None
     ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         last = self._sessions.get(session) if session is not None else None
-        if last is None or last[0] != chat or not text.startswith(last[1]):
+        if last is None or last[0] != special or not text.startswith(last[1]):
             return None
         _, _, old_ids, old_starts = last
         restarts = self._restarts
@@ -175,8 +191,11 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
 
         from llmgw.chat_template import (  # noqa: PLC0415
             loops_over_content,
+            mentions_developer,
+            render_continuing,
             template_environment,
             vllm_messages,
+            vllm_tools,
         )
     except ImportError as exc:
         raise ValueError(
@@ -189,36 +208,45 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
     except Exception as exc:  # tokenizers raises a bare Exception
         raise ValueError(f"tokenizer: cannot load {path!r}: {exc}") from exc
     folder = file.parent
-    settings: dict[str, Any] = {}
-    config_file = folder / "tokenizer_config.json"
-    if config_file.is_file():
-        settings = json.loads(config_file.read_text())
+    settings = _json_file(folder / "tokenizer_config.json")
     template_file = folder / "chat_template.jinja"
     source = template_file.read_text() if template_file.is_file() else settings.get("chat_template")
-    if isinstance(source, list):  # named templates ({name, template}): the default one
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
-    specials = {k: _token_text(settings.get(k)) for k in ("bos_token", "eos_token")}
+    # Named templates ({name, template}): `tool_use` for a request with tools, else `default`
+    # (transformers' get_chat_template, which vLLM's resolve_chat_template calls).
+    named = (
+        {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        if isinstance(source, list)
+        else {"default": source}
+    )
+    templates: dict[str, tuple[Any, str, bool, bool]] = {}
+    for name, text in named.items():
+        if not isinstance(name, str) or not isinstance(text, str):
+            continue
+        try:
+            compiled = template_environment().from_string(text)
+        except jinja2.TemplateError as exc:
+            which = "" if name == "default" else f" {name!r}"
+            raise ValueError(
+                f"tokenizer {path!r}: its chat template{which} does not compile: {exc}"
+            ) from None
+        templates[name] = (compiled, text, loops_over_content(text), mentions_developer(text))
+    specials = _special_tokens(settings, folder)
 
     def render(chat: ChatPrompt) -> str:
-        if not isinstance(source, str):
+        chosen = templates.get("tool_use") if chat.tools is not None else None
+        chosen = chosen or templates.get("default")
+        if chosen is None:
             raise ValueError(f"tokenizer {path!r}: no chat template beside it")
+        template, text, parts, developer = chosen
         context: dict[str, Any] = {**specials, "add_generation_prompt": True, "documents": None}
-        if isinstance(chat.kwargs, dict):  # the request's chat_template_kwargs, as vLLM does
+        if isinstance(chat.kwargs, dict):  # as vLLM merges them (request.py's _chat_prompt)
             context.update(chat.kwargs)
-        context["messages"] = vllm_messages(chat.messages, parts)
-        context["tools"] = chat.tools
+        continuing = context.pop("continue_final_message", False)  # not a template variable
+        context["messages"] = vllm_messages(chat.messages, parts, developer)
+        context["tools"] = vllm_tools(chat.tools)
+        if continuing:
+            return render_continuing(template, text, context)
         return str(template.render(**context))
-
-    template: Any = None
-    parts = isinstance(source, str) and loops_over_content(source)
-    if isinstance(source, str):
-        try:
-            template = template_environment().from_string(source)
-        except jinja2.TemplateError as exc:
-            raise ValueError(
-                f"tokenizer {path!r}: its chat template does not compile: {exc}"
-            ) from None
 
     def encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         enc = tok.encode(text, add_special_tokens=special)
@@ -228,10 +256,44 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
     return PromptTokenizer(path, render, encode, special_ids.__contains__)
 
 
-def _token_text(value: Any) -> str:
-    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer configs
-        return str(value.get("content", ""))
-    return str(value or "")
+# The named special tokens transformers hands a chat template (SPECIAL_TOKENS_ATTRIBUTES).
+_SPECIAL_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _json_file(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer: cannot read {str(file)!r}: {exc}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _special_tokens(settings: dict[str, Any], folder: Path) -> dict[str, str]:
+    """The special tokens a template sees (`bos_token`...), as transformers 5 loads them
+    (PreTrainedTokenizerBase.from_pretrained, transformers/tokenization_utils_base.py):
+    from tokenizer_config.json, with special_tokens_map.json's over them when the config
+    has no `added_tokens_decoder` (it is not read otherwise); unset ones are left out."""
+    values = dict(settings)
+    if "added_tokens_decoder" not in settings:
+        values.update(_json_file(folder / "special_tokens_map.json"))
+    out: dict[str, str] = {}
+    for key in _SPECIAL_TOKENS:
+        value = values.get(key)
+        if isinstance(value, dict):  # {"content": "<s>", ...}
+            value = value.get("content")
+        if value is not None:
+            out[key] = str(value)
+    return out
 
 
 def make_tokenizer(spec: str) -> PromptTokenizer:

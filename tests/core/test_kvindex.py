@@ -17,6 +17,7 @@ from llmgw.kvindex import ExactPrefixIndex, KvState, SeqVerdict, block_keys
 
 BS = 4
 TOKENS = tuple(range(100, 116))  # 4 blocks of 4 tokens
+PROMPT = (*TOKENS, 0)  # a prompt going on past them: all their cached blocks reusable
 
 
 def stored(first: int, last: int, tokens: tuple[int, ...] = TOKENS, **kw: object) -> BlockStored:
@@ -43,19 +44,19 @@ def live_index(*events: KvEvent, **kw: float) -> ExactPrefixIndex:
 @pytest.mark.parametrize(
     ("events", "prompt", "cached"),
     [
-        ((stored(0, 3),), TOKENS, 16),
-        ((stored(0, 1),), TOKENS, 8),
-        ((stored(0, 1), stored(2, 3)), TOKENS, 16),  # a later batch chains to its parent
+        ((stored(0, 3),), PROMPT, 16),
+        ((stored(0, 1),), PROMPT, 8),
+        ((stored(0, 1), stored(2, 3)), PROMPT, 16),  # a later batch chains to its parent
         ((stored(0, 3),), TOKENS[:10], 8),  # a partial tail block is not cached
-        ((stored(0, 3), removed(2)), TOKENS, 8),  # a hole ends the prefix
-        ((stored(0, 3), removed(0)), TOKENS, 0),
-        ((stored(0, 3), AllBlocksCleared()), TOKENS, 0),
-        ((stored(0, 3), AllBlocksCleared(), stored(0, 0)), TOKENS, 4),
+        ((stored(0, 3), removed(2)), PROMPT, 8),  # a hole ends the prefix
+        ((stored(0, 3), removed(0)), PROMPT, 0),
+        ((stored(0, 3), AllBlocksCleared()), PROMPT, 0),
+        ((stored(0, 3), AllBlocksCleared(), stored(0, 0)), PROMPT, 4),
         ((stored(0, 3),), (1, 2, 3, 4, *TOKENS[4:]), 0),  # another first block: nothing
-        ((stored(2, 3),), TOKENS, 0),  # parent never seen: skipped
-        ((stored(0, 3, medium="CPU"),), TOKENS, 0),  # offloaded tiers do not count
-        ((stored(0, 3, medium="GPU"),), TOKENS, 16),
-        ((stored(0, 3, lora_name="adapter"),), TOKENS, 0),  # another adapter's blocks
+        ((stored(2, 3),), PROMPT, 0),  # parent never seen: skipped
+        ((stored(0, 3, medium="CPU"),), PROMPT, 0),  # offloaded tiers do not count
+        ((stored(0, 3, medium="GPU"),), PROMPT, 16),
+        ((stored(0, 3, lora_name="adapter"),), PROMPT, 0),  # another adapter's blocks
     ],
 )
 def test_longest_cached_prefix_in_tokens(
@@ -79,9 +80,9 @@ def test_a_request_for_an_adapter_reads_that_adapters_blocks_and_no_others() -> 
     )
     index.apply_batch("a", EventBatch(0, 0.0, (base,)), now=0.0)
     index.apply_batch("b", EventBatch(0, 0.0, (adapter,)), now=0.0)
-    assert index.match(TOKENS, ["a", "b"], "sql-lora") == {"a": 0, "b": 8}
-    assert index.match(TOKENS, ["a", "b"], "base-model") == {"a": 16, "b": 0}
-    assert index.match(TOKENS, ["a", "b"]) == {"a": 16, "b": 0}
+    assert index.match(PROMPT, ["a", "b"], "sql-lora") == {"a": 0, "b": 8}
+    assert index.match(PROMPT, ["a", "b"], "base-model") == {"a": 16, "b": 0}
+    assert index.match(PROMPT, ["a", "b"]) == {"a": 16, "b": 0}
 
 
 def test_blocks_keyed_by_more_than_tokens_are_not_indexed_nor_their_children_orphans() -> None:
@@ -90,11 +91,11 @@ def test_blocks_keyed_by_more_than_tokens_are_not_indexed_nor_their_children_orp
     salted = stored(0, 1, keyed_from=0)  # a salt on block 0: both blocks salted
     child = stored(2, 3)  # a later batch extends the salted chain
     index = live_index(salted, child)
-    assert index.match(TOKENS, ["a"]) == {"a": 0}
+    assert index.match(PROMPT, ["a"]) == {"a": 0}
     e = index.endpoint("a")
     assert e is not None and e.orphans == 0 and index.size("a") == 0
     imaged = live_index(stored(0, 3, keyed_from=2))  # an image in block 2
-    assert imaged.match(TOKENS, ["a"]) == {"a": 8}
+    assert imaged.match(PROMPT, ["a"]) == {"a": 8}
     index.apply_batch("a", EventBatch(1, 0.0, (removed(0, 1, 2, 3),)), now=0.0)
     assert e.keyed == set()  # removals forget them
 
@@ -102,14 +103,14 @@ def test_blocks_keyed_by_more_than_tokens_are_not_indexed_nor_their_children_orp
 def test_keys_are_the_routers_own_chain_not_the_engines_hashes() -> None:
     other_hashes = BlockStored((7, 8), None, TOKENS[:8], BS)  # int hashes, any function
     index = live_index(other_hashes)
-    assert index.match(TOKENS, ["a"]) == {"a": 8}
+    assert index.match(PROMPT, ["a"]) == {"a": 8}
     assert list(index.endpoint("a").blocks) == block_keys(TOKENS[:8], BS)  # type: ignore[union-attr]
 
 
 def test_unknown_and_unfed_endpoints_are_absent_from_matches() -> None:
     index = live_index(stored(0, 3))
     index.mark_unknown("a", "subscriber disconnected", now=1.0)
-    assert index.match(TOKENS, ["a", "b"]) == {}
+    assert index.match(PROMPT, ["a", "b"]) == {}
     assert index.size("a") == 0
     assert index.state("b") is KvState.UNKNOWN
 
@@ -144,7 +145,7 @@ def test_a_gap_empties_the_endpoint_until_resync_time_has_passed() -> None:
     assert index.state("a") is KvState.UNKNOWN
     index.apply_batch("a", EventBatch(5, 0.0, ()), now=6.0)
     assert index.state("a") is KvState.LIVE
-    assert index.match(TOKENS, ["a"]) == {"a": 16}  # kept what came after the gap
+    assert index.match(PROMPT, ["a"]) == {"a": 16}  # kept what came after the gap
 
 
 def test_all_blocks_cleared_is_a_sync_point_after_a_gap() -> None:
@@ -152,7 +153,7 @@ def test_all_blocks_cleared_is_a_sync_point_after_a_gap() -> None:
     index.apply_batch("a", EventBatch(0, 0.0, ()), now=0.0)
     index.apply_batch("a", EventBatch(9, 0.0, (AllBlocksCleared(), stored(0, 0))), now=1.0)
     assert index.state("a") is KvState.LIVE
-    assert index.match(TOKENS, ["a"]) == {"a": 4}
+    assert index.match(PROMPT, ["a"]) == {"a": 4}
 
 
 def test_restart_empties_what_the_old_engine_held() -> None:
@@ -160,7 +161,7 @@ def test_restart_empties_what_the_old_engine_held() -> None:
     index.apply_batch("a", EventBatch(0, 0.0, (stored(0, 3),)), now=0.0)
     index.apply_batch("a", EventBatch(1, 0.0, ()), now=0.0)
     index.apply_batch("a", EventBatch(0, 0.0, (stored(0, 0),)), now=1.0)
-    assert index.match(TOKENS, ["a"]) == {"a": 4}
+    assert index.match(PROMPT, ["a"]) == {"a": 4}
     assert index.endpoint("a").restarts == 1  # type: ignore[union-attr]
 
 
@@ -170,7 +171,7 @@ def test_a_resent_batch_keeps_what_the_endpoint_holds() -> None:
     batch = EventBatch(0, 0.0, (stored(0, 3),))
     index.apply_batch("a", batch, now=0.0)
     index.apply_batch("a", batch, now=0.1)
-    assert index.match(TOKENS, ["a"]) == {"a": 16} and index.endpoint("a").restarts == 0  # type: ignore[union-attr]
+    assert index.match(PROMPT, ["a"]) == {"a": 16} and index.endpoint("a").restarts == 0  # type: ignore[union-attr]
 
 
 def test_an_engine_followed_from_the_middle_stays_unknown_while_it_extends_unseen_prefixes() -> (
@@ -192,7 +193,7 @@ def test_a_hybrid_models_other_block_sizes_do_not_wipe_the_index() -> None:
     """vLLM's hybrid models publish each cache group's blocks with its own size."""
     other_group = BlockStored((b"g1",), None, TOKENS[:8], 8)
     index = live_index(stored(0, 3), other_group, stored(0, 0))
-    assert index.match(TOKENS, ["a"]) == {"a": 16}
+    assert index.match(PROMPT, ["a"]) == {"a": 16}
     assert index.endpoint("a").other_sizes == 1  # type: ignore[union-attr]
 
 
@@ -224,9 +225,9 @@ def test_a_hybrid_models_sliding_window_group_does_not_evict_the_full_attention_
     index.apply_batch("a", batch, now=0.0)
     evict = {"type": "BlockRemoved", "block_hashes": [b"h0", b"h1"], "medium": "GPU"}
     index.apply_batch("a", vllm_batch(1, {**evict, "group_idx": 1}), now=0.0)
-    assert index.match(TOKENS, ["a"]) == {"a": 16}
+    assert index.match(PROMPT, ["a"]) == {"a": 16}
     index.apply_batch("a", vllm_batch(2, {**evict, "group_idx": 0}), now=0.0)
-    assert index.match(TOKENS, ["a"]) == {"a": 0}
+    assert index.match(PROMPT, ["a"]) == {"a": 0}
 
 
 def test_adapter_blocks_named_only_by_lora_id_are_not_the_base_models() -> None:
@@ -235,16 +236,16 @@ def test_adapter_blocks_named_only_by_lora_id_are_not_the_base_models() -> None:
     for base-model prompts the engine could not serve from them."""
     index = ExactPrefixIndex()
     index.apply_batch("a", vllm_batch(0, stored_map(0, 3, lora_id=7)), now=0.0)
-    assert index.match(TOKENS, ["a"]) == {"a": 0}
+    assert index.match(PROMPT, ["a"]) == {"a": 0}
     index.apply_batch("a", vllm_batch(1, stored_map(0, 3, lora_id=None)), now=0.0)
-    assert index.match(TOKENS, ["a"]) == {"a": 16}
+    assert index.match(PROMPT, ["a"]) == {"a": 16}
 
 
 def test_a_restarted_engine_may_run_another_block_size() -> None:
     index = live_index(stored(0, 3))
     index.apply_batch("a", EventBatch(1, 0.0, ()), 0.5)
     index.apply_batch("a", EventBatch(0, 0.0, (BlockStored((b"x",), None, TOKENS[:8], 8),)), 1.0)
-    assert index.match(TOKENS, ["a"]) == {"a": 8}
+    assert index.match(PROMPT, ["a"]) == {"a": 8}
 
 
 def test_the_same_tokens_under_new_engine_hashes_keep_the_hash_map_bounded() -> None:
@@ -271,7 +272,7 @@ def test_capacity_drops_unknown_endpoints_then_the_largest_endpoints_oldest() ->
     assert index.size() == 6
     assert index.size("small") == 3  # its recent blocks stay
     assert index.size("big") == 3  # the largest lost its oldest block (the first)
-    assert index.match(TOKENS, ["big"]) == {"big": 0}
+    assert index.match(PROMPT, ["big"]) == {"big": 0}
 
 
 def test_a_block_cached_twice_stays_until_both_copies_are_evicted() -> None:
@@ -280,16 +281,16 @@ def test_a_block_cached_twice_stays_until_both_copies_are_evicted() -> None:
     publish BlockStored for each; evicting one copy (BlockRemoved) leaves the other hit."""
     index = live_index(stored(0, 3), stored(0, 3))
     index.apply_batch("a", EventBatch(1, 0.0, (removed(1),)), now=0.0)
-    assert index.match(TOKENS, ["a"]) == {"a": 16}
+    assert index.match(PROMPT, ["a"]) == {"a": 16}
     index.apply_batch("a", EventBatch(2, 0.0, (removed(1),)), now=0.0)
-    assert index.match(TOKENS, ["a"]) == {"a": 4}
+    assert index.match(PROMPT, ["a"]) == {"a": 4}
     kv = index.endpoint("a")
     assert kv is not None and b"h1" not in kv.copies and index.size() == 3
 
 
 def test_removals_of_blocks_never_stored_are_ignored() -> None:
     index = live_index(stored(0, 1), removed(5, 6))
-    assert index.match(TOKENS, ["a"]) == {"a": 8}
+    assert index.match(PROMPT, ["a"]) == {"a": 8}
     assert index.size() == 2
 
 
@@ -298,3 +299,13 @@ def test_bad_params_say_what_to_fix() -> None:
         ExactPrefixIndex(capacity=0)
     with pytest.raises(ValueError, match="resync_s must be >= 0"):
         ExactPrefixIndex(resync_s=-1)
+
+
+def test_a_wholly_cached_prompt_of_full_blocks_counts_the_block_the_engine_recomputes() -> None:
+    """vLLM never serves a whole prompt from its cache: it computes at least the last token
+    (a hit is at most num_tokens - 1 long), so a prompt of exactly k cached blocks reuses
+    k - 1; the index counted all k, one block more than the engine reuses (found by a
+    review helper)."""
+    index = live_index(stored(0, 3))
+    assert index.match(TOKENS, ["a"]) == {"a": 12}  # (16 - 1) // 4 blocks
+    assert index.match((*TOKENS, 7), ["a"]) == {"a": 16}  # one token more: all 4 reused

@@ -223,7 +223,7 @@ async def test_an_ipv6_endpoints_publisher_is_followed() -> None:
                 # batch 0 of a new engine, sent again until the subscription is through
                 await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), payload])
                 await asyncio.sleep(0.05)  # the resend interval (PUB drops until joined)
-        assert registry.kv_index.match((1, 2, 3, 4), [eid]) == {eid: 4}
+        assert registry.kv_index.match((1, 2, 3, 4, 5), [eid]) == {eid: 4}
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
