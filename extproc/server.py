@@ -62,6 +62,15 @@ log = logging.getLogger("llmgw.extproc")
 HEALTH_REFRESH_INTERVAL = 1.0
 
 
+# The flag that sets each port, named when it cannot be bound.
+_PORT_FLAGS = {
+    "grpc": "--grpc-port",
+    "grpc_health": "--grpc-health-port",
+    "health": "--health-port",
+    "metrics": "--metrics-port",
+}
+
+
 def _identity(data: bytes) -> bytes:
     return data
 
@@ -109,6 +118,8 @@ class ExtProcServer:
         self.tls = tls
         self._reuse_port = reuse_port
         self._grpc: grpc.aio.Server | None = None
+        self._grpc_bound: grpc.aio.Server | None = None  # bound, maybe not started yet
+        self._router_started = False
         self._grpc_health: grpc.aio.Server | None = None
         self._runners: list[web.AppRunner] = []
         self._health_changed = asyncio.Event()
@@ -205,17 +216,24 @@ class ExtProcServer:
         body, content_type = self.telemetry.render()
         return web.Response(body=body, headers={"content-type": content_type})
 
-    async def _serve_http(self, routes: list[web.RouteDef], port: int) -> int:
+    async def _serve_http(self, routes: list[web.RouteDef], port: str) -> int:
         app = web.Application(client_max_size=MAX_QUERY_BYTES)
         app.add_routes(routes)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, port, reuse_port=self._reuse_port or None)
-        await site.start()
         self._runners.append(runner)
+        number = self._ports[port]
+        site = web.TCPSite(runner, self.host, number, reuse_port=self._reuse_port or None)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise StartError(
+                f"cannot listen on {self.host}:{number} ({_PORT_FLAGS[port]}): "
+                f"{exc.strerror or exc}"
+            ) from None
         server = site._server
         sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        return int(sockets[0].getsockname()[1]) if sockets else int(number or 0)
 
     # -- lifecycle -----------------------------------------------------------------------
     @property
@@ -223,6 +241,16 @@ class ExtProcServer:
         return dict(self._ports)
 
     async def start(self) -> None:
+        """Listen on every port and start the router. StartError, with nothing left
+        running, when a port cannot be bound or the router cannot start (Kubernetes
+        discovery refused, the peers' port)."""
+        try:
+            await self._start()
+        except BaseException:
+            await self._abort_start()
+            raise
+
+    async def _start(self) -> None:
         # No gRPC bound on messages: the gateway's buffer bounds a body, and one past
         # limits.max_body_bytes gets its 413 from `Exchange`. With max_body_bytes + a margin
         # here (Envoy's own bound in llmgw's config), a gateway buffering more (a GIE
@@ -234,6 +262,7 @@ class ExtProcServer:
                 ("grpc.so_reuseport", 1 if self._reuse_port else 0),
             ]
         )
+        self._grpc_bound = server
         handlers: dict[str, Callable[..., Any]] = {
             "Process": grpc.stream_stream_rpc_method_handler(
                 self.process,
@@ -245,25 +274,19 @@ class ExtProcServer:
             (grpc.method_handlers_generic_handler(PROCESS_SERVICE, handlers),)
         )
         add_to_server(self.extproc_health, server)
-        self._ports["grpc"] = self._bind(server, self._ports["grpc"], tls=self.tls)
+        self._ports["grpc"] = self._bind(server, "grpc", tls=self.tls)
         if self._ports["grpc_health"] is not None:
             # A separate server like GIE's: probes keep answering while ext_proc is busy.
             probes = grpc.aio.server()
+            self._grpc_health = probes
             add_to_server(self.probe_health, probes)
-            self._ports["grpc_health"] = self._bind(probes, self._ports["grpc_health"], tls=None)
+            self._ports["grpc_health"] = self._bind(probes, "grpc_health", tls=None)
             await self.probe_health.refresh()  # Watch agrees with Check from the first stream
             await probes.start()
-            self._grpc_health = probes
         # Watch streams follow the start (it may wait for discovery's first lists).
         self._health_refresh = asyncio.create_task(self._refresh_health())
-        try:
-            await self.router.start()
-        except BaseException:  # discovery refused (RBAC): close what is already listening
-            await self._stop_health_refresh()
-            if self._grpc_health is not None:
-                await self._grpc_health.stop(0)
-                self._grpc_health = None
-            raise
+        await self.router.start()  # on failure (RBAC) the router leaves nothing running
+        self._router_started = True
         await server.start()
         self._grpc = server
         self._health_changed.set()  # readiness is SERVING now: tell Watch streams at once
@@ -275,25 +298,47 @@ class ExtProcServer:
                     web.get("/models/status", self._models_status),
                     web.post(EXPLAIN_PATH, self._explain),
                 ],
-                self._ports["health"],
+                "health",
             )
         if self._ports["metrics"] is not None:
             self._ports["metrics"] = await self._serve_http(
-                [web.get("/metrics", self._metrics)], self._ports["metrics"]
+                [web.get("/metrics", self._metrics)], "metrics"
             )
         # Which scheduler code runs: the compiled modules or the Python sources (and why).
         log.info(
             "ext_proc listening", extra={"ports": self.ports, "scheduler": native.STATUS.reason}
         )
 
-    def _bind(self, server: grpc.aio.Server, port: int | None, *, tls: ServerTls | None) -> int:
-        address = f"{self.host}:{port}"
-        if tls is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, tls.credentials())
+    async def _abort_start(self) -> None:
+        """Close what a failed start had opened (a port already in use past the first)."""
+        server, self._grpc_bound = self._grpc_bound, None
+        if server is not None:
+            if self._grpc is None:  # grpc frees a bound port only once started, then stopped
+                await server.start()
+            self._grpc = None
+            await server.stop(0)
+        await self._stop_health_refresh()
+        if self._grpc_health is not None:
+            await self._grpc_health.stop(0)
+            self._grpc_health = None
+        if self._router_started:
+            self._router_started = False
+            await self.router.stop()
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+
+    def _bind(self, server: grpc.aio.Server, port: str, *, tls: ServerTls | None) -> int:
+        address = f"{self.host}:{self._ports[port]}"
+        try:
+            if tls is None:
+                bound = server.add_insecure_port(address)
+            else:
+                bound = server.add_secure_port(address, tls.credentials())
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            bound = 0
         if not bound:
-            raise OSError(f"cannot bind gRPC port {address}")
+            raise StartError(f"cannot listen on {address} ({_PORT_FLAGS[port]}): in use?")
         return int(bound)
 
     def reload(self, config: Config) -> None:
@@ -312,10 +357,12 @@ class ExtProcServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
+        self._grpc_bound = None
         await self._stop_health_refresh()
         if self._grpc_health is not None:
             await self._grpc_health.stop(0)
             self._grpc_health = None
+        self._router_started = False
         await self.router.stop()
         close_trace(self.hooks)
         for runner in self._runners:
