@@ -54,6 +54,7 @@ from llmgw.runtime.health import HEALTHZ_BODY, is_ready, readiness
 from llmgw.runtime.router import ConfigWatcher, router_for, worker_group, workers_problem
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.runtime.trace import close_trace, traced
+from llmgw.runtime.workers import early_hangup, exit_with_parent
 from llmgw.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("llmgw.extproc")
@@ -451,8 +452,15 @@ def server_tls(args: argparse.Namespace) -> ServerTls | None:
 
 
 async def serve(
-    args: argparse.Namespace, config: Config, worker: int = 0, tls: ServerTls | None = None
+    args: argparse.Namespace,
+    config: Config,
+    worker: int = 0,
+    tls: ServerTls | None = None,
+    children: Children | None = None,
 ) -> None:
+    """Serve until SIGTERM/SIGINT, then drain. Worker 0 of `--workers N` (the parent) gets
+    `children`, the workers it forked: it passes SIGTERM and SIGHUP on to them, and stops
+    them all when one of them dies."""
     # Workers > 0 share the gRPC port only; health and metrics stay with worker 0.
     server = ExtProcServer(
         config,
@@ -477,22 +485,97 @@ async def serve(
         tmp.replace(target)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop() -> None:  # every worker drains at once: all NOT_SERVING together
+        stop.set()
+        if children is not None:
+            children.signal(signal.SIGTERM)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop)
     # SIGHUP or a changed file: reload; an invalid file is logged and the old config kept.
     watcher = ConfigWatcher(
         args.config, lambda c: server.reload(_with_flags(c, args)), interval=args.reload_interval
     )
-    loop.add_signal_handler(signal.SIGHUP, watcher.reload)
+
+    def on_hangup() -> None:
+        watcher.reload()
+        if children is not None:
+            children.signal(signal.SIGHUP)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    if early_hangup.take():  # a SIGHUP while this process was starting
+        on_hangup()
     polling = asyncio.create_task(watcher.run()) if args.reload_interval > 0 else None
+    watching = asyncio.create_task(children.watch(on_stop)) if children is not None else None
     await stop.wait()
-    if polling is not None:
-        polling.cancel()
+    for task in (polling, watching):
+        if task is not None:
+            task.cancel()
     log.info("draining", extra={"open_streams": server.open_streams})
     server.begin_drain()
     if args.drain_delay > 0:
         await asyncio.sleep(args.drain_delay)  # let load balancers see readiness go false
     await server.stop(args.drain_timeout)
+
+
+class Children:
+    """The workers 1..N-1 that worker 0 (the parent) forked, by pid. One that dies while
+    they serve is logged and stops them all: the parent exits non-zero (`exit_code`) for
+    its supervisor (Kubernetes, systemd) to restart the whole server. A new fork from a
+    parent whose gRPC server runs is not safe, so there is no restart in place."""
+
+    POLL_INTERVAL = 0.5  # seconds between looks (uvloop takes no SIGCHLD handler)
+
+    def __init__(self, pids: dict[int, int]) -> None:
+        self.pids = pids  # pid -> worker number
+        self.exit_code = 0
+        self.terminated = False  # sent SIGTERM: they drain (a second one could cut a cleanup)
+
+    def signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM:
+            if self.terminated:
+                return
+            self.terminated = True
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def reap(self) -> list[tuple[int, int, int]]:
+        """The workers that have ended since the last look: (worker, pid, exit code)."""
+        ended: list[tuple[int, int, int]] = []
+        for pid in list(self.pids):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere
+                done, status = pid, 0
+            if done:
+                ended.append((self.pids.pop(pid), pid, os.waitstatus_to_exitcode(status)))
+        return ended
+
+    async def watch(self, stop: Callable[[], None]) -> None:
+        """Until cancelled (the drain): a worker that ended is logged, and `stop` called."""
+        while True:
+            for worker, pid, code in self.reap():
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                log.error(
+                    "worker %d (pid %d) ended (%s): stopping every worker, exiting non-zero",
+                    worker,
+                    pid,
+                    how,
+                    extra={"worker": worker, "pid": pid, "code": code},
+                )
+                self.exit_code = START_FAILED if code == START_FAILED else 1
+                stop()
+            await asyncio.sleep(self.POLL_INTERVAL)
+
+    def stop(self) -> None:
+        """SIGTERM the workers left (they drain), and wait for them."""
+        self.signal(signal.SIGTERM)
+        for pid in list(self.pids):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self.pids.clear()
 
 
 def _with_flags(config: Config, args: argparse.Namespace) -> Config:
@@ -503,7 +586,11 @@ def _with_flags(config: Config, args: argparse.Namespace) -> Config:
 
 
 def _run_worker(
-    args: argparse.Namespace, config: Config, worker: int, tls: ServerTls | None
+    args: argparse.Namespace,
+    config: Config,
+    worker: int,
+    tls: ServerTls | None,
+    children: Children | None = None,
 ) -> None:
     loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     if args.loop == "uvloop":
@@ -514,7 +601,26 @@ def _run_worker(
         contextlib.suppress(KeyboardInterrupt),
         asyncio.Runner(loop_factory=loop_factory) as runner,
     ):
-        runner.run(serve(args, config, worker, tls))
+        runner.run(serve(args, config, worker, tls, children))
+
+
+START_FAILED = 3  # exit code: the server (or a worker) could not start, as `llmgw proxy`
+
+
+def _child(
+    args: argparse.Namespace, config: Config, worker: int, tls: ServerTls | None, parent: int
+) -> int:
+    """A forked worker's life: its exit code (its start error logged)."""
+    exit_with_parent(parent)
+    try:
+        _run_worker(args, config, worker, tls)
+    except StartError as exc:
+        log.error("worker %d cannot start: %s", worker, exc, extra={"worker": worker})
+        return START_FAILED
+    except BaseException:
+        log.exception("worker %d failed", worker, extra={"worker": worker})
+        return 1
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -532,28 +638,26 @@ def main(argv: list[str]) -> int:
     if problem is not None:
         print(f"llmgw extproc: {problem}", file=sys.stderr)
         return 2
+    early_hangup.install()  # until each process's loop takes SIGHUP (forks inherit it)
     with worker_group(args.workers):  # the workers peer (share what they route)
-        children: list[int] = []
+        parent = os.getpid()
+        pids: dict[int, int] = {}
         for worker in range(1, args.workers):
             pid = os.fork()
             if pid == 0:  # child: serve, then exit without running the parent's cleanup
-                code = 0
+                code = 1
                 try:
-                    _run_worker(args, config, worker, tls)
-                except BaseException:
-                    code = 1
-                os._exit(code)
-            children.append(pid)
+                    code = _child(args, config, worker, tls, parent)
+                finally:
+                    os._exit(code)
+            pids[pid] = worker
+        children = Children(pids) if pids else None
         try:
-            _run_worker(args, config, 0, tls)
-        except StartError as exc:  # Kubernetes discovery refused (RBAC), no credentials
+            _run_worker(args, config, 0, tls, children)
+        except StartError as exc:  # Kubernetes discovery refused (RBAC), a port in use
             print(f"llmgw extproc: cannot start: {exc}", file=sys.stderr)
-            return 3
+            return START_FAILED
         finally:
-            for pid in children:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            for pid in children:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, 0)
-    return 0
+            if children is not None:
+                children.stop()
+    return children.exit_code if children is not None else 0
