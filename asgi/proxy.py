@@ -17,7 +17,7 @@ import orjson
 
 from llmgw.asgi.app import build_app
 from llmgw.asgi.protocol import WORKER_PROTOCOL, guarded
-from llmgw.asgi.serving import WORKER_ARGS, draining_server, event_loop_and_parser
+from llmgw.asgi.serving import WORKER_ARGS, draining_server, event_loop_and_parser, supervise
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
 from llmgw.logs import configure
@@ -104,13 +104,18 @@ def main(argv: list[str] | None = None) -> int:
                 "drain_delay": args.drain_delay,
                 "log_level": args.log_level,
                 "log_format": args.log_format,
+                "parent": os.getpid(),  # the workers exit with it
             }
         ).decode()
         with worker_group(args.workers):  # the workers peer (share what they route)
-            uvicorn.run(
-                "llmgw.asgi.serving:worker_app", factory=True, workers=args.workers, **options
+            return supervise(
+                uvicorn.Config(
+                    "llmgw.asgi.serving:worker_app",
+                    factory=True,
+                    workers=args.workers,
+                    **options,
+                )
             )
-        return 0
     app = build_app(
         config,
         scrape=not args.no_scrape,

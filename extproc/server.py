@@ -54,12 +54,22 @@ from llmgw.runtime.health import HEALTHZ_BODY, is_ready, readiness
 from llmgw.runtime.router import ConfigWatcher, router_for, worker_group, workers_problem
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.runtime.trace import close_trace, traced
+from llmgw.runtime.workers import early_hangup, exit_with_parent
 from llmgw.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("llmgw.extproc")
 
 # Seconds between pushes of the health status to grpc.health.v1 Watch streams.
 HEALTH_REFRESH_INTERVAL = 1.0
+
+
+# The flag that sets each port, named when it cannot be bound.
+_PORT_FLAGS = {
+    "grpc": "--grpc-port",
+    "grpc_health": "--grpc-health-port",
+    "health": "--health-port",
+    "metrics": "--metrics-port",
+}
 
 
 def _identity(data: bytes) -> bytes:
@@ -109,6 +119,8 @@ class ExtProcServer:
         self.tls = tls
         self._reuse_port = reuse_port
         self._grpc: grpc.aio.Server | None = None
+        self._grpc_bound: grpc.aio.Server | None = None  # bound, maybe not started yet
+        self._router_started = False
         self._grpc_health: grpc.aio.Server | None = None
         self._runners: list[web.AppRunner] = []
         self._health_changed = asyncio.Event()
@@ -205,17 +217,24 @@ class ExtProcServer:
         body, content_type = self.telemetry.render()
         return web.Response(body=body, headers={"content-type": content_type})
 
-    async def _serve_http(self, routes: list[web.RouteDef], port: int) -> int:
+    async def _serve_http(self, routes: list[web.RouteDef], port: str) -> int:
         app = web.Application(client_max_size=MAX_QUERY_BYTES)
         app.add_routes(routes)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, port, reuse_port=self._reuse_port or None)
-        await site.start()
         self._runners.append(runner)
+        number = self._ports[port]
+        site = web.TCPSite(runner, self.host, number, reuse_port=self._reuse_port or None)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise StartError(
+                f"cannot listen on {self.host}:{number} ({_PORT_FLAGS[port]}): "
+                f"{exc.strerror or exc}"
+            ) from None
         server = site._server
         sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else port
+        return int(sockets[0].getsockname()[1]) if sockets else int(number or 0)
 
     # -- lifecycle -----------------------------------------------------------------------
     @property
@@ -223,6 +242,16 @@ class ExtProcServer:
         return dict(self._ports)
 
     async def start(self) -> None:
+        """Listen on every port and start the router. StartError, with nothing left
+        running, when a port cannot be bound or the router cannot start (Kubernetes
+        discovery refused, the peers' port)."""
+        try:
+            await self._start()
+        except BaseException:
+            await self._abort_start()
+            raise
+
+    async def _start(self) -> None:
         # No gRPC bound on messages: the gateway's buffer bounds a body, and one past
         # limits.max_body_bytes gets its 413 from `Exchange`. With max_body_bytes + a margin
         # here (Envoy's own bound in llmgw's config), a gateway buffering more (a GIE
@@ -234,6 +263,7 @@ class ExtProcServer:
                 ("grpc.so_reuseport", 1 if self._reuse_port else 0),
             ]
         )
+        self._grpc_bound = server
         handlers: dict[str, Callable[..., Any]] = {
             "Process": grpc.stream_stream_rpc_method_handler(
                 self.process,
@@ -245,25 +275,19 @@ class ExtProcServer:
             (grpc.method_handlers_generic_handler(PROCESS_SERVICE, handlers),)
         )
         add_to_server(self.extproc_health, server)
-        self._ports["grpc"] = self._bind(server, self._ports["grpc"], tls=self.tls)
+        self._ports["grpc"] = self._bind(server, "grpc", tls=self.tls)
         if self._ports["grpc_health"] is not None:
             # A separate server like GIE's: probes keep answering while ext_proc is busy.
             probes = grpc.aio.server()
+            self._grpc_health = probes
             add_to_server(self.probe_health, probes)
-            self._ports["grpc_health"] = self._bind(probes, self._ports["grpc_health"], tls=None)
+            self._ports["grpc_health"] = self._bind(probes, "grpc_health", tls=None)
             await self.probe_health.refresh()  # Watch agrees with Check from the first stream
             await probes.start()
-            self._grpc_health = probes
         # Watch streams follow the start (it may wait for discovery's first lists).
         self._health_refresh = asyncio.create_task(self._refresh_health())
-        try:
-            await self.router.start()
-        except BaseException:  # discovery refused (RBAC): close what is already listening
-            await self._stop_health_refresh()
-            if self._grpc_health is not None:
-                await self._grpc_health.stop(0)
-                self._grpc_health = None
-            raise
+        await self.router.start()  # on failure (RBAC) the router leaves nothing running
+        self._router_started = True
         await server.start()
         self._grpc = server
         self._health_changed.set()  # readiness is SERVING now: tell Watch streams at once
@@ -275,25 +299,47 @@ class ExtProcServer:
                     web.get("/models/status", self._models_status),
                     web.post(EXPLAIN_PATH, self._explain),
                 ],
-                self._ports["health"],
+                "health",
             )
         if self._ports["metrics"] is not None:
             self._ports["metrics"] = await self._serve_http(
-                [web.get("/metrics", self._metrics)], self._ports["metrics"]
+                [web.get("/metrics", self._metrics)], "metrics"
             )
         # Which scheduler code runs: the compiled modules or the Python sources (and why).
         log.info(
             "ext_proc listening", extra={"ports": self.ports, "scheduler": native.STATUS.reason}
         )
 
-    def _bind(self, server: grpc.aio.Server, port: int | None, *, tls: ServerTls | None) -> int:
-        address = f"{self.host}:{port}"
-        if tls is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, tls.credentials())
+    async def _abort_start(self) -> None:
+        """Close what a failed start had opened (a port already in use past the first)."""
+        server, self._grpc_bound = self._grpc_bound, None
+        if server is not None:
+            if self._grpc is None:  # grpc frees a bound port only once started, then stopped
+                await server.start()
+            self._grpc = None
+            await server.stop(0)
+        await self._stop_health_refresh()
+        if self._grpc_health is not None:
+            await self._grpc_health.stop(0)
+            self._grpc_health = None
+        if self._router_started:
+            self._router_started = False
+            await self.router.stop()
+        for runner in self._runners:
+            await runner.cleanup()
+        self._runners.clear()
+
+    def _bind(self, server: grpc.aio.Server, port: str, *, tls: ServerTls | None) -> int:
+        address = f"{self.host}:{self._ports[port]}"
+        try:
+            if tls is None:
+                bound = server.add_insecure_port(address)
+            else:
+                bound = server.add_secure_port(address, tls.credentials())
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            bound = 0
         if not bound:
-            raise OSError(f"cannot bind gRPC port {address}")
+            raise StartError(f"cannot listen on {address} ({_PORT_FLAGS[port]}): in use?")
         return int(bound)
 
     def reload(self, config: Config) -> None:
@@ -312,10 +358,12 @@ class ExtProcServer:
         if self._grpc is not None:
             await self._grpc.stop(grace)
             self._grpc = None
+        self._grpc_bound = None
         await self._stop_health_refresh()
         if self._grpc_health is not None:
             await self._grpc_health.stop(0)
             self._grpc_health = None
+        self._router_started = False
         await self.router.stop()
         close_trace(self.hooks)
         for runner in self._runners:
@@ -404,8 +452,15 @@ def server_tls(args: argparse.Namespace) -> ServerTls | None:
 
 
 async def serve(
-    args: argparse.Namespace, config: Config, worker: int = 0, tls: ServerTls | None = None
+    args: argparse.Namespace,
+    config: Config,
+    worker: int = 0,
+    tls: ServerTls | None = None,
+    children: Children | None = None,
 ) -> None:
+    """Serve until SIGTERM/SIGINT, then drain. Worker 0 of `--workers N` (the parent) gets
+    `children`, the workers it forked: it passes SIGTERM and SIGHUP on to them, and stops
+    them all when one of them dies."""
     # Workers > 0 share the gRPC port only; health and metrics stay with worker 0.
     server = ExtProcServer(
         config,
@@ -430,22 +485,97 @@ async def serve(
         tmp.replace(target)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop() -> None:  # every worker drains at once: all NOT_SERVING together
+        stop.set()
+        if children is not None:
+            children.signal(signal.SIGTERM)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_stop)
     # SIGHUP or a changed file: reload; an invalid file is logged and the old config kept.
     watcher = ConfigWatcher(
         args.config, lambda c: server.reload(_with_flags(c, args)), interval=args.reload_interval
     )
-    loop.add_signal_handler(signal.SIGHUP, watcher.reload)
+
+    def on_hangup() -> None:
+        watcher.reload()
+        if children is not None:
+            children.signal(signal.SIGHUP)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hangup)
+    if early_hangup.take():  # a SIGHUP while this process was starting
+        on_hangup()
     polling = asyncio.create_task(watcher.run()) if args.reload_interval > 0 else None
+    watching = asyncio.create_task(children.watch(on_stop)) if children is not None else None
     await stop.wait()
-    if polling is not None:
-        polling.cancel()
+    for task in (polling, watching):
+        if task is not None:
+            task.cancel()
     log.info("draining", extra={"open_streams": server.open_streams})
     server.begin_drain()
     if args.drain_delay > 0:
         await asyncio.sleep(args.drain_delay)  # let load balancers see readiness go false
     await server.stop(args.drain_timeout)
+
+
+class Children:
+    """The workers 1..N-1 that worker 0 (the parent) forked, by pid. One that dies while
+    they serve is logged and stops them all: the parent exits non-zero (`exit_code`) for
+    its supervisor (Kubernetes, systemd) to restart the whole server. A new fork from a
+    parent whose gRPC server runs is not safe, so there is no restart in place."""
+
+    POLL_INTERVAL = 0.5  # seconds between looks (uvloop takes no SIGCHLD handler)
+
+    def __init__(self, pids: dict[int, int]) -> None:
+        self.pids = pids  # pid -> worker number
+        self.exit_code = 0
+        self.terminated = False  # sent SIGTERM: they drain (a second one could cut a cleanup)
+
+    def signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM:
+            if self.terminated:
+                return
+            self.terminated = True
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def reap(self) -> list[tuple[int, int, int]]:
+        """The workers that have ended since the last look: (worker, pid, exit code)."""
+        ended: list[tuple[int, int, int]] = []
+        for pid in list(self.pids):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere
+                done, status = pid, 0
+            if done:
+                ended.append((self.pids.pop(pid), pid, os.waitstatus_to_exitcode(status)))
+        return ended
+
+    async def watch(self, stop: Callable[[], None]) -> None:
+        """Until cancelled (the drain): a worker that ended is logged, and `stop` called."""
+        while True:
+            for worker, pid, code in self.reap():
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                log.error(
+                    "worker %d (pid %d) ended (%s): stopping every worker, exiting non-zero",
+                    worker,
+                    pid,
+                    how,
+                    extra={"worker": worker, "pid": pid, "code": code},
+                )
+                self.exit_code = START_FAILED if code == START_FAILED else 1
+                stop()
+            await asyncio.sleep(self.POLL_INTERVAL)
+
+    def stop(self) -> None:
+        """SIGTERM the workers left (they drain), and wait for them."""
+        self.signal(signal.SIGTERM)
+        for pid in list(self.pids):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        self.pids.clear()
 
 
 def _with_flags(config: Config, args: argparse.Namespace) -> Config:
@@ -456,7 +586,11 @@ def _with_flags(config: Config, args: argparse.Namespace) -> Config:
 
 
 def _run_worker(
-    args: argparse.Namespace, config: Config, worker: int, tls: ServerTls | None
+    args: argparse.Namespace,
+    config: Config,
+    worker: int,
+    tls: ServerTls | None,
+    children: Children | None = None,
 ) -> None:
     loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     if args.loop == "uvloop":
@@ -467,7 +601,26 @@ def _run_worker(
         contextlib.suppress(KeyboardInterrupt),
         asyncio.Runner(loop_factory=loop_factory) as runner,
     ):
-        runner.run(serve(args, config, worker, tls))
+        runner.run(serve(args, config, worker, tls, children))
+
+
+START_FAILED = 3  # exit code: the server (or a worker) could not start, as `llmgw proxy`
+
+
+def _child(
+    args: argparse.Namespace, config: Config, worker: int, tls: ServerTls | None, parent: int
+) -> int:
+    """A forked worker's life: its exit code (its start error logged)."""
+    exit_with_parent(parent)
+    try:
+        _run_worker(args, config, worker, tls)
+    except StartError as exc:
+        log.error("worker %d cannot start: %s", worker, exc, extra={"worker": worker})
+        return START_FAILED
+    except BaseException:
+        log.exception("worker %d failed", worker, extra={"worker": worker})
+        return 1
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -485,28 +638,26 @@ def main(argv: list[str]) -> int:
     if problem is not None:
         print(f"llmgw extproc: {problem}", file=sys.stderr)
         return 2
+    early_hangup.install()  # until each process's loop takes SIGHUP (forks inherit it)
     with worker_group(args.workers):  # the workers peer (share what they route)
-        children: list[int] = []
+        parent = os.getpid()
+        pids: dict[int, int] = {}
         for worker in range(1, args.workers):
             pid = os.fork()
             if pid == 0:  # child: serve, then exit without running the parent's cleanup
-                code = 0
+                code = 1
                 try:
-                    _run_worker(args, config, worker, tls)
-                except BaseException:
-                    code = 1
-                os._exit(code)
-            children.append(pid)
+                    code = _child(args, config, worker, tls, parent)
+                finally:
+                    os._exit(code)
+            pids[pid] = worker
+        children = Children(pids) if pids else None
         try:
-            _run_worker(args, config, 0, tls)
-        except StartError as exc:  # Kubernetes discovery refused (RBAC), no credentials
+            _run_worker(args, config, 0, tls, children)
+        except StartError as exc:  # Kubernetes discovery refused (RBAC), a port in use
             print(f"llmgw extproc: cannot start: {exc}", file=sys.stderr)
-            return 3
+            return START_FAILED
         finally:
-            for pid in children:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            for pid in children:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, 0)
-    return 0
+            if children is not None:
+                children.stop()
+    return children.exit_code if children is not None else 0

@@ -295,6 +295,19 @@ def workers_problem(config: Config, workers: int) -> str | None:
             "them all in peers.addresses (without peers:, the workers of one process share "
             "what they route by themselves)"
         )
+    launched = [
+        m
+        for m, s in config.models.items()
+        if s.launch is not None
+        and s.launch.command is not None
+        and model_mode(s) is not ModelMode.OFF
+    ]
+    if problem is None and workers > 1 and launched:
+        problem = (
+            f"--workers {workers} with a local on-demand model ({', '.join(launched)}: "
+            "launch.command): every worker process would start its own engine for it; run "
+            "one process (no --workers), or launch the engine yourself and list its endpoint"
+        )
     return problem
 
 

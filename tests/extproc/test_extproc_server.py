@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -23,6 +24,7 @@ from llmgw.config import load_dict
 from llmgw.errors import ConfigError
 from llmgw.extproc import server as extproc_server
 from llmgw.extproc.server import ExtProcServer, build_parser, main
+from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.ports import free_port
 from llmgw.runtime.router import ConfigWatcher
 from llmgw.testing.extproc import (
@@ -234,6 +236,77 @@ def test_cli_serves_then_drains_on_sigterm(tmp_path: Path, workers: int) -> None
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+PORT_FLAGS = {
+    "grpc": "--grpc-port",
+    "grpc_health": "--grpc-health-port",
+    "health": "--health-port",
+    "metrics": "--metrics-port",
+}
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("taken", sorted(PORT_FLAGS))
+async def test_a_port_in_use_is_a_start_error_naming_it_and_nothing_stays_open(
+    taken: str,
+) -> None:
+    """A port in use was a RuntimeError or OSError, and what had started before it (the
+    gRPC servers, the router) kept running (found by a review helper)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        ports = {name: port if name == taken else 0 for name in PORT_FLAGS}
+        srv = ExtProcServer(
+            make_config(),
+            host="127.0.0.1",
+            grpc_port=ports["grpc"],
+            grpc_health_port=ports["grpc_health"],
+            health_port=ports["health"],
+            metrics_port=ports["metrics"],
+            scrape=False,
+        )
+        flag = PORT_FLAGS[taken]
+        with pytest.raises(StartError, match=rf"cannot listen on 127\.0\.0\.1:{port} \({flag}\)"):
+            await srv.start()
+    opened = [n for name, n in srv.ports.items() if name != taken and n]
+    assert [n for n in opened if not bindable(n)] == []  # closed again
+    assert not srv.router._started and srv._health_refresh is None
+
+
+def test_cli_port_in_use_is_one_line_and_exit_3(tmp_path: Path) -> None:
+    """`llmgw extproc` printed a traceback (two with the health port: the gRPC server it left
+    running) and no line of its own (found by a review helper)."""
+    config = tmp_path / "llmgw.yaml"
+    config.write_text("models:\n  m1:\n    endpoints: ['127.0.0.1:9100']\n    strategy: ring\n")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run(
+            [
+                *(sys.executable, "-m", "llmgw.cli", "extproc", "--config", str(config)),
+                *("--host", "127.0.0.1", "--plaintext", "--no-scrape", "--grpc-port", "0"),
+                *("--grpc-health-port", "0", "--health-port", str(port), "--metrics-port", "0"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+    assert done.returncode == 3, done.stderr[-1500:]
+    assert "Traceback" not in done.stderr, done.stderr[-1500:]
+    line = f"llmgw extproc: cannot start: cannot listen on 127.0.0.1:{port} (--health-port)"
+    assert line in done.stderr
 
 
 def test_an_unknown_log_level_is_a_usage_error_as_on_the_proxy(

@@ -4,26 +4,37 @@
 - SIGTERM: readiness goes false first, the stream in flight completes, new requests are
   refused once the drain delay is over, and the process exits within its deadline;
 - reload on SIGHUP and on a change of the file, under load, drops no request; an invalid
-  file is rejected (its path-indexed problem logged) and the running config kept.
+  file is rejected (its path-indexed problem logged) and the running config kept;
+- `--workers N`: SIGTERM and SIGHUP reach every worker, a dead extproc worker stops the
+  server, and the workers exit with a SIGKILLed parent.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    ProcessingRequest,
+    ProcessingResponse,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llmgw.config import load_dict
 from llmgw.sim import ThreadedFleet
-from llmgw.testing.extproc import EnvoyProcess, loopback_bootstrap, wait_for
+from llmgw.testing.extproc import EnvoyProcess, loopback_bootstrap, request_headers, wait_for
 
 from .conftest import Child, SpawnFn, http_status
 
@@ -86,9 +97,10 @@ def served_by(response: httpx.Response) -> str:
 class SlowStream(threading.Thread):
     """One streamed request that takes a while; `.first_chunk` is set once it is flowing."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, tokens: int = 8) -> None:
         super().__init__(daemon=True)
         self.url = url
+        self.tokens = tokens
         self.first_chunk = threading.Event()
         self.status = 0
         self.body = b""
@@ -99,7 +111,7 @@ class SlowStream(threading.Thread):
             "model": "m1",
             "messages": [{"role": "user", "content": "drain me"}],
             "stream": True,
-            "max_tokens": 8,
+            "max_tokens": self.tokens,
         }
         try:
             with (
@@ -289,3 +301,152 @@ def test_proxy_reload_on_sighup_and_file_change_drops_nothing(
     url = proxy.url("http")
     _only(url, set(addresses(sim, [0, 1])), "initial config")
     _reload_under_load(sim, proxy, url)
+
+
+# -- --workers N: one signal to the parent reaches every worker -------------------------
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+def listeners(port: int) -> int:
+    """LISTEN sockets on `port` (one a worker with SO_REUSEPORT), from /proc/net/tcp{,6}."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":
+                count += 1
+    return count
+
+
+def group(pgid: int) -> list[int]:
+    """The live processes of a process group."""
+    out = subprocess.run(["pgrep", "-g", str(pgid)], capture_output=True, text=True, check=False)
+    return [int(p) for p in out.stdout.split()]
+
+
+def fresh_channel(port: int) -> grpc.Channel:
+    """A channel of its own connection: the kernel spreads connections over the workers."""
+    return grpc.insecure_channel(
+        f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)]
+    )
+
+
+def extproc_models(port: int) -> set[str]:
+    """GET /v1/models through ext_proc on a fresh connection: the model ids answered."""
+    with fresh_channel(port) as channel:
+        method = channel.stream_stream(
+            PROCESS,
+            request_serializer=ProcessingRequest.SerializeToString,
+            response_deserializer=ProcessingResponse.FromString,
+        )
+        headers = {":method": "GET", ":path": "/v1/models", ":authority": "gw", "x-request-id": "r"}
+        answer = next(iter(method(iter([request_headers(headers, end_of_stream=True)]), timeout=5)))
+        return {m["id"] for m in json.loads(answer.immediate_response.body)["data"]}
+
+
+def extproc_health(port: int) -> int:
+    """grpc.health.v1 Check("") on the ext_proc port, on a fresh connection."""
+    with fresh_channel(port) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status)
+
+
+def two_models(sim: ThreadedFleet) -> dict[str, Any]:
+    config = config_for(sim, [0, 1])
+    config["models"]["m2"] = {"endpoints": addresses(sim, [2]), "strategy": "ring"}
+    return config
+
+
+def test_extproc_workers_all_reload_on_sighup(sim: ThreadedFleet, spawn_extproc: SpawnFn) -> None:
+    """`--workers 2`: the SIGHUP reached worker 0 (the parent) only; the forked worker kept
+    answering with the old config on the shared port (found by a review helper)."""
+    extproc = spawn_extproc(config_for(sim, [0, 1]), workers=2, reload_interval=0, no_scrape=True)
+    port = extproc.ports["grpc"]
+    wait_for(lambda: listeners(port) == 2, 15, "both workers listening")
+    assert extproc_models(port) == {"m1"}
+    extproc.write_config(two_models(sim))
+    extproc.process.send_signal(signal.SIGHUP)
+    # 16 connections: both workers (the kernel's hash) but with odds of 2**-15
+    wait_for(lambda: all("m2" in extproc_models(port) for _ in range(16)), 10, "every worker")
+
+
+def test_extproc_workers_all_drain_on_sigterm(sim: ThreadedFleet, spawn_extproc: SpawnFn) -> None:
+    """`--workers 2`: the SIGTERM drained worker 0 alone; the forked worker answered SERVING
+    and took new streams until worker 0's drain was over (found by a review helper)."""
+    extproc = spawn_extproc(config_for(sim, [0]), workers=2, drain_delay=5, no_scrape=True)
+    port = extproc.ports["grpc"]
+    wait_for(lambda: listeners(port) == 2, 15, "both workers listening")
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert {extproc_health(port) for _ in range(8)} == {serving}
+    extproc.process.send_signal(signal.SIGTERM)
+    readyz = extproc.url("health") + "/readyz"
+    wait_for(lambda: http_status(readyz) == 503, 5, "worker 0 draining")
+    # Within the 5 s drain delay: the worker has its SIGTERM by the time worker 0 drains.
+    wait_for(lambda: serving not in {extproc_health(port) for _ in range(16)}, 3, "all drain")
+    assert extproc.process.wait(15) == 0
+
+
+def test_extproc_a_dead_worker_stops_the_server_non_zero(
+    sim: ThreadedFleet, spawn_extproc: SpawnFn
+) -> None:
+    """A forked worker that died went unnoticed: the server went on at half its workers,
+    nothing in the log (found by a review helper). Now the parent logs it, drains every
+    worker and exits 1, for its supervisor to restart it whole."""
+    extproc = spawn_extproc(config_for(sim, [0]), workers=2, no_scrape=True)
+    port = extproc.ports["grpc"]
+    wait_for(lambda: listeners(port) == 2, 15, "both workers listening")
+    parent = extproc.process.pid
+    (worker,) = [p for p in group(parent) if p != parent]
+    os.kill(worker, signal.SIGKILL)
+    assert extproc.process.wait(15) == 1
+    assert f"worker 1 (pid {worker}) ended (signal 9)" in extproc.log()
+    assert group(parent) == []
+
+
+@pytest.mark.parametrize("edge", ["proxy", "extproc"])
+def test_workers_exit_when_their_parent_is_killed(
+    sim: ThreadedFleet, spawn_proxy: SpawnFn, spawn_extproc: SpawnFn, edge: str
+) -> None:
+    """`--workers 2` with the parent SIGKILLed (the OOM killer, `kill -9`): its workers
+    served on as orphans nobody stops, and a restarted instance shared the port with them
+    (SO_REUSEPORT) (found by a review helper). Now they drain and exit."""
+    config = config_for(sim, [0])
+    if edge == "proxy":
+        child = spawn_proxy(config, workers=2, no_scrape=True)
+        port, processes = child.ports["http"], 3  # uvicorn's parent holds the one socket
+    else:
+        child = spawn_extproc(config, workers=2, no_scrape=True)
+        port, processes = child.ports["grpc"], 2
+    parent = child.process.pid
+    wait_for(lambda: len(group(parent)) >= processes and listeners(port) > 0, 15, "workers up")
+    child.process.kill()  # the parent alone
+    child.process.wait(5)
+    wait_for(lambda: group(parent) == [], 10, "the workers gone")
+    assert listeners(port) == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_proxy_sighup_reloads_each_worker_in_place(
+    slow_sim: ThreadedFleet, spawn_proxy: SpawnFn, workers: int
+) -> None:
+    """`--workers 2`: SIGHUP went to uvicorn's supervisor, which replaced every worker: a
+    stream longer than --drain-timeout was cut, and each worker's state started over
+    (found by a review helper). Now each worker reloads, as one process does."""
+    proxy = spawn_proxy(
+        config_for(slow_sim, [0, 1]), workers=workers, drain_timeout=1, reload_interval=0
+    )
+    base = proxy.url("http")
+    stream = SlowStream(base, tokens=25)  # 200 ms a token: well past the 1 s drain timeout
+    stream.start()
+    assert stream.first_chunk.wait(10) and stream.error is None
+    proxy.write_config(two_models(slow_sim))
+    proxy.process.send_signal(signal.SIGHUP)
+
+    def models() -> set[str]:
+        with httpx.Client(timeout=5) as client:  # a connection of its own: any worker
+            return {m["id"] for m in client.get(base + "/v1/models").json()["data"]}
+
+    wait_for(lambda: all("m2" in models() for _ in range(16)), 10, "every worker reloaded")
+    stream.join(15)
+    assert stream.error is None and stream.status == 200
+    assert stream.body.rstrip().endswith(b"data: [DONE]")  # completed, not cut

@@ -398,11 +398,14 @@ SERVER_ARGS = {
 }
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("command", sorted(SERVER_ARGS))
 async def test_the_servers_refuse_to_start_without_rbac_naming_what_to_apply(
-    kube: FakeKubernetes, tmp_path: Path, command: str
+    kube: FakeKubernetes, tmp_path: Path, command: str, workers: int
 ) -> None:
-    """The CLI, as deployed: credentials from KUBECONFIG, exit code 3, the message on stderr."""
+    """The CLI, as deployed: credentials from KUBECONFIG, exit code 3, the message on stderr.
+    `--workers 2` alike: `llmgw proxy` exited 0, its workers' errors in uvicorn's log only
+    (found by a review helper)."""
     kube.forbidden.add("list-slices")
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
@@ -428,6 +431,7 @@ async def test_the_servers_refuse_to_start_without_rbac_naming_what_to_apply(
         command,
         f"--config={config}",
         *SERVER_ARGS[command],
+        f"--workers={workers}",
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import shutil
 import socket
@@ -17,8 +18,10 @@ from typing import Any
 
 import pytest
 
+from llmgw.asgi.proxy import main as proxy_main
 from llmgw.config import Config, load_dict
 from llmgw.errors import ConfigError
+from llmgw.extproc.server import main as extproc_main
 from llmgw.gateway import Gateway
 from llmgw.registry import Registry, own_load
 from llmgw.runtime import peers as peers_module
@@ -363,6 +366,33 @@ def test_worker_processes_of_one_edge_cannot_share_the_peers_port() -> None:
     problem = workers_problem(config, 2)
     assert problem is not None and "peers" in problem and "127.0.0.1:9005" in problem
     assert workers_problem(config.model_copy(update={"peers": None}), 2) is None
+
+
+LAUNCHED = {"launch": {"command": "vllm serve m --port {port}"}, "scaling": {"min": 0, "max": 1}}
+
+
+@pytest.mark.parametrize("edge", ["proxy", "extproc"])
+def test_worker_processes_of_one_edge_cannot_each_launch_a_local_engine(
+    edge: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each worker of `--workers 2` had its own local control plane: two engines started
+    for one model (scaling.max 1) on one machine (found by a review helper)."""
+    config = load_dict({"models": {"m": LAUNCHED, "s": {"endpoints": ENDPOINTS}}})
+    assert workers_problem(config, 1) is None
+    problem = workers_problem(config, 2)
+    assert problem is not None and "(m: launch.command)" in problem
+    off = {"m": {**LAUNCHED, "scaling": {"min": 0, "max": 0}}}  # never launched: no engine
+    assert workers_problem(load_dict({"models": off}), 2) is None
+    path = tmp_path / "llmgw.yaml"
+    path.write_text(json.dumps({"models": {"m": LAUNCHED}}))
+    if edge == "proxy":
+        code = proxy_main(["--config", str(path), "--workers", "2"])
+    else:
+        code = extproc_main(["--config", str(path), "--plaintext", "--workers", "2"])
+    assert code == 2
+    assert f"llmgw {edge}: --workers 2 with a local on-demand model (m: launch.command)" in (
+        capsys.readouterr().err
+    )
 
 
 async def test_worker_processes_of_one_edge_peer_through_their_group_directory() -> None:

@@ -1,0 +1,63 @@
+"""What a worker process of `--workers N` (either edge) does about its parent and SIGHUP.
+
+- `exit_with_parent(pid)`: the worker gets SIGTERM (and drains) when its parent dies, even
+  by SIGKILL (the OOM killer, `kill -9`), instead of serving on as an orphan that nobody
+  stops and a restarted instance shares its port with (SO_REUSEPORT).
+- `early_hangup`: a SIGHUP that reaches a process before its reload handler is installed
+  (still starting) is noted and applied once it is, instead of ending the process (the
+  signal's default action).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+
+log = logging.getLogger("llmgw.workers")
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def exit_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """Ask the kernel for `sig` when this process's parent ends (Linux: prctl
+    PR_SET_PDEATHSIG); `sig` at once if `parent` has already ended (this process was
+    reparented before the call). Elsewhere a no-op. Call it in the worker, from its parent
+    `parent`, which must have started it from the thread that lives as long as it does."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        failed = libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0
+    except (OSError, AttributeError):  # no libc symbol to call: leave the worker as it is
+        return
+    if failed:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+        return
+    if os.getppid() != parent:  # the parent died before the request reached the kernel
+        os.kill(os.getpid(), sig)
+
+
+class EarlyHangup:
+    """A SIGHUP before the reload handler: noted (`install`), applied later (`take`)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def install(self) -> None:
+        """Note SIGHUP from now on (main thread only), until a loop handler replaces this."""
+        signal.signal(signal.SIGHUP, self._note)
+
+    def _note(self, _sig: int, _frame: FrameType | None) -> None:
+        self.seen = True
+
+    def take(self) -> bool:
+        """Whether a SIGHUP came since `install` (or the last `take`)."""
+        seen, self.seen = self.seen, False
+        return seen
+
+
+early_hangup = EarlyHangup()
