@@ -48,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from llmgw.config import Config, load_file
+from llmgw.config import Config, ModelMode, load_file, model_mode
 from llmgw.errors import ConfigError
 from llmgw.extproc import envoylimits
 from llmgw.lifecycle import (
@@ -277,8 +277,12 @@ def build(
             f"shape {shape!r} needs static endpoints to list in the Envoy cluster; the config has "
             "none (on-demand or Kubernetes-discovered models only): use shape original-dst"
         )
+    # A launched model switched off (`scaling.max: 0`) never has an endpoint: llmgw answers
+    # its requests itself, none reaches an engine.
     dynamic = [
-        n for n, m in config.models.items() if m.launch is not None or m.discovery is not None
+        n
+        for n, m in config.models.items()
+        if (m.launch is not None and model_mode(m) is not ModelMode.OFF) or m.discovery is not None
     ]
     if dynamic and shape != "original-dst":
         # Envoy would not find llmgw's pick among the cluster's hosts and fall back to a
@@ -289,7 +293,9 @@ def build(
             "Kubernetes) are not among them: Envoy would send its requests to another "
             "model's endpoint. Use shape original-dst"
         )
-    launched = any(m.launch is not None for m in config.models.values())
+    launched = any(
+        m.launch is not None and model_mode(m) is not ModelMode.OFF for m in config.models.values()
+    )
     if message_timeout is None:
         # A request for an on-demand model holds its ext_proc answer while the model starts:
         # Envoy must wait longer than llmgw's activation_timeout, or it cuts the wait short.

@@ -176,13 +176,25 @@ class LaunchSpec(_Strict):
         return self
 
 
+def _field_names(text: str) -> list[str]:
+    """Every placeholder's name in a format string, those inside format specs too
+    (`{port:{host.x}}` formats `{host.x}` as well)."""
+    names: list[str] = []
+    for _, field, spec, _ in string.Formatter().parse(text):
+        if field is not None:
+            names.append(field)
+        if spec:
+            names.extend(_field_names(spec))
+    return names
+
+
 def launch_argv(command: str, *, port: int, host: str, model: str) -> list[str]:
     """`launch.command` with its placeholders filled, split as a shell would (no shell runs).
     Raises ValueError saying what to fix."""
     try:
         # The names alone: format() also reads `{port.real}` and `{host[0]}`, and `{port.x}`
         # escaped as an AttributeError (a traceback from check-config).
-        names = [f for _, f, _, _ in string.Formatter().parse(command) if f is not None]
+        names = _field_names(command)
         unknown = next((f for f in names if f not in _PLACEHOLDERS), None)
         if unknown is not None:
             raise KeyError(unknown)
@@ -571,24 +583,34 @@ def load_dict(data: Any, source: str = "config") -> Config:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML that refuses a key given twice in one mapping: PyYAML keeps the last, so a
     model block copied without renaming it replaced the first model, and check-config
-    called the file valid. Merged keys (`<<: *base`) may still be overridden."""
+    called the file valid. Merged keys (`<<: *base`) may still be overridden: the check
+    runs as each mapping is composed, before any merge is flattened into it (checked at
+    construction, a chained merge's flattened pairs read as duplicates). Floats in YAML
+    1.2 (and JSON) form too: `1e-1` is a string to YAML 1.1, refused by the strict
+    number fields where it used to be coerced."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
+    def compose_mapping_node(self, anchor: Any) -> yaml.MappingNode:
+        node = super().compose_mapping_node(anchor)
+        seen: set[tuple[str, str]] = set()
         for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                key_node, yaml.ScalarNode
+            ):
                 continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:  # unhashable: the base class says so
-                continue
-            if duplicate:
+            key = (key_node.tag, key_node.value)
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                    None, None, f"duplicate key {key_node.value!r}", key_node.start_mark
                 )
-        return super().construct_mapping(node, deep=deep)
+            seen.add(key)
+        return node
+
+
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def load_text(text: str, source: str = "config") -> Config:

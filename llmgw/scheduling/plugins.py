@@ -94,7 +94,11 @@ def _checked(name: str, kind: type | None, value: Any) -> Any:
         return value
     if kind is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
-        if ok and not math.isfinite(value):
+        try:
+            finite = ok and math.isfinite(value)
+        except OverflowError:  # an int past a float's range
+            finite = False
+        if ok and not finite:
             raise PluginError(f"must be a finite number, got {value!r}", name)
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)

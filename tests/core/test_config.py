@@ -889,3 +889,68 @@ def test_two_spellings_of_one_endpoint_are_a_duplicate(pair: tuple[str, str]) ->
 def test_an_ipv4_mapped_endpoint_is_spelled_as_its_ipv4_address() -> None:
     cfg = load_dict(one_model(endpoints=["[::FFFF:10.0.0.1]:8000"]))
     assert cfg.models["chat"].endpoints[0].address == "10.0.0.1:8000"
+
+
+ONE_MODEL = "models: {m: {endpoints: ['10.0.0.1:8000']}}\n"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        ONE_MODEL + "scrape: {interval: 1e-1}\n",
+        ONE_MODEL + "limits: {upstream_read_timeout: 6e2}\n",
+        # A JSON config (read as YAML): 6e1 is a JSON number.
+        '{"models": {"m": {"endpoints": ["10.0.0.1:8000"]}}, "activation_timeout": 6e1}',
+    ],
+)
+def test_exponent_numbers_load_as_numbers(text: str) -> None:
+    """YAML 1.1 reads `1e-1` (no dot) as a string: the strict numbers refused what loaded
+    before (lax pydantic coerced it), a JSON config's exponent too. Found by a review
+    helper."""
+    load_text(text)
+
+
+def test_a_plugin_param_in_exponent_notation_is_a_number() -> None:
+    text = (
+        "models: {m: {endpoints: ['10.0.0.1:8000'], strategy: "
+        "{scorers: {latency: {params: {batch_factor: 2e-2}}}}}}\n"
+    )
+    strategy = load_text(text).models["m"].strategy
+    assert strategy.scorers["latency"].params["batch_factor"] == 0.02
+
+
+def test_a_chained_merge_is_no_duplicate_key() -> None:
+    """No key is written twice: `b` overrides a merged key and `c` merges `b`; PyYAML
+    flattened `b` into `c` first and the check, at construction, read `p` twice. Found by
+    a review helper."""
+    text = "x:\n  deep:\n    b: &B\n      <<: {p: 1, q: 2}\n      p: 3\nc:\n  <<: *B\n"
+    with pytest.raises(ConfigError) as info:
+        load_text(text)  # not a config (unknown fields), but no YAML duplicate either
+    assert not any("duplicate key" in p for p in info.value.problems), info.value.problems
+
+
+def test_a_placeholder_inside_a_format_spec_is_a_config_problem() -> None:
+    """`{port:{host.x}}` formats `{host.x}` too: its AttributeError escaped the load as a
+    traceback. Found by a review helper."""
+    with pytest.raises(ConfigError, match="unknown placeholder"):
+        load_dict(
+            {
+                "models": {
+                    "m": {"launch": {"command": "srv --p {port:{host.x}}"}, "scaling": {"max": 1}}
+                }
+            }
+        )
+
+
+def test_a_huge_integer_for_a_float_param_is_a_config_problem() -> None:
+    with pytest.raises(ConfigError, match="finite number"):
+        load_dict(
+            {
+                "models": {
+                    "m": {
+                        "endpoints": ["10.0.0.1:8000"],
+                        "strategy": {"scorers": {"queue": {"params": {"smoothing": 10**400}}}},
+                    }
+                }
+            }
+        )

@@ -496,3 +496,21 @@ def test_negative_retries_and_sub_nanosecond_durations_are_refused(
     with pytest.raises(ValueError, match="--retries -1: give 0 or more"):
         build(load_file(EXAMPLE), shape="override-host", retries=-1)
     assert duration(0, "x") == "0s" and duration(1e-9, "x") == "0.000000001s"
+
+
+def test_override_host_takes_a_launched_model_that_is_switched_off() -> None:
+    """`scaling.max: 0`: no endpoint ever, llmgw answers its requests itself, so none can
+    reach another model's engine; the refusal of launched models took it too. Found by a
+    review helper."""
+    config = load_dict(
+        {
+            "models": {
+                "chat": {"endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]},
+                "big": {
+                    "launch": {"command": "vllm serve big --port {port}"},
+                    "scaling": {"max": 0},
+                },
+            }
+        }
+    )
+    build(config, shape="override-host")
