@@ -330,7 +330,10 @@ class Lifecycle:
         """Release an attempt: `end` for the request's last (`Lease.end`), else a failed
         attempt before a fallback (`Lease.finish`: its prefill was never done)."""
         if end:
-            lease.end(outcome)
+            # A 4xx is a success for the breaker, yet no generation: no first token counted.
+            status = self._status
+            good = status is None or 200 <= status < 300
+            lease.end(outcome, counted=outcome is Outcome.SUCCESS and good)
         else:
             lease.finish(outcome)
         if self.hooks.outcome is not None:

@@ -10,7 +10,12 @@ import orjson
 
 from llmgw.types import Decision
 
-_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+# uvicorn passes its message again with ANSI colours (`color_message`): not for a log line.
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+    "color_message",
+}
 
 
 class JsonFormatter(logging.Formatter):

@@ -398,7 +398,9 @@ class Registry:
                     _drop_blind(state, blind.popleft())
         else:
             state.misses_first_tokens = True
-        _prefill_over(state, prefill, prefill_tokens, owed=counted)
+        # Owed only to an engine that counts first tokens: else nothing ever settles it.
+        counts = state.metrics is not None and state.metrics.ttft_count is not None
+        _prefill_over(state, prefill, prefill_tokens, owed=counted and counts)
         now = self.clock()
         if ready_at > now:
             state.busy_until = max(now, state.busy_until - (ready_at - now))

@@ -188,11 +188,14 @@ class Lease:
         latency scorer's step phase, `EndpointState.token_at`)."""
         self.registry.saw_token(self.model, self.endpoint_id)
 
-    def end(self, outcome: Outcome) -> None:
+    def end(self, outcome: Outcome, counted: bool | None = None) -> None:
         """The request is over: its prefill is done by now (inferred, not seen: a no-op if
         the first byte was seen, and an edge without body events keeps the time-drained
-        queue estimate), then `finish`. A fallback's failed attempt uses `finish` alone."""
-        self.first_token(observed=False, counted=outcome is Outcome.SUCCESS)
+        queue estimate), then `finish`. A fallback's failed attempt uses `finish` alone.
+        `counted`: the engine produced a first token for it (default: a success)."""
+        if counted is None:
+            counted = outcome is Outcome.SUCCESS
+        self.first_token(observed=False, counted=counted)
         self.finish(outcome)
 
     def finish(self, outcome: Outcome) -> None:

@@ -509,3 +509,29 @@ def test_a_fallbacks_first_byte_is_timed_from_the_first_attempt_and_the_request_
     lifecycle.finish()
     assert seen == [pytest.approx(0.65)]
     assert ended == [("chat", Outcome.SUCCESS)]
+
+
+def test_an_error_answered_without_body_events_owes_the_engine_no_first_token() -> None:
+    """Envoy without response bodies: a 400 (a prompt past the context) is a success for the
+    breaker, so its end kept its prefill entry owed a first token the engine never
+    counts, and that entry took a real request's count. Found by a review helper."""
+    clock = FakeClock(10.0)
+    sched = Scheduler(
+        config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
+    )
+    gw = Gateway(sched)
+
+    def scrape(count: float) -> None:
+        sched.registry.record_scrape(
+            "m", "a:1", EngineMetrics(waiting=0.0, running=1, kv_usage=0.1, ttft_count=count)
+        )
+
+    body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "xx"}]}'
+    scrape(0.0)
+    for status, owed in ((200, True), (400, False)):
+        lifecycle = Lifecycle(gw)
+        assert isinstance(lifecycle.route({}, CHAT, body), Decision)
+        lifecycle.response(status, content_type="text/event-stream")
+        lifecycle.finish()  # the stream's end, no body seen
+        assert lifecycle.lease is not None and lifecycle.lease.prefill is not None
+        assert lifecycle.lease.prefill.owed is owed, status

@@ -51,11 +51,14 @@ def test_json_format_covers_other_libraries_lines_too(
         monkeypatch.setattr(logger, "propagate", logger.propagate)
     configure("info", "json")
     logging.getLogger("uvicorn.error").setLevel(logging.INFO)  # uvicorn sets it (--log-level)
-    logging.getLogger("uvicorn.error").info("Started server process [%d]", 42)
+    logging.getLogger("uvicorn.error").info(
+        "Started server process [%d]", 42, extra={"color_message": "\x1b[1m%d\x1b[0m"}
+    )  # uvicorn passes its message again in colour: no field of the JSON line
     logging.getLogger("asyncio").warning("a library's warning")
     logging.getLogger("asyncio").info("a library's info line: below warning, not shown")
     logging.getLogger("llmgw.proxy").info("ours")
     lines = capsys.readouterr().err.splitlines()
+    assert not any("color_message" in orjson.loads(line) for line in lines)
     assert [orjson.loads(line)["msg"] for line in lines] == [
         "Started server process [42]",
         "a library's warning",

@@ -166,7 +166,7 @@ async def test_a_start_after_a_stop_blind_to_its_pods_does_not_return_the_old_on
     """A stop during an API blip scaled to 0 without seeing the pods go; their addresses
     stayed `ready`, and the next start returned them at once, before any new pod was."""
     deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18031])
-    plane = planes(k8s_config(start_timeout=1.0), poll_interval=3.0)  # backs off >= 2.4 s
+    plane = planes(k8s_config(start_timeout=1.0), poll_interval=3.0, blind_after=0.0)
     assert [e.address for e in await plane.want("big")] == ["127.0.0.1:18031"]
     state = plane._models["big"]
     await kube.go_down()
@@ -174,7 +174,7 @@ async def test_a_start_after_a_stop_blind_to_its_pods_does_not_return_the_old_on
         lambda: state.reflector is not None and state.reflector.stale_since is not None
     )
     await kube.come_back()
-    await plane.stop("big")  # accepted, its pods unseen going
+    await plane.stop("big")  # accepted, its pods unseen going (backs off >= 2.4 s)
     assert deployment.replicas == 0
     await eventually(lambda: not deployment.pods)
     deployment.never_ready = True  # the next pod never turns ready
@@ -512,3 +512,19 @@ async def test_an_expired_or_ended_watch_lists_and_watches_again(
     kube.set_ready("vllm-big", False, namespace="models")
     await eventually(lambda: bool(planes.crashes))  # seen through the new watch
     assert plane.status("big")["discovery"] == "watch"
+
+
+async def test_a_transient_watch_failure_during_a_stop_does_not_end_the_wait_for_the_pods(
+    kube: FakeKubernetes, planes: Planes
+) -> None:
+    """One watch answered 500 marked the API lost and the stop returned at once, its pods
+    still draining (a failed watch is followed by a list a moment later). Found by a
+    review helper."""
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18032])
+    deployment.grace = 0.5  # the pods drain for a while after scale-to-0
+    plane = planes(k8s_config(), poll_interval=0.02)
+    await plane.want("big")
+    kube.watch_errors = [500]  # the API server hiccups once, on the next watch
+    kube.end_watches()
+    await plane.stop("big")
+    assert deployment.pods == [], "stop returned with the pods still draining"

@@ -160,9 +160,12 @@ class KubernetesControlPlane:
         watch_retry: float = 60.0,
         request_timeout: float = 10.0,
         stop_timeout: float = 120.0,
+        blind_after: float = 5.0,
     ) -> None:
         self.config = config
         self.stop_timeout = stop_timeout
+        # Seconds the pods' API may stay lost before a stop stops waiting to see them go.
+        self.blind_after = blind_after
         self.poll_interval = poll_interval
         self.use_watch = watch
         self.watch_timeout = watch_timeout
@@ -336,16 +339,24 @@ class KubernetesControlPlane:
                 await self._unfollow(state)
 
     async def _wait_gone(self, state: _Model) -> None:
+        """Until the deployment's pods are gone (`stop_timeout` at most), unless the API is
+        refused or lost for `blind_after` seconds."""
         reflector = state.reflector
         assert reflector is not None
         try:
             async with asyncio.timeout(self.stop_timeout):
-                while not reflector.listed.is_set() and reflector.stale_since is None:
+                while not (reflector.listed.is_set() and not state.pods_listed):
+                    if reflector.forbidden is not None:
+                        break
+                    # One failed watch or list (a 500, a throttled 429) is followed by a list
+                    # a moment later: wait through it; lost for longer, do not wait blind.
+                    lost = reflector.stale_seconds() if reflector.stale_since is not None else 0.0
+                    if lost >= self.blind_after:
+                        break
                     state.changed.clear()  # set by a list and by a failure (on_error)
-                    await state.changed.wait()
-                while state.pods_listed and reflector.stale_since is None:
-                    state.changed.clear()
-                    await state.changed.wait()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.blind_after - lost if lost else None):
+                            await state.changed.wait()
             if reflector.stale_since is not None:  # cannot see the pods go: do not wait blind
                 log.warning(
                     "scaled %s to 0 but cannot follow its pods: %s",
