@@ -22,7 +22,7 @@ from llmgw.config import load_file
 from llmgw.logs import configure
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.router import WORKER_GROUP
-from llmgw.runtime.workers import early_hangup, exit_with_parent
+from llmgw.runtime.workers import early_hangup, exit_with_parent, hangups_blocked
 
 log = logging.getLogger("llmgw.proxy")
 
@@ -149,8 +149,21 @@ def supervise(config: Any) -> int:
     class Supervisor(Multiprocess):
         start_failed = False
 
+        def init_processes(self) -> None:
+            with hangups_blocked():
+                super().init_processes()
+
+        def restart_all(self) -> None:
+            with hangups_blocked():
+                super().restart_all()
+
+        def handle_ttin(self) -> None:
+            with hangups_blocked():
+                super().handle_ttin()
+
         def keep_subprocess_alive(self) -> None:
-            super().keep_subprocess_alive()
+            with hangups_blocked():  # it spawns a worker in place of a dead one
+                super().keep_subprocess_alive()
             if any(p.exitcode == STARTUP_FAILURE for p in self.processes):
                 self.start_failed = True  # uvicorn stops then: the next would fail as well
                 self.should_exit.set()

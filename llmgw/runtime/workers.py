@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from types import FrameType
 
 log = logging.getLogger("llmgw.workers")
@@ -48,8 +50,10 @@ class EarlyHangup:
         self.seen = False
 
     def install(self) -> None:
-        """Note SIGHUP from now on (main thread only), until a loop handler replaces this."""
+        """Note SIGHUP from now on (main thread only), until a loop handler replaces this;
+        one held back since the spawn (`hangups_blocked`) arrives now, noted."""
         signal.signal(signal.SIGHUP, self._note)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
 
     def _note(self, _sig: int, _frame: FrameType | None) -> None:
         self.seen = True
@@ -61,3 +65,15 @@ class EarlyHangup:
 
 
 early_hangup = EarlyHangup()
+
+
+@contextlib.contextmanager
+def hangups_blocked() -> Iterator[None]:
+    """SIGHUP held back while processes are spawned: they inherit the blocked signal (across
+    exec too) until `early_hangup.install` takes it; spawned by uvicorn, a worker spends
+    hundreds of ms importing before it can, and a SIGHUP passed on then killed it."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

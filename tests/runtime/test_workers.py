@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
 
-from llmgw.runtime.workers import EarlyHangup, exit_with_parent
+from llmgw.runtime.workers import EarlyHangup, exit_with_parent, hangups_blocked
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
@@ -48,3 +49,28 @@ def test_a_sighup_before_the_reload_handler_is_noted_not_fatal() -> None:
         assert hangup.take() is False
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def test_a_sighup_to_a_process_spawned_with_hangups_blocked_waits_for_its_handler() -> None:
+    """uvicorn's workers spend hundreds of ms importing before they install the handler; a
+    SIGHUP passed on then killed them (the default action). Spawned under
+    `hangups_blocked`, the signal waits and is noted at `install`. Found by a review
+    helper."""
+    child = (
+        "import sys\n"
+        "from llmgw.runtime.workers import early_hangup\n"
+        "sys.stdin.readline()\n"  # the parent sent SIGHUP by now
+        "early_hangup.install()\n"
+        "print(early_hangup.take())\n"
+    )
+    with hangups_blocked():
+        process = subprocess.Popen(
+            [sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+    try:
+        os.kill(process.pid, signal.SIGHUP)
+        out, _ = process.communicate("go\n", timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (process.returncode, out.strip()) == (0, "True")
