@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections.abc import Callable
 
@@ -19,16 +20,18 @@ import orjson
 
 from llmgw.asgi.forwarder import Forwarder, pool_limits
 from llmgw.asgi.middleware import Disconnected, SchedulerMiddleware, read_body, send_error
-from llmgw.asgi.types import Receive, Scope, Send
+from llmgw.asgi.types import Message, Receive, Scope, Send
 from llmgw.asgi.upstream import UpstreamPool
 from llmgw.catalog import catalog_answer, is_catalog_path
 from llmgw.config import Config
-from llmgw.errors import BodyTooLarge, LlmgwError, MethodNotAllowed
+from llmgw.errors import BodyTooLarge, LlmgwError, MethodNotAllowed, RouterDraining
 from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
 from llmgw.runtime.router import ConfigWatcher, Router
 from llmgw.runtime.telemetry import Telemetry
 from llmgw.runtime.trace import close_trace
+
+_log = logging.getLogger("llmgw.proxy")
 
 
 class ProxyApp:
@@ -61,6 +64,7 @@ class ProxyApp:
         self.started = False
         self.start_error: Exception | None = None  # why the lifespan startup failed
         self.draining = False  # SIGTERM: /readyz answers 503 before the listener closes
+        self.cut_by_drain = 0  # requests the drain timeout cancelled
         # With a config file: SIGHUP or a change of the file reloads it (see ConfigWatcher).
         self.watcher: ConfigWatcher | None = (
             ConfigWatcher(config_path, self.reload, interval=reload_interval)
@@ -109,7 +113,7 @@ class ProxyApp:
         if kind == "http":
             path: str = scope["path"]
             if path.startswith("/v1/") and not is_catalog_path(path):
-                await self.routed(scope, receive, send)
+                await self._route(scope, receive, send)
                 return
             if path == EXPLAIN_PATH:
                 await self._explain(scope, receive, send)
@@ -118,10 +122,36 @@ class ProxyApp:
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Through the middleware. A request still open when the SIGTERM drain's timeout
+        ends is cancelled by uvicorn: that is the drain, not an error, so it gets 503
+        `router_draining` if its answer has not begun (a begun one is cut: uvicorn closes
+        the connection) rather than uvicorn's plain-text 500 and a logged traceback."""
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.routed(scope, receive, tracked)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.draining or task is None:
+                raise
+            task.uncancel()
+            self.cut_by_drain += 1
+            if self.cut_by_drain == 1:
+                _log.info("drain timeout: cutting the requests still open")
+            if not started:
+                await self._error(send, RouterDraining("the router is shutting down; retry"))
+
     async def _fixed(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self._catalog if is_catalog_path(path) else self._routes.get(path)
         if handler is None:
-            await self.routed(scope, receive, send)  # routed if it names a model, else 404
+            await self._route(scope, receive, send)  # routed if it names a model, else 404
             return
         if scope["method"] not in ("GET", "HEAD"):
             refused = MethodNotAllowed(f"{path} answers GET only", headers={"allow": "GET, HEAD"})

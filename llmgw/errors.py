@@ -125,6 +125,19 @@ class NoHealthyEndpoint(LlmgwError):
     type = "service_unavailable"
 
 
+class RouterDraining(LlmgwError):
+    """The proxy is shutting down and its `--drain-timeout` ended before this request's answer
+    began: the client may retry at once, on another router replica."""
+
+    status = 503
+    code = "router_draining"
+    type = "service_unavailable"
+    closes = True  # the server is going away
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after=1)
+
+
 class ModelDisabled(LlmgwError):
     """Configured but off (`max: 0` or no scaling stanza for a launched model): never started."""
 

@@ -213,6 +213,83 @@ def test_proxy_sigterm_drains(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn, wor
     assert proxy.process.wait(10) in (0, -signal.SIGTERM)
 
 
+class Waiting(threading.Thread):
+    """One request whose answer the test awaits; `.status`, `.headers` and `.body` once done."""
+
+    def __init__(self, url: str, *, stream: bool) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.stream = stream
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.body = b""
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+        try:
+            with httpx.Client(timeout=20) as client:
+                r = client.post(self.url + CHAT, json={**body, "stream": self.stream})
+                self.status, self.headers, self.body = r.status_code, dict(r.headers), r.content
+        except BaseException as exc:
+            self.error = exc
+
+
+def inflight(base: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("llmgw_inflight{")
+    )
+
+
+def test_proxy_drain_timeout_answers_503_draining_and_logs_no_traceback(
+    sim: ThreadedFleet, spawn_proxy: SpawnFn
+) -> None:
+    """Requests still waiting on a hung engine when `--drain-timeout` ends get 503
+    `router_draining` (+ Retry-After) in llmgw's JSON shape. Before, uvicorn's cancellation
+    passed through: a plain-text 500 "Internal Server Error" and a traceback in the log per
+    request, on a routine rolling restart with one slow engine (found by a review helper)."""
+    sim.call(lambda: [r.set_faults(hang=True) for r in sim.fleet.replicas])
+    try:
+        proxy = spawn_proxy(config_for(sim, [0, 1]), drain_delay=0.1, drain_timeout=1)
+        base = proxy.url("http")
+        waiting = [Waiting(base, stream=i % 2 == 0) for i in range(2)]
+        for w in waiting:
+            w.start()
+        wait_for(lambda: inflight(base) == 2, 10, "both requests at the hung engines")
+        proxy.process.send_signal(signal.SIGTERM)
+        for w in waiting:
+            w.join(20)
+            assert w.error is None, w.error
+            assert w.status == 503, (w.status, w.body)
+            assert json.loads(w.body)["error"]["code"] == "router_draining"
+            assert w.headers["retry-after"] == "1"
+        assert proxy.process.wait(10) in (0, -signal.SIGTERM)
+        assert "Traceback" not in proxy.log(), proxy.log()[-2000:]
+    finally:
+        for i in range(len(sim.urls)):
+            sim.reset(i)
+
+
+def test_proxy_drain_timeout_cuts_a_begun_stream_without_a_traceback(
+    slow_sim: ThreadedFleet, spawn_proxy: SpawnFn
+) -> None:
+    """A stream whose answer began is cut when the drain timeout ends (uvicorn closes the
+    connection; no error body can follow its 200), with no traceback logged."""
+    proxy = spawn_proxy(config_for(slow_sim, [0]), drain_delay=0.1, drain_timeout=1)
+    stream = SlowStream(proxy.url("http"), tokens=200)
+    stream.start()
+    assert stream.first_chunk.wait(10) and stream.error is None
+    proxy.process.send_signal(signal.SIGTERM)
+    stream.join(20)
+    assert stream.status == 200
+    assert not stream.body.rstrip().endswith(b"data: [DONE]")  # cut, not completed
+    assert proxy.process.wait(10) in (0, -signal.SIGTERM)
+    assert "Traceback" not in proxy.log(), proxy.log()[-2000:]
+
+
 def test_proxy_ctrl_c_exits_cleanly(slow_sim: ThreadedFleet, spawn_proxy: SpawnFn) -> None:
     """SIGINT (Ctrl+C): a shutdown, exit 0, no KeyboardInterrupt traceback."""
     proxy = spawn_proxy(config_for(slow_sim, [0, 1]))
