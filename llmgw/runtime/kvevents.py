@@ -100,6 +100,7 @@ class KvEventSubscriber:
         replay_timeout: float = 1.0,
         retry_s: float = 1.0,
         heartbeat_s: float = 1.0,
+        discover_timeout: float = 5.0,
     ) -> None:
         self.registry = registry
         self.endpoint_id = endpoint_id
@@ -110,6 +111,7 @@ class KvEventSubscriber:
         self.replay_timeout = replay_timeout
         self.retry_s = retry_s
         self.heartbeat_s = heartbeat_s  # between ZMTP pings; 3 missed: disconnected
+        self.discover_timeout = discover_timeout  # GET /kv_event_sources
         self.stats = SubscriberStats()
         self.source: Source | None = None
         self.connected = asyncio.Event()  # set once the SUB socket is connected
@@ -118,8 +120,9 @@ class KvEventSubscriber:
         if not self.spec.discover:
             return source_from_spec(self.spec, self.host)
         getter = KeepAliveGetter(self.host, self.port)
-        try:
-            status, body = await getter.get("/kv_event_sources")
+        try:  # bounded: an engine whose HTTP side hangs (port open) is retried, not waited on
+            async with asyncio.timeout(self.discover_timeout):
+                status, body = await getter.get("/kv_event_sources")
         finally:
             await getter.close()
         return source_from_engine(body, self.host) if status == 200 else None

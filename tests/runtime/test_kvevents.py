@@ -354,3 +354,35 @@ def test_each_models_resync_time_applies_to_its_own_endpoints() -> None:
         index.apply_batch(eid, EventBatch(6, 0.0, ()), now=1.0)
     assert index.state(fast) is KvState.LIVE
     assert index.state(slow) is KvState.UNKNOWN
+
+
+async def test_discovery_against_an_engine_that_never_answers_is_retried() -> None:
+    """`GET /kv_event_sources` is bounded: an engine whose HTTP side hangs with its port
+    open (after a heartbeat disconnect, say) is asked again, not waited on until its socket
+    dies, which left that endpoint's subscriber stalled (found by a review helper)."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hang(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # read nothing, answer nothing
+
+    server = await asyncio.start_server(hang, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    sub = KvEventSubscriber(
+        Registry(),
+        f"127.0.0.1:{port}",
+        KvEventsSpec(discover=True),
+        retry_s=0.01,
+        discover_timeout=0.1,
+    )
+    task = asyncio.create_task(sub.run())
+    try:
+        await until(lambda: len(accepted) >= 2)
+        assert sub.source is None
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
