@@ -910,6 +910,31 @@ def test_exponent_numbers_load_as_numbers(text: str) -> None:
     load_text(text)
 
 
+@pytest.mark.parametrize("word", ["yes", "on", "no", "off", "Yes", "ON"])
+def test_a_switch_refuses_yaml_1_1_words(word: str) -> None:
+    """The README: anything but true/false for a switch is refused. YAML 1.1 read these as
+    booleans before pydantic saw them, so `debug_headers: on` was called valid. Found by a
+    review helper."""
+    with pytest.raises(ConfigError, match="debug_headers"):
+        load_text(ONE_MODEL + f"debug_headers: {word}\n")
+    text = f"models: {{m: {{endpoints: ['10.0.0.1:8000'], kv_events: {{discover: {word}}}}}}}\n"
+    with pytest.raises(ConfigError, match=r"kv_events\.discover"):
+        load_text(text)
+
+
+@pytest.mark.parametrize("name", ["off", "no", "on", "yes"])
+def test_a_model_named_like_a_yaml_1_1_boolean_is_that_name(name: str) -> None:
+    """A model named `off` was the boolean False, and its error named no model."""
+    assert name in load_text(f"models:\n  {name}:\n    endpoints: [10.0.0.1:8000]\n").models
+
+
+@pytest.mark.parametrize("word", ["true", "True", "TRUE", "false", "False", "FALSE"])
+def test_a_switch_takes_yaml_1_2_booleans(word: str) -> None:
+    assert load_text(ONE_MODEL + f"debug_headers: {word}\n").debug_headers is (
+        word.lower() == "true"
+    )
+
+
 def test_a_plugin_param_in_exponent_notation_is_a_number() -> None:
     text = (
         "models: {m: {endpoints: ['10.0.0.1:8000'], strategy: "
