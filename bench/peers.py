@@ -214,4 +214,8 @@ class Service:
 
 
 if __name__ == "__main__":  # `make bench`'s set-up
+    argparse.ArgumentParser(
+        description="Install the pinned peer routers (vllm-router, sglang-router) into "
+        ".venv-peers, from the configured package index."
+    ).parse_args()  # --help answers without installing
     install_peers()

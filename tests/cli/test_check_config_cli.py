@@ -3,6 +3,9 @@ traceback."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,3 +42,24 @@ def test_check_config_reports_a_malformed_file_instead_of_a_traceback(
     assert main(["check-config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "invalid" in err and problem in err
+
+
+def test_a_reader_that_left_is_exit_1_without_a_traceback(tmp_path: Path) -> None:
+    """`llmgw explain --json | head` (any command whose output is cut short by its reader)
+    ended in a BrokenPipeError traceback (found by a review helper)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("models: {m: {endpoints: ['10.0.0.1:8000']}}\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before a byte is written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "llmgw.cli", "check-config", str(path)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1
+    assert b"Traceback" not in done.stderr, done.stderr.decode()
