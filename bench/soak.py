@@ -1,10 +1,10 @@
 """Soak: a steady rate through Envoy + the ext_proc server, a new session id per request
 out of 1,000,000 (generated lazily), long prompts; the ext_proc process's RSS over time.
 
-    python bench/soak.py [--minutes 5] [--rate 60] [--prompt-chars 6000]
+    python bench/soak.py [--minutes 5] [--rate 60] [--prompt-chars 6000] [--strategy latency]
 
-Children: a simulated fleet (`llmgw sim`, no latency), `llmgw extproc` (strategy `chat`:
-session + prefix + load scorers, so the prefix index fills up) and Envoy (override-host).
+Children: a simulated fleet (`llmgw sim`, no latency), `llmgw extproc` (`--strategy`, the
+default `latency`: its prefix index and session caches fill up) and Envoy (override-host).
 Every `--sample` seconds the ext_proc RSS (VmRSS from /proc) and the counts are printed;
 at the end the table, the verdict (RSS flat over the last third of the run) and
 `bench/results/soak.json`. Requests: 1 in 4 streamed; prompts share a system preamble
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=512, help="open requests at most")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
+    parser.add_argument("--strategy", default="latency", help="the model's strategy preset")
     args = parser.parse_args(argv)
 
     sim_args = ["--replicas", str(args.replicas), "--base-port", "0", "--time-scale", "0"]
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             "models": {
                 "m1": {
                     "endpoints": [u.removeprefix("http://") for u in sim.urls],
-                    "strategy": "chat",
+                    "strategy": args.strategy,
                 }
             },
             "scrape": {"interval": 0.1},
