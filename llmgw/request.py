@@ -207,6 +207,26 @@ def _call_text(call: Mapping[str, Any]) -> str:
     )
 
 
+# pydantic's lax-mode words for a bool (vLLM validates its request models so; sim/api.py, which
+# may not import the core, keeps its own copy for the simulated engine).
+_TRUE_WORDS = frozenset({"true", "yes", "on", "1", "t", "y"})
+_FALSE_WORDS = frozenset({"false", "no", "off", "0", "f", "n"})
+
+
+def lax_bool(value: object) -> bool | None:
+    """A bool as pydantic's lax mode reads one: a bool, 0 or 1, or a word such as "true",
+    "yes", "off" (any case); None otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.lower()
+        if word in _TRUE_WORDS or word in _FALSE_WORDS:
+            return word in _TRUE_WORDS
+    return None
+
+
 def estimate_tokens(chars: int) -> int:
     return int(chars / CHARS_PER_TOKEN + 0.5)
 
@@ -239,10 +259,11 @@ def parse_body(
         model = ""
     elif not isinstance(model, str) or not model:
         raise BadRequest("request body needs a string field 'model'")
-    stream = payload.get("stream")
-    if stream is None:  # absent, or null: the OpenAI API's "boolean or null"
-        stream = False
-    elif not isinstance(stream, bool):
+    # Absent or null: the OpenAI API's "boolean or null". Else what vLLM's lax validation
+    # reads as a bool ("true" and 1 stream there).
+    given = payload.get("stream")
+    stream = False if given is None else lax_bool(given)
+    if stream is None:
         raise BadRequest("field 'stream' must be a boolean or null")
     messages = payload.get("messages")
     if messages is not None and not isinstance(messages, list):
