@@ -354,9 +354,14 @@ def build_request(
     *,
     request_id: str | None = None,
 ) -> RequestInfo:
-    """Headers are lower-cased names. Raises the core's typed errors on bad input."""
+    """Headers are lower-cased names. Raises the core's typed errors on bad input.
+
+    The body is parsed on an inference path, and below one only when it is not empty:
+    vLLM's `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` come without one
+    (the model header names the model there)."""
     fields: BodyFields | None = None
-    if body is not None and on_paths(path):
+    exact = path.split("?", 1)[0] in BODY_PATHS
+    if body is not None and on_paths(path) and (body or exact):
         fields = parse_body(
             body,
             max_bytes=config.limits.max_body_bytes,
@@ -369,6 +374,11 @@ def build_request(
             raise BadRequest(
                 f"cannot tell the model: llmgw reads 'model' from the body only on "
                 f"{', '.join(BODY_PATHS)}; send a {config.model_header} header"
+            )
+        if fields is None and not exact:
+            raise BadRequest(
+                f"cannot tell the model: the request has no body to name it; "
+                f"send a {config.model_header} header"
             )
         raise BadRequest(
             f"cannot tell the model: send a JSON body with 'model' or a {config.model_header} header"

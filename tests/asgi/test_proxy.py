@@ -443,6 +443,37 @@ async def test_errors_and_fixed_routes(fleet: SimFleet) -> None:
         assert "llmgw_inflight" in metrics
 
 
+async def test_a_stored_response_is_fetched_and_cancelled_with_the_model_header() -> None:
+    """vLLM serves `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` without a
+    body. With a strategy that reads the prompt the proxy parsed the empty body: 400 "not
+    valid JSON" even with the model header (found by a review helper)."""
+
+    async def stored(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(json_response(200, b'{"id": "resp_1", "object": "response"}'))
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(stored).start()
+    app = proxy_for(make_config([upstream.address], model={"strategy": "latency"}))
+    named = {"x-llmgw-model": MODEL}
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            got = await client.get("/v1/responses/resp_1", headers=named)
+            cancel = await client.post("/v1/responses/resp_1/cancel", headers=named)
+            unnamed = await client.get("/v1/responses/resp_1")
+    finally:
+        await upstream.stop()
+    assert got.status_code == 200 and got.json()["id"] == "resp_1", got.text
+    assert cancel.status_code == 200, cancel.text
+    assert [(r.method, r.target) for r in upstream.requests] == [
+        ("GET", "/v1/responses/resp_1"),
+        ("POST", "/v1/responses/resp_1/cancel"),
+    ]
+    assert unnamed.status_code == 400
+    assert "send a x-llmgw-model header" in unnamed.json()["error"]["message"]
+
+
 async def test_fastapi_app_forwarding_itself_on_real_uvicorn(fleet: SimFleet) -> None:
     config = make_config([address_of(u) for u in fleet.urls])
     api = FastAPI()

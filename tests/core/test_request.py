@@ -134,6 +134,24 @@ def test_a_stream_flag_vllm_reads_as_a_bool_is_taken_as_it_reads_it(
     assert build_request(cfg(), {}, CHAT, body(stream=flag)).stream is want
 
 
+@pytest.mark.parametrize("path", ["/v1/responses/resp_1", "/v1/responses/resp_1/cancel"])
+def test_a_bodyless_request_below_an_inference_path_is_routed_by_the_model_header(
+    path: str,
+) -> None:
+    """vLLM's `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` have no body;
+    where the strategy reads the prompt, the empty body was parsed: 400 "not valid JSON"
+    even with the model header (found by a review helper)."""
+    assert needs_body(cfg(), {"x-llmgw-model": "chat"}, path)  # the chat strategy reads it
+    info = build_request(cfg(), {"x-llmgw-model": "chat"}, path, b"")
+    assert info.model == "chat" and info.prompt == "" and info.prompt_tokens == 0
+    with pytest.raises(BadRequest) as refused:
+        build_request(cfg(), {}, path, b"")
+    message = refused.value.message
+    assert "send a x-llmgw-model header" in message and "JSON" not in message
+    with pytest.raises(BadRequest, match="not valid JSON"):  # a body is still read
+        build_request(cfg(), {"x-llmgw-model": "chat"}, path, b"{oops")
+
+
 @pytest.mark.parametrize("path", ["/tokenizer_info", "/scores", "/v1/chat/completionsx"])
 def test_a_path_that_only_begins_like_a_body_path_is_not_one(path: str) -> None:
     """vLLM's GET /tokenizer_info must not be read as a /tokenize body ("not valid JSON")."""
