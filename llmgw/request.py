@@ -131,9 +131,12 @@ def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int]:
     Without the tools and calls, an agent's request read as a few tokens, and histories
     that differed only in their calls as one prefix."""
     prompt = payload.get("prompt", payload.get("input"))
-    if payload.get("messages") is None and _token_ids(prompt):
-        ids = ",".join(map(str, prompt))  # a stable text to hash: the same ids, the same text
-        return ids[:limit], int(len(prompt) * CHARS_PER_TOKEN)
+    batch = _id_prompts(prompt) if payload.get("messages") is None else None
+    if batch is not None:
+        # A stable text to hash: the same ids, the same text. A batch reads as its prompts
+        # one after the other, as a list of strings does: all counted, the first in front.
+        ids = ",".join(map(str, itertools.chain.from_iterable(batch)))
+        return ids[:limit], int(sum(map(len, batch)) * CHARS_PER_TOKEN)
     parts: list[str] = []
     size = 0
     tools = payload.get("tools")
@@ -156,6 +159,16 @@ def _token_ids(value: Any) -> bool:
         and bool(value)
         and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     )
+
+
+def _id_prompts(value: Any) -> list[list[int]] | None:
+    """A prompt of token ids (`[ids]`), or a batch of them (`[[ids], ...]`, the openai
+    client's `Iterable[Iterable[int]]`): its id lists; None for any other prompt."""
+    if _token_ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(_token_ids(v) for v in value):
+        return value
+    return None
 
 
 def _segments(payload: Mapping[str, Any], prompt: Any) -> Iterator[str]:
@@ -303,13 +316,18 @@ def _chat_prompt(payload: Mapping[str, Any], messages: list[Any]) -> ChatPrompt:
 
 def _completion_prompt(prompt: Any) -> str | tuple[int, ...] | None:
     """A completion's prompt as the tokenizer takes it: text, or token ids as given (a list
-    of them is not chat messages); several prompts in one request: None (no one prefix)."""
+    of them is not chat messages); a batch of one (`["text"]`, `[[ids]]`) is its prompt;
+    several prompts in one request: None (no one prefix)."""
     if isinstance(prompt, str):
         return prompt
     if _token_ids(prompt):
         return tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1:
+        only = prompt[0]
+        if isinstance(only, str):
+            return only
+        if _token_ids(only):
+            return tuple(only)
     return None
 
 

@@ -321,6 +321,25 @@ def test_a_prompt_of_token_ids_counts_them_and_hashes_them() -> None:
     assert longer.prompt.startswith(a.prompt[:1000]) and other.prompt != a.prompt
 
 
+@pytest.mark.parametrize(
+    ("path", "field"), [("/v1/completions", "prompt"), ("/v1/embeddings", "input")]
+)
+def test_a_batch_of_token_id_prompts_counts_them_all_and_one_is_its_prompt(
+    path: str, field: str
+) -> None:
+    """`[[ids]]` (the openai client's `Iterable[Iterable[int]]`) is the one prompt `ids` to
+    vLLM, but read as no prompt at all: 0 tokens (a 4000-token prefill priced as free), no
+    prefix (found by a review helper). A batch counts every prompt, as a list of strings."""
+    ids = list(range(1000, 5000))
+    flat = _parsed(path, {"model": "chat", field: ids})
+    one = _parsed(path, {"model": "chat", field: [ids]})
+    assert one.prompt_tokens == flat.prompt_tokens == 4000
+    assert one.prompt == flat.prompt and one.raw_prompt == flat.raw_prompt
+    batch = _parsed(path, {"model": "chat", field: [ids, list(range(7, 1007))]})
+    assert batch.prompt_tokens == 5000 and batch.prompt.startswith(flat.prompt[:1000])
+    assert batch.raw_prompt is None  # several prompts: no one prefix to match exactly
+
+
 def test_a_body_without_model_is_routed_by_the_model_header_whatever_the_strategy() -> None:
     """With the header naming the model, a body that leaves `model` out (engines serve
     theirs) was a 400 only where the strategy read the body."""
