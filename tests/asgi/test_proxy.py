@@ -341,6 +341,35 @@ async def test_429_passes_through_when_no_fallback_is_allowed(fleet: SimFleet) -
     assert refused == 2
 
 
+async def test_a_refusal_is_answered_when_the_fallback_after_it_is_down() -> None:
+    """The primary answered 429 with Retry-After, the only fallback refused the connection:
+    the client got 502 `upstream_unreachable` ("an answer from none of the endpoints")
+    instead of the engine's 429 (found by a review helper)."""
+    refusal = b'{"error": {"message": "busy", "type": "RateLimitError", "code": 429}}'
+
+    async def busy(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(json_response(429, refusal, "retry-after: 7\r\n"))
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(busy).start()
+    dead = refused_address()
+    app = proxy_for(make_config([upstream.address, dead]))
+    key = _session_with_primary(app, upstream.address)
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            reply = await client.post(CHAT, content=BODY, headers={"x-session-id": key})
+    finally:
+        await upstream.stop()
+    assert len(upstream.requests) == 1
+    assert reply.status_code == 429, reply.text
+    assert reply.headers["retry-after"] == "7" and reply.content == refusal
+    assert outcome_count(app.telemetry, upstream.address, "backpressure") == 1
+    assert outcome_count(app.telemetry, dead, "failure") == 1
+    assert inflight(app) == 0
+
+
 async def test_connect_error_falls_back_and_all_refused_is_502(fleet: SimFleet) -> None:
     dead = refused_address()
     app = proxy_for(make_config([dead, address_of(fleet.urls[0])]))
