@@ -92,6 +92,40 @@ def wrong_method(method: str | None, path: str) -> MethodNotAllowed | None:
     )
 
 
+# A browser's CORS preflight answered as vLLM answers it by default (Starlette's
+# CORSMiddleware with origins, methods and headers all "*", no credentials).
+CORS_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+CORS_MAX_AGE = 600
+# On llmgw's own answers to a request with an Origin (the catalog): what vLLM adds.
+CORS_ANSWER_HEADERS = {"access-control-allow-origin": "*", "vary": "Origin"}
+
+
+def cors_preflight(
+    method: str | None, path: str, headers: Mapping[str, str]
+) -> dict[str, str] | None:
+    """The headers of a 200 answer to a browser's CORS preflight (an OPTIONS with `Origin`
+    and `Access-Control-Request-Method`) on an inference path or the model catalog: any
+    origin, the methods, the headers asked for, as vLLM by default (a browser app sends
+    one before a POST with `content-type: application/json`, or a GET with an API key).
+    None for any other request (an OPTIONS without them stays a 405)."""
+    if method != "OPTIONS" or "origin" not in headers:
+        return None
+    wanted = headers.get("access-control-request-method")
+    bare = path.split("?", 1)[0]
+    if wanted not in CORS_METHODS or not (on_paths(bare) or is_catalog_path(bare)):
+        return None
+    answer = {
+        "vary": "Origin, Access-Control-Request-Method, Access-Control-Request-Headers",
+        "access-control-allow-origin": "*",
+        "access-control-allow-methods": ", ".join(CORS_METHODS),
+        "access-control-max-age": str(CORS_MAX_AGE),
+    }
+    asked = headers.get("access-control-request-headers")
+    if asked is not None:  # any header: the ones asked for, echoed
+        answer["access-control-allow-headers"] = asked
+    return answer
+
+
 @dataclass(frozen=True, slots=True)
 class BodyFields:
     model: str

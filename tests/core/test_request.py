@@ -9,7 +9,7 @@ import pytest
 
 from llmgw.config import Config
 from llmgw.errors import BadRequest, BodyTooLarge, LlmgwError
-from llmgw.request import build_request, needs_body, prompt_text
+from llmgw.request import build_request, cors_preflight, needs_body, prompt_text, wrong_method
 from llmgw.types import RequestInfo
 
 from .helpers import config, static_model
@@ -350,3 +350,40 @@ def test_a_body_without_model_is_routed_by_the_model_header_whatever_the_strateg
         build_request(cfg(), {}, CHAT, body)
     with pytest.raises(BadRequest, match="string field 'model'"):  # a wrong type still is
         build_request(cfg(), {"x-llmgw-model": "chat"}, CHAT, orjson.dumps({"model": 3}))
+
+
+# -- a browser's CORS preflight -----------------------------------------------------------
+PREFLIGHT = {"origin": "http://localhost:3000", "access-control-request-method": "POST"}
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses/r1/cancel", "/v1/models", "/v1/models/m"])
+def test_a_cors_preflight_is_answered_as_vllm_answers_it(path: str) -> None:
+    """vLLM (Starlette's CORSMiddleware, everything allowed) answers a browser's preflight
+    with 200; llmgw's 405 kept any browser app off it (found by a review helper)."""
+    asked = {**PREFLIGHT, "access-control-request-headers": "authorization, content-type"}
+    answer = cors_preflight("OPTIONS", path, asked)
+    assert answer is not None
+    assert answer["access-control-allow-origin"] == "*"
+    assert "POST" in answer["access-control-allow-methods"].split(", ")
+    assert answer["access-control-allow-headers"] == "authorization, content-type"
+    assert answer["vary"].startswith("Origin")
+    assert "access-control-allow-headers" not in (cors_preflight("OPTIONS", path, PREFLIGHT) or {})
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers"),
+    [
+        ("OPTIONS", CHAT, {"origin": "http://a"}),  # no access-control-request-method
+        ("OPTIONS", CHAT, {"access-control-request-method": "POST"}),  # no origin
+        ("OPTIONS", CHAT, {**PREFLIGHT, "access-control-request-method": "BREW"}),
+        ("OPTIONS", "/admin/explain", PREFLIGHT),
+        ("POST", CHAT, PREFLIGHT),
+    ],
+    ids=["no-request-method", "no-origin", "unknown-method", "other-path", "not-options"],
+)
+def test_anything_but_a_preflight_is_not_answered_as_one(
+    method: str, path: str, headers: dict[str, str]
+) -> None:
+    assert cors_preflight(method, path, headers) is None
+    if method == "OPTIONS" and path == CHAT:  # a plain OPTIONS stays a 405
+        assert wrong_method(method, path) is not None
