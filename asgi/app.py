@@ -5,7 +5,8 @@ Routes: `POST /v1/...` inference paths (and any request with the model header) g
 endpoint; `GET /v1/models` (and `/v1/models/{id}`) lists the configured models;
 `/healthz` (also `/health`), `/readyz` and `/models/status` mean what they mean on the Envoy
 edge (`llmgw.runtime.health`); `/metrics` (the shared `Telemetry` series, the same names as
-the ext_proc server).
+the ext_proc server). A browser's CORS preflight on an inference path or the model list is
+answered here, as vLLM answers it (`llmgw.request.cors_preflight`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from llmgw.asgi.upstream import UpstreamPool
 from llmgw.catalog import catalog_answer, is_catalog_path
 from llmgw.config import Config
 from llmgw.errors import BodyTooLarge, LlmgwError, MethodNotAllowed, RouterDraining
+from llmgw.request import CORS_ANSWER_HEADERS, cors_preflight
 from llmgw.runtime.admin import EXPLAIN_PATH, MAX_QUERY_BYTES, explain
 from llmgw.runtime.health import HEALTHZ_BODY, readiness
 from llmgw.runtime.router import ConfigWatcher, Router
@@ -112,6 +114,8 @@ class ProxyApp:
         kind = scope["type"]
         if kind == "http":
             path: str = scope["path"]
+            if scope["method"] == "OPTIONS" and await self._preflight(scope, send):
+                return
             if path.startswith("/v1/") and not is_catalog_path(path):
                 await self._route(scope, receive, send)
                 return
@@ -158,7 +162,18 @@ class ProxyApp:
             await self._error(send, refused)
             return
         status, content_type, body = handler(path)
-        await self._send(send, status, content_type, body)
+        cors = any(name.lower() == b"origin" for name, _ in scope["headers"])
+        await self._send(send, status, content_type, body, CORS_ANSWER_HEADERS if cors else None)
+
+    async def _preflight(self, scope: Scope, send: Send) -> bool:
+        """Answer a browser's CORS preflight as vLLM does (`cors_preflight`); False: it is
+        none (answered as any other request: an OPTIONS on an inference path is a 405)."""
+        headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in scope["headers"]}
+        answer = cors_preflight("OPTIONS", scope["path"], headers)
+        if answer is None:
+            return False
+        await self._send(send, 200, "text/plain; charset=utf-8", b"OK", answer)
+        return True
 
     async def _explain(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -193,17 +208,21 @@ class ProxyApp:
         self.telemetry.error(error)
         await send_error(send, error)
 
-    async def _send(self, send: Send, status: int, content_type: str, body: bytes) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", content_type.encode()),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
+    async def _send(
+        self,
+        send: Send,
+        status: int,
+        content_type: str,
+        body: bytes,
+        extra: dict[str, str] | None = None,
+    ) -> None:
+        headers = [
+            (b"content-type", content_type.encode()),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        if extra:
+            headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     @property

@@ -5,9 +5,10 @@ a fallback) and sent with the client's headers minus hop-by-hop and llmgw's inte
 over pooled HTTP/1.1 keep-alive connections (`llmgw.asgi.upstream`, limits from
 `limits.upstream_*`). If the endpoint refuses before any response byte reached the client
 (connect error, reset, 429, 503), the request goes to the Decision's next fallback, at
-most `num_fallback_replicas` times; once the response head has been sent nothing is
-retried. Status, headers (minus hop-by-hop) and the body pass through chunk by chunk (SSE
-is never buffered). A client that goes away cancels the upstream exchange (its connection
+most `num_fallback_replicas` times (a 429 or 503 is held meanwhile: the client gets it if
+no endpoint after it answers); once the response head has been sent nothing is retried.
+Status, headers (minus hop-by-hop) and the body pass through chunk by chunk (SSE is never
+buffered). A client that goes away cancels the upstream exchange (its connection
 is dropped) and the lease ends CANCELLED.
 """
 
@@ -78,6 +79,8 @@ def _passed_on(
 
 
 _REFUSING = (429, 503)  # an engine saying "not now": another replica may take it
+# An endpoint that gave no answer (a broken head included): nothing reached the client.
+_NO_ANSWER = (ConnectFailed, ResetBeforeResponse, UpstreamTimeout, UpstreamBroken)
 _WATCH_AFTER = 0.02  # seconds before a slow exchange starts watching for a disconnect
 _DEBUG_HEADER = DECISION_HEADER.encode("latin-1")
 
@@ -165,20 +168,35 @@ class Forwarder:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
     ) -> UpstreamResponse:
-        """The first acceptable response head, trying fallbacks while nothing was sent."""
-        while True:
-            endpoint = dispatch.endpoint
-            assert endpoint is not None  # the middleware hands over a dispatched request
-            address = endpoint.address
-            try:
-                response = await self.pool.request(address, method, target, headers, body)
-            except (ConnectFailed, ResetBeforeResponse, UpstreamTimeout, UpstreamBroken) as exc:
-                # Nothing went to the client yet (a broken head included): try a fallback.
-                log.debug("upstream %s failed before answering: %s", address, exc)
-                # A pool at its limit says the endpoint is busy, not failing: no breaker
-                # verdict (three of them opened a healthy, busy endpoint's breaker).
-                busy = isinstance(exc, PoolBusy)
-                if dispatch.fall_back(Outcome.CANCELLED if busy else Outcome.FAILURE) is None:
+        """The first acceptable response head, trying fallbacks while nothing was sent.
+
+        An endpoint's refusal (429, 503) is held, unread, while the next one is tried: if
+        every one after it fails to answer, the client gets that refusal (its Retry-After
+        included), not a 502 saying no endpoint answered."""
+        refused: UpstreamResponse | None = None  # the last refusal, while a fallback runs
+        try:
+            while True:
+                endpoint = dispatch.endpoint
+                assert endpoint is not None  # the middleware hands over a dispatched request
+                address = endpoint.address
+                try:
+                    response = await self.pool.request(address, method, target, headers, body)
+                except _NO_ANSWER as exc:
+                    # Nothing went to the client yet: try a fallback.
+                    log.debug("upstream %s failed before answering: %s", address, exc)
+                    # A pool at its limit says the endpoint is busy, not failing: no breaker
+                    # verdict (three of them opened a healthy, busy endpoint's breaker).
+                    busy = isinstance(exc, PoolBusy)
+                    outcome = Outcome.CANCELLED if busy else Outcome.FAILURE
+                    if dispatch.fall_back(outcome) is not None:
+                        continue
+                    if refused is not None:
+                        # The refusal goes to the client (its status, for the trace line);
+                        # the endpoint that failed last is charged its own outcome.
+                        dispatch.response(refused.status)
+                        dispatch.finish(outcome)
+                        response, refused = refused, None
+                        return response
                     if busy:
                         dispatch.finish(Outcome.CANCELLED)
                         raise NoCapacity(
@@ -190,12 +208,16 @@ class Forwarder:
                         f"no endpoint of model {endpoint.model!r} answered "
                         f"(tried {dispatch.attempts}; last: {exc})"
                     ) from None
-                continue
-            if response.status in _REFUSING and dispatch.fall_back(Outcome.BACKPRESSURE):
-                log.debug("upstream %s answered %d; falling back", address, response.status)
-                response.close()
-                continue
-            return response
+                if response.status in _REFUSING and dispatch.fall_back(Outcome.BACKPRESSURE):
+                    log.debug("upstream %s answered %d; falling back", address, response.status)
+                    if refused is not None:
+                        refused.close()
+                    refused = response
+                    continue
+                return response
+        finally:
+            if refused is not None:  # another endpoint answered, or the client left
+                refused.close()
 
     async def _relay(
         self, dispatch: Lifecycle, response: UpstreamResponse, send: Send, watch: DisconnectWatch

@@ -32,7 +32,7 @@ The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
@@ -73,7 +73,13 @@ from llmgw.lifecycle import (
     Lifecycle,
     debug_summary,
 )
-from llmgw.request import check_body_size, needs_body, wrong_method
+from llmgw.request import (
+    CORS_ANSWER_HEADERS,
+    check_body_size,
+    cors_preflight,
+    needs_body,
+    wrong_method,
+)
 from llmgw.types import Decision, Endpoint, Outcome, outcome_for_status
 
 # GIE's conformance suite (behind `conformance_headers`): the EPP picks among the IPs in
@@ -227,13 +233,21 @@ def debug_response_headers(
     )
 
 
-def local_response(status: int, body: bytes) -> bytes:
-    """A JSON reply from Envoy itself, for paths llmgw answers without an upstream."""
+def local_response(
+    status: int,
+    body: bytes,
+    *,
+    content_type: str = "application/json",
+    headers: Mapping[str, str] | None = None,
+) -> bytes:
+    """A reply from Envoy itself (JSON unless said), for paths llmgw answers without an
+    upstream; `headers`: more to set."""
+    more = [_set(k, v) for k, v in (headers or {}).items()]
     return _serialize(
         ProcessingResponse(
             immediate_response=ImmediateResponse(
                 status=HttpStatus(code=status),
-                headers=HeaderMutation(set_headers=[_set("content-type", "application/json")]),
+                headers=HeaderMutation(set_headers=[_set("content-type", content_type), *more]),
                 body=body,
                 details="llmgw_local",
             )
@@ -478,7 +492,14 @@ class Exchange:
             local = self._local(unquote(self._path.split("?", 1)[0]))
             if local is not None:
                 self._replied = True
-                return local_response(*local)
+                cors = CORS_ANSWER_HEADERS if "origin" in self._headers else None
+                return local_response(*local, headers=cors)
+        preflight = cors_preflight(self._headers.get(":method"), self._path, self._headers)
+        if preflight is not None:  # a browser's, answered as vLLM does
+            self._replied = True
+            return local_response(
+                200, b"OK", content_type="text/plain; charset=utf-8", headers=preflight
+            )
         refused = wrong_method(self._headers.get(":method"), self._path)
         if refused is not None:
             return self.answer(self.lifecycle.refuse(refused))

@@ -92,6 +92,40 @@ def wrong_method(method: str | None, path: str) -> MethodNotAllowed | None:
     )
 
 
+# A browser's CORS preflight answered as vLLM answers it by default (Starlette's
+# CORSMiddleware with origins, methods and headers all "*", no credentials).
+CORS_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+CORS_MAX_AGE = 600
+# On llmgw's own answers to a request with an Origin (the catalog): what vLLM adds.
+CORS_ANSWER_HEADERS = {"access-control-allow-origin": "*", "vary": "Origin"}
+
+
+def cors_preflight(
+    method: str | None, path: str, headers: Mapping[str, str]
+) -> dict[str, str] | None:
+    """The headers of a 200 answer to a browser's CORS preflight (an OPTIONS with `Origin`
+    and `Access-Control-Request-Method`) on an inference path or the model catalog: any
+    origin, the methods, the headers asked for, as vLLM by default (a browser app sends
+    one before a POST with `content-type: application/json`, or a GET with an API key).
+    None for any other request (an OPTIONS without them stays a 405)."""
+    if method != "OPTIONS" or "origin" not in headers:
+        return None
+    wanted = headers.get("access-control-request-method")
+    bare = path.split("?", 1)[0]
+    if wanted not in CORS_METHODS or not (on_paths(bare) or is_catalog_path(bare)):
+        return None
+    answer = {
+        "vary": "Origin, Access-Control-Request-Method, Access-Control-Request-Headers",
+        "access-control-allow-origin": "*",
+        "access-control-allow-methods": ", ".join(CORS_METHODS),
+        "access-control-max-age": str(CORS_MAX_AGE),
+    }
+    asked = headers.get("access-control-request-headers")
+    if asked is not None:  # any header: the ones asked for, echoed
+        answer["access-control-allow-headers"] = asked
+    return answer
+
+
 @dataclass(frozen=True, slots=True)
 class BodyFields:
     model: str
@@ -131,9 +165,12 @@ def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int]:
     Without the tools and calls, an agent's request read as a few tokens, and histories
     that differed only in their calls as one prefix."""
     prompt = payload.get("prompt", payload.get("input"))
-    if payload.get("messages") is None and _token_ids(prompt):
-        ids = ",".join(map(str, prompt))  # a stable text to hash: the same ids, the same text
-        return ids[:limit], int(len(prompt) * CHARS_PER_TOKEN)
+    batch = _id_prompts(prompt) if payload.get("messages") is None else None
+    if batch is not None:
+        # A stable text to hash: the same ids, the same text. A batch reads as its prompts
+        # one after the other, as a list of strings does: all counted, the first in front.
+        ids = ",".join(map(str, itertools.chain.from_iterable(batch)))
+        return ids[:limit], int(sum(map(len, batch)) * CHARS_PER_TOKEN)
     parts: list[str] = []
     size = 0
     tools = payload.get("tools")
@@ -156,6 +193,16 @@ def _token_ids(value: Any) -> bool:
         and bool(value)
         and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     )
+
+
+def _id_prompts(value: Any) -> list[list[int]] | None:
+    """A prompt of token ids (`[ids]`), or a batch of them (`[[ids], ...]`, the openai
+    client's `Iterable[Iterable[int]]`): its id lists; None for any other prompt."""
+    if _token_ids(value):
+        return [value]
+    if isinstance(value, list) and value and all(_token_ids(v) for v in value):
+        return value
+    return None
 
 
 def _segments(payload: Mapping[str, Any], prompt: Any) -> Iterator[str]:
@@ -207,6 +254,26 @@ def _call_text(call: Mapping[str, Any]) -> str:
     )
 
 
+# pydantic's lax-mode words for a bool (vLLM validates its request models so; sim/api.py, which
+# may not import the core, keeps its own copy for the simulated engine).
+_TRUE_WORDS = frozenset({"true", "yes", "on", "1", "t", "y"})
+_FALSE_WORDS = frozenset({"false", "no", "off", "0", "f", "n"})
+
+
+def lax_bool(value: object) -> bool | None:
+    """A bool as pydantic's lax mode reads one: a bool, 0 or 1, or a word such as "true",
+    "yes", "off" (any case); None otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.lower()
+        if word in _TRUE_WORDS or word in _FALSE_WORDS:
+            return word in _TRUE_WORDS
+    return None
+
+
 def estimate_tokens(chars: int) -> int:
     return int(chars / CHARS_PER_TOKEN + 0.5)
 
@@ -239,10 +306,11 @@ def parse_body(
         model = ""
     elif not isinstance(model, str) or not model:
         raise BadRequest("request body needs a string field 'model'")
-    stream = payload.get("stream")
-    if stream is None:  # absent, or null: the OpenAI API's "boolean or null"
-        stream = False
-    elif not isinstance(stream, bool):
+    # Absent or null: the OpenAI API's "boolean or null". Else what vLLM's lax validation
+    # reads as a bool ("true" and 1 stream there).
+    given = payload.get("stream")
+    stream = False if given is None else lax_bool(given)
+    if stream is None:
         raise BadRequest("field 'stream' must be a boolean or null")
     messages = payload.get("messages")
     if messages is not None and not isinstance(messages, list):
@@ -282,13 +350,18 @@ def _chat_prompt(payload: Mapping[str, Any], messages: list[Any]) -> ChatPrompt:
 
 def _completion_prompt(prompt: Any) -> str | tuple[int, ...] | None:
     """A completion's prompt as the tokenizer takes it: text, or token ids as given (a list
-    of them is not chat messages); several prompts in one request: None (no one prefix)."""
+    of them is not chat messages); a batch of one (`["text"]`, `[[ids]]`) is its prompt;
+    several prompts in one request: None (no one prefix)."""
     if isinstance(prompt, str):
         return prompt
     if _token_ids(prompt):
         return tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1:
+        only = prompt[0]
+        if isinstance(only, str):
+            return only
+        if _token_ids(only):
+            return tuple(only)
     return None
 
 
@@ -333,9 +406,14 @@ def build_request(
     *,
     request_id: str | None = None,
 ) -> RequestInfo:
-    """Headers are lower-cased names. Raises the core's typed errors on bad input."""
+    """Headers are lower-cased names. Raises the core's typed errors on bad input.
+
+    The body is parsed on an inference path, and below one only when it is not empty:
+    vLLM's `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` come without one
+    (the model header names the model there)."""
     fields: BodyFields | None = None
-    if body is not None and on_paths(path):
+    exact = path.split("?", 1)[0] in BODY_PATHS
+    if body is not None and on_paths(path) and (body or exact):
         fields = parse_body(
             body,
             max_bytes=config.limits.max_body_bytes,
@@ -348,6 +426,11 @@ def build_request(
             raise BadRequest(
                 f"cannot tell the model: llmgw reads 'model' from the body only on "
                 f"{', '.join(BODY_PATHS)}; send a {config.model_header} header"
+            )
+        if fields is None and not exact:
+            raise BadRequest(
+                f"cannot tell the model: the request has no body to name it; "
+                f"send a {config.model_header} header"
             )
         raise BadRequest(
             f"cannot tell the model: send a JSON body with 'model' or a {config.model_header} header"

@@ -61,7 +61,8 @@ class CompletionCall:
     include_usage: bool
 
 
-# vLLM's request models validate in pydantic's lax mode; these take what it takes.
+# vLLM's request models validate in pydantic's lax mode; these take what it takes (the
+# router's `llmgw.request.lax_bool` is a copy: the simulator may not import the core).
 _INT_TEXT = re.compile(r"[+-]?\d+(?:_\d+)*(?:\.0*)?")
 _TRUE = frozenset({"true", "yes", "on", "1", "t", "y"})
 _FALSE = frozenset({"false", "no", "off", "0", "f", "n"})

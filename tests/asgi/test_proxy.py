@@ -341,6 +341,35 @@ async def test_429_passes_through_when_no_fallback_is_allowed(fleet: SimFleet) -
     assert refused == 2
 
 
+async def test_a_refusal_is_answered_when_the_fallback_after_it_is_down() -> None:
+    """The primary answered 429 with Retry-After, the only fallback refused the connection:
+    the client got 502 `upstream_unreachable` ("an answer from none of the endpoints")
+    instead of the engine's 429 (found by a review helper)."""
+    refusal = b'{"error": {"message": "busy", "type": "RateLimitError", "code": 429}}'
+
+    async def busy(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(json_response(429, refusal, "retry-after: 7\r\n"))
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(busy).start()
+    dead = refused_address()
+    app = proxy_for(make_config([upstream.address, dead]))
+    key = _session_with_primary(app, upstream.address)
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            reply = await client.post(CHAT, content=BODY, headers={"x-session-id": key})
+    finally:
+        await upstream.stop()
+    assert len(upstream.requests) == 1
+    assert reply.status_code == 429, reply.text
+    assert reply.headers["retry-after"] == "7" and reply.content == refusal
+    assert outcome_count(app.telemetry, upstream.address, "backpressure") == 1
+    assert outcome_count(app.telemetry, dead, "failure") == 1
+    assert inflight(app) == 0
+
+
 async def test_connect_error_falls_back_and_all_refused_is_502(fleet: SimFleet) -> None:
     dead = refused_address()
     app = proxy_for(make_config([dead, address_of(fleet.urls[0])]))
@@ -441,6 +470,37 @@ async def test_errors_and_fixed_routes(fleet: SimFleet) -> None:
         assert "llmgw_decisions_total" in metrics
         assert 'llmgw_errors_total{code="body_too_large",status="413"}' in metrics
         assert "llmgw_inflight" in metrics
+
+
+async def test_a_stored_response_is_fetched_and_cancelled_with_the_model_header() -> None:
+    """vLLM serves `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` without a
+    body. With a strategy that reads the prompt the proxy parsed the empty body: 400 "not
+    valid JSON" even with the model header (found by a review helper)."""
+
+    async def stored(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(json_response(200, b'{"id": "resp_1", "object": "response"}'))
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(stored).start()
+    app = proxy_for(make_config([upstream.address], model={"strategy": "latency"}))
+    named = {"x-llmgw-model": MODEL}
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            got = await client.get("/v1/responses/resp_1", headers=named)
+            cancel = await client.post("/v1/responses/resp_1/cancel", headers=named)
+            unnamed = await client.get("/v1/responses/resp_1")
+    finally:
+        await upstream.stop()
+    assert got.status_code == 200 and got.json()["id"] == "resp_1", got.text
+    assert cancel.status_code == 200, cancel.text
+    assert [(r.method, r.target) for r in upstream.requests] == [
+        ("GET", "/v1/responses/resp_1"),
+        ("POST", "/v1/responses/resp_1/cancel"),
+    ]
+    assert unnamed.status_code == 400
+    assert "send a x-llmgw-model header" in unnamed.json()["error"]["message"]
 
 
 async def test_fastapi_app_forwarding_itself_on_real_uvicorn(fleet: SimFleet) -> None:

@@ -506,6 +506,30 @@ async def test_a_busy_pool_is_no_endpoint_failure_and_answers_429_with_retry_aft
         await upstream.stop()
 
 
+async def test_a_cors_preflight_is_answered_as_vllm_answers_it(engine: ScriptedUpstream) -> None:
+    """vLLM answers a browser's preflight `OPTIONS` with 200 and access-control-allow-*
+    (Starlette's CORSMiddleware, everything allowed); the proxy answered 405, so a browser
+    app that talks to vLLM could not talk to it (found by a review helper). The model list,
+    answered by the proxy itself, says any origin may read it."""
+    app, protocol = _proxy(make_config([engine.address]))
+    asked = {
+        "origin": "http://localhost:3000",
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type",
+    }
+    async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+        preflight = await client.options(CHAT, headers=asked)
+        listed = await client.get("/v1/models", headers={"origin": "http://localhost:3000"})
+        plain = await client.options(CHAT)
+    assert preflight.status_code == 200 and preflight.text == "OK"
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert preflight.headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert engine.requests == []  # answered by the proxy
+    assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
+    assert plain.status_code == 405  # an OPTIONS that is no preflight
+
+
 async def test_a_get_of_the_explain_path_is_a_405_that_says_allow_post(
     engine: ScriptedUpstream,
 ) -> None:

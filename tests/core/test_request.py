@@ -9,7 +9,7 @@ import pytest
 
 from llmgw.config import Config
 from llmgw.errors import BadRequest, BodyTooLarge, LlmgwError
-from llmgw.request import build_request, needs_body, prompt_text
+from llmgw.request import build_request, cors_preflight, needs_body, prompt_text, wrong_method
 from llmgw.types import RequestInfo
 
 from .helpers import config, static_model
@@ -43,8 +43,8 @@ def body(**fields: Any) -> bytes:
         (b'{"messages": []}', 400, "'model'"),
         (b'{"model": 7}', 400, "'model'"),
         (b'{"model": ""}', 400, "'model'"),
-        (b'{"model": "chat", "stream": "yes"}', 400, "'stream' must be a boolean"),
-        (b'{"model": "chat", "stream": 1}', 400, "'stream' must be a boolean"),
+        (b'{"model": "chat", "stream": "maybe"}', 400, "'stream' must be a boolean"),
+        (b'{"model": "chat", "stream": 2}', 400, "'stream' must be a boolean"),
         (b'{"model": "chat", "messages": "hi"}', 400, "'messages' must be an array"),
     ],
     ids=[
@@ -119,6 +119,37 @@ def test_engines_other_json_paths_take_the_model_from_the_body(path: str) -> Non
 
 def test_stream_null_is_not_streamed_as_the_openai_api_allows() -> None:
     assert build_request(cfg(), {}, CHAT, body(stream=None)).stream is False
+
+
+@pytest.mark.parametrize(
+    ("flag", "want"),
+    [("true", True), ("Yes", True), ("on", True), (1, True), (1.0, True),
+     ("false", False), ("off", False), ("0", False), (0, False)],
+)  # fmt: skip
+def test_a_stream_flag_vllm_reads_as_a_bool_is_taken_as_it_reads_it(
+    flag: object, want: bool
+) -> None:
+    """vLLM validates requests in pydantic's lax mode: `"stream": "true"` or `1` streams
+    there, but was a 400 from llmgw (found by a review helper)."""
+    assert build_request(cfg(), {}, CHAT, body(stream=flag)).stream is want
+
+
+@pytest.mark.parametrize("path", ["/v1/responses/resp_1", "/v1/responses/resp_1/cancel"])
+def test_a_bodyless_request_below_an_inference_path_is_routed_by_the_model_header(
+    path: str,
+) -> None:
+    """vLLM's `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` have no body;
+    where the strategy reads the prompt, the empty body was parsed: 400 "not valid JSON"
+    even with the model header (found by a review helper)."""
+    assert needs_body(cfg(), {"x-llmgw-model": "chat"}, path)  # the chat strategy reads it
+    info = build_request(cfg(), {"x-llmgw-model": "chat"}, path, b"")
+    assert info.model == "chat" and info.prompt == "" and info.prompt_tokens == 0
+    with pytest.raises(BadRequest) as refused:
+        build_request(cfg(), {}, path, b"")
+    message = refused.value.message
+    assert "send a x-llmgw-model header" in message and "JSON" not in message
+    with pytest.raises(BadRequest, match="not valid JSON"):  # a body is still read
+        build_request(cfg(), {"x-llmgw-model": "chat"}, path, b"{oops")
 
 
 @pytest.mark.parametrize("path", ["/tokenizer_info", "/scores", "/v1/chat/completionsx"])
@@ -290,6 +321,25 @@ def test_a_prompt_of_token_ids_counts_them_and_hashes_them() -> None:
     assert longer.prompt.startswith(a.prompt[:1000]) and other.prompt != a.prompt
 
 
+@pytest.mark.parametrize(
+    ("path", "field"), [("/v1/completions", "prompt"), ("/v1/embeddings", "input")]
+)
+def test_a_batch_of_token_id_prompts_counts_them_all_and_one_is_its_prompt(
+    path: str, field: str
+) -> None:
+    """`[[ids]]` (the openai client's `Iterable[Iterable[int]]`) is the one prompt `ids` to
+    vLLM, but read as no prompt at all: 0 tokens (a 4000-token prefill priced as free), no
+    prefix (found by a review helper). A batch counts every prompt, as a list of strings."""
+    ids = list(range(1000, 5000))
+    flat = _parsed(path, {"model": "chat", field: ids})
+    one = _parsed(path, {"model": "chat", field: [ids]})
+    assert one.prompt_tokens == flat.prompt_tokens == 4000
+    assert one.prompt == flat.prompt and one.raw_prompt == flat.raw_prompt
+    batch = _parsed(path, {"model": "chat", field: [ids, list(range(7, 1007))]})
+    assert batch.prompt_tokens == 5000 and batch.prompt.startswith(flat.prompt[:1000])
+    assert batch.raw_prompt is None  # several prompts: no one prefix to match exactly
+
+
 def test_a_body_without_model_is_routed_by_the_model_header_whatever_the_strategy() -> None:
     """With the header naming the model, a body that leaves `model` out (engines serve
     theirs) was a 400 only where the strategy read the body."""
@@ -300,3 +350,40 @@ def test_a_body_without_model_is_routed_by_the_model_header_whatever_the_strateg
         build_request(cfg(), {}, CHAT, body)
     with pytest.raises(BadRequest, match="string field 'model'"):  # a wrong type still is
         build_request(cfg(), {"x-llmgw-model": "chat"}, CHAT, orjson.dumps({"model": 3}))
+
+
+# -- a browser's CORS preflight -----------------------------------------------------------
+PREFLIGHT = {"origin": "http://localhost:3000", "access-control-request-method": "POST"}
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses/r1/cancel", "/v1/models", "/v1/models/m"])
+def test_a_cors_preflight_is_answered_as_vllm_answers_it(path: str) -> None:
+    """vLLM (Starlette's CORSMiddleware, everything allowed) answers a browser's preflight
+    with 200; llmgw's 405 kept any browser app off it (found by a review helper)."""
+    asked = {**PREFLIGHT, "access-control-request-headers": "authorization, content-type"}
+    answer = cors_preflight("OPTIONS", path, asked)
+    assert answer is not None
+    assert answer["access-control-allow-origin"] == "*"
+    assert "POST" in answer["access-control-allow-methods"].split(", ")
+    assert answer["access-control-allow-headers"] == "authorization, content-type"
+    assert answer["vary"].startswith("Origin")
+    assert "access-control-allow-headers" not in (cors_preflight("OPTIONS", path, PREFLIGHT) or {})
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers"),
+    [
+        ("OPTIONS", CHAT, {"origin": "http://a"}),  # no access-control-request-method
+        ("OPTIONS", CHAT, {"access-control-request-method": "POST"}),  # no origin
+        ("OPTIONS", CHAT, {**PREFLIGHT, "access-control-request-method": "BREW"}),
+        ("OPTIONS", "/admin/explain", PREFLIGHT),
+        ("POST", CHAT, PREFLIGHT),
+    ],
+    ids=["no-request-method", "no-origin", "unknown-method", "other-path", "not-options"],
+)
+def test_anything_but_a_preflight_is_not_answered_as_one(
+    method: str, path: str, headers: dict[str, str]
+) -> None:
+    assert cors_preflight(method, path, headers) is None
+    if method == "OPTIONS" and path == CHAT:  # a plain OPTIONS stays a 405
+        assert wrong_method(method, path) is not None

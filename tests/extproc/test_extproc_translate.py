@@ -179,6 +179,36 @@ def test_a_method_other_than_post_on_an_inference_path_is_405(method: str) -> No
     assert sum(inflight(scheduler).values()) == 0
 
 
+def test_a_cors_preflight_is_answered_200_at_the_headers_and_routes_nothing() -> None:
+    """vLLM answers a browser's preflight with 200 and access-control-allow-*; ext_proc
+    answered 405, so no browser app could call the models behind Envoy (found by a review
+    helper). A GET of a local answer with an Origin says any origin may read it."""
+    scheduler = Scheduler(make_config())
+    asked = {
+        ":method": "OPTIONS",
+        "origin": "http://localhost:3000",
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type",
+    }
+    answer = parse(
+        Exchange(Gateway(scheduler)).handle(
+            request_headers(chat_headers(**asked), end_of_stream=True)
+        )
+    )
+    immediate = answer.immediate_response
+    assert immediate.status.code == 200 and immediate.body == b"OK"
+    sent = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+    assert sent["access-control-allow-origin"] == "*"
+    assert sent["access-control-allow-headers"] == "authorization, content-type"
+    assert "POST" in sent["access-control-allow-methods"]
+    assert sum(inflight(scheduler).values()) == 0
+    local = Exchange(Gateway(scheduler), local=lambda path: (200, b"{}"))
+    headers = chat_headers(**{":method": "GET", ":path": "/v1/models", "origin": "http://a"})
+    listed = parse(local.handle(request_headers(headers, end_of_stream=True))).immediate_response
+    sent = {h.header.key: h.header.raw_value.decode() for h in listed.headers.set_headers}
+    assert sent["access-control-allow-origin"] == "*" and sent["vary"] == "Origin"
+
+
 def test_a_post_to_the_model_catalog_is_405() -> None:
     scheduler = Scheduler(make_config())
     headers = chat_headers(**{":path": "/v1/models/m1"})
