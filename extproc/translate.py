@@ -6,8 +6,9 @@ stream, `Exchange` here owns the per-request protocol state.
 
 The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
 
-1. `request_headers`: if the body is not needed to route (`llmgw.request.needs_body`),
-   decide now. Else, by the body mode the gateway configured (`protocol_config`, sent in
+1. `request_headers`: if the body is not needed to route (`llmgw.request.needs_body`; on
+   a path llmgw does not know, a POST's body whenever no header names the model, as GIE's
+   reference picker reads every path's), decide now. Else, by the body mode the gateway configured (`protocol_config`, sent in
    the first message): FULL_DUPLEX_STREAMED (GIE's reference mode) holds the headers
    answer and collects the body chunks; BUFFERED waits for the whole body; NONE (llmgw's
    own config) asks for a BUFFERED body with `mode_override` (`allow_mode_override`).
@@ -73,7 +74,7 @@ from llmgw.lifecycle import (
     Lifecycle,
     debug_summary,
 )
-from llmgw.request import check_body_size, needs_body, wrong_method
+from llmgw.request import check_body_size, needs_body, on_paths, wrong_method
 from llmgw.types import Decision, Endpoint, Outcome, outcome_for_status
 
 # GIE's conformance suite (behind `conformance_headers`): the EPP picks among the IPs in
@@ -482,7 +483,7 @@ class Exchange:
         refused = wrong_method(self._headers.get(":method"), self._path)
         if refused is not None:
             return self.answer(self.lifecycle.refuse(refused))
-        if not needs_body(self.lifecycle.config, self._headers, self._path):
+        if not self._reads_body():
             return self._route(None)
         if headers.end_of_stream:
             return self._route(b"")
@@ -503,6 +504,19 @@ class Exchange:
             self._response_mode = NONE
             return ASK_FOR_BODY
         return ask
+
+    def _reads_body(self) -> bool:
+        """Is the body needed to route? `needs_body` on llmgw's inference paths; on another
+        path, a POST's body when no header names the model (GIE's reference picker reads
+        the body on every path: GIE's conformance suite POSTs to its routes' own prefixes)."""
+        config = self.lifecycle.config
+        if needs_body(config, self._headers, self._path):
+            return True
+        return (
+            self._headers.get(":method") == "POST"
+            and not self._headers.get(config.model_header)
+            and not on_paths(self._path)
+        )
 
     def _request_body(self, body: HttpBody) -> Answer | AwaitActivation:
         chunk, end = body.body, body.end_of_stream

@@ -576,6 +576,52 @@ def test_conformance_selection_picks_discovered_pods_within_any_subset_hint(
         assert destination(answer)[0] == expected
 
 
+COMPLETION = orjson.dumps({"model": "m1", "prompt": "Write as if you were a critic: San Francisco"})
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/primary-gateway-test",
+        "/destination-endpoint-served-test",
+        "/primary-gateway-dp-test",
+        "/failopen-pool-test",
+    ],
+)
+def test_a_post_on_an_unknown_path_routes_by_its_bodys_model(path: str) -> None:
+    """GIE's conformance suite POSTs completions to its routes' own path prefixes with no
+    model header: llmgw read the body only on its inference paths, so each was a 400
+    (found by a review helper)."""
+    headers = {":method": "POST", ":path": path, "content-type": "application/json"}
+    headers["test-epp-endpoint-selection"] = "10.0.0.2"
+    ex = _discovered_exchange()
+    assert decode(ex.handle(first(headers))) == []  # the headers answer waits for the body
+    answers = decode(ex.handle(body(COMPLETION, end=True)))
+    assert [kind(a) for a in answers] == ["request_headers", "request_body"]
+    assert destination(answers[0])[0] == "10.0.0.2:8000"
+
+
+@pytest.mark.parametrize(
+    "payload", [b"not json", b"[1, 2]", b'{"prompt": "hi"}', b'{"model": 7}', b""]
+)
+def test_a_post_on_an_unknown_path_whose_body_names_no_model_is_a_400_naming_the_header(
+    payload: bytes,
+) -> None:
+    ex = exchange()
+    headers = {":method": "POST", ":path": "/upload"}
+    ex.handle(first(headers))
+    (reply,) = decode(ex.handle(body(payload, end=True)))
+    assert reply.immediate_response.status.code == 400  # type: ignore[union-attr]
+    assert b"x-llmgw-model header" in reply.immediate_response.body  # type: ignore[union-attr]
+
+
+def test_an_unknown_path_with_a_model_header_routes_without_its_body() -> None:
+    ex = exchange()
+    headers = {":method": "POST", ":path": "/upload", "x-llmgw-model": "m1"}
+    (answer,) = decode(ex.handle(first(headers)))
+    assert destination(answer)[0].startswith("127.0.0.1:")
+
+
 def test_conformance_selection_outside_the_subset_hint_is_a_503() -> None:
     headers = chat_headers(**{"x-llmgw-model": "m1", "test-epp-endpoint-selection": "10.0.0.1"})
     metadata = {SUBSET: {SUBSET_KEY: ["10.0.0.2:8000"]}}
