@@ -12,6 +12,11 @@ The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
    the first message): FULL_DUPLEX_STREAMED (GIE's reference mode) holds the headers
    answer and collects the body chunks; BUFFERED waits for the whole body; NONE (llmgw's
    own config) asks for a BUFFERED body with `mode_override` (`allow_mode_override`).
+   A gateway that sends no `:path` is not Envoy (NGINX Gateway Fabric's shim: the
+   client's headers, then the whole body, and the endpoint is read from the headers
+   answer only): its body is always read and the headers answer held, as in
+   FULL_DUPLEX_STREAMED, then answered before the body's (`CONTINUE`) answer; it reports
+   no response, so its stream's end is the outcome `unknown`.
 2. Body complete (end_of_stream, or trailers in FULL_DUPLEX_STREAMED): decide. In
    FULL_DUPLEX_STREAMED the held headers answer goes first, then every chunk unchanged
    (`streamed_response`), then the trailers answer: Envoy requires that order. A body
@@ -400,6 +405,7 @@ class Exchange:
         "_body",
         "_body_ended",
         "_body_size",
+        "_envoy",
         "_headers",
         "_held",
         "_local",
@@ -422,6 +428,10 @@ class Exchange:
         self.status: int | None = None
         self._headers: dict[str, str] = {}
         self._path = "/"
+        # The gateway sent `:path` (Envoy always does); a gateway that is not Envoy, NGINX
+        # Gateway Fabric's shim, sends the client's headers alone and reads the endpoint
+        # only from the headers answer.
+        self._envoy = True
         self._body: list[bytes] = []
         self._body_size = 0
         self._body_ended = False
@@ -467,7 +477,9 @@ class Exchange:
     # -- request -------------------------------------------------------------------------
     def _request_headers(self, headers: HttpHeaders) -> Answer | AwaitActivation:
         self._headers = header_map(headers)
-        self._path = self._headers.get(":path", "/")
+        path = self._headers.get(":path")
+        self._envoy = path is not None
+        self._path = path or "/"
         if self.lifecycle.config.conformance_headers:
             self._conformance_selection()
         if headers.end_of_stream:
@@ -488,8 +500,10 @@ class Exchange:
         if headers.end_of_stream:
             return self._route(b"")
         mode = self._request_mode
-        if mode == FULL_DUPLEX_STREAMED:
-            self._held = True  # Envoy streams the body without waiting for this answer
+        if mode == FULL_DUPLEX_STREAMED or not self._envoy:
+            # Envoy streams the body without waiting for this answer; a gateway that is not
+            # Envoy sends it whole, and takes the endpoint from this answer only.
+            self._held = True
             return ()
         if mode in (BUFFERED, BUFFERED_PARTIAL):
             return CONTINUE_REQUEST_HEADERS  # the body comes whole, the answer rides on it
@@ -510,8 +524,8 @@ class Exchange:
         path, a POST's body when no header names the model (GIE's reference picker reads
         the body on every path: GIE's conformance suite POSTs to its routes' own prefixes)."""
         config = self.lifecycle.config
-        if needs_body(config, self._headers, self._path):
-            return True
+        if not self._envoy or needs_body(config, self._headers, self._path):
+            return True  # no `:path` (not Envoy): the body is all there is to go on
         return (
             self._headers.get(":method") == "POST"
             and not self._headers.get(config.model_header)
@@ -525,6 +539,11 @@ class Exchange:
         if self._request_mode == FULL_DUPLEX_STREAMED:
             if not self._held:  # routed already: pass the chunk through
                 return streamed_request_body(chunk, end_of_stream=end)
+            self._hold(chunk)
+            if self._body_size > self.lifecycle.config.limits.max_body_bytes:
+                return self._refuse_too_large()
+            return self._route(b"".join(self._body)) if end else ()
+        if self._held:  # not Envoy: the headers answer waits for the body's end
             self._hold(chunk)
             if self._body_size > self.lifecycle.config.limits.max_body_bytes:
                 return self._refuse_too_large()
@@ -641,6 +660,11 @@ class Exchange:
         # FULL_DUPLEX_STREAMED: headers first, then every held chunk unchanged, in order.
         self._held = False
         chunks, self._body = self._body, []
+        if self._request_mode != FULL_DUPLEX_STREAMED:
+            # Not Envoy: the headers answer, then one answer to each body message, unchanged.
+            head = route_response(result, after_body=False, fallbacks=self._fallbacks())
+            tail = (CONTINUE_REQUEST_TRAILERS,) if self._trailers else ()
+            return (head, *(CONTINUE_REQUEST_BODY for _ in chunks), *tail)
         last = len(chunks) - 1
         # With trailers the body's end is theirs: answer them last (headers-body-trailers).
         end = self._body_ended and not self._trailers
@@ -704,12 +728,18 @@ class Exchange:
         return CONTINUE_RESPONSE_BODY
 
     def close(self) -> None:
-        """Release the lease: the response's outcome if seen, else the client went away.
+        """Release the lease: the response's outcome if seen, else the client went away
+        (`unknown` from a gateway that is not Envoy, which reports no response).
 
         When Envoy sends response bodies, a stream that closes before the body's end (or
         trailers) was cut: the client went away mid-stream, unless the status already said
         the engine failed (a 5xx, 429), which the breaker must hear however the body ended.
         """
+        if not self._envoy and self.status is None:
+            # A gateway that is not Envoy (no `:path`) sends no response messages: the
+            # stream ends right after the pick, saying nothing of how the request went.
+            self.lifecycle.finish(Outcome.UNKNOWN)
+            return
         cut = self._response_mode != NONE and not self._response_ended
         if cut and (self.status is None or outcome_for_status(self.status) is Outcome.SUCCESS):
             self.lifecycle.finish(Outcome.CANCELLED)
