@@ -80,6 +80,7 @@ from llmgw.lifecycle import (
     debug_summary,
 )
 from llmgw.request import check_body_size, needs_body, on_paths, wrong_method
+from llmgw.scheduling.picking import canonical_hint
 from llmgw.types import Decision, Endpoint, Outcome, outcome_for_status
 
 # GIE's conformance suite (behind `conformance_headers`): the EPP picks among the IPs in
@@ -365,10 +366,17 @@ def _subset_hint(message: ProcessingRequest) -> tuple[str, ...] | None:
     if value is None:
         return None
     if isinstance(value, str):  # tolerate "a,b" as well as the list the protocol specifies
-        value = value.split(",")
+        value = [value]
     if not isinstance(value, list):
         return ()
-    return tuple(v.strip() for v in value if isinstance(v, str) and v.strip())
+    # An entry may itself join several with commas (GIE's conformance picker splits them).
+    return tuple(
+        canonical_hint(part.strip())
+        for v in value
+        if isinstance(v, str)
+        for part in v.split(",")
+        if part.strip()
+    )
 
 
 MALFORMED = object()  # a metadata value that has no JSON form
@@ -388,6 +396,22 @@ def metadata_value(message: ProcessingRequest, namespace: str, key: str) -> Any:
         return MessageToDict(fields[key])  # Value -> str | list | ...
     except ValueError:  # NaN or Infinity in it: no JSON value; the callers refuse a non-str
         return MALFORMED
+
+
+def _served_report(message: ProcessingRequest, served: Any, upstream: str | None) -> str:
+    """The conformance suite's served endpoint: what the gateway reported, never llmgw's
+    own pick (a gateway that routed elsewhere must fail the test). `envoy.lb` metadata
+    verbatim, else the `x-llmgw-upstream` header (Envoy's upstream host, in llmgw's own
+    config), else the value GIE's conformance picker gives when the metadata is missing."""
+    if isinstance(served, str):
+        return served
+    if upstream:
+        return upstream
+    if not message.HasField("metadata_context") or (
+        METADATA_NAMESPACE not in message.metadata_context.filter_metadata
+    ):
+        return "fail: missing envoy lb metadata"
+    return "fail: missing destination endpoint served metadata"
 
 
 class Exchange:
@@ -600,7 +624,7 @@ class Exchange:
         listed = self._headers.get(CONFORMANCE_SELECT_HEADER)
         if listed is None:
             return
-        wanted = tuple(sorted({v.strip() for v in listed.split(",") if v.strip()}))
+        wanted = tuple(sorted({canonical_hint(v.strip()) for v in listed.split(",") if v.strip()}))
         if self._subset is None:
             self._subset = wanted
             return
@@ -701,7 +725,7 @@ class Exchange:
             return debug_response_headers(
                 lifecycle.decision if lifecycle.config.debug_headers else None,
                 lifecycle.endpoint,
-                served=lifecycle.endpoint.address,
+                served=_served_report(message, served, upstream),
             )
         if lifecycle.config.debug_headers:
             return debug_response_headers(lifecycle.decision, lifecycle.endpoint)
