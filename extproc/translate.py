@@ -6,11 +6,17 @@ stream, `Exchange` here owns the per-request protocol state.
 
 The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
 
-1. `request_headers`: if the body is not needed to route (`llmgw.request.needs_body`),
-   decide now. Else, by the body mode the gateway configured (`protocol_config`, sent in
+1. `request_headers`: if the body is not needed to route (`llmgw.request.needs_body`; on
+   a path llmgw does not know, a POST's body whenever no header names the model, as GIE's
+   reference picker reads every path's), decide now. Else, by the body mode the gateway configured (`protocol_config`, sent in
    the first message): FULL_DUPLEX_STREAMED (GIE's reference mode) holds the headers
    answer and collects the body chunks; BUFFERED waits for the whole body; NONE (llmgw's
    own config) asks for a BUFFERED body with `mode_override` (`allow_mode_override`).
+   A gateway that sends no `:path` is not Envoy (NGINX Gateway Fabric's shim: the
+   client's headers, then the whole body, and the endpoint is read from the headers
+   answer only): its body is always read and the headers answer held, as in
+   FULL_DUPLEX_STREAMED, then answered before the body's (`CONTINUE`) answer; it reports
+   no response, so its stream's end is the outcome `unknown`.
 2. Body complete (end_of_stream, or trailers in FULL_DUPLEX_STREAMED): decide. In
    FULL_DUPLEX_STREAMED the held headers answer goes first, then every chunk unchanged
    (`streamed_response`), then the trailers answer: Envoy requires that order. A body
@@ -78,8 +84,10 @@ from llmgw.request import (
     check_body_size,
     cors_preflight,
     needs_body,
+    on_paths,
     wrong_method,
 )
+from llmgw.scheduling.picking import canonical_hint
 from llmgw.types import Decision, Endpoint, Outcome, outcome_for_status
 
 # GIE's conformance suite (behind `conformance_headers`): the EPP picks among the IPs in
@@ -373,10 +381,17 @@ def _subset_hint(message: ProcessingRequest) -> tuple[str, ...] | None:
     if value is None:
         return None
     if isinstance(value, str):  # tolerate "a,b" as well as the list the protocol specifies
-        value = value.split(",")
+        value = [value]
     if not isinstance(value, list):
         return ()
-    return tuple(v.strip() for v in value if isinstance(v, str) and v.strip())
+    # An entry may itself join several with commas (GIE's conformance picker splits them).
+    return tuple(
+        canonical_hint(part.strip())
+        for v in value
+        if isinstance(v, str)
+        for part in v.split(",")
+        if part.strip()
+    )
 
 
 MALFORMED = object()  # a metadata value that has no JSON form
@@ -398,6 +413,22 @@ def metadata_value(message: ProcessingRequest, namespace: str, key: str) -> Any:
         return MALFORMED
 
 
+def _served_report(message: ProcessingRequest, served: Any, upstream: str | None) -> str:
+    """The conformance suite's served endpoint: what the gateway reported, never llmgw's
+    own pick (a gateway that routed elsewhere must fail the test). `envoy.lb` metadata
+    verbatim, else the `x-llmgw-upstream` header (Envoy's upstream host, in llmgw's own
+    config), else the value GIE's conformance picker gives when the metadata is missing."""
+    if isinstance(served, str):
+        return served
+    if upstream:
+        return upstream
+    if not message.HasField("metadata_context") or (
+        METADATA_NAMESPACE not in message.metadata_context.filter_metadata
+    ):
+        return "fail: missing envoy lb metadata"
+    return "fail: missing destination endpoint served metadata"
+
+
 class Exchange:
     """The protocol state of one ext_proc stream (one HTTP request). Not thread-safe.
 
@@ -413,6 +444,7 @@ class Exchange:
         "_body",
         "_body_ended",
         "_body_size",
+        "_envoy",
         "_headers",
         "_held",
         "_local",
@@ -435,6 +467,10 @@ class Exchange:
         self.status: int | None = None
         self._headers: dict[str, str] = {}
         self._path = "/"
+        # The gateway sent `:path` (Envoy always does); a gateway that is not Envoy, NGINX
+        # Gateway Fabric's shim, sends the client's headers alone and reads the endpoint
+        # only from the headers answer.
+        self._envoy = True
         self._body: list[bytes] = []
         self._body_size = 0
         self._body_ended = False
@@ -480,7 +516,9 @@ class Exchange:
     # -- request -------------------------------------------------------------------------
     def _request_headers(self, headers: HttpHeaders) -> Answer | AwaitActivation:
         self._headers = header_map(headers)
-        self._path = self._headers.get(":path", "/")
+        path = self._headers.get(":path")
+        self._envoy = path is not None
+        self._path = path or "/"
         if self.lifecycle.config.conformance_headers:
             self._conformance_selection()
         if headers.end_of_stream:
@@ -503,13 +541,15 @@ class Exchange:
         refused = wrong_method(self._headers.get(":method"), self._path)
         if refused is not None:
             return self.answer(self.lifecycle.refuse(refused))
-        if not needs_body(self.lifecycle.config, self._headers, self._path):
+        if not self._reads_body():
             return self._route(None)
         if headers.end_of_stream:
             return self._route(b"")
         mode = self._request_mode
-        if mode == FULL_DUPLEX_STREAMED:
-            self._held = True  # Envoy streams the body without waiting for this answer
+        if mode == FULL_DUPLEX_STREAMED or not self._envoy:
+            # Envoy streams the body without waiting for this answer; a gateway that is not
+            # Envoy sends it whole, and takes the endpoint from this answer only.
+            self._held = True
             return ()
         if mode in (BUFFERED, BUFFERED_PARTIAL):
             return CONTINUE_REQUEST_HEADERS  # the body comes whole, the answer rides on it
@@ -525,6 +565,19 @@ class Exchange:
             return ASK_FOR_BODY
         return ask
 
+    def _reads_body(self) -> bool:
+        """Is the body needed to route? `needs_body` on llmgw's inference paths; on another
+        path, a POST's body when no header names the model (GIE's reference picker reads
+        the body on every path: GIE's conformance suite POSTs to its routes' own prefixes)."""
+        config = self.lifecycle.config
+        if not self._envoy or needs_body(config, self._headers, self._path):
+            return True  # no `:path` (not Envoy): the body is all there is to go on
+        return (
+            self._headers.get(":method") == "POST"
+            and not self._headers.get(config.model_header)
+            and not on_paths(self._path)
+        )
+
     def _request_body(self, body: HttpBody) -> Answer | AwaitActivation:
         chunk, end = body.body, body.end_of_stream
         if end:
@@ -532,6 +585,11 @@ class Exchange:
         if self._request_mode == FULL_DUPLEX_STREAMED:
             if not self._held:  # routed already: pass the chunk through
                 return streamed_request_body(chunk, end_of_stream=end)
+            self._hold(chunk)
+            if self._body_size > self.lifecycle.config.limits.max_body_bytes:
+                return self._refuse_too_large()
+            return self._route(b"".join(self._body)) if end else ()
+        if self._held:  # not Envoy: the headers answer waits for the body's end
             self._hold(chunk)
             if self._body_size > self.lifecycle.config.limits.max_body_bytes:
                 return self._refuse_too_large()
@@ -588,7 +646,7 @@ class Exchange:
         listed = self._headers.get(CONFORMANCE_SELECT_HEADER)
         if listed is None:
             return
-        wanted = tuple(sorted({v.strip() for v in listed.split(",") if v.strip()}))
+        wanted = tuple(sorted({canonical_hint(v.strip()) for v in listed.split(",") if v.strip()}))
         if self._subset is None:
             self._subset = wanted
             return
@@ -648,6 +706,11 @@ class Exchange:
         # FULL_DUPLEX_STREAMED: headers first, then every held chunk unchanged, in order.
         self._held = False
         chunks, self._body = self._body, []
+        if self._request_mode != FULL_DUPLEX_STREAMED:
+            # Not Envoy: the headers answer, then one answer to each body message, unchanged.
+            head = route_response(result, after_body=False, fallbacks=self._fallbacks())
+            tail = (CONTINUE_REQUEST_TRAILERS,) if self._trailers else ()
+            return (head, *(CONTINUE_REQUEST_BODY for _ in chunks), *tail)
         last = len(chunks) - 1
         # With trailers the body's end is theirs: answer them last (headers-body-trailers).
         end = self._body_ended and not self._trailers
@@ -684,7 +747,7 @@ class Exchange:
             return debug_response_headers(
                 lifecycle.decision if lifecycle.config.debug_headers else None,
                 lifecycle.endpoint,
-                served=lifecycle.endpoint.address,
+                served=_served_report(message, served, upstream),
             )
         if lifecycle.config.debug_headers:
             return debug_response_headers(lifecycle.decision, lifecycle.endpoint)
@@ -711,12 +774,18 @@ class Exchange:
         return CONTINUE_RESPONSE_BODY
 
     def close(self) -> None:
-        """Release the lease: the response's outcome if seen, else the client went away.
+        """Release the lease: the response's outcome if seen, else the client went away
+        (`unknown` from a gateway that is not Envoy, which reports no response).
 
         When Envoy sends response bodies, a stream that closes before the body's end (or
         trailers) was cut: the client went away mid-stream, unless the status already said
         the engine failed (a 5xx, 429), which the breaker must hear however the body ended.
         """
+        if not self._envoy and self.status is None:
+            # A gateway that is not Envoy (no `:path`) sends no response messages: the
+            # stream ends right after the pick, saying nothing of how the request went.
+            self.lifecycle.finish(Outcome.UNKNOWN)
+            return
         cut = self._response_mode != NONE and not self._response_ended
         if cut and (self.status is None or outcome_for_status(self.status) is Outcome.SUCCESS):
             self.lifecycle.finish(Outcome.CANCELLED)

@@ -318,7 +318,7 @@ class Registry:
         state.released_since_scrape += 1
         if self.on_load is not None:
             self.on_load(model, state)
-        if outcome is Outcome.CANCELLED:
+        if outcome is Outcome.CANCELLED or outcome is Outcome.UNKNOWN:  # no verdict
             if probe:
                 state.breaker.release_probe(probe)
             return

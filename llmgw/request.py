@@ -365,6 +365,29 @@ def _completion_prompt(prompt: Any) -> str | tuple[int, ...] | None:
     return None
 
 
+def _other_body(
+    body: bytes, *, max_bytes: int, prefix_chars: int, model_given: bool = False
+) -> BodyFields | None:
+    """A body on a path whose body llmgw does not know (the ext_proc edge reads it, as GIE's
+    reference picker reads every path's): an OpenAI-style body as `parse_body` reads it,
+    else its string `model` alone, else None (nothing to route on: not JSON, not an object,
+    no model)."""
+    try:
+        return parse_body(
+            body, max_bytes=max_bytes, prefix_chars=prefix_chars, model_given=model_given
+        )
+    except BadRequest:
+        pass
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    model = payload.get("model") if isinstance(payload, dict) else None
+    if not isinstance(model, str) or not model:
+        return None
+    return BodyFields(model=model, prompt="", stream=False)
+
+
 def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:
     """Is the body needed to route: no model header, or a strategy that reads the prompt?"""
     if not on_paths(path):
@@ -413,8 +436,9 @@ def build_request(
     (the model header names the model there)."""
     fields: BodyFields | None = None
     exact = path.split("?", 1)[0] in BODY_PATHS
-    if body is not None and on_paths(path) and (body or exact):
-        fields = parse_body(
+    if body is not None and (body or exact):
+        read = parse_body if on_paths(path) else _other_body
+        fields = read(
             body,
             max_bytes=config.limits.max_body_bytes,
             prefix_chars=config.limits.prompt_prefix_chars,
@@ -424,8 +448,9 @@ def build_request(
     if not model:
         if not on_paths(path):
             raise BadRequest(
-                f"cannot tell the model: llmgw reads 'model' from the body only on "
-                f"{', '.join(BODY_PATHS)}; send a {config.model_header} header"
+                f"cannot tell the model: send a {config.model_header} header (llmgw reads "
+                f"'model' from the body on {', '.join(BODY_PATHS)}, and behind a gateway "
+                "from a POST's JSON object body on any path)"
             )
         if fields is None and not exact:
             raise BadRequest(

@@ -63,6 +63,8 @@ class Outcome(enum.StrEnum):
     FAILURE = "failure"  # 5xx, connection reset, upstream timeout
     BACKPRESSURE = "backpressure"  # 429 / 503 from the engine
     CANCELLED = "cancelled"  # the client went away: says nothing about the replica
+    # The gateway reports no response (NGINX Gateway Fabric sends ext_proc none): no verdict.
+    UNKNOWN = "unknown"
 
 
 def outcome_for_status(status: int) -> Outcome:

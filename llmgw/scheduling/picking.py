@@ -6,14 +6,16 @@ patch, and calls this once per pick. Compiled with the filters and pickers, a 16
 
 from __future__ import annotations
 
+import ipaddress
 import random
 from collections.abc import Callable
+from functools import lru_cache
 from itertools import repeat
 from operator import add, mul
 from typing import Protocol
 
 from llmgw.breaker import BreakerState
-from llmgw.config import ModelMode, ModelSpec
+from llmgw.config import ModelMode, ModelSpec, canonical_address
 from llmgw.errors import LlmgwError, ModelDisabled, ModelNotReady, NoHealthyEndpoint
 from llmgw.hashring import HashRing
 from llmgw.registry import EndpointState, Registry
@@ -198,9 +200,35 @@ def _nothing_left(flt: Filter, ctx: PickContext, candidates: list[EndpointState]
     return flt.when_empty(message, retry_after=hint(ctx, candidates))
 
 
+def canonical_hint(entry: str) -> str:
+    """An endpoint of a gateway's subset hint spelt as the registry spells addresses
+    (`canonical_address`; an IP alone: bare, IPv6 compressed), so that `_in_subset`
+    compares strings: `[FD00::2]:8000` and `[fd00:0::2]:8000` are `[fd00::2]:8000`. The
+    edge calls it once per entry per request; an IPv4 one is returned as it is."""
+    if "[" not in entry and entry.count(":") <= 1:
+        return entry
+    return _canonical_v6_hint(entry)
+
+
+@lru_cache(maxsize=4096)
+def _canonical_v6_hint(entry: str) -> str:
+    if entry.startswith("["):
+        host, _, port = entry[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, port = entry, ""
+    try:
+        if port:
+            return canonical_address(f"[{host}]:{port}")
+        ip = ipaddress.IPv6Address(host)
+    except ValueError:
+        return entry  # not an address: it matches nothing, as it is
+    return str(ip.ipv4_mapped) if ip.ipv4_mapped is not None else ip.compressed
+
+
 def _in_subset(address: str, subset: frozenset[str]) -> bool:
     """The gateway's hint names endpoints as ip:port, or (as GIE's reference picker reads
-    it) by IP alone: every port of that IP."""
+    it) by IP alone: every port of that IP. Its entries are `canonical_hint`s."""
     if address in subset:
         return True
     host = address.rpartition(":")[0]

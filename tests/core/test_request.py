@@ -101,11 +101,39 @@ def test_no_model_anywhere_is_a_400_naming_the_header() -> None:
 
 
 def test_off_list_path_without_the_header_says_where_the_body_is_read() -> None:
-    """The body is not read off the list: the message must not ask for a body 'model'."""
+    """Off the list the proxy never reads the body: the message asks for the header and
+    says where a body 'model' is read."""
     with pytest.raises(BadRequest) as info:
         build_request(cfg(), {}, "/v1/images/generations", None)
     message = str(info.value)
-    assert "only on /v1/chat/completions" in message and "x-llmgw-model header" in message
+    assert message.startswith("cannot tell the model: send a x-llmgw-model header")
+    assert "from the body on /v1/chat/completions" in message
+
+
+@pytest.mark.parametrize(
+    ("payload", "model"),
+    [
+        (b'{"model": "plain", "prompt": "hi"}', "plain"),
+        (b'{"model": "plain", "stream": "yes"}', "plain"),  # not OpenAI's shape: model alone
+        (b'{"model": "plain", "messages": 3}', "plain"),
+    ],
+)
+def test_a_body_given_off_the_list_is_routed_by_its_model(payload: bytes, model: str) -> None:
+    """The ext_proc edge reads a POST's body on any path (GIE's conformance suite POSTs to
+    its routes' own prefixes); its string 'model' routes it (found by a review helper)."""
+    info = build_request(cfg(), {}, "/primary-gateway-test", payload)
+    assert info.model == model
+
+
+def test_a_completion_off_the_list_keeps_its_prompt() -> None:
+    info = build_request(cfg(), {}, "/primary-gateway-test", body(prompt="abc", messages=None))
+    assert "abc" in info.prompt
+
+
+@pytest.mark.parametrize("payload", [b"", b"{not json", b"[1]", b'{"model": 7}', b"{}"])
+def test_a_body_off_the_list_naming_no_model_is_the_400_naming_the_header(payload: bytes) -> None:
+    with pytest.raises(BadRequest, match="send a x-llmgw-model header"):
+        build_request(cfg(), {}, "/primary-gateway-test", payload)
 
 
 @pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score",

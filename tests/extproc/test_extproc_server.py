@@ -15,7 +15,10 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
     ProcessingRequest,
     ProcessingResponse,
 )
@@ -121,6 +124,45 @@ async def test_cancelled_stream_releases_the_lease(server: ExtProcServer) -> Non
         assert total_inflight(server) == 1
         call.cancel()
         await eventually(lambda: total_inflight(server) == 0 and server.open_streams == 0)
+
+
+async def ngf_shim(port: int, headers: dict[str, str], body: bytes) -> list[ProcessingResponse]:
+    """What NGINX Gateway Fabric's shim (cmd/gateway/endpoint_picker.go) sends per request:
+    the client's headers lower-cased in `value`, no pseudo-headers, no protocol_config; the
+    whole body with end_of_stream; then it closes its side and reads answers until EOF."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = stream(channel)
+        values = [HeaderValue(key=k.lower(), value=v) for k, v in headers.items()]
+        await call.write(
+            ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=values)))
+        )
+        await call.write(ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)))
+        await call.done_writing()
+        answers = []
+        while (answer := await call.read()) is not grpc.aio.EOF:
+            assert isinstance(answer, ProcessingResponse)
+            answers.append(answer)
+        return answers
+
+
+async def test_nginx_gateway_fabrics_sequence_gets_the_endpoint_in_the_headers_answer(
+    server: ExtProcServer,
+) -> None:
+    """NGF sends no `:path` and takes the endpoint only from a request_headers answer: llmgw
+    read path "/" and answered 400 without reading the body (found by a review helper)."""
+    payload = b'{"model": "m1", "messages": [{"role": "user", "content": "hello"}]}'
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(payload)),
+               "User-Agent": "OpenAI/Python 1.0", "Accept": "application/json"}  # fmt: skip
+    port = server.ports["grpc"]
+    assert port is not None
+    answers = await ngf_shim(port, headers, payload)
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    endpoint = set_headers(answers[0])["x-gateway-destination-endpoint"]
+    assert endpoint.startswith("127.0.0.1:91")
+    # NGF reports no response: the lease ends with the stream, as no verdict.
+    await eventually(lambda: total_inflight(server) == 0)
+    metrics = server.telemetry.render()[0].decode()
+    assert 'outcome="unknown"} 1.0' in metrics and 'outcome="cancelled"' not in metrics
 
 
 async def test_grpc_health_and_http_probes_follow_draining(server: ExtProcServer) -> None:

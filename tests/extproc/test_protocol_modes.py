@@ -524,7 +524,8 @@ def test_conformance_selection_header_picks_among_the_listed_ips_when_enabled() 
         header, _ = destination(answer)
         assert set(header.split(",")) <= {"10.0.0.2:8000", "10.0.0.3:8000"}
         seen.add(header.split(",")[0])
-        (head,) = decode(ex.handle(response_headers(200)))
+        # Envoy reports the host that answered (x-llmgw-upstream, llmgw's own config).
+        (head,) = decode(ex.handle(response_headers(200, upstream=header.split(",")[0])))
         mutation = head.response_headers.response.header_mutation  # type: ignore[union-attr]
         served = {h.header.key: h.header.raw_value for h in mutation.set_headers if h.header}  # type: ignore[union-attr]
         assert served["x-conformance-test-served-endpoint"] == header.split(",")[0].encode()
@@ -574,6 +575,115 @@ def test_conformance_selection_picks_discovered_pods_within_any_subset_hint(
         metadata = {SUBSET: {SUBSET_KEY: hint}} if hint is not None else None
         (answer,) = decode(_discovered_exchange().handle(first(headers, metadata=metadata)))
         assert destination(answer)[0] == expected
+
+
+COMPLETION = orjson.dumps({"model": "m1", "prompt": "Write as if you were a critic: San Francisco"})
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/primary-gateway-test",
+        "/destination-endpoint-served-test",
+        "/primary-gateway-dp-test",
+        "/failopen-pool-test",
+    ],
+)
+def test_a_post_on_an_unknown_path_routes_by_its_bodys_model(path: str) -> None:
+    """GIE's conformance suite POSTs completions to its routes' own path prefixes with no
+    model header: llmgw read the body only on its inference paths, so each was a 400
+    (found by a review helper)."""
+    headers = {":method": "POST", ":path": path, "content-type": "application/json"}
+    headers["test-epp-endpoint-selection"] = "10.0.0.2"
+    ex = _discovered_exchange()
+    assert decode(ex.handle(first(headers))) == []  # the headers answer waits for the body
+    answers = decode(ex.handle(body(COMPLETION, end=True)))
+    assert [kind(a) for a in answers] == ["request_headers", "request_body"]
+    assert destination(answers[0])[0] == "10.0.0.2:8000"
+
+
+@pytest.mark.parametrize(
+    "payload", [b"not json", b"[1, 2]", b'{"prompt": "hi"}', b'{"model": 7}', b""]
+)
+def test_a_post_on_an_unknown_path_whose_body_names_no_model_is_a_400_naming_the_header(
+    payload: bytes,
+) -> None:
+    ex = exchange()
+    headers = {":method": "POST", ":path": "/upload"}
+    ex.handle(first(headers))
+    (reply,) = decode(ex.handle(body(payload, end=True)))
+    assert reply.immediate_response.status.code == 400  # type: ignore[union-attr]
+    assert b"x-llmgw-model header" in reply.immediate_response.body  # type: ignore[union-attr]
+
+
+def test_an_unknown_path_with_a_model_header_routes_without_its_body() -> None:
+    ex = exchange()
+    headers = {":method": "POST", ":path": "/upload", "x-llmgw-model": "m1"}
+    (answer,) = decode(ex.handle(first(headers)))
+    assert destination(answer)[0].startswith("127.0.0.1:")
+
+
+def _served_header(ex: Exchange, message: ProcessingRequest) -> bytes:
+    (head,) = decode(ex.handle(message))
+    mutation = head.response_headers.response.header_mutation  # type: ignore[union-attr]
+    values = {h.header.key: h.header.raw_value for h in mutation.set_headers if h.header}  # type: ignore[union-attr]
+    return values["x-conformance-test-served-endpoint"]
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        (None, b"fail: missing envoy lb metadata"),
+        ({"other": "x"}, b"fail: missing destination endpoint served metadata"),
+        ({"x-gateway-destination-endpoint-served": "10.0.0.9:8000"}, b"10.0.0.9:8000"),
+    ],
+)
+def test_the_served_endpoint_header_reports_the_gateway_never_llmgws_own_pick(
+    metadata: dict[str, str] | None, expected: bytes
+) -> None:
+    """With no served-endpoint metadata it echoed llmgw's pick, so a gateway that routed
+    elsewhere passed GIE's check; it now answers as GIE's conformance picker (found by a
+    review helper)."""
+    ex = _conformance_exchange(True)
+    headers = chat_headers(**{"x-llmgw-model": "m1", "test-epp-endpoint-selection": "10.0.0.2"})
+    ex.handle(first(headers))
+    head = response_headers(200)
+    if metadata is not None:
+        served = Struct()
+        served.update(metadata)
+        head.metadata_context.CopyFrom(Metadata(filter_metadata={"envoy.lb": served}))
+    assert _served_header(ex, head) == expected
+
+
+@pytest.mark.parametrize(
+    "hint",
+    [
+        ["10.0.0.1:8000,[FD00::3]:8000"],  # comma-joined in one entry, as GIE splits them
+        ["[FD00::3]:8000"],
+        ["[fd00:0::3]:8000"],
+        ["[fd00:0:0:0:0:0:0:3]:08000"],
+        ["FD00:0::3"],  # an IP alone: every port there
+        "[FD00::3]:8000",
+    ],
+)
+def test_a_subset_hint_matches_however_the_gateway_spells_it(hint: object) -> None:
+    """A comma-joined entry was one address that matched nothing, and an IPv6 address
+    written otherwise than compressed lower-case matched nothing: each a 503 (found by a
+    review helper)."""
+    picked = set()
+    for i in range(12):
+        headers = chat_headers(**{"x-llmgw-model": "m1", "x-request-id": f"r{i}"})
+        metadata = {SUBSET: {SUBSET_KEY: hint}}
+        (answer,) = decode(_discovered_exchange().handle(first(headers, metadata=metadata)))
+        picked.add(destination(answer)[0])
+    assert "[fd00::3]:8000" in picked and picked <= {"10.0.0.1:8000", "[fd00::3]:8000"}
+
+
+def test_conformance_selection_of_an_ipv6_pod_spelt_otherwise_within_a_hint() -> None:
+    headers = chat_headers(**{"x-llmgw-model": "m1", "test-epp-endpoint-selection": "FD00:0::3"})
+    metadata = {SUBSET: {SUBSET_KEY: ["[fd00::3]:8000", "10.0.0.1:8000"]}}
+    (answer,) = decode(_discovered_exchange().handle(first(headers, metadata=metadata)))
+    assert destination(answer)[0] == "[fd00::3]:8000"
 
 
 def test_conformance_selection_outside_the_subset_hint_is_a_503() -> None:
