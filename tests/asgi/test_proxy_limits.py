@@ -167,6 +167,28 @@ async def test_an_idle_kept_alive_connection_is_closed_after_client_idle_timeout
     assert guarded(LimitsSpec()).keep_alive == 75.0  # the default: past clients' pools
 
 
+@pytest.mark.parametrize("then", [b"\r\n", b"\r\n\r\n"], ids=["one CRLF", "two CRLFs"])
+async def test_an_empty_line_after_an_answer_does_not_keep_the_connection_open(
+    engine: ScriptedUpstream, then: bytes
+) -> None:
+    """An empty line after an answer (skipped before a request line, RFC 9112 2.2) stopped
+    uvicorn's idle timer but started no head deadline: the connection stayed open for ever
+    (found by a review helper)."""
+    limits = {"client_header_timeout": 0.3, "client_idle_timeout": 0.3}
+    app, protocol = _proxy(make_config([engine.address], limits=limits))
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        try:
+            writer.write(_head([]) + BODY)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
+            assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"{}"
+            writer.write(then)
+            # Closed without an answer: nothing of a request arrived.
+            assert await asyncio.wait_for(reader.read(), DEADLINE) == b""
+        finally:
+            writer.close()
+
+
 @pytest.mark.parametrize("model_header", [False, True], ids=["body routes", "header routes"])
 async def test_a_body_that_stops_arriving_gets_408_and_is_never_routed(
     engine: ScriptedUpstream, model_header: bool
