@@ -253,6 +253,43 @@ async def test_a_client_still_sending_a_refused_body_gets_the_413_not_a_reset(
     assert engine.requests == []
 
 
+@pytest.mark.parametrize("framing", ["chunked", "content-length"])
+async def test_a_413_before_the_bodys_end_closes_the_connection(
+    engine: ScriptedUpstream, framing: str
+) -> None:
+    """After a 413 sent while the body was still arriving (a chunked body past the limit, or
+    a content-length far past it, refused at once), the proxy kept the connection and read
+    the rest of the body, with no end and no timer (found by a review helper)."""
+    limit = 1 << 20
+    app, protocol = _proxy(make_config([engine.address], limits={"max_body_bytes": limit}))
+    piece = b"x" * (64 * 1024)
+    if framing == "chunked":
+        framed, piece = [("transfer-encoding", "chunked")], b"%x\r\n%s\r\n" % (len(piece), piece)
+    else:
+        framed = [("content-length", str(10**10))]
+    lines = [f"POST {CHAT} HTTP/1.1", "host: llm"] + [f"{k}: {v}" for k, v in framed]
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        reading = asyncio.create_task(reader.read())  # to EOF: the proxy closed its side
+        try:
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+            sent = 0
+            while not reading.done() and sent < 32 * limit:  # the client goes on sending
+                writer.write(piece)
+                sent += len(piece)
+                await asyncio.wait_for(writer.drain(), DEADLINE)
+                await asyncio.sleep(0)  # the reader's turn
+            assert reading.done(), f"{sent} bytes sent past the 413, the connection still open"
+            answer = reading.result()
+        finally:
+            reading.cancel()
+            writer.close()
+    status, error, headers = _status_and_error(answer)
+    assert (status, error["code"]) == (413, "body_too_large")
+    assert headers[b"connection"] == b"close"
+    assert engine.requests == []
+
+
 async def test_a_pipelined_head_refused_mid_answer_never_splits_that_answer() -> None:
     """Request 1 is still being answered when request 2's head, pipelined behind it, passes
     the header limit: request 1's answer goes out whole, then the connection closes (a 431
