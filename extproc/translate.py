@@ -515,9 +515,9 @@ class Exchange:
             if self._body_size > self.lifecycle.config.limits.max_body_bytes:
                 return self._refuse_too_large()
             return self._route(b"".join(self._body)) if end else ()
-        self._hold(chunk)
         if self.lifecycle.decision is not None:  # routed at the headers: the body is not read
-            return CONTINUE_REQUEST_BODY
+            return CONTINUE_REQUEST_BODY  # (nor kept: it goes on upstream, however long)
+        self._hold(chunk)
         if self._request_mode == BUFFERED_PARTIAL and not end:
             # The gateway's buffer filled (the body is cut), unless trailers ended the body
             # (HTTP/2 sends them after it): then it is as long as it said it would be, or,

@@ -4,6 +4,8 @@ llmgw encodes with."""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 import warnings
 from typing import Any
 
@@ -114,6 +116,22 @@ def streamed(message: Decoded, side: str = "request_body") -> tuple[bytes, bool]
 def exchange(fallbacks: bool = True, hooks: Hooks | None = None) -> Exchange:
     scheduler = Scheduler(make_config(destination_fallbacks=fallbacks))
     return Exchange(Gateway(scheduler), hooks or Hooks())
+
+
+LIMIT = 1 << 20  # limits.max_body_bytes of `limited()`
+
+
+def limited() -> Exchange:
+    """An exchange for model `m1` (ring, 3 endpoints) with a 1 MiB body limit."""
+    config = load_dict(
+        {
+            "models": {
+                "m1": {"endpoints": [f"127.0.0.1:{9100 + i}" for i in range(3)], "strategy": "ring"}
+            },
+            "limits": {"max_body_bytes": LIMIT},
+        }
+    )
+    return Exchange(Gateway(Scheduler(config)), Hooks())
 
 
 # -- FULL_DUPLEX_STREAMED (GIE's reference mode) -------------------------------------------
@@ -665,3 +683,33 @@ def test_unsaid_mode_a_body_in_chunks_waits_for_its_end() -> None:
     assert kind(passed) == "request_body" and ex.decision is None
     (answer,) = decode(ex.handle(body(CHAT[half:], end=True)))
     assert body_destination(answer) == _primary(ex)
+
+
+# -- a body streamed to ext_proc in chunks (STREAMED, or an Envoy that does not say) --------
+@pytest.mark.parametrize("mode", [ProcessingMode.STREAMED, None], ids=["STREAMED", "unsaid"])
+def test_the_body_of_a_request_routed_at_the_headers_is_not_held(mode: int | None) -> None:
+    """Routed at the headers (a model header), the body's chunks were still kept until the
+    stream's end, never read and unbounded (found by a review helper)."""
+    ex = limited()
+    headers = chat_headers(**{"x-llmgw-model": "m1"})
+    ex.handle(
+        request_headers(headers)
+        if mode is None
+        else first(headers, request_mode=mode, response_mode=0)
+    )
+    assert ex.decision is not None
+    piece = b"x" * (LIMIT // 4)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(16):  # 4x the limit: the body goes on upstream, unread
+            (answer,) = decode(ex.handle(body(piece)))
+            assert kind(answer) == "request_body"
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert held < LIMIT, f"{held} bytes held of a body never read"
+    (answer,) = decode(ex.handle(body(piece, end=True)))
+    assert kind(answer) == "request_body"
