@@ -212,6 +212,13 @@ class GuardedProtocol(HttpToolsProtocol):
             and self._head_received > self.max_head_bytes + _HEAD_SLACK
         ):
             self._refuse(self._too_large())
+        # Any bytes stop uvicorn's idle timer, but empty lines before a request line start
+        # no message (the parser skips them): between requests, the head deadline covers
+        # them, so a connection sending only CRLFs is closed as an idle one.
+        if not self._refused and self._in_head and self._head_timer is None:
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:
+                self._arm()
 
     def on_message_begin(self) -> None:
         if self._refused:

@@ -53,6 +53,7 @@ from llmgw.errors import ConfigError
 from llmgw.extproc import envoylimits
 from llmgw.lifecycle import (
     DESTINATION_HEADER,
+    INTERNAL_HEADERS,
     METADATA_NAMESPACE,
     SUBSET_NAMESPACE,
     UPSTREAM_HEADER,
@@ -557,14 +558,15 @@ def _listener(
     header_timeout: float,
     stream_idle: str,
 ) -> dict[str, Any]:
-    """The HTTP listener: client copies of the destination header stripped first, ext_proc,
-    then the router; responses say which host answered (for the outcome after retries)."""
-    strip_destination = {
+    """The HTTP listener: client copies of llmgw's own headers (the destination, the
+    decision, the upstream) stripped first, ext_proc, then the router; responses say which
+    host answered (for the outcome after retries)."""
+    strip_internal = {
         "name": "envoy.http.early_header_mutation.header_mutation",
         "typed_config": {
             "@type": _T
             + "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-            "mutations": [{"remove": DESTINATION_HEADER}],
+            "mutations": [{"remove": name} for name in sorted(INTERNAL_HEADERS)],
         },
     }
     router = {
@@ -576,7 +578,7 @@ def _listener(
         + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "llm",
         "codec_type": "AUTO",
-        "early_header_mutation_extensions": [strip_destination],
+        "early_header_mutation_extensions": [strip_internal],
         "max_request_headers_kb": envoylimits.CODEC_MAX_HEADERS_KB,
         "common_http_protocol_options": {"max_headers_count": envoylimits.CODEC_MAX_HEADERS},
         "request_headers_timeout": duration(header_timeout, "limits.client_header_timeout"),

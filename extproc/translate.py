@@ -102,6 +102,9 @@ BUFFERED = int(ProcessingMode.BUFFERED)
 BUFFERED_PARTIAL = int(ProcessingMode.BUFFERED_PARTIAL)
 FULL_DUPLEX_STREAMED = int(ProcessingMode.FULL_DUPLEX_STREAMED)
 UNSAID = -1  # Envoy before 1.33 sends no protocol_config: the configured mode is unknown
+# A body whose end is not marked is parsed to see whether it is whole: at most this many
+# times `limits.max_body_bytes` in all, per request (`Exchange._whole`).
+_PARSE_BUDGET = 4
 
 # One answer, or several in order (FULL_DUPLEX_STREAMED), or none yet (an empty tuple).
 Answer = bytes | tuple[bytes, ...]
@@ -448,6 +451,7 @@ class Exchange:
         "_headers",
         "_held",
         "_local",
+        "_parsed",
         "_path",
         "_replied",
         "_request_mode",
@@ -473,6 +477,7 @@ class Exchange:
         self._envoy = True
         self._body: list[bytes] = []
         self._body_size = 0
+        self._parsed = 0  # bytes `_whole` parsed, all tries
         self._body_ended = False
         self._after_body = False
         # FULL_DUPLEX_STREAMED: the headers answer is held until the body is read.
@@ -582,41 +587,32 @@ class Exchange:
         chunk, end = body.body, body.end_of_stream
         if end:
             self._body_ended = True
-        if self._request_mode == FULL_DUPLEX_STREAMED:
-            if not self._held:  # routed already: pass the chunk through
-                return streamed_request_body(chunk, end_of_stream=end)
+        if self._request_mode == FULL_DUPLEX_STREAMED and not self._held:
+            return streamed_request_body(chunk, end_of_stream=end)  # routed: pass it through
+        if self._held:  # FULL_DUPLEX_STREAMED, or not Envoy: the headers answer waits
             self._hold(chunk)
             if self._body_size > self.lifecycle.config.limits.max_body_bytes:
                 return self._refuse_too_large()
             return self._route(b"".join(self._body)) if end else ()
-        if self._held:  # not Envoy: the headers answer waits for the body's end
-            self._hold(chunk)
-            if self._body_size > self.lifecycle.config.limits.max_body_bytes:
-                return self._refuse_too_large()
-            return self._route(b"".join(self._body)) if end else ()
-        self._hold(chunk)
         if self.lifecycle.decision is not None:  # routed at the headers: the body is not read
-            return CONTINUE_REQUEST_BODY
+            return CONTINUE_REQUEST_BODY  # (nor kept: it goes on upstream, however long)
+        self._hold(chunk)
+        # In every mode: an Envoy that streams the body (one before 1.33 that took no
+        # override) has no buffer of its own to stop it.
+        if self._body_size > self.lifecycle.config.limits.max_body_bytes:
+            return self._refuse_too_large()
         if self._request_mode == BUFFERED_PARTIAL and not end:
             # The gateway's buffer filled (the body is cut), unless trailers ended the body
-            # (HTTP/2 sends them after it): then it is as long as it said it would be, or,
-            # sent without a length, it is a whole JSON object (a cut one never parses).
-            length = self._headers.get("content-length")
-            whole = (
-                length == str(self._body_size)
-                if length is not None
-                else _is_json_object(b"".join(self._body))
-            )
-            if not whole:
+            # (HTTP/2 sends them after it).
+            if not self._whole(chunk):
                 return self._refuse_too_large()
             end = self._body_ended = True
         if not (end or self._request_mode == BUFFERED):
             # An Envoy that does not say its mode (before 1.33) may stream the body in
             # chunks or, having taken the BUFFERED override, send it whole with
             # end_of_stream false because HTTP/2 trailers end it; those trailers come too
-            # late to route on (their answer cannot set headers). A whole JSON object is
-            # the whole body (a chunk of one never parses).
-            if self._request_mode != UNSAID or not _is_json_object(b"".join(self._body)):
+            # late to route on (their answer cannot set headers).
+            if self._request_mode != UNSAID or not self._whole(chunk):
                 return CONTINUE_REQUEST_BODY
             self._body_ended = True
         self._after_body = True
@@ -657,6 +653,22 @@ class Exchange:
                 if narrower is not None:
                     both.add(narrower)
         self._subset = tuple(sorted(both))
+
+    def _whole(self, last: bytes) -> bool:
+        """Whether the body held, its end not marked, is all of it: as long as its
+        content-length says, or, sent without one, a whole JSON object (a cut one never
+        parses). Parsing all the body on each chunk was quadratic: it is parsed only when
+        `last`, the newest chunk, ends as an object does, and at most `_PARSE_BUDGET` times
+        the body limit in all (a body whose chunks all end so, sent to cost CPU, then
+        waits for its end)."""
+        length = self._headers.get("content-length")
+        if length is not None and length.isdecimal():
+            return int(length) == self._body_size
+        budget = _PARSE_BUDGET * self.lifecycle.config.limits.max_body_bytes
+        if self._parsed + self._body_size > budget or not last.rstrip().endswith(b"}"):
+            return False
+        self._parsed += self._body_size
+        return _is_json_object(b"".join(self._body))
 
     def _hold(self, chunk: bytes) -> None:
         self._body.append(chunk)

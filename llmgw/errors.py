@@ -70,9 +70,12 @@ class UpgradeRequired(LlmgwError):
 
 
 class BodyTooLarge(LlmgwError):
+    """Answered before the body's end: the rest is not read, the connection is closed."""
+
     status = 413
     code = "body_too_large"
     type = "invalid_request_error"
+    closes = True
 
 
 class ModelNotFound(LlmgwError):

@@ -20,6 +20,10 @@ from fractions import Fraction
 import mmh3
 
 RING_SEED = 0xF9B4CA77
+# Keys up to this many characters have their walks cached (a session id, a request id); a
+# longer one (a client's, up to the 60 KB head limit) is placed each time: cached whole,
+# 4,096 of them held ~245 MB per ring.
+CACHED_KEY_CHARS = 256
 
 
 def ring_position(key: str) -> int:
@@ -91,10 +95,12 @@ class HashRing:
 
     def candidates(self, key: str) -> list[str]:
         """Primary first, then up to `num_fallback_replicas` distinct replicas clockwise."""
-        return list(self._walks(key))  # a new list: the cached tuple stays as computed
+        return list(self.candidate_tuple(key))  # a new list: the cached tuple stays as is
 
     def candidate_tuple(self, key: str) -> tuple[str, ...]:
         """`candidates` as the cached tuple itself, without a copy (the session scorer's)."""
+        if len(key) > CACHED_KEY_CHARS:
+            return self._candidates(key)
         return self._walks(key)
 
     def _candidates(self, key: str) -> tuple[str, ...]:

@@ -110,8 +110,11 @@ class PromptTokenizer:
         self._cache_tokens = 0
         self._session_tokens = 0
         self._cache: OrderedDict[tuple[bool, str], tuple[int, ...]] = OrderedDict()
-        # session -> (special tokens added, text, ids, start offsets) of its last prompt
-        self._sessions: OrderedDict[str, tuple[bool, str, tuple[int, ...], tuple[int, ...]]] = (
+        # hash(session) -> (special tokens added, text, ids, start offsets) of its last
+        # prompt. The key's hash, not the key: a session id is the client's (up to the 60 KB
+        # head limit) and the bound counts tokens; two sessions of one hash only share a
+        # start (`_extend` checks the text extends the one kept).
+        self._sessions: OrderedDict[int, tuple[bool, str, tuple[int, ...], tuple[int, ...]]] = (
             OrderedDict()
         )
         self.hits = 0
@@ -151,10 +154,11 @@ class PromptTokenizer:
             self._cache_tokens -= len(cache.popitem(last=False)[1])
         if session is not None:
             sessions = self._sessions
-            old = sessions.pop(session, None)
+            held = hash(session)
+            old = sessions.pop(held, None)
             if old is not None:
                 self._session_tokens -= len(old[2])
-            sessions[session] = (special, text, ids, ends)
+            sessions[held] = (special, text, ids, ends)
             self._session_tokens += len(ids)
             while self._session_tokens > self.max_tokens and len(sessions) > 1:
                 self._session_tokens -= len(sessions.popitem(last=False)[1][2])
@@ -163,7 +167,7 @@ class PromptTokenizer:
     def _extend(
         self, special: bool, text: str, session: str | None
     ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        last = self._sessions.get(session) if session is not None else None
+        last = self._sessions.get(hash(session)) if session is not None else None
         if last is None or last[0] != special or not text.startswith(last[1]):
             return None
         _, _, old_ids, old_starts = last

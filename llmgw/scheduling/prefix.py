@@ -45,11 +45,12 @@ class PrefixIndex:
         # least recent first.
         self._lru: dict[str, OrderedDict[int, float]] = {}
         # Per block: how many times the key using it changed (a count of distinct sessions
-        # when they interleave, up to `shared_at`), and the last key. Kept while any
-        # endpoint holds the block.
+        # when they interleave, up to `shared_at`), and the last key's hash (a session id
+        # is the client's, up to the 60 KB head limit: kept whole, one per block was GBs).
+        # Kept while any endpoint holds the block.
         self._capacity: dict[str, int] = {}  # per endpoint, where it differs from `capacity`
         self._sharers: dict[int, int] = {}
-        self._last_key: dict[int, str] = {}
+        self._last_key: dict[int, int] = {}
         # `room` per endpoint holding blocks or a capacity of its own (the others have
         # `capacity`), kept current by every change: `fits` reads it first, for about half
         # the endpoints on every pick (a dict lookup rather than counting the LRU took
@@ -147,12 +148,13 @@ class PrefixIndex:
                     self.reuse_age = age
                 else:
                     self.reuse_age = longest * REUSE_DECAY
+        key_hash = hash(key) if key is not None else 0
         # One pass per block (this runs on every pick): sharers, then the endpoint's LRU.
         for h in hashes:
             if key is not None:
                 count = sharers.get(h, 0)
-                if count < shared_at and last_key.get(h) != key:
-                    last_key[h] = key
+                if count < shared_at and last_key.get(h) != key_hash:
+                    last_key[h] = key_hash
                     sharers[h] = count + 1
             if h in lru:
                 lru[h] = now

@@ -167,6 +167,28 @@ async def test_an_idle_kept_alive_connection_is_closed_after_client_idle_timeout
     assert guarded(LimitsSpec()).keep_alive == 75.0  # the default: past clients' pools
 
 
+@pytest.mark.parametrize("then", [b"\r\n", b"\r\n\r\n"], ids=["one CRLF", "two CRLFs"])
+async def test_an_empty_line_after_an_answer_does_not_keep_the_connection_open(
+    engine: ScriptedUpstream, then: bytes
+) -> None:
+    """An empty line after an answer (skipped before a request line, RFC 9112 2.2) stopped
+    uvicorn's idle timer but started no head deadline: the connection stayed open for ever
+    (found by a review helper)."""
+    limits = {"client_header_timeout": 0.3, "client_idle_timeout": 0.3}
+    app, protocol = _proxy(make_config([engine.address], limits=limits))
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        try:
+            writer.write(_head([]) + BODY)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
+            assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"{}"
+            writer.write(then)
+            # Closed without an answer: nothing of a request arrived.
+            assert await asyncio.wait_for(reader.read(), DEADLINE) == b""
+        finally:
+            writer.close()
+
+
 @pytest.mark.parametrize("model_header", [False, True], ids=["body routes", "header routes"])
 async def test_a_body_that_stops_arriving_gets_408_and_is_never_routed(
     engine: ScriptedUpstream, model_header: bool
@@ -228,6 +250,43 @@ async def test_a_client_still_sending_a_refused_body_gets_the_413_not_a_reset(
         answer, closed = await _exchange(base, _head([("connection", "close")], len(body)) + body)
     status, error, _ = _status_and_error(answer)
     assert (status, error["code"]) == (413, "body_too_large") and closed
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize("framing", ["chunked", "content-length"])
+async def test_a_413_before_the_bodys_end_closes_the_connection(
+    engine: ScriptedUpstream, framing: str
+) -> None:
+    """After a 413 sent while the body was still arriving (a chunked body past the limit, or
+    a content-length far past it, refused at once), the proxy kept the connection and read
+    the rest of the body, with no end and no timer (found by a review helper)."""
+    limit = 1 << 20
+    app, protocol = _proxy(make_config([engine.address], limits={"max_body_bytes": limit}))
+    piece = b"x" * (64 * 1024)
+    if framing == "chunked":
+        framed, piece = [("transfer-encoding", "chunked")], b"%x\r\n%s\r\n" % (len(piece), piece)
+    else:
+        framed = [("content-length", str(10**10))]
+    lines = [f"POST {CHAT} HTTP/1.1", "host: llm"] + [f"{k}: {v}" for k, v in framed]
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        reading = asyncio.create_task(reader.read())  # to EOF: the proxy closed its side
+        try:
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+            sent = 0
+            while not reading.done() and sent < 32 * limit:  # the client goes on sending
+                writer.write(piece)
+                sent += len(piece)
+                await asyncio.wait_for(writer.drain(), DEADLINE)
+                await asyncio.sleep(0)  # the reader's turn
+            assert reading.done(), f"{sent} bytes sent past the 413, the connection still open"
+            answer = reading.result()
+        finally:
+            reading.cancel()
+            writer.close()
+    status, error, headers = _status_and_error(answer)
+    assert (status, error["code"]) == (413, "body_too_large")
+    assert headers[b"connection"] == b"close"
     assert engine.requests == []
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import random
-from collections.abc import Mapping
+import tracemalloc
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from llmgw.breaker import BreakerSettings
@@ -25,6 +27,27 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def bytes_kept(run: Callable[[int], object], times: int = 300) -> float:
+    """Bytes still allocated after `run(i)` for each i in range(times), per call (traced
+    after one warm-up call, so lazy structures count once, not per call)."""
+    run(-1)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(times):
+            run(i)
+        gc.collect()
+        return (tracemalloc.get_traced_memory()[0] - base) / times
+    finally:
+        tracemalloc.stop()
+
+
+def long_session_key(i: int) -> str:
+    """A distinct client-chosen session id of 40 KB (under the 60 KB head limit)."""
+    return f"{i:08d}" + "k" * 40_000
 
 
 def config(models: Mapping[str, Any], **top: Any) -> Config:

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from llmgw.hashring import HashRing
 
+from .helpers import bytes_kept, long_session_key
+
 SEED = 0xF9B4CA77
 U64 = (1 << 64) - 1
 
@@ -227,3 +229,16 @@ def test_same_input_same_output_in_another_process_with_another_hash_seed() -> N
         timeout=60,
     )
     assert json.loads(out.stdout) == [local.candidates(k) for k in keys]
+
+
+def test_long_session_keys_are_not_kept_by_the_walk_cache() -> None:
+    """The walk cache (4,096 keys per ring) kept each key whole: 60 KB session ids pinned
+    ~245 MB per model with the ring strategies (found by a review helper)."""
+    ids = [f"10.0.0.{i}:8000" for i in range(5)]
+    ring = HashRing(ids)
+    kept = bytes_kept(lambda i: ring.candidate_tuple(long_session_key(i)))
+    assert kept < 4_000, f"{kept:.0f} bytes kept per key"
+    ref = ReferenceRing(ids, 100, 2)
+    for i in range(50):  # still placed as the reference places them, every time
+        key = long_session_key(i)
+        assert ring.candidates(key) == ring.candidates(key) == ref.candidates(key)

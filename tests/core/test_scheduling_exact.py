@@ -19,7 +19,7 @@ from llmgw.scheduling.scorers import LatencyScorer
 from llmgw.tokenize import make_tokenizer, sim_chat_prompt, sim_token_ids
 from llmgw.types import RequestInfo
 
-from .helpers import context, state
+from .helpers import bytes_kept, context, long_session_key, state
 
 CHAT = "/v1/chat/completions"
 
@@ -213,6 +213,19 @@ def test_token_caches_hold_at_most_max_tokens() -> None:
     assert tok._cache_tokens <= 100 and len(tok._cache) == 10
     assert tok._session_tokens <= 100 and len(tok._sessions) == 10
     assert tok.tokens("0049" * 10) is not None and tok.hits == 1  # the newest stayed
+
+
+def test_the_session_cache_does_not_keep_long_session_keys() -> None:
+    """The session cache is bounded by the tokens it holds, and held each key whole: short
+    prompts under 60 KB session ids kept up to ~500,000 of them (found by a review
+    helper)."""
+    tok = make_tokenizer("sim")
+    kept = bytes_kept(lambda i: tok.tokens(f"p{i:07d}", long_session_key(i)))  # 2 tokens each
+    assert kept < 4_000, f"{kept:.0f} bytes kept per session"
+    first = "x" * 64  # 16 tokens: past the margin kept when extending
+    assert tok.tokens(first, long_session_key(1)) is not None
+    assert tok.tokens(first + " and more", long_session_key(1)) is not None
+    assert tok.extended == 1  # the session's next prompt still extends its last one
 
 
 def test_chat_templates_render_in_transformers_environment() -> None:

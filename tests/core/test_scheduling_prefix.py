@@ -8,7 +8,7 @@ from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scorers import PrefixScorer
 from llmgw.types import RequestInfo
 
-from .helpers import context, state
+from .helpers import bytes_kept, context, long_session_key, state
 
 
 def blocks(*chunks: str, size: int = 8) -> str:
@@ -106,6 +106,19 @@ def test_shared_depth_counts_the_leading_blocks_several_sessions_used() -> None:
         idx.insert("e2", idx.hashes(prompts[k]), k, 7.0)
     assert idx.shared_depth(idx.hashes(prompts["c"])) == 2
     assert idx.shared_depth(idx.hashes("T" * 32)) == 0
+
+
+def test_long_session_keys_are_not_kept_per_block() -> None:
+    """Each block kept the last session key that used it as sent: a distinct 60 KB session
+    id per one-block prompt pinned ~1 GB per endpoint (16,384 blocks; found by a review
+    helper)."""
+    idx = PrefixIndex(block_chars=8)
+    kept = bytes_kept(lambda i: idx.insert("e1", idx.hashes(f"{i:08d}"), long_session_key(i)))
+    assert kept < 4_000, f"{kept:.0f} bytes kept per insert"
+    shared = idx.hashes("S" * 8)
+    for n, i in enumerate((0, 0, 1, 2)):  # sessions still told apart: the third shares
+        idx.insert("e2", shared, long_session_key(i))
+        assert idx.shared_depth(shared) == (1 if n == 3 else 0)
 
 
 @pytest.mark.parametrize(

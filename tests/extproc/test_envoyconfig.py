@@ -16,6 +16,7 @@ from llmgw.config import load_dict, load_file
 from llmgw.extproc.envoyconfig import SHAPES, build, duration, main, render
 from llmgw.extproc.envoylimits import DISCOVERED_ENDPOINTS, PER_ENDPOINT_REQUESTS
 from llmgw.extproc.grpchealth import PROCESS_SERVICE
+from llmgw.lifecycle import INTERNAL_HEADERS
 from llmgw.testing.extproc import BootstrapOptions, loopback_bootstrap, make_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +52,19 @@ def test_committed_envoy_files_are_up_to_date(shape: str) -> None:
         f"regenerate: llmgw envoy-config --config envoy/llmgw.yaml --shape {shape} "
         f"--out envoy/{shape}.yaml"
     )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_client_copies_of_llmgws_own_headers_are_stripped_before_anything(shape: str) -> None:
+    """Only the destination header was: a client's `x-llmgw-decision` or `x-llmgw-upstream`
+    reached the engine, where `INTERNAL_HEADERS` says they are dropped (found by a review
+    helper)."""
+    bootstrap = build(load_file(EXAMPLE), shape=shape)
+    (listener,) = bootstrap["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (early,) = hcm["early_header_mutation_extensions"]
+    removed = {m["remove"] for m in early["typed_config"]["mutations"]}
+    assert removed == INTERNAL_HEADERS
 
 
 def test_override_host_reads_metadata_list_first_and_retries_429() -> None:

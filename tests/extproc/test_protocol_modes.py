@@ -4,6 +4,8 @@ llmgw encodes with."""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
 import warnings
 from typing import Any
 
@@ -21,6 +23,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from google.protobuf.struct_pb2 import Struct  # type: ignore[import-untyped]
 
 from llmgw.config import load_dict
+from llmgw.extproc import translate
 from llmgw.extproc.translate import Answer, Exchange
 from llmgw.gateway import Gateway
 from llmgw.lifecycle import AwaitActivation, Hooks
@@ -114,6 +117,22 @@ def streamed(message: Decoded, side: str = "request_body") -> tuple[bytes, bool]
 def exchange(fallbacks: bool = True, hooks: Hooks | None = None) -> Exchange:
     scheduler = Scheduler(make_config(destination_fallbacks=fallbacks))
     return Exchange(Gateway(scheduler), hooks or Hooks())
+
+
+LIMIT = 1 << 20  # limits.max_body_bytes of `limited()`
+
+
+def limited() -> Exchange:
+    """An exchange for model `m1` (ring, 3 endpoints) with a 1 MiB body limit."""
+    config = load_dict(
+        {
+            "models": {
+                "m1": {"endpoints": [f"127.0.0.1:{9100 + i}" for i in range(3)], "strategy": "ring"}
+            },
+            "limits": {"max_body_bytes": LIMIT},
+        }
+    )
+    return Exchange(Gateway(Scheduler(config)), Hooks())
 
 
 # -- FULL_DUPLEX_STREAMED (GIE's reference mode) -------------------------------------------
@@ -775,3 +794,105 @@ def test_unsaid_mode_a_body_in_chunks_waits_for_its_end() -> None:
     assert kind(passed) == "request_body" and ex.decision is None
     (answer,) = decode(ex.handle(body(CHAT[half:], end=True)))
     assert body_destination(answer) == _primary(ex)
+
+
+# -- a body streamed to ext_proc in chunks (STREAMED, or an Envoy that does not say) --------
+@pytest.mark.parametrize("mode", [ProcessingMode.STREAMED, None], ids=["STREAMED", "unsaid"])
+def test_the_body_of_a_request_routed_at_the_headers_is_not_held(mode: int | None) -> None:
+    """Routed at the headers (a model header), the body's chunks were still kept until the
+    stream's end, never read and unbounded (found by a review helper)."""
+    ex = limited()
+    headers = chat_headers(**{"x-llmgw-model": "m1"})
+    ex.handle(
+        request_headers(headers)
+        if mode is None
+        else first(headers, request_mode=mode, response_mode=0)
+    )
+    assert ex.decision is not None
+    piece = b"x" * (LIMIT // 4)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(16):  # 4x the limit: the body goes on upstream, unread
+            (answer,) = decode(ex.handle(body(piece)))
+            assert kind(answer) == "request_body"
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert held < LIMIT, f"{held} bytes held of a body never read"
+    (answer,) = decode(ex.handle(body(piece, end=True)))
+    assert kind(answer) == "request_body"
+
+
+@pytest.mark.parametrize("length", [False, True], ids=["chunked", "content-length"])
+def test_a_body_streamed_in_chunks_past_the_limit_is_413_as_it_passes(length: bool) -> None:
+    """An Envoy that does not say its mode and streams the body (no override taken): no
+    limit applied, every chunk was held to the end (found by a review helper)."""
+    ex = limited()
+    piece = b"x" * (LIMIT // 4)
+    opening = b'{"model": "m1", "messages": [{"role": "user", "content": "'
+    headers = chat_headers(**({"content-length": str(8 * LIMIT)} if length else {}))
+    ex.handle(request_headers(headers))  # no protocol_config
+    assert kind(decode(ex.handle(body(opening)))[0]) == "request_body"
+    for _ in range(3):
+        (answer,) = decode(ex.handle(body(piece)))
+        assert kind(answer) == "request_body"
+    (refused,) = decode(ex.handle(body(piece)))  # past the limit by the opening's bytes
+    reply = refused.immediate_response
+    assert reply is not None and reply.status is not None and reply.status.code == 413
+    assert orjson.loads(reply.body)["error"]["code"] == "body_too_large"
+    assert ex.handle(body(piece)) == ()  # answered: nothing more is read
+
+
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of each body ext_proc parses to see whether it is whole."""
+    sizes: list[int] = []
+    is_json_object = translate._is_json_object
+
+    def counted(data: bytes) -> bool:
+        sizes.append(len(data))
+        return is_json_object(data)
+
+    monkeypatch.setattr(translate, "_is_json_object", counted)
+    return sizes
+
+
+@pytest.mark.parametrize("length", [False, True], ids=["chunked", "content-length"])
+def test_a_body_streamed_in_chunks_is_parsed_only_when_a_chunk_may_end_it(
+    length: bool, parses: list[int]
+) -> None:
+    """Without its end marked, each chunk joined and parsed all the body before it, to see
+    whether it was whole (quadratic); found by a review helper."""
+    payload = orjson.dumps(
+        {"model": "m1", "messages": [{"role": "user", "content": "hello " * 4000}]}
+    )
+    pieces = [payload[i : i + 1000] for i in range(0, len(payload), 1000)]
+    ex = exchange()
+    headers = chat_headers(**({"content-length": str(len(payload))} if length else {}))
+    ex.handle(request_headers(headers))  # no protocol_config
+    for piece in pieces[:-1]:
+        assert ex.decision is None and kind(decode(ex.handle(body(piece)))[0]) == "request_body"
+    (answer,) = decode(ex.handle(body(pieces[-1])))  # no end_of_stream: trailers end it
+    assert body_destination(answer) == _primary(ex)
+    # Without a length, tried where a chunk ends as an object does (the last); with one,
+    # never.
+    assert len(parses) == (0 if length else 1)
+
+
+def test_a_body_whose_chunks_all_end_as_an_object_does_is_parsed_within_a_budget(
+    parses: list[int],
+) -> None:
+    """Chunks sent to end in `}` made each one parse all the body before it: 256 chunks of
+    4 KiB up to a 1 MiB limit, 128 MiB parsed (found by a review helper)."""
+    ex = limited()
+    ex.handle(request_headers(chat_headers()))  # no protocol_config, no length
+    piece = b"}" * 4096
+    sent = 0
+    while sent + len(piece) <= LIMIT:
+        (answer,) = decode(ex.handle(body(piece)))
+        assert kind(answer) == "request_body" and ex.decision is None
+        sent += len(piece)
+    assert 0 < sum(parses) <= translate._PARSE_BUDGET * LIMIT
