@@ -331,9 +331,12 @@ class Lifecycle:
         attempt before a fallback (`Lease.finish`: its prefill was never done)."""
         if end:
             # A 4xx is a success for the breaker, yet no generation: no first token counted.
+            # An `unknown` end (a gateway that reports no response, at the pick) was sent
+            # on: the engine will count its first token, which its entry waits for.
             status = self._status
             good = status is None or 200 <= status < 300
-            lease.end(outcome, counted=outcome is Outcome.SUCCESS and good)
+            generated = outcome is Outcome.SUCCESS or outcome is Outcome.UNKNOWN
+            lease.end(outcome, counted=generated and good)
         else:
             lease.finish(outcome)
         if self.hooks.outcome is not None:

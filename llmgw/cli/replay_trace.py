@@ -169,7 +169,9 @@ def _arrival(
         tokens = output_tokens
     elif row.get("output_tokens") is not None:  # a workload exported as a trace
         tokens = int(row["output_tokens"])
-    elif duration is not None:  # the time after the first token was decoding
+    elif duration is not None and outcome.get("outcome") != "unknown":
+        # The time after the first token was decoding (an `unknown` end came at the pick:
+        # a gateway that reports no response, its duration the pick's)
         first = ttft if ttft is not None else (row.get("decision") or {}).get("predicted_ttft_ms")
         tokens = round((float(duration) - float(first or 0.0)) / decode_ms)
     else:

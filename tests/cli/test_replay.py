@@ -502,3 +502,31 @@ def test_a_trace_costs_line_reads_back_every_price() -> None:
     assert _costs(row) == pytest.approx((200e-6, 0.02, 500.0, 1.0, 1.25, None, 20e-6))
     old = {k: row[k] for k in ("prefill_us_per_token", "step_ms", "tokens_per_prefill")}
     assert _costs(old)[4:] == (None, None, None)
+
+
+def test_a_line_ended_unknown_at_the_pick_replays_the_default_output_length(
+    tmp_path: Path,
+) -> None:
+    """A gateway that reports no response (NGINX Gateway Fabric) ends the lease at the pick
+    as `unknown`: its line's duration is the pick's, and replay read it as a 1-token answer
+    (a trace recorded behind NGF replayed as an idle fleet). Found by a review helper."""
+    from llmgw.config import TraceSpec  # noqa: PLC0415
+    from llmgw.extproc.translate import Exchange  # noqa: PLC0415
+    from llmgw.gateway import Gateway  # noqa: PLC0415
+    from llmgw.lifecycle import Hooks  # noqa: PLC0415
+    from llmgw.runtime.trace import close_trace, traced  # noqa: PLC0415
+    from llmgw.testing.extproc import make_config, request_body, request_headers  # noqa: PLC0415
+
+    trace = tmp_path / "trace.jsonl"
+    config = make_config().model_copy(update={"trace": TraceSpec(path=str(trace))})
+    hooks = traced(Hooks(edge="extproc"), config.trace)
+    exchange = Exchange(Gateway(Scheduler(config)), hooks)
+    body = b'{"model": "m1", "messages": [{"role": "user", "content": "write a long story"}]}'
+    exchange.handle(request_headers({"content-type": "application/json", "x-request-id": "n1"}))
+    exchange.handle(request_body(body, end_of_stream=True))
+    exchange.close()  # NGF's stream ends right after the pick
+    close_trace(hooks)
+    (line,) = trace.read_text().splitlines()
+    assert json.loads(line)["outcome"]["outcome"] == "unknown"
+    (arrival,) = read_trace([trace], decode_ms=4.0, output_tokens=None)
+    assert arrival.output_tokens == 16

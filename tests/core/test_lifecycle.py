@@ -511,6 +511,26 @@ def test_a_fallbacks_first_byte_is_timed_from_the_first_attempt_and_the_request_
     assert ended == [("chat", Outcome.SUCCESS)]
 
 
+def test_an_unknown_end_at_the_pick_owes_the_engine_its_first_token() -> None:
+    """A gateway that reports no response (NGINX Gateway Fabric) ends the lease at the pick
+    as `unknown`; the request still goes to the engine, which counts its first token. Its
+    entry was dropped (not owed), so that count closed another request's prefill and the
+    queue term forgot that work. Found by a review helper."""
+    clock = FakeClock(10.0)
+    sched = Scheduler(
+        config({"m": {"endpoints": ["a:1"], "strategy": "latency"}}), Registry(clock=clock)
+    )
+    sched.registry.record_scrape(
+        "m", "a:1", EngineMetrics(waiting=0.0, running=1, kv_usage=0.1, ttft_count=0.0)
+    )
+    body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "xx"}]}'
+    lifecycle = Lifecycle(Gateway(sched))
+    assert isinstance(lifecycle.route({}, CHAT, body), Decision)
+    lifecycle.finish(Outcome.UNKNOWN)
+    assert lifecycle.lease is not None and lifecycle.lease.prefill is not None
+    assert lifecycle.lease.prefill.owed
+
+
 def test_an_error_answered_without_body_events_owes_the_engine_no_first_token() -> None:
     """Envoy without response bodies: a 400 (a prompt past the context) is a success for the
     breaker, so its end kept its prefill entry owed a first token the engine never
