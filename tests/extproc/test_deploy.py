@@ -174,6 +174,22 @@ def test_k8s_probes_and_metrics_annotations() -> None:
     assert extproc["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
 
 
+def test_k8s_router_takes_new_streams_while_envoy_still_drains() -> None:
+    """Both containers get SIGTERM at pod deletion, Envoy after its preStop (a graceful
+    drain during which it still takes requests, each a new ext_proc stream). llmgw refused
+    new streams 5 s in while Envoy drained 25 s: every request in between got 500
+    `router_unavailable` on each rollout. Found by a review helper."""
+    pod = _k8s_docs()["Deployment/llmgw"]["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    flags = dict(a.removeprefix("--").split("=", 1) for a in containers["extproc"]["args"][1:])
+    pre_stop = containers["envoy"]["lifecycle"]["preStop"]["exec"]["command"][-1]
+    envoy_drains = float(re.search(r"sleep (\d+)", pre_stop).group(1))  # type: ignore[union-attr]
+    assert "lifecycle" not in containers["extproc"]  # its SIGTERM comes at once
+    assert float(flags["drain-delay"]) >= envoy_drains
+    grace = pod["terminationGracePeriodSeconds"]
+    assert float(flags["drain-delay"]) + float(flags["drain-timeout"]) < grace
+
+
 def test_the_k8s_router_replicas_find_each_other_as_peers() -> None:
     docs = _k8s_docs()
     pod = docs["Deployment/llmgw"]["spec"]["template"]
