@@ -41,7 +41,7 @@ from llmgw.config import Config
 from llmgw.errors import LlmgwError, NoCapacity, RouteNotFound, UpstreamUnreachable
 from llmgw.gateway import ConfigSource
 from llmgw.lifecycle import DECISION_HEADER, Lifecycle, debug_summary
-from llmgw.types import Outcome
+from llmgw.types import Endpoint, Outcome
 
 log = logging.getLogger("llmgw.proxy")
 
@@ -174,6 +174,7 @@ class Forwarder:
         every one after it fails to answer, the client gets that refusal (its Retry-After
         included), not a 502 saying no endpoint answered."""
         refused: UpstreamResponse | None = None  # the last refusal, while a fallback runs
+        refused_by: Endpoint | None = None  # the endpoint that gave it
         try:
             while True:
                 endpoint = dispatch.endpoint
@@ -190,11 +191,10 @@ class Forwarder:
                     outcome = Outcome.CANCELLED if busy else Outcome.FAILURE
                     if dispatch.fall_back(outcome) is not None:
                         continue
-                    if refused is not None:
-                        # The refusal goes to the client (its status, for the trace line);
-                        # the endpoint that failed last is charged its own outcome.
-                        dispatch.response(refused.status)
-                        dispatch.finish(outcome)
+                    if refused is not None and refused_by is not None:
+                        # The refusal goes to the client, credited to the endpoint that gave
+                        # it; the endpoint that failed last is charged its own outcome.
+                        dispatch.passed_on(refused_by, refused.status, outcome)
                         response, refused = refused, None
                         return response
                     if busy:
@@ -212,7 +212,7 @@ class Forwarder:
                     log.debug("upstream %s answered %d; falling back", address, response.status)
                     if refused is not None:
                         refused.close()
-                    refused = response
+                    refused, refused_by = response, endpoint
                     continue
                 return response
         finally:
