@@ -22,6 +22,7 @@ from llmgw.asgi.middleware import (
     DISPATCH_KEY,
     INTERNAL_HEADER_NAMES,
     Disconnected,
+    from_browser,
     read_body,
     send_error,
 )
@@ -115,7 +116,7 @@ class Forwarder:
             error = RouteNotFound(f"no route for {scope['method']} {scope['path']}")
             if self.on_error is not None:
                 self.on_error(error)
-            await send_error(send, error)
+            await send_error(send, error, cors=from_browser(scope))
             return
         limits = dispatch.config.limits
         try:
@@ -124,7 +125,7 @@ class Forwarder:
             return
         except LlmgwError as error:  # 413 or 408: the endpoint was never asked
             dispatch.finish(Outcome.CANCELLED)
-            await send_error(send, dispatch.refuse(error))
+            await send_error(send, dispatch.refuse(error), cors=from_browser(scope))
             return
         query: bytes = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
@@ -142,7 +143,7 @@ class Forwarder:
             )
             await self._relay(dispatch, response, send, watch)
         except (UpstreamUnreachable, NoCapacity) as error:
-            await send_error(send, dispatch.refuse(error))
+            await send_error(send, dispatch.refuse(error), cors=from_browser(scope))
         except UpstreamError as error:
             # Cut after the head went out (engine died mid-stream): nothing can be retried.
             # A failure for the breaker; uvicorn closes the client connection unfinished.

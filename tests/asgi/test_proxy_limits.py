@@ -25,6 +25,7 @@ from llmgw.asgi.testing import (
     UpstreamRequest,
     chunk,
     make_config,
+    refused_address,
     serve,
 )
 from llmgw.breaker import BreakerState
@@ -587,6 +588,31 @@ async def test_a_cors_preflight_is_answered_as_vllm_answers_it(engine: ScriptedU
     assert engine.requests == []  # answered by the proxy
     assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
     assert plain.status_code == 405  # an OPTIONS that is no preflight
+
+
+async def test_llmgw_own_error_answers_to_a_browser_carry_cors() -> None:
+    """vLLM's CORSMiddleware puts access-control-allow-origin on every answer to a request
+    with an Origin, errors included; llmgw's own errors had none, so a browser app read a
+    network error instead of the JSON error and its Retry-After (found by a review helper).
+    The middleware's (404 model_not_found, 405), the forwarder's (502, 404 route_not_found)
+    and the app's (405 on the model list) carry it; without an Origin, none does."""
+    app, protocol = _proxy(make_config([refused_address()]))
+    browser = {"origin": "http://localhost:3000"}
+    unknown = orjson.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+        answers = [
+            await client.post(CHAT, content=unknown, headers=browser),  # the middleware's
+            await client.get(CHAT, headers=browser),
+            await client.post(CHAT, content=BODY, headers=browser),  # the forwarder's
+            await client.post("/not/a/route", content=b"{}", headers=browser),
+            await client.post("/v1/models", headers=browser),  # the app's
+        ]
+        plain = await client.post(CHAT, content=unknown)
+    assert [a.status_code for a in answers] == [404, 405, 502, 404, 405]
+    for answer in answers:
+        assert answer.headers.get("access-control-allow-origin") == "*", answer.headers
+        assert answer.headers["vary"] == "Origin" and "error" in answer.json()
+    assert plain.status_code == 404 and "access-control-allow-origin" not in plain.headers
 
 
 async def test_a_get_of_the_explain_path_is_a_405_that_says_allow_post(
