@@ -10,6 +10,8 @@ is accepted whole). Envoy in front of llmgw bounds both; `llmgw proxy` alone mus
 - past `CLIENT_MAX_HEADERS` headers or `CLIENT_MAX_HEADERS_KB` of request line and headers,
   431 and close, counted as the parser goes (nothing past the limit is kept), the same
   limits and the same JSON error as the generated Envoy config's;
+- an answer sent before the request's body is all in (a preflight, 404, 405, 413) closes
+  the connection (uvicorn read and dropped the rest, with no timer);
 - a close while the request is still arriving (after a 413 or a refused head, the client
   still writing) lingers instead of resetting the connection, so the answer is read;
 - what uvicorn answers in plain text or not at all gets the JSON errors Envoy's config
@@ -294,11 +296,12 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refuse(error)
 
     def on_response_complete(self) -> None:
-        early = not self._in_head and self.expect_100_continue  # of the request just answered
+        early = not self._in_head  # answered before the request's body was all in
         if not self.pipeline and not self.transport.is_closing() and (self._refused or early):
-            # Refused while this answer went out; or answered before the body was asked for
-            # (405, 413 from content-length): the client may never send it, and its next
-            # request would be read as that body.
+            # Refused while this answer went out; or answered before the body's end (a
+            # preflight, 404, 405, 413): uvicorn would read and drop the rest with no timer,
+            # however long the client sends, and a client that was never asked for the body
+            # (expect-100) may skip it, its next request then read as that body.
             self.transport.close()  # lingers: the body may still be coming
         super().on_response_complete()  # its bookkeeping; it stops at a closing transport
 

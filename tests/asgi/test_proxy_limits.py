@@ -291,6 +291,50 @@ async def test_a_413_before_the_bodys_end_closes_the_connection(
     assert engine.requests == []
 
 
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (
+            [f"OPTIONS {CHAT} HTTP/1.1", "origin: http://a", "access-control-request-method: POST"],
+            200,
+        ),
+        ([f"GET {CHAT} HTTP/1.1"], 405),
+        (["POST /not/a/route HTTP/1.1"], 404),
+    ],
+    ids=["CORS preflight", "405", "404 route_not_found"],
+)
+async def test_an_answer_sent_before_the_bodys_end_closes_the_connection(
+    engine: ScriptedUpstream, head: list[str], status: int
+) -> None:
+    """A preflight, a 405 or a 404 route_not_found is answered before the body is read;
+    then the connection stayed open while the proxy read and dropped whatever the client
+    sent, with no timer: a chunked body with no end held it for as long as the client sent
+    (only a 413, or an answer to an expect-100 request, closed it) (found by a review
+    helper)."""
+    app, protocol = _proxy(make_config([engine.address], limits=QUICK))
+    piece = b"x" * (64 * 1024)
+    framed = b"%x\r\n%s\r\n" % (len(piece), piece)
+    lines = [*head, "host: llm", "transfer-encoding: chunked"]
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        reading = asyncio.create_task(reader.read())  # to EOF: the proxy closed its side
+        try:
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+            sent = 0
+            while not reading.done() and sent < 64 << 20:  # the client goes on sending
+                writer.write(framed)
+                sent += len(piece)
+                await asyncio.wait_for(writer.drain(), DEADLINE)
+                await asyncio.sleep(0)  # the reader's turn
+            assert reading.done(), f"{sent} bytes sent past the answer, the connection open"
+            answer = reading.result()
+        finally:
+            reading.cancel()
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+    assert engine.requests == []
+
+
 async def test_a_pipelined_head_refused_mid_answer_never_splits_that_answer() -> None:
     """Request 1 is still being answered when request 2's head, pipelined behind it, passes
     the header limit: request 1's answer goes out whole, then the connection closes (a 431
