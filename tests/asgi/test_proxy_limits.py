@@ -190,6 +190,33 @@ async def test_an_empty_line_after_an_answer_does_not_keep_the_connection_open(
             writer.close()
 
 
+async def test_a_head_after_an_empty_line_gets_its_whole_head_deadline(
+    engine: ScriptedUpstream,
+) -> None:
+    """An empty line while idle starts the head deadline (a connection sending only those is
+    closed); the head that followed did not start it again, so it got 408 sooner than
+    client_header_timeout after its own first byte (found by a review helper)."""
+    timeout = 1.0
+    app, protocol = _proxy(make_config([engine.address], limits={"client_header_timeout": timeout}))
+    loop = asyncio.get_running_loop()
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        try:
+            writer.write(_head([]) + BODY)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
+            assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"{}"
+            writer.write(b"\r\n")
+            await asyncio.sleep(timeout * 0.3)  # a part of the empty line's deadline passes
+            began = loop.time()
+            writer.write(f"POST {CHAT} HTTP/1.1\r\nhost: l".encode())  # then silence
+            answer = await asyncio.wait_for(reader.read(), DEADLINE)
+            took = loop.time() - began
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert took >= timeout * 0.95, f"408 {took:.2f} s after the head's first byte"
+
+
 @pytest.mark.parametrize("model_header", [False, True], ids=["body routes", "header routes"])
 async def test_a_body_that_stops_arriving_gets_408_and_is_never_routed(
     engine: ScriptedUpstream, model_header: bool
