@@ -20,7 +20,13 @@ from collections.abc import Callable
 import orjson
 
 from llmgw.asgi.forwarder import Forwarder, pool_limits
-from llmgw.asgi.middleware import Disconnected, SchedulerMiddleware, read_body, send_error
+from llmgw.asgi.middleware import (
+    Disconnected,
+    SchedulerMiddleware,
+    from_browser,
+    read_body,
+    send_error,
+)
 from llmgw.asgi.types import Message, Receive, Scope, Send
 from llmgw.asgi.upstream import UpstreamPool
 from llmgw.catalog import catalog_answer, is_catalog_path
@@ -61,7 +67,12 @@ class ProxyApp:
         self.pool = UpstreamPool(pool_limits(config))
         self.forwarder = Forwarder(self.pool, self.router.gateway, on_error=self.telemetry.error)
         self.routed = SchedulerMiddleware(
-            self.forwarder, config, router=self.router, telemetry=self.telemetry, buffer_body=True
+            self.forwarder,
+            config,
+            router=self.router,
+            telemetry=self.telemetry,
+            buffer_body=True,
+            cors=True,
         )
         self.started = False
         self.start_error: Exception | None = None  # why the lifespan startup failed
@@ -150,7 +161,7 @@ class ProxyApp:
             if self.cut_by_drain == 1:
                 _log.info("drain timeout: cutting the requests still open")
             if not started:
-                await self._error(send, RouterDraining("the router is shutting down; retry"))
+                await self._error(scope, send, RouterDraining("the router is shutting down; retry"))
 
     async def _fixed(self, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self._catalog if is_catalog_path(path) else self._routes.get(path)
@@ -159,11 +170,11 @@ class ProxyApp:
             return
         if scope["method"] not in ("GET", "HEAD"):
             refused = MethodNotAllowed(f"{path} answers GET only", headers={"allow": "GET, HEAD"})
-            await self._error(send, refused)
+            await self._error(scope, send, refused)
             return
         status, content_type, body = handler(path)
-        cors = any(name.lower() == b"origin" for name, _ in scope["headers"])
-        await self._send(send, status, content_type, body, CORS_ANSWER_HEADERS if cors else None)
+        cors = CORS_ANSWER_HEADERS if from_browser(scope) else None
+        await self._send(send, status, content_type, body, cors)
 
     async def _preflight(self, scope: Scope, send: Send) -> bool:
         """Answer a browser's CORS preflight as vLLM does (`cors_preflight`); False: it is
@@ -180,7 +191,7 @@ class ProxyApp:
             refused = MethodNotAllowed(
                 f"{EXPLAIN_PATH} answers POST only", headers={"allow": "POST"}
             )
-            await self._error(send, refused)
+            await self._error(scope, send, refused)
             return
         config = self.router.gateway.config
         if not config.admin.explain:  # answered before the body is read
@@ -195,18 +206,21 @@ class ProxyApp:
         except Disconnected:
             return
         except BodyTooLarge:
-            await self._error(send, BodyTooLarge(f"explain query is over {MAX_QUERY_BYTES} bytes"))
+            await self._error(
+                scope, send, BodyTooLarge(f"explain query is over {MAX_QUERY_BYTES} bytes")
+            )
             return
         except LlmgwError as error:
-            await self._error(send, error)
+            await self._error(scope, send, error)
             return
         status, body = explain(self.router.gateway, query)
         await self._send(send, status, "application/json", body)
 
-    async def _error(self, send: Send, error: LlmgwError) -> None:
-        """Answer `error`, counted in `llmgw_errors_total` as every error answered."""
+    async def _error(self, scope: Scope, send: Send, error: LlmgwError) -> None:
+        """Answer `error`, counted in `llmgw_errors_total` as every error answered (with
+        CORS headers to a browser's request)."""
         self.telemetry.error(error)
-        await send_error(send, error)
+        await send_error(send, error, cors=from_browser(scope))
 
     async def _send(
         self,

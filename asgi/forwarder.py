@@ -22,6 +22,7 @@ from llmgw.asgi.middleware import (
     DISPATCH_KEY,
     INTERNAL_HEADER_NAMES,
     Disconnected,
+    from_browser,
     read_body,
     send_error,
 )
@@ -41,7 +42,7 @@ from llmgw.config import Config
 from llmgw.errors import LlmgwError, NoCapacity, RouteNotFound, UpstreamUnreachable
 from llmgw.gateway import ConfigSource
 from llmgw.lifecycle import DECISION_HEADER, Lifecycle, debug_summary
-from llmgw.types import Outcome
+from llmgw.types import Endpoint, Outcome
 
 log = logging.getLogger("llmgw.proxy")
 
@@ -115,7 +116,7 @@ class Forwarder:
             error = RouteNotFound(f"no route for {scope['method']} {scope['path']}")
             if self.on_error is not None:
                 self.on_error(error)
-            await send_error(send, error)
+            await send_error(send, error, cors=from_browser(scope))
             return
         limits = dispatch.config.limits
         try:
@@ -124,7 +125,7 @@ class Forwarder:
             return
         except LlmgwError as error:  # 413 or 408: the endpoint was never asked
             dispatch.finish(Outcome.CANCELLED)
-            await send_error(send, dispatch.refuse(error))
+            await send_error(send, dispatch.refuse(error), cors=from_browser(scope))
             return
         query: bytes = scope.get("query_string", b"")
         target = scope.get("raw_path") or scope["path"].encode()
@@ -142,7 +143,7 @@ class Forwarder:
             )
             await self._relay(dispatch, response, send, watch)
         except (UpstreamUnreachable, NoCapacity) as error:
-            await send_error(send, dispatch.refuse(error))
+            await send_error(send, dispatch.refuse(error), cors=from_browser(scope))
         except UpstreamError as error:
             # Cut after the head went out (engine died mid-stream): nothing can be retried.
             # A failure for the breaker; uvicorn closes the client connection unfinished.
@@ -174,6 +175,7 @@ class Forwarder:
         every one after it fails to answer, the client gets that refusal (its Retry-After
         included), not a 502 saying no endpoint answered."""
         refused: UpstreamResponse | None = None  # the last refusal, while a fallback runs
+        refused_by: Endpoint | None = None  # the endpoint that gave it
         try:
             while True:
                 endpoint = dispatch.endpoint
@@ -190,11 +192,10 @@ class Forwarder:
                     outcome = Outcome.CANCELLED if busy else Outcome.FAILURE
                     if dispatch.fall_back(outcome) is not None:
                         continue
-                    if refused is not None:
-                        # The refusal goes to the client (its status, for the trace line);
-                        # the endpoint that failed last is charged its own outcome.
-                        dispatch.response(refused.status)
-                        dispatch.finish(outcome)
+                    if refused is not None and refused_by is not None:
+                        # The refusal goes to the client, credited to the endpoint that gave
+                        # it; the endpoint that failed last is charged its own outcome.
+                        dispatch.passed_on(refused_by, refused.status, outcome)
                         response, refused = refused, None
                         return response
                     if busy:
@@ -212,7 +213,7 @@ class Forwarder:
                     log.debug("upstream %s answered %d; falling back", address, response.status)
                     if refused is not None:
                         refused.close()
-                    refused = response
+                    refused, refused_by = response, endpoint
                     continue
                 return response
         finally:

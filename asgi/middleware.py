@@ -46,7 +46,14 @@ from llmgw.lifecycle import (
     Hooks,
     Lifecycle,
 )
-from llmgw.request import BODY_PATHS, check_body_size, needs_body, on_paths, wrong_method
+from llmgw.request import (
+    BODY_PATHS,
+    CORS_ANSWER_HEADERS,
+    check_body_size,
+    needs_body,
+    on_paths,
+    wrong_method,
+)
 from llmgw.runtime.driver import activate
 from llmgw.runtime.router import Router, router_for
 from llmgw.runtime.trace import close_trace, traced
@@ -63,10 +70,23 @@ _DESTINATION = DESTINATION_HEADER.encode("latin-1")
 _DECISION = DECISION_HEADER.encode("latin-1")
 
 
-async def send_error(send: Send, error: LlmgwError) -> None:
+_CORS_ANSWER = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in CORS_ANSWER_HEADERS.items()]
+
+
+def from_browser(scope: Scope) -> bool:
+    """The request carries an `Origin` (a browser's): llmgw's own answers to it say
+    `CORS_ANSWER_HEADERS`, as vLLM's do, or the page cannot read them."""
+    return any(name.lower() == b"origin" for name, _ in scope["headers"])
+
+
+async def send_error(send: Send, error: LlmgwError, *, cors: bool = False) -> None:
+    """Answer `error` (its status, JSON body and headers); `cors`: to a browser's request
+    (`from_browser`), with `CORS_ANSWER_HEADERS`."""
     headers = [
         (k.encode("latin-1"), v.encode("latin-1")) for k, v in error.response_headers().items()
     ]
+    if cors:
+        headers += _CORS_ANSWER
     body = error.body()
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
@@ -176,6 +196,9 @@ class SchedulerMiddleware:
     - `buffer_body`: read the whole body before routing even when routing does not need it
       (an inner app that holds the body anyway, as the proxy's forwarder: a stalled upload
       then holds no in-flight slot, and the pick sees the load when the request is whole).
+    - `cors`: its error answers to a browser's request (with `Origin`) carry
+      `llmgw.request.CORS_ANSWER_HEADERS` (the proxy, which answers CORS as vLLM does);
+      off, an app's own CORS middleware decides.
 
     The config is read from the router's current snapshot per request (a reload applies).
     """
@@ -189,8 +212,10 @@ class SchedulerMiddleware:
         telemetry: Telemetry | None = None,
         paths: tuple[str, ...] = BODY_PATHS,
         buffer_body: bool = False,
+        cors: bool = False,
     ) -> None:
         self.app = app
+        self.cors = cors
         self.router = router_for(config, scheduler=scheduler, router=router)
         owned = scheduler is None and router is None
         self._owned_router = self.router if owned else None
@@ -269,7 +294,8 @@ class SchedulerMiddleware:
         except Disconnected:
             return
         except LlmgwError as error:
-            await send_error(send, lifecycle.refuse(error))
+            cors = self.cors and from_browser(scope)
+            await send_error(send, lifecycle.refuse(error), cors=cors)
             return
         result = lifecycle.route(headers, path, body if needed else None)
         if isinstance(result, AwaitActivation):
@@ -281,7 +307,7 @@ class SchedulerMiddleware:
                     return  # the client left while the model started: nothing to send
                 result = waited
         if isinstance(result, LlmgwError):
-            await send_error(send, result)
+            await send_error(send, result, cors=self.cors and from_browser(scope))
             return
         decision = result
         raw_headers.append((_DESTINATION, decision.endpoint.address.encode("latin-1")))

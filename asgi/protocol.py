@@ -5,11 +5,14 @@ uvicorn reads a request head for as long as the client takes (a connection that 
 a head, or nothing at all, is held until the client leaves) and of any size (a 1 MB header
 is accepted whole). Envoy in front of llmgw bounds both; `llmgw proxy` alone must too:
 - the head must arrive whole within `limits.client_header_timeout` s of the connection (on
-  a kept-alive connection, of the request's first byte), else 408 and close (a connection
-  that sent nothing is closed without a reply);
+  a kept-alive connection, of the request's first byte, empty lines before it not
+  counted), else 408 and close (a connection that sent nothing, or only empty lines, is
+  closed without a reply);
 - past `CLIENT_MAX_HEADERS` headers or `CLIENT_MAX_HEADERS_KB` of request line and headers,
   431 and close, counted as the parser goes (nothing past the limit is kept), the same
   limits and the same JSON error as the generated Envoy config's;
+- an answer sent before the request's body is all in (a preflight, 404, 405, 413) closes
+  the connection (uvicorn read and dropped the rest, with no timer);
 - a close while the request is still arriving (after a 413 or a refused head, the client
   still writing) lingers instead of resetting the connection, so the answer is read;
 - what uvicorn answers in plain text or not at all gets the JSON errors Envoy's config
@@ -77,6 +80,7 @@ class GuardedProtocol(HttpToolsProtocol):
         # annotates it int).
         self.timeout_keep_alive = self.keep_alive  # type: ignore[assignment]
         self._head_timer: asyncio.TimerHandle | None = None
+        self._empty_lines = False  # the head timer runs for empty lines, not a head yet
         self._raw: asyncio.Transport  # the socket's transport (`transport` wraps it)
         self._head_started = False  # a byte of the current head arrived
         self._head_count = 0
@@ -104,6 +108,7 @@ class GuardedProtocol(HttpToolsProtocol):
             self._head_timer = self.loop.call_later(self.header_timeout, self._head_expired)
 
     def _disarm(self) -> None:
+        self._empty_lines = False
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
@@ -219,6 +224,7 @@ class GuardedProtocol(HttpToolsProtocol):
             cycle = self.cycle
             if cycle is None or cycle.response_complete:
                 self._arm()
+                self._empty_lines = True
 
     def on_message_begin(self) -> None:
         if self._refused:
@@ -227,6 +233,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_started = True
         self._head_count = 0
         self._head_bytes = 0
+        if self._empty_lines:  # the head has its whole deadline from its own first byte
+            self._disarm()
         self._arm()
 
     # Once refused, the parser still runs to the end of the read: nothing more is kept.
@@ -294,11 +302,12 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refuse(error)
 
     def on_response_complete(self) -> None:
-        early = not self._in_head and self.expect_100_continue  # of the request just answered
+        early = not self._in_head  # answered before the request's body was all in
         if not self.pipeline and not self.transport.is_closing() and (self._refused or early):
-            # Refused while this answer went out; or answered before the body was asked for
-            # (405, 413 from content-length): the client may never send it, and its next
-            # request would be read as that body.
+            # Refused while this answer went out; or answered before the body's end (a
+            # preflight, 404, 405, 413): uvicorn would read and drop the rest with no timer,
+            # however long the client sends, and a client that was never asked for the body
+            # (expect-100) may skip it, its next request then read as that body.
             self.transport.close()  # lingers: the body may still be coming
         super().on_response_complete()  # its bookkeeping; it stops at a closing transport
 

@@ -54,10 +54,12 @@ def draining_server(config: Any, app: ProxyApp, drain_delay: float) -> Any:
 def drain_worker_on_sigterm(app: ProxyApp, drain_delay: float) -> None:
     """`draining_server` for a worker of `--workers N`, which runs uvicorn's own Server
     (its SIGTERM handler closes the listener at once): SIGTERM turns /readyz to 503 and
-    reaches uvicorn's handler `drain_delay` s later (a second SIGTERM at once). Called in
-    the worker's running loop, after uvicorn installed its handler."""
+    reaches uvicorn's handler `drain_delay` s later (at once for 0, and for a second
+    SIGTERM). The app knows it drains whatever the delay: a request the drain timeout
+    cuts gets 503 `router_draining`. Called in the worker's running loop, after uvicorn
+    installed its handler."""
     uvicorn_exit = signal.getsignal(signal.SIGTERM)
-    if drain_delay <= 0 or not callable(uvicorn_exit):
+    if not callable(uvicorn_exit):
         return
     loop = asyncio.get_running_loop()
     pending: asyncio.TimerHandle | None = None
@@ -65,10 +67,11 @@ def drain_worker_on_sigterm(app: ProxyApp, drain_delay: float) -> None:
     def on_term() -> None:
         nonlocal pending
         app.draining = True
-        if pending is None:
+        if pending is None and drain_delay > 0:
             pending = loop.call_later(drain_delay, uvicorn_exit, signal.SIGTERM, None)
             return
-        pending.cancel()
+        if pending is not None:
+            pending.cancel()
         uvicorn_exit(signal.SIGTERM, None)
 
     with contextlib.suppress(ValueError, RuntimeError):  # not the main thread

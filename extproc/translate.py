@@ -271,9 +271,13 @@ def local_response(
 LocalAnswers = Callable[[str], tuple[int, bytes] | None]
 
 
-def immediate_response(error: LlmgwError) -> bytes:
-    """A local reply from Envoy with the error's status, JSON body and headers."""
-    headers = HeaderMutation(set_headers=[_set(k, v) for k, v in error.response_headers().items()])
+def immediate_response(error: LlmgwError, *, cors: bool = False) -> bytes:
+    """A local reply from Envoy with the error's status, JSON body and headers; `cors`: to
+    a browser's request (`Origin`), with `CORS_ANSWER_HEADERS` as well."""
+    more = error.response_headers()
+    if cors:
+        more = {**more, **CORS_ANSWER_HEADERS}
+    headers = HeaderMutation(set_headers=[_set(k, v) for k, v in more.items()])
     return _serialize(
         ProcessingResponse(
             immediate_response=ImmediateResponse(
@@ -535,7 +539,7 @@ class Exchange:
             local = self._local(unquote(self._path.split("?", 1)[0]))
             if local is not None:
                 self._replied = True
-                cors = CORS_ANSWER_HEADERS if "origin" in self._headers else None
+                cors = CORS_ANSWER_HEADERS if self._from_browser else None
                 return local_response(*local, headers=cors)
         preflight = cors_preflight(self._headers.get(":method"), self._path, self._headers)
         if preflight is not None:  # a browser's, answered as vLLM does
@@ -681,14 +685,15 @@ class Exchange:
         try:
             check_body_size(self._body_size, limit, complete=self._body_ended)
         except LlmgwError as exc:
-            return immediate_response(self.lifecycle.refuse(exc))
+            return immediate_response(self.lifecycle.refuse(exc), cors=self._from_browser)
         return immediate_response(  # BUFFERED_PARTIAL cut below the limit: still too large
             self.lifecycle.refuse(
                 BodyTooLarge(
                     f"request body is larger than the gateway's buffer ({self._body_size} bytes "
                     "arrived); raise the listener's per_connection_buffer_limit_bytes"
                 )
-            )
+            ),
+            cors=self._from_browser,
         )
 
     def _route(self, body: bytes | None) -> Answer | AwaitActivation:
@@ -702,7 +707,7 @@ class Exchange:
         if isinstance(result, LlmgwError):
             self._held = False
             self._replied = True
-            return immediate_response(result)
+            return immediate_response(result, cors=self._from_browser)
         if not self._held:
             # Routed at the headers in llmgw's own mode: turn the response headers on.
             keep = self._response_mode
@@ -736,6 +741,11 @@ class Exchange:
 
     def _fallbacks(self) -> bool:
         return self.lifecycle.config.destination_fallbacks
+
+    @property
+    def _from_browser(self) -> bool:
+        """The request carries an `Origin`: llmgw's own answers say CORS_ANSWER_HEADERS."""
+        return "origin" in self._headers
 
     # -- response ------------------------------------------------------------------------
     def _response_headers(self, message: ProcessingRequest) -> bytes:

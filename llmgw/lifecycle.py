@@ -342,15 +342,25 @@ class Lifecycle:
         if self.hooks.outcome is not None:
             self.hooks.outcome(lease.model, lease.endpoint_id, outcome)
 
-    def finish(self, outcome: Outcome | None = None) -> None:
-        """End the request (once): `outcome`, else the status seen, else CANCELLED."""
+    def passed_on(self, endpoint: Endpoint, status: int, failed: Outcome) -> None:
+        """End the request with an earlier attempt's answer: `status` from `endpoint` (an
+        engine's 429 or 503 held while the fallbacks after it were tried, none answering).
+        The current attempt is charged `failed`, its own outcome; the request ends as
+        `status` says, credited to `endpoint` (the decision header and the trace name it)."""
+        self._status = status
+        self.endpoint = endpoint
+        self.finish(charge=failed)
+
+    def finish(self, outcome: Outcome | None = None, *, charge: Outcome | None = None) -> None:
+        """End the request (once): `outcome`, else the status seen, else CANCELLED. `charge`:
+        the current attempt's own outcome, when its endpoint did not give the answer."""
         lease = self.lease
         if lease is None or lease.done:
             return
         if outcome is None:
             status = self._status
             outcome = Outcome.CANCELLED if status is None else outcome_for_status(status)
-        self._release(lease, outcome, end=True)
+        self._release(lease, outcome if charge is None else charge, end=True)
         if self._in_use:
             self._in_use = False
             activation = self.gateway.activation

@@ -145,6 +145,18 @@ def test_unknown_model_is_404_model_not_found(client: TestClient) -> None:
     assert "configured models: m1" in error["message"]
 
 
+def test_error_cors_headers_are_the_apps_choice(config: Config, scheduler: Scheduler) -> None:
+    """The proxy (`cors=True`) answers a browser's request's errors with allow-origin *, as
+    vLLM does; in an app of its own, its CORS middleware decides: none is added unasked."""
+    unknown = orjson.dumps({"model": "nope", "messages": []})
+    browser = {"origin": "http://localhost:3000"}
+    for cors in (False, True):
+        app = SchedulerMiddleware(Starlette(), config=config, scheduler=scheduler, cors=cors)
+        reply = TestClient(app).post(CHAT, content=unknown, headers=browser)
+        assert reply.status_code == 404
+        assert reply.headers.get("access-control-allow-origin") == ("*" if cors else None)
+
+
 def test_body_over_the_limit_is_413_by_content_length(scheduler: Scheduler) -> None:
     config = make_config(ADDRESSES, limits={"max_body_bytes": 1024})
     client = TestClient(starlette_app(config, Scheduler(config)))

@@ -4,6 +4,7 @@ replicas and scripted upstreams."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,9 +32,11 @@ from llmgw.asgi.testing import (
     serve,
 )
 from llmgw.config import Config
+from llmgw.lifecycle import Lifecycle
 from llmgw.request import build_request
 from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.sim import SimFleet
+from llmgw.types import Outcome
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
@@ -367,6 +370,46 @@ async def test_a_refusal_is_answered_when_the_fallback_after_it_is_down() -> Non
     assert reply.headers["retry-after"] == "7" and reply.content == refusal
     assert outcome_count(app.telemetry, upstream.address, "backpressure") == 1
     assert outcome_count(app.telemetry, dead, "failure") == 1
+    assert inflight(app) == 0
+
+
+async def test_a_refusal_passed_on_is_credited_to_the_endpoint_that_gave_it() -> None:
+    """The primary answers 429, its fallback refuses the connection, the 429 is passed on:
+    x-llmgw-decision said `answered=<fallback>` and the trace line credited the 429 to the
+    fallback that never answered, as a failure (found by a review helper)."""
+    refusal = b'{"error": {"message": "busy"}}'
+
+    async def busy(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(json_response(429, refusal, "retry-after: 7\r\n"))
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(busy).start()
+    dead = refused_address()
+    app = proxy_for(make_config([upstream.address, dead], debug_headers=True))
+    ended: list[tuple[str | None, int | None, Outcome]] = []
+
+    def finished(lifecycle: Lifecycle, outcome: Outcome) -> None:
+        address = lifecycle.endpoint.address if lifecycle.endpoint is not None else None
+        ended.append((address, lifecycle.status, outcome))
+
+    app.routed.hooks = dataclasses.replace(app.routed.hooks, finished=finished)
+    key = _session_with_primary(app, upstream.address)
+    try:
+        async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
+            reply = await client.post(CHAT, content=BODY, headers={"x-session-id": key})
+    finally:
+        await upstream.stop()
+    assert reply.status_code == 429 and reply.content == refusal
+    decision = reply.headers["x-llmgw-decision"]
+    assert decision.startswith(f"endpoint={upstream.address} ") and "answered=" not in decision
+    assert ended == [(upstream.address, 429, Outcome.BACKPRESSURE)]
+    # Each attempt is charged its own outcome: the refusal to its endpoint, the failure to
+    # the fallback that failed.
+    assert outcome_count(app.telemetry, upstream.address, "backpressure") == 1
+    assert outcome_count(app.telemetry, dead, "failure") == 1
+    assert outcome_count(app.telemetry, dead, "backpressure") == 0
     assert inflight(app) == 0
 
 

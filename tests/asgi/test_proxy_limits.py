@@ -25,6 +25,7 @@ from llmgw.asgi.testing import (
     UpstreamRequest,
     chunk,
     make_config,
+    refused_address,
     serve,
 )
 from llmgw.breaker import BreakerState
@@ -189,6 +190,33 @@ async def test_an_empty_line_after_an_answer_does_not_keep_the_connection_open(
             writer.close()
 
 
+async def test_a_head_after_an_empty_line_gets_its_whole_head_deadline(
+    engine: ScriptedUpstream,
+) -> None:
+    """An empty line while idle starts the head deadline (a connection sending only those is
+    closed); the head that followed did not start it again, so it got 408 sooner than
+    client_header_timeout after its own first byte (found by a review helper)."""
+    timeout = 1.0
+    app, protocol = _proxy(make_config([engine.address], limits={"client_header_timeout": timeout}))
+    loop = asyncio.get_running_loop()
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        try:
+            writer.write(_head([]) + BODY)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
+            assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"{}"
+            writer.write(b"\r\n")
+            await asyncio.sleep(timeout * 0.3)  # a part of the empty line's deadline passes
+            began = loop.time()
+            writer.write(f"POST {CHAT} HTTP/1.1\r\nhost: l".encode())  # then silence
+            answer = await asyncio.wait_for(reader.read(), DEADLINE)
+            took = loop.time() - began
+        finally:
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert took >= timeout * 0.95, f"408 {took:.2f} s after the head's first byte"
+
+
 @pytest.mark.parametrize("model_header", [False, True], ids=["body routes", "header routes"])
 async def test_a_body_that_stops_arriving_gets_408_and_is_never_routed(
     engine: ScriptedUpstream, model_header: bool
@@ -287,6 +315,50 @@ async def test_a_413_before_the_bodys_end_closes_the_connection(
     status, error, headers = _status_and_error(answer)
     assert (status, error["code"]) == (413, "body_too_large")
     assert headers[b"connection"] == b"close"
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (
+            [f"OPTIONS {CHAT} HTTP/1.1", "origin: http://a", "access-control-request-method: POST"],
+            200,
+        ),
+        ([f"GET {CHAT} HTTP/1.1"], 405),
+        (["POST /not/a/route HTTP/1.1"], 404),
+    ],
+    ids=["CORS preflight", "405", "404 route_not_found"],
+)
+async def test_an_answer_sent_before_the_bodys_end_closes_the_connection(
+    engine: ScriptedUpstream, head: list[str], status: int
+) -> None:
+    """A preflight, a 405 or a 404 route_not_found is answered before the body is read;
+    then the connection stayed open while the proxy read and dropped whatever the client
+    sent, with no timer: a chunked body with no end held it for as long as the client sent
+    (only a 413, or an answer to an expect-100 request, closed it) (found by a review
+    helper)."""
+    app, protocol = _proxy(make_config([engine.address], limits=QUICK))
+    piece = b"x" * (64 * 1024)
+    framed = b"%x\r\n%s\r\n" % (len(piece), piece)
+    lines = [*head, "host: llm", "transfer-encoding: chunked"]
+    async with serve(app, http=protocol) as base:
+        reader, writer = await _connect(base)
+        reading = asyncio.create_task(reader.read())  # to EOF: the proxy closed its side
+        try:
+            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+            sent = 0
+            while not reading.done() and sent < 64 << 20:  # the client goes on sending
+                writer.write(framed)
+                sent += len(piece)
+                await asyncio.wait_for(writer.drain(), DEADLINE)
+                await asyncio.sleep(0)  # the reader's turn
+            assert reading.done(), f"{sent} bytes sent past the answer, the connection open"
+            answer = reading.result()
+        finally:
+            reading.cancel()
+            writer.close()
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
     assert engine.requests == []
 
 
@@ -587,6 +659,31 @@ async def test_a_cors_preflight_is_answered_as_vllm_answers_it(engine: ScriptedU
     assert engine.requests == []  # answered by the proxy
     assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
     assert plain.status_code == 405  # an OPTIONS that is no preflight
+
+
+async def test_llmgw_own_error_answers_to_a_browser_carry_cors() -> None:
+    """vLLM's CORSMiddleware puts access-control-allow-origin on every answer to a request
+    with an Origin, errors included; llmgw's own errors had none, so a browser app read a
+    network error instead of the JSON error and its Retry-After (found by a review helper).
+    The middleware's (404 model_not_found, 405), the forwarder's (502, 404 route_not_found)
+    and the app's (405 on the model list) carry it; without an Origin, none does."""
+    app, protocol = _proxy(make_config([refused_address()]))
+    browser = {"origin": "http://localhost:3000"}
+    unknown = orjson.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+        answers = [
+            await client.post(CHAT, content=unknown, headers=browser),  # the middleware's
+            await client.get(CHAT, headers=browser),
+            await client.post(CHAT, content=BODY, headers=browser),  # the forwarder's
+            await client.post("/not/a/route", content=b"{}", headers=browser),
+            await client.post("/v1/models", headers=browser),  # the app's
+        ]
+        plain = await client.post(CHAT, content=unknown)
+    assert [a.status_code for a in answers] == [404, 405, 502, 404, 405]
+    for answer in answers:
+        assert answer.headers.get("access-control-allow-origin") == "*", answer.headers
+        assert answer.headers["vary"] == "Origin" and "error" in answer.json()
+    assert plain.status_code == 404 and "access-control-allow-origin" not in plain.headers
 
 
 async def test_a_get_of_the_explain_path_is_a_405_that_says_allow_post(

@@ -209,6 +209,32 @@ def test_a_cors_preflight_is_answered_200_at_the_headers_and_routes_nothing() ->
     assert sent["access-control-allow-origin"] == "*" and sent["vary"] == "Origin"
 
 
+def test_llmgw_own_errors_to_a_browser_carry_cors() -> None:
+    """llmgw's own error answers (a 404 model_not_found, a 405) to a request with an Origin
+    had no access-control-allow-origin, as vLLM's errors do: a browser app read a network
+    error, not the JSON error (found by a review helper). Without Origin, none is added."""
+    scheduler = Scheduler(make_config())
+
+    def refused(headers: dict[str, str], body: bytes | None) -> tuple[int, dict[str, str]]:
+        exchange = Exchange(Gateway(scheduler))
+        answer = parse(exchange.handle(request_headers(chat_headers(**headers))))
+        if body is not None:
+            answer = parse(exchange.handle(request_body(body, end_of_stream=True)))
+        immediate = answer.immediate_response
+        sent = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+        return immediate.status.code, sent
+
+    unknown = orjson.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    browser = {"origin": "http://localhost:3000"}
+    status, sent = refused(browser, unknown)
+    assert status == 404
+    assert sent["access-control-allow-origin"] == "*" and sent["vary"] == "Origin"
+    status, sent = refused({**browser, ":path": "/v1/models/m1"}, None)
+    assert status == 405 and sent["access-control-allow-origin"] == "*"
+    status, sent = refused({}, unknown)
+    assert status == 404 and "access-control-allow-origin" not in sent
+
+
 def test_a_post_to_the_model_catalog_is_405() -> None:
     scheduler = Scheduler(make_config())
     headers = chat_headers(**{":path": "/v1/models/m1"})

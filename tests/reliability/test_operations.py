@@ -244,21 +244,25 @@ def inflight(base: str) -> float:
     )
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_proxy_drain_timeout_answers_503_draining_and_logs_no_traceback(
-    sim: ThreadedFleet, spawn_proxy: SpawnFn
+    sim: ThreadedFleet, spawn_proxy: SpawnFn, workers: int
 ) -> None:
     """Requests still waiting on a hung engine when `--drain-timeout` ends get 503
     `router_draining` (+ Retry-After) in llmgw's JSON shape. Before, uvicorn's cancellation
     passed through: a plain-text 500 "Internal Server Error" and a traceback in the log per
-    request, on a routine rolling restart with one slow engine (found by a review helper)."""
+    request, on a routine rolling restart with one slow engine (found by a review helper).
+    With the default --drain-delay 0, a worker of `--workers N` never marked itself
+    draining, so it still answered that 500 (found by a review helper)."""
     sim.call(lambda: [r.set_faults(hang=True) for r in sim.fleet.replicas])
     try:
-        proxy = spawn_proxy(config_for(sim, [0, 1]), drain_delay=0.1, drain_timeout=1)
+        proxy = spawn_proxy(config_for(sim, [0, 1]), drain_timeout=1, workers=workers)
         base = proxy.url("http")
-        waiting = [Waiting(base, stream=i % 2 == 0) for i in range(2)]
+        # One request with workers: each counts its own in flight, and both may take it.
+        waiting = [Waiting(base, stream=i % 2 == 0) for i in range(3 - workers)]
         for w in waiting:
             w.start()
-        wait_for(lambda: inflight(base) == 2, 10, "both requests at the hung engines")
+        wait_for(lambda: inflight(base) == len(waiting), 10, "the requests at the hung engines")
         proxy.process.send_signal(signal.SIGTERM)
         for w in waiting:
             w.join(20)
