@@ -1,12 +1,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from llmgw import promtext
 from llmgw.config import endpoints_of, load_dict
 from llmgw.discovery import join
 from llmgw.registry import Registry
@@ -140,6 +141,30 @@ async def test_page_for_another_model_marks_model_not_served(server: FakeServer)
     await scraper.scrape_once()
     assert registry.states("m")[0].serves_model is False
     await scraper.stop()
+
+
+@pytest.mark.parametrize("model", ["m", "other"])
+def test_a_page_is_read_once_whether_or_not_it_has_the_model(
+    monkeypatch: pytest.MonkeyPatch, model: str
+) -> None:
+    """A page without the model's series was read twice, the second time to tell whether
+    it served other models: twice the event loop's time on an 8 MB page (found by a review
+    helper)."""
+    reads: list[int] = []
+    iter_samples = promtext.iter_samples
+
+    def counted(text: str, names: Collection[str] | None = None) -> Iterator[promtext.Sample]:
+        reads.append(len(text))
+        return iter_samples(text, names)
+
+    monkeypatch.setattr(promtext, "iter_samples", counted)
+    scraper, registry = make_scraper(1)
+    address = registry.states("m")[0].id
+    assert scraper.ingest(
+        address, scraper.targets()[address], VLLM_PAGE.format(model=model, waiting=1)
+    ) is (model == "m")
+    assert registry.states("m")[0].serves_model is (model == "m")
+    assert len(reads) == 1
 
 
 async def test_served_name_and_metric_overrides(server: FakeServer) -> None:
