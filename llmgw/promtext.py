@@ -8,7 +8,8 @@ whose metric name is wanted (~0.1 ms for the same page), so it stays off the CPU
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterator, Mapping
+import re
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from llmgw.errors import MetricsError
@@ -92,19 +93,54 @@ def _split_sample(line: str, line_no: int) -> tuple[str, Labels, float]:
 
 def iter_samples(text: str, names: Collection[str] | None = None) -> Iterator[Sample]:
     """Samples of the page, only those named in `names` when given (the fast path)."""
+    if names is not None:
+        yield from _iter_named(text, names)
+        return
     for line_no, raw in enumerate(text.split("\n"), 1):
         line = raw.strip()
         if not line or line[0] == "#":
             continue
-        if names is not None:
-            end = len(line)
-            for sep in ("{", " "):
-                k = line.find(sep)
-                if 0 <= k < end:
-                    end = k
-            if line[:end] not in names:
-                continue
         name, labels, value = _split_sample(line, line_no)
+        yield Sample(name, labels, value)
+
+
+# Per set of wanted names: a pattern that finds them where a sample's name can end (at
+# `{`, a space, or the line's end), then the rest of that line. Splitting and stripping
+# every line in Python first took ~50 ms of the event loop for an 8 MB page (80,000
+# series of a metric nobody reads); the regex engine skips to the wanted names' first
+# letters in C (~3 ms).
+_SELECTORS: dict[frozenset[str], re.Pattern[str]] = {}
+
+
+def _selector(names: Collection[str]) -> re.Pattern[str]:
+    key = names if isinstance(names, frozenset) else frozenset(names)
+    pattern = _SELECTORS.get(key)
+    if pattern is None:
+        if len(_SELECTORS) >= 64:  # contracts are few; config reloads may make more
+            _SELECTORS.clear()
+        # Longest first: a name that is another's prefix (`x` and `x_sum`) is tried last.
+        alternatives = "|".join(re.escape(n) for n in sorted(key, key=lambda n: (-len(n), n)))
+        pattern = re.compile(rf"(?:{alternatives})(?=[{{ ]|[^\S\n]*$).*", re.MULTILINE)
+        _SELECTORS[key] = pattern
+    return pattern
+
+
+def _iter_named(text: str, names: Collection[str]) -> Iterator[Sample]:
+    """The samples named in `names`, as a line-by-line reading finds them: a line is one
+    of theirs when, stripped, its name (up to `{` or a space) is one of `names`."""
+    if not names:
+        return
+    line_no, counted = 1, 0
+    for match in _selector(names).finditer(text):
+        start = match.start()
+        line_start = text.rfind("\n", 0, start) + 1
+        # The name must begin the line (after blanks): not a label value, a comment's text
+        # (`# TYPE name gauge`) or the tail of a longer name.
+        if line_start < start and not text[line_start:start].isspace():
+            continue
+        line_no += text.count("\n", counted, start)
+        counted = start
+        name, labels, value = _split_sample(match.group().rstrip(), line_no)
         yield Sample(name, labels, value)
 
 
@@ -243,8 +279,20 @@ CONTRACTS: dict[Engine, MetricContract] = {
 _NO_MODEL = frozenset({"", "undefined"})
 
 
+def select(text: str, contract: MetricContract) -> list[Sample]:
+    """The page's samples the contract reads, every model's (for `extract_samples`)."""
+    return list(iter_samples(text, contract.names()))
+
+
 def extract(text: str, contract: MetricContract, model: str | None = None) -> EngineMetrics:
-    """Read the contract's numbers from a /metrics page.
+    """Read the contract's numbers from a /metrics page (`extract_samples` of `select`)."""
+    return extract_samples(select(text, contract), contract, model)
+
+
+def extract_samples(
+    samples: Iterable[Sample], contract: MetricContract, model: str | None = None
+) -> EngineMetrics:
+    """Read the contract's numbers from a /metrics page's samples.
 
     With `model`, only samples whose model label equals it (or names no model: `_NO_MODEL`)
     count (a server may serve several models). Queue and running are summed over the remaining series (several
@@ -253,7 +301,7 @@ def extract(text: str, contract: MetricContract, model: str | None = None) -> En
     """
     found: dict[str, list[float]] = {}
     kv_tokens: float | None = None
-    for sample in iter_samples(text, contract.names()):
+    for sample in samples:
         if model is not None:
             label = sample.labels.get(contract.model_label)
             if label is not None and label != model and label not in _NO_MODEL:

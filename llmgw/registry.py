@@ -107,8 +107,9 @@ class EndpointState:
         self.scrape_error: str | None = None
         self.serves_model: bool | None = None  # None: not known yet
         self.breaker = Breaker(breaker)
-        # The most requests the engine was seen running at once: its batch size as far as
-        # anyone can tell from outside (vLLM does not export max_num_seqs). Beyond it,
+        # The most requests the engine was seen running at once (on two scrapes in a row:
+        # `Registry.record_scrape`): its batch size as far as anyone can tell from outside
+        # (vLLM does not export max_num_seqs). Beyond it,
         # requests wait for a slot: one frees every `service / slots` seconds.
         self.peak_running = 0.0
         # Whether that peak is the batch size: the engine was seen running at it with
@@ -440,10 +441,15 @@ class Registry:
             state.restarts += 1
             state.peak_running, state.full_at_peak, state.peak_is_batch = 0.0, 0, False
             self.restart_epoch += 1
-        if metrics.running > state.peak_running:
-            state.peak_running = metrics.running
+        # A new peak counts once two scrapes in a row show it (the lower of the two): one
+        # glitched reading (a 16-bit underflow: 65535) was its batch until a restart, and
+        # that engine, never priced a batch-slot wait again, drew every request. A real
+        # rise lands one scrape later; a reading above the peak proves nothing until then.
+        held = 0.0 if prev is None else min(prev.running, metrics.running)
+        if held > state.peak_running:
+            state.peak_running = held
             state.full_at_peak, state.peak_is_batch = 0, False
-        if metrics.waiting >= 1 and metrics.running >= state.peak_running:
+        if metrics.waiting >= 1 and metrics.running == state.peak_running:
             state.full_at_peak += 1
             if state.full_at_peak >= FULL_SCRAPES:
                 state.peak_is_batch = True

@@ -25,12 +25,28 @@ class KeepAliveGetter:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        if self._reader is None or self._writer is None or self._writer.is_closing():
-            self._reader, self._writer = await asyncio.open_connection(
-                self.host, self.port, limit=1 << 20
-            )
-        return self._reader, self._writer
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        """The connection to ask on, and whether it is one kept from an earlier answer."""
+        reader, writer = self._reader, self._writer
+        if reader is not None and writer is not None and not writer.is_closing():
+            if not reader.at_eof():
+                return reader, writer, True
+            await self.close()  # the server closed it while idle (uvicorn: after 5 s)
+        self._reader, self._writer = await asyncio.open_connection(
+            self.host, self.port, limit=1 << 20
+        )
+        return self._reader, self._writer, False
+
+    async def _ask(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, path: str
+    ) -> bytes:
+        """Send the request; the response's head."""
+        writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: {join(self.host, self.port)}\r\n"
+            "Accept: text/plain\r\nUser-Agent: llmgw-scraper\r\n\r\n".encode()
+        )
+        await writer.drain()
+        return await reader.readuntil(b"\r\n\r\n")
 
     async def get(self, path: str) -> tuple[int, bytes]:
         """(status, body). Any protocol or connection error closes the connection and raises."""
@@ -44,13 +60,17 @@ class KeepAliveGetter:
             raise
 
     async def _get(self, path: str) -> tuple[int, bytes]:
-        reader, writer = await self._connect()
-        writer.write(
-            f"GET {path} HTTP/1.1\r\nHost: {join(self.host, self.port)}\r\n"
-            "Accept: text/plain\r\nUser-Agent: llmgw-scraper\r\n\r\n".encode()
-        )
-        await writer.drain()
-        head = await reader.readuntil(b"\r\n\r\n")
+        reader, writer, reused = await self._connect()
+        try:
+            head = await self._ask(reader, writer, path)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            # A kept connection the server closed before answering (its idle close crossed
+            # this request): once more on a new one. Not when it had begun to answer.
+            if not reused or (isinstance(exc, asyncio.IncompleteReadError) and exc.partial):
+                raise
+            await self.close()
+            reader, writer, _ = await self._connect()
+            head = await self._ask(reader, writer, path)
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ", 2)
         if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
@@ -61,7 +81,11 @@ class KeepAliveGetter:
             if ":" in line:
                 k, v = line.split(":", 1)
                 headers[k.strip().lower()] = v.strip()
-        keep_alive = headers.get("connection", "").lower() != "close"
+        # HTTP/1.1 keeps the connection unless told not to; HTTP/1.0 closes it unless told
+        # (prometheus_client's `start_http_server` answers HTTP/1.0 and closes).
+        connection = headers.get("connection", "").lower()
+        http10 = parts[0] == "HTTP/1.0"
+        keep_alive = connection == "keep-alive" if http10 else connection != "close"
         if "content-length" in headers:
             length = int(headers["content-length"])
             if length > self.max_bytes:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from llmgw.config import Config
 from llmgw.errors import MetricsError
 from llmgw.gateway import ConfigSource, config_source
-from llmgw.promtext import CONTRACTS, MetricContract, extract
+from llmgw.promtext import CONTRACTS, MetricContract, Sample, extract_samples, select
 from llmgw.registry import Registry
 from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
 
@@ -118,13 +118,14 @@ class Scraper:
         fleet simulator `bench/fleetsim.py` calls it too). False if a target failed."""
         ok = True
         for t in targets:
+            samples: list[Sample] | None = None
             try:
-                metrics = extract(text, t.contract, model=t.label)
+                samples = select(text, t.contract)  # the page is read once
+                metrics = extract_samples(samples, t.contract, model=t.label)
             except MetricsError as exc:
                 ok = False
-                self.registry.record_scrape_error(
-                    t.model, address, str(exc), model_absent=_serves_other_models(text, t)
-                )
+                absent = samples is not None and _serves_other_models(samples, t)
+                self.registry.record_scrape_error(t.model, address, str(exc), model_absent=absent)
                 continue
             self.registry.record_scrape(t.model, address, metrics)
         if ok:
@@ -205,10 +206,10 @@ class Scraper:
         self._getters.clear()
 
 
-def _serves_other_models(text: str, target: Target) -> bool:
-    """True when the page has the contract's metrics, only for other models."""
+def _serves_other_models(samples: list[Sample], target: Target) -> bool:
+    """True when the page's samples have the contract's metrics, only for other models."""
     try:
-        extract(text, target.contract)
+        extract_samples(samples, target.contract)
     except MetricsError:
         return False
     return True

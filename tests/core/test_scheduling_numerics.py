@@ -149,3 +149,53 @@ def test_a_first_token_count_that_jumps_past_a_float_does_not_fail_the_scrape() 
         scrape(scheduler, endpoints[0], page(histograms={histogram: (1.0, count)}))
     state = registry.get("m", endpoints[0])
     assert state is not None and state.metrics is not None
+
+
+def full_batch_page(n: int, running: float = 8) -> str:
+    """A full batch of 8 with 6 waiting, a request's service 2 s; `running` as published."""
+    return (
+        engine_pages(n, per_token=1e-4, step=0.02, service=2.0)
+        .replace('vllm:num_requests_waiting{model_name="m"} 8', 'vllm:num_requests_waiting{model_name="m"} 6')
+        .replace('vllm:num_requests_running{model_name="m"} 8', f'vllm:num_requests_running{{model_name="m"}} {running}')
+    )  # fmt: skip
+
+
+def scrape_twins_one_glitching(scheduler: Scheduler, clock: FakeClock) -> None:
+    """Two engines publish the same full-batch pages for 4 s; once, halfway, the second's
+    running gauge reads 65535 (a 16-bit underflow, under the gauge's sanity cap)."""
+    a, b = (s.id for s in scheduler.registry.states("m"))
+    n = 0
+    for k in range(40):
+        n += 10
+        clock.advance(0.1)
+        for endpoint in (a, b):
+            running = 65535 if endpoint == b and k == 20 else 8
+            scrape(scheduler, endpoint, full_batch_page(n, running))
+
+
+def test_one_glitched_running_gauge_does_not_change_an_endpoints_price_for_good() -> None:
+    """One scrape's running gauge became the endpoint's peak batch until a restart: its
+    batch-slot and full-queue waits were never priced again (found by a review helper)."""
+    scheduler, clock, _, scorer = build(2)
+    scrape_twins_one_glitching(scheduler, clock)
+    scheduler.pick(request(0))
+    a, b = scorer.terms()["ttft_s"]
+    assert b >= 0.8 * a
+
+
+def test_after_one_glitched_scrape_equal_engines_still_share_new_requests() -> None:
+    """Since that glitch the engine looked free of batch-slot waits: it drew every new
+    request while its twin stood idle (found by a review helper)."""
+    scheduler, clock, endpoints, _ = build(2)
+    scrape_twins_one_glitching(scheduler, clock)
+    registry = scheduler.registry
+    sent = dict.fromkeys(endpoints, 0)
+    for i in range(20):  # 20 new requests within one scrape interval, each kept in flight
+        prompt = f"{i:06d}" + "x" * 3994
+        info = RequestInfo(model="m", request_id=f"r{i}", prompt=prompt, prompt_tokens=1000)
+        decision = scheduler.pick(info)
+        chosen = decision.endpoint.address
+        registry.acquire("m", chosen)
+        registry.add_prefill("m", chosen, 1000.0, ready_at=decision.ready_at)
+        sent[chosen] += 1
+    assert sent[endpoints[0]] >= 5, sent

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from llmgw import promtext
 from llmgw.config import endpoints_of, load_dict
 from llmgw.discovery import join
 from llmgw.registry import Registry
@@ -141,6 +143,30 @@ async def test_page_for_another_model_marks_model_not_served(server: FakeServer)
     await scraper.stop()
 
 
+@pytest.mark.parametrize("model", ["m", "other"])
+def test_a_page_is_read_once_whether_or_not_it_has_the_model(
+    monkeypatch: pytest.MonkeyPatch, model: str
+) -> None:
+    """A page without the model's series was read twice, the second time to tell whether
+    it served other models: twice the event loop's time on an 8 MB page (found by a review
+    helper)."""
+    reads: list[int] = []
+    iter_samples = promtext.iter_samples
+
+    def counted(text: str, names: Collection[str] | None = None) -> Iterator[promtext.Sample]:
+        reads.append(len(text))
+        return iter_samples(text, names)
+
+    monkeypatch.setattr(promtext, "iter_samples", counted)
+    scraper, registry = make_scraper(1)
+    address = registry.states("m")[0].id
+    assert scraper.ingest(
+        address, scraper.targets()[address], VLLM_PAGE.format(model=model, waiting=1)
+    ) is (model == "m")
+    assert registry.states("m")[0].serves_model is (model == "m")
+    assert len(reads) == 1
+
+
 async def test_served_name_and_metric_overrides(server: FakeServer) -> None:
     page = 'q{model_name="served"} 4\nr{model_name="served"} 1\nkv{model_name="served"} 0.5\n'
     server.respond = lambda: ok(page)
@@ -240,3 +266,109 @@ async def test_each_engine_is_scraped_where_it_serves_prometheus_text(
     await scraper.scrape_once()
     await scraper.stop()
     assert server.paths == [path]
+
+
+async def test_an_http_1_0_exporter_is_scraped_every_time() -> None:
+    """prometheus_client's own `start_http_server` answers HTTP/1.0 with a length and closes:
+    the getter kept the connection, so every second scrape failed on the closed socket and
+    a healthy engine's metrics went stale (found by a review helper)."""
+    exporter = CollectorRegistry()
+    for name, value in (
+        ("vllm:num_requests_waiting", 1.0),
+        ("vllm:num_requests_running", 2.0),
+        ("vllm:kv_cache_usage_perc", 0.5),
+    ):
+        Gauge(name, name, ["model_name"], registry=exporter).labels("m").set(value)
+    http, thread = start_http_server(0, addr="127.0.0.1", registry=exporter)
+    try:
+        scraper, registry = make_scraper(http.server_port)
+        for _ in range(4):
+            await scraper.scrape_once()
+        state = registry.states("m")[0]
+        address = f"127.0.0.1:{http.server_port}"
+        assert (scraper.scrapes[address], scraper.errors[address]) == (4, 0), state.scrape_error
+        assert state.scrape_error is None
+        await scraper.stop()
+    finally:
+        http.shutdown()
+        http.server_close()
+        thread.join(5)
+
+
+async def test_an_http_1_0_answer_that_asks_for_keep_alive_keeps_the_connection() -> None:
+    """HTTP/1.0 closes after each answer unless it says `Connection: keep-alive`."""
+    page = ok(VLLM_PAGE.format(model="m", waiting=1)).replace(
+        b"HTTP/1.1 200 OK\r\n", b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\n"
+    )
+    fake = FakeServer(respond=lambda: page)
+    srv = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
+    async with srv:
+        getter = KeepAliveGetter("127.0.0.1", srv.sockets[0].getsockname()[1])
+        for _ in range(3):
+            assert (await getter.get("/metrics"))[0] == 200
+        await getter.close()
+        fake.hang.set()
+    assert (fake.requests, fake.connections) == (3, 1)
+
+
+async def test_an_idle_connection_the_engine_closed_is_not_a_failed_scrape() -> None:
+    """uvicorn (vLLM, SGLang, trtllm-serve) closes a kept-alive connection idle for 5 s: with
+    `scrape.interval` past that, the getter wrote the next request on it, and every second
+    scrape failed (found by a review helper)."""
+    page = ok(VLLM_PAGE.format(model="m", waiting=1))
+    fake = FakeServer(respond=lambda: page)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        fake.connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        fake.requests += 1
+        writer.write(page)  # HTTP/1.1, kept alive ... until idle too long
+        await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with srv:
+        getter = KeepAliveGetter("127.0.0.1", srv.sockets[0].getsockname()[1])
+        assert (await getter.get("/metrics"))[0] == 200
+        reader = getter._reader
+        assert reader is not None
+        await eventually(reader.at_eof)  # the engine's close reached this side
+        assert (await getter.get("/metrics"))[0] == 200
+        await getter.close()
+    assert (fake.requests, fake.connections) == (2, 2)
+
+
+async def test_a_reused_connection_closed_as_the_request_arrives_is_retried_once() -> None:
+    """The engine's idle close crossing the next request (its FIN not yet read): the reused
+    connection ends before any byte of an answer; the getter asks once more on a new
+    connection. A new connection that ends so is an error (found by a review helper)."""
+    page = ok(VLLM_PAGE.format(model="m", waiting=1))
+    fake = FakeServer(respond=lambda: page)
+    answer_first_only = True
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        fake.connections += 1
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            fake.requests += 1
+            if answer_first_only:
+                writer.write(page)
+                await writer.drain()
+                await reader.readuntil(b"\r\n\r\n")  # the next request: closed unanswered
+                fake.requests += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with srv:
+        getter = KeepAliveGetter("127.0.0.1", srv.sockets[0].getsockname()[1])
+        assert (await getter.get("/metrics"))[0] == 200
+        assert (await getter.get("/metrics"))[0] == 200  # conn 1 ends: asked again on conn 2
+        assert (fake.requests, fake.connections) == (3, 2)
+        answer_first_only = False
+        await getter.close()
+        with pytest.raises(HttpGetError, match="IncompleteReadError"):
+            await getter.get("/metrics")  # a fresh connection: no second try
+        assert (fake.requests, fake.connections) == (4, 3)
