@@ -691,15 +691,21 @@ class LatencyScorer:
             load = s.inflight + s.remote_inflight + 0.0
             if s.reports_first_token:  # the edge sees first tokens: exact pending work
                 queue = s.pending_prefill * per_token * slow
-            elif s.counts_first_tokens:
+            elif (
+                s.counts_first_tokens and s.scrape_error is None and now - s.scraped_at <= staleness
+            ):
                 # The engine's first-token count closed what was done by the last scrape;
                 # it has worked since: less that time. (Work sent since the scrape to an
                 # engine that ran out of work in between counts as drained for the time
                 # before it came: an understatement only where the queue is near empty.)
+                # Only while scrapes succeed: with its /metrics failing, the time since the
+                # last good scrape grew without bound and erased every prefill sent there
+                # since, so a burst of new sessions piled onto that replica.
                 queue = s.counted_prefill * per_token * slow - (now - s.scraped_at)
                 if queue < 0:
                     queue = 0.0
-            else:  # neither (Envoy without body events, no histogram): time drains the work
+            else:  # neither (Envoy without body events, no histogram, or no fresh count):
+                # time drains the work
                 queue = s.busy_until - now
                 if queue < 0:
                     queue = 0.0

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import orjson
 import pytest
 
 from llmgw.calibration import Calibration, hits_confirmed, pooled
 from llmgw.promtext import CONTRACTS, extract
 from llmgw.registry import EndpointState, Registry
+from llmgw.request import build_request
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.scorers import LatencyScorer
 from llmgw.types import Engine, EngineMetrics, Outcome, RequestInfo
 
-from .helpers import FakeClock, config, context, state
+from .helpers import FakeClock, config, context, state, static_model
 
 NOW = 10.0
 PER_TOKEN = 100e-6  # the scorer's default: 100 us per prefill token
@@ -1130,3 +1133,66 @@ def test_a_slower_replicas_own_time_in_batch_is_checked_as_the_pooled_one(
     scorer.score(context(states, request=req, now=NOW), states)
     queue = scorer.terms()["queue_s"][3]
     assert expect(queue), queue
+
+
+def test_a_replica_whose_metrics_fail_does_not_draw_a_burst_behind_envoy() -> None:
+    """Behind Envoy without body events, with engines that count first tokens: the queue
+    was the prefill counted since the last good scrape less the time since that scrape.
+    While one replica's /metrics failed, that time grew without bound and erased every
+    prefill sent there, so its queue read 0 and a burst of 40 new sessions sent it 34.
+    Without a fresh count, time drains the work, as on engines that count none. Found by
+    a review helper."""
+    n, burst = 4, 40
+    clock = FakeClock()
+    cfg = config({"m": static_model(n)}, seed=1)
+    registry = Registry(clock=clock, staleness=cfg.scrape.staleness)
+    scheduler = Scheduler(cfg, registry)
+    ids = [s.id for s in registry.states("m")]
+    counts = dict.fromkeys(ids, 0.0)
+
+    def scrape(endpoint: str) -> None:
+        counts[endpoint] += 1  # the engine's first-token count grows as it serves
+        metrics = EngineMetrics(waiting=0, running=0, kv_usage=0.0, ttft_count=counts[endpoint])
+        registry.record_scrape("m", endpoint, metrics)
+
+    rng = random.Random(1)
+
+    def chat(i: int) -> RequestInfo:
+        text = "".join(rng.choices("abcdefghij ", k=2000))
+        return build_request(
+            cfg,
+            {"content-type": "application/json", "x-session-id": f"s{i}"},
+            "/v1/chat/completions",
+            orjson.dumps(
+                {
+                    "model": "m",
+                    "stream": True,
+                    "messages": [{"role": "user", "content": text}],
+                }
+            ),
+            request_id=f"r{i}",
+        )
+
+    for endpoint in ids:
+        scrape(endpoint)
+    leases = [scheduler.acquire(scheduler.pick(chat(1000 + k))) for k in range(n)]
+    clock.advance(0.05)
+    for lease in leases:  # ended without a first token seen (Envoy, no body events)
+        lease.end(Outcome.SUCCESS)
+    for _ in range(2):
+        clock.advance(0.1)
+        for endpoint in ids:
+            scrape(endpoint)
+    broken = ids[0]
+    for _ in range(30):  # 3 s of scrapes: the first replica's all fail
+        clock.advance(0.1)
+        registry.record_scrape_error("m", broken, "HTTP 500")
+        for endpoint in ids[1:]:
+            scrape(endpoint)
+    got = dict.fromkeys(ids, 0)
+    for i in range(burst):  # 2 ms apart: within one scrape interval
+        decision = scheduler.pick(chat(i))
+        scheduler.acquire(decision)
+        got[decision.endpoint.id] += 1
+        clock.advance(0.002)
+    assert got[broken] <= 2 * burst / n, got
