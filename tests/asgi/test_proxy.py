@@ -344,11 +344,11 @@ async def test_429_passes_through_when_no_fallback_is_allowed(fleet: SimFleet) -
     assert refused == 2
 
 
-async def test_a_refusal_is_answered_when_the_fallback_after_it_is_down() -> None:
-    """The primary answered 429 with Retry-After, the only fallback refused the connection:
-    the client got 502 `upstream_unreachable` ("an answer from none of the endpoints")
-    instead of the engine's 429 (found by a review helper)."""
-    refusal = b'{"error": {"message": "busy", "type": "RateLimitError", "code": 429}}'
+async def _refusing_primary_dead_fallback(
+    refusal: bytes, **config: Any
+) -> tuple[ScriptedUpstream, str, ProxyApp, str]:
+    """An engine that answers 429 (Retry-After: 7) and a fallback that refuses connections;
+    the proxy, and a session key whose primary is the refusing engine."""
 
     async def busy(
         request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -358,8 +358,16 @@ async def test_a_refusal_is_answered_when_the_fallback_after_it_is_down() -> Non
 
     upstream = await ScriptedUpstream(busy).start()
     dead = refused_address()
-    app = proxy_for(make_config([upstream.address, dead]))
-    key = _session_with_primary(app, upstream.address)
+    app = proxy_for(make_config([upstream.address, dead], **config))
+    return upstream, dead, app, _session_with_primary(app, upstream.address)
+
+
+async def test_a_refusal_is_answered_when_the_fallback_after_it_is_down() -> None:
+    """The primary answered 429 with Retry-After, the only fallback refused the connection:
+    the client got 502 `upstream_unreachable` ("an answer from none of the endpoints")
+    instead of the engine's 429 (found by a review helper)."""
+    refusal = b'{"error": {"message": "busy", "type": "RateLimitError", "code": 429}}'
+    upstream, dead, app, key = await _refusing_primary_dead_fallback(refusal)
     try:
         async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
             reply = await client.post(CHAT, content=BODY, headers={"x-session-id": key})
@@ -378,16 +386,7 @@ async def test_a_refusal_passed_on_is_credited_to_the_endpoint_that_gave_it() ->
     x-llmgw-decision said `answered=<fallback>` and the trace line credited the 429 to the
     fallback that never answered, as a failure (found by a review helper)."""
     refusal = b'{"error": {"message": "busy"}}'
-
-    async def busy(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        writer.write(json_response(429, refusal, "retry-after: 7\r\n"))
-        await writer.drain()
-
-    upstream = await ScriptedUpstream(busy).start()
-    dead = refused_address()
-    app = proxy_for(make_config([upstream.address, dead], debug_headers=True))
+    upstream, dead, app, key = await _refusing_primary_dead_fallback(refusal, debug_headers=True)
     ended: list[tuple[str | None, int | None, Outcome]] = []
 
     def finished(lifecycle: Lifecycle, outcome: Outcome) -> None:
@@ -395,7 +394,6 @@ async def test_a_refusal_passed_on_is_credited_to_the_endpoint_that_gave_it() ->
         ended.append((address, lifecycle.status, outcome))
 
     app.routed.hooks = dataclasses.replace(app.routed.hooks, finished=finished)
-    key = _session_with_primary(app, upstream.address)
     try:
         async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
             reply = await client.post(CHAT, content=BODY, headers={"x-session-id": key})

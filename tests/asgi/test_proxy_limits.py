@@ -168,6 +168,15 @@ async def test_an_idle_kept_alive_connection_is_closed_after_client_idle_timeout
     assert guarded(LimitsSpec()).keep_alive == 75.0  # the default: past clients' pools
 
 
+async def _answered_once(base: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A kept-alive connection that has had one request answered (the engine's `{}`)."""
+    reader, writer = await _connect(base)
+    writer.write(_head([]) + BODY)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
+    assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"{}"
+    return reader, writer
+
+
 @pytest.mark.parametrize("then", [b"\r\n", b"\r\n\r\n"], ids=["one CRLF", "two CRLFs"])
 async def test_an_empty_line_after_an_answer_does_not_keep_the_connection_open(
     engine: ScriptedUpstream, then: bytes
@@ -178,11 +187,8 @@ async def test_an_empty_line_after_an_answer_does_not_keep_the_connection_open(
     limits = {"client_header_timeout": 0.3, "client_idle_timeout": 0.3}
     app, protocol = _proxy(make_config([engine.address], limits=limits))
     async with serve(app, http=protocol) as base:
-        reader, writer = await _connect(base)
+        reader, writer = await _answered_once(base)
         try:
-            writer.write(_head([]) + BODY)
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
-            assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"{}"
             writer.write(then)
             # Closed without an answer: nothing of a request arrived.
             assert await asyncio.wait_for(reader.read(), DEADLINE) == b""
@@ -200,11 +206,8 @@ async def test_a_head_after_an_empty_line_gets_its_whole_head_deadline(
     app, protocol = _proxy(make_config([engine.address], limits={"client_header_timeout": timeout}))
     loop = asyncio.get_running_loop()
     async with serve(app, http=protocol) as base:
-        reader, writer = await _connect(base)
+        reader, writer = await _answered_once(base)
         try:
-            writer.write(_head([]) + BODY)
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), DEADLINE)
-            assert head.startswith(b"HTTP/1.1 200") and await reader.readexactly(2) == b"{}"
             writer.write(b"\r\n")
             await asyncio.sleep(timeout * 0.3)  # a part of the empty line's deadline passes
             began = loop.time()
@@ -281,6 +284,26 @@ async def test_a_client_still_sending_a_refused_body_gets_the_413_not_a_reset(
     assert engine.requests == []
 
 
+async def _send_until_closed(base: str, lines: list[str], piece: bytes, budget: int) -> bytes:
+    """Send a head, then `piece` after `piece` (a client that goes on sending) until the
+    proxy closes its side or `budget` bytes are out; the answer, read to that close."""
+    reader, writer = await _connect(base)
+    reading = asyncio.create_task(reader.read())  # to EOF: the proxy closed its side
+    try:
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        sent = 0
+        while not reading.done() and sent < budget:
+            writer.write(piece)
+            sent += len(piece)
+            await asyncio.wait_for(writer.drain(), DEADLINE)
+            await asyncio.sleep(0)  # the reader's turn
+        assert reading.done(), f"{sent} bytes sent past the answer, the connection still open"
+        return reading.result()
+    finally:
+        reading.cancel()
+        writer.close()
+
+
 @pytest.mark.parametrize("framing", ["chunked", "content-length"])
 async def test_a_413_before_the_bodys_end_closes_the_connection(
     engine: ScriptedUpstream, framing: str
@@ -297,21 +320,7 @@ async def test_a_413_before_the_bodys_end_closes_the_connection(
         framed = [("content-length", str(10**10))]
     lines = [f"POST {CHAT} HTTP/1.1", "host: llm"] + [f"{k}: {v}" for k, v in framed]
     async with serve(app, http=protocol) as base:
-        reader, writer = await _connect(base)
-        reading = asyncio.create_task(reader.read())  # to EOF: the proxy closed its side
-        try:
-            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
-            sent = 0
-            while not reading.done() and sent < 32 * limit:  # the client goes on sending
-                writer.write(piece)
-                sent += len(piece)
-                await asyncio.wait_for(writer.drain(), DEADLINE)
-                await asyncio.sleep(0)  # the reader's turn
-            assert reading.done(), f"{sent} bytes sent past the 413, the connection still open"
-            answer = reading.result()
-        finally:
-            reading.cancel()
-            writer.close()
+        answer = await _send_until_closed(base, lines, piece, 32 * limit)
     status, error, headers = _status_and_error(answer)
     assert (status, error["code"]) == (413, "body_too_large")
     assert headers[b"connection"] == b"close"
@@ -343,21 +352,7 @@ async def test_an_answer_sent_before_the_bodys_end_closes_the_connection(
     framed = b"%x\r\n%s\r\n" % (len(piece), piece)
     lines = [*head, "host: llm", "transfer-encoding: chunked"]
     async with serve(app, http=protocol) as base:
-        reader, writer = await _connect(base)
-        reading = asyncio.create_task(reader.read())  # to EOF: the proxy closed its side
-        try:
-            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
-            sent = 0
-            while not reading.done() and sent < 64 << 20:  # the client goes on sending
-                writer.write(framed)
-                sent += len(piece)
-                await asyncio.wait_for(writer.drain(), DEADLINE)
-                await asyncio.sleep(0)  # the reader's turn
-            assert reading.done(), f"{sent} bytes sent past the answer, the connection open"
-            answer = reading.result()
-        finally:
-            reading.cancel()
-            writer.close()
+        answer = await _send_until_closed(base, lines, framed, 64 << 20)
     assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
     assert engine.requests == []
 
