@@ -257,12 +257,17 @@ class RemoteLoad:
             if peers is not None and peers.pop(sender, None) is not None and not peers:
                 del self._by[key]
             return False
+        before = peers.get(sender) if peers is not None else None
         if inflight or pending:
             if peers is None:
                 peers = self._by[key] = {}
             peers[sender] = (inflight, pending, now)
         elif peers is not None:
             peers.pop(sender, None)
+        if inflight > 0 or (before is not None and before[0] > 0):
+            # In use now (or until now): a request that begins and ends between two of the
+            # activator's idle checks still restarts its timer.
+            state.remote_busy_at = now
         _sum_into(state, peers)
         if peers is not None and not peers:
             del self._by[key]
