@@ -21,8 +21,8 @@ scrapes, so a replica its peer just filled looked idle to it: two peering proxie
 1.12-1.17x worse than one where load decides (a busy session home). A router's load
 changes are sent as they happen (coalesced per loop turn, only what changed), refreshed
 every `LOAD_REFRESH` seconds (a zero for `LOAD_TTL` after the load went to zero), and
-forgotten `LOAD_TTL` seconds after a peer last told them (a peer that died stops
-counting); a stopping replica sends its zeros. The sums over
+forgotten `LOAD_TTL` seconds after a peer last told them, looked for every
+`LOAD_EXPIRY_CHECK` (a peer that died stops counting); a stopping replica sends its zeros. The sums over
 peers land on each endpoint's state (`remote_inflight`, `remote_pending`), which the
 scorers add to their own.
 
@@ -71,9 +71,12 @@ _HEADER = struct.Struct(">4s8sQH")
 _RECORD = struct.Struct(">HHHIH")
 _LOAD = struct.Struct(">HHIf")
 # A peer's load is resent this often while non-zero, and forgotten this long after it last
-# came (a lost update heals within a refresh; a dead peer's load stops counting).
+# came (a lost update heals within a refresh; a dead peer's load stops counting), looked
+# for this often (a scan of the few reports held: a dead peer's load is gone within
+# `LOAD_TTL + LOAD_EXPIRY_CHECK`, not up to a refresh later).
 LOAD_REFRESH = 1.0
 LOAD_TTL = 3.0
+LOAD_EXPIRY_CHECK = 0.25
 _F32_MAX = 3.4028234663852886e38
 # Kept under common path MTUs' reassembly limits with room to spare; a record longer than
 # one datagram keeps its leading blocks (the prefix is what matching walks).
@@ -622,15 +625,20 @@ class Peers(asyncio.DatagramProtocol):
         return True
 
     async def _keep_load_forever(self) -> None:
-        """Refresh this replica's load at the peers (non-zero, and zeros for `LOAD_TTL`
-        after the load went to zero) and forget theirs gone quiet."""
-        while True:
-            await asyncio.sleep(LOAD_REFRESH)
+        """Refresh this replica's load at the peers every `LOAD_REFRESH` (non-zero, and
+        zeros for `LOAD_TTL` after the load went to zero) and forget theirs gone quiet,
+        looked for every `LOAD_EXPIRY_CHECK`."""
+        step = min(LOAD_EXPIRY_CHECK, LOAD_REFRESH)
+        every = max(1, round(LOAD_REFRESH / step))  # checks per refresh
+        for n in itertools.count(1):
+            await asyncio.sleep(step)
             try:
                 registry = self._scheduler().registry
                 self.remote.expire(registry, registry.clock())
             except Exception:  # never let either die: log and go on
                 log.exception("forgetting the peers' quiet load failed")
+            if n % every:
+                continue
             try:
                 told = self._load_told
                 updates = [(m, e, n, t) for (m, e), (n, t) in told.items()]

@@ -635,6 +635,36 @@ async def test_a_stopping_peer_takes_its_load_away_at_once() -> None:
         await _until(lambda: _state(b, x).remote_inflight == 0, "B forgets A's load", 1.0)
 
 
+async def test_a_killed_peers_load_is_forgotten_within_the_ttl_and_one_check() -> None:
+    """Expiry ran only at the 1 s load refresh with a strict `> ttl`: a report that came just
+    after one was forgotten ~4 s later, not the documented 3 s (found by a review helper)."""
+    async with _pair() as (a, b, _arrived):
+        assert a.peers is not None and b.peers is not None
+        ttl = b.peers.remote.ttl
+        checks: list[float] = []
+        expire = b.peers.remote.expire
+
+        def spy(registry: Registry, now: float) -> int:
+            checks.append(now)
+            return expire(registry, now)
+
+        b.peers.remote.expire = spy  # type: ignore[method-assign]
+        clock = b.scheduler.registry.clock
+        await _until(lambda: bool(checks), "B checks", 2 * peers_module.LOAD_REFRESH)
+        await _until(lambda: clock() >= checks[0] + 0.1, "0.1 s past one of B's checks")
+        x = ENDPOINTS[1]
+        a.scheduler.registry.acquire("m", x)  # told 0.1 s into B's check period
+        await _until(lambda: _state(b, x).remote_inflight == 1, "B counts A's request")
+        told = clock()
+        keeper = a.peers._keeper
+        assert keeper is not None
+        keeper.cancel()  # killed: A tells nothing more (no refresh, no goodbye)
+        await _until(lambda: _state(b, x).remote_inflight == 0, "B forgets A's load", 6.0)
+        gone_after = clock() - told
+        # Within the ttl and one check, with 0.2 s for a loop shared with other tests.
+        assert gone_after <= ttl + peers_module.LOAD_EXPIRY_CHECK + 0.2, gone_after
+
+
 async def test_a_peer_that_restarts_under_a_new_id_is_not_counted_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
