@@ -334,20 +334,22 @@ def indexes(scheduler: Scheduler) -> Iterator[tuple[str, PrefixIndex]]:
             yield model, index
 
 
-def apply(scheduler: Scheduler, record: Record, now: float) -> bool:
+def apply(scheduler: Scheduler, record: Record, now: float) -> str | None:
     """Insert a peer's record into this scheduler's indexes for its model (those cutting
-    blocks of the same size); False when this replica does not route to that endpoint or
-    has no such index."""
+    blocks of the same size); None once inserted, else why not (a `llmgw_peer_dropped_total`
+    reason): `unknown_endpoint`, this replica does not route to that endpoint; `no_index`,
+    it has no index of that block size for the model (another `block_tokens`, or a strategy
+    without a prefix index)."""
     model, endpoint, key, block_chars, hashes = record
     router = scheduler.routers.get(model)
     if router is None or scheduler.registry.get(model, endpoint) is None:
-        return False
+        return "unknown_endpoint"
     applied = False
     for index in _router_indexes(router):
         if index.block_chars == block_chars:
             index.insert(endpoint, hashes, key, now)
             applied = True
-    return applied
+    return None if applied else "no_index"
 
 
 def _sibling_ports(directory: Path) -> set[tuple[str, int]]:
@@ -720,10 +722,11 @@ class Peers(asyncio.DatagramProtocol):
         self._applying = True
         try:
             for record in records:
-                if apply(scheduler, record, now):
+                refused = apply(scheduler, record, now)
+                if refused is None:
                     self.stats.received += 1
                 else:
-                    self.stats.drop("unknown_endpoint")
+                    self.stats.drop(refused)
         finally:
             self._applying = False
 

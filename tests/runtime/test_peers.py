@@ -119,6 +119,7 @@ _RECEIVED_DROPS = (
     "malformed",
     "unauthenticated",
     "unknown_endpoint",
+    "no_index",
     "stale_sender",
     "replayed",
 )
@@ -283,6 +284,21 @@ async def test_datagrams_from_strangers_or_about_unknown_endpoints_are_dropped()
         assert b.peers.stats.dropped == {
             "unknown_sender": 1, "unknown_endpoint": 2, "malformed": 1,
         }  # fmt: skip
+        assert b.peers.stats.received == 0 and _index(b).size() == 0
+
+
+async def test_a_record_for_a_block_size_no_index_here_cuts_is_dropped_as_no_index() -> None:
+    """A record refused because this replica has no prefix index of that block size (a peer
+    with another `block_tokens`, or a strategy without an index) was counted as
+    `unknown_endpoint`, though the endpoint is routed to here (found by a review helper)."""
+    async with _pair() as (_, b, arrived):
+        assert b.peers is not None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            block = _index(b).block_chars // 2  # a peer's other block size
+            s.sendto(encode(b"peer-one", [("m", ENDPOINTS[0], None, block, [1])])[0],
+                     ("127.0.0.1", b.peers.port))  # fmt: skip
+            await arrived(b, 1)
+        assert b.peers.stats.dropped == {"no_index": 1}
         assert b.peers.stats.received == 0 and _index(b).size() == 0
 
 

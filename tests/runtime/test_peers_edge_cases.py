@@ -95,7 +95,7 @@ def test_a_session_key_past_the_bound_is_not_kept_from_a_peer() -> None:
     for i in range(50):
         datagram = _insert_datagram(b"peer-one", ENDPOINTS[0], f"{i}" + "k" * 60_000, [i])
         ((record),) = decode(datagram)[2]
-        assert apply(router.scheduler, record, 0.0)
+        assert apply(router.scheduler, record, 0.0) is None
     assert index.size(ENDPOINTS[0]) == 50  # the blocks are taken ...
     assert not index._last_key  # ... not the oversized keys (no sharing counted for them)
 
