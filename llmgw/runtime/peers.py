@@ -77,7 +77,10 @@ _LOAD = struct.Struct(">HHIf")
 LOAD_REFRESH = 1.0
 LOAD_TTL = 3.0
 LOAD_EXPIRY_CHECK = 0.25
-_F32_MAX = 3.4028234663852886e38
+# The most load one peer can claim at one endpoint (a bound no engine comes near): past it a
+# load datagram is malformed, not taken into the queue estimates and calibration.
+MAX_LOAD_INFLIGHT = 1_000_000  # requests in flight
+MAX_LOAD_PENDING = 1e9  # prefill tokens queued
 # Kept under common path MTUs' reassembly limits with room to spare; a record longer than
 # one datagram keeps its leading blocks (the prefix is what matching walks).
 MAX_DATAGRAM = 8192
@@ -204,8 +207,8 @@ def _packed_loads(records: Sequence[LoadRecord], limit: int) -> Iterator[bytes]:
         m, e = model.encode(), endpoint.encode()
         if _LOAD.size + len(m) + len(e) > limit - _HEADER.size or len(m) > 0xFFFF:
             continue  # names no datagram can carry: never the case for real names
-        n = min(max(inflight, 0), 0xFFFFFFFF)
-        yield _LOAD.pack(len(m), len(e), n, min(max(pending, 0.0), _F32_MAX)) + m + e
+        n = min(max(inflight, 0), MAX_LOAD_INFLIGHT)
+        yield _LOAD.pack(len(m), len(e), n, min(max(pending, 0.0), MAX_LOAD_PENDING)) + m + e
 
 
 def encode_load(
@@ -226,8 +229,10 @@ def _read_load(data: bytes, at: int) -> tuple[LoadRecord, int]:
     end = at + lm + le
     if end > len(data):
         raise ValueError("record runs past the datagram")
-    if not 0.0 <= pending <= _F32_MAX:  # NaN, negative, infinite: not a queue
+    if not 0.0 <= pending <= MAX_LOAD_PENDING:  # NaN, negative, infinite, absurd: not a queue
         raise ValueError("pending prefill tokens out of range")
+    if inflight > MAX_LOAD_INFLIGHT:
+        raise ValueError("requests in flight out of range")
     model = data[at : at + lm].decode()
     endpoint = data[at + lm : end].decode()
     return (model, endpoint, inflight, pending), end

@@ -560,6 +560,23 @@ def test_load_records_round_trip_split_and_refuse_what_is_not_a_queue() -> None:
             decode_load(bad)
 
 
+def test_a_load_no_engine_could_hold_is_refused_and_never_sent() -> None:
+    """A peer's load of 3.4e38 queued tokens or 2^32-1 requests in flight was taken as told,
+    and went into this router's queue estimates and calibration (found by a review helper)."""
+
+    def load_datagram(inflight: int, pending: float) -> bytes:
+        return struct.pack(">4s8sQHHHIf", b"LGL2", SENDER, 1, 1, 1, 1, inflight, pending) + b"me"
+
+    most = (peers_module.MAX_LOAD_INFLIGHT, peers_module.MAX_LOAD_PENDING)
+    assert decode_load(load_datagram(*most))[2] == [("m", "e", *most)]
+    for inflight, pending in ((0xFFFFFFFF, 0.0), (most[0] + 1, 0.0), (0, 3.4e38), (0, 2e9)):
+        with pytest.raises(ValueError):
+            decode_load(load_datagram(inflight, pending))
+    # What a sender tells is bounded the same way: a receiver takes it.
+    (datagram,) = encode_load(SENDER, [("m", "e", 10**9, 1e12)])
+    assert decode_load(datagram)[2] == [("m", "e", *most)]
+
+
 def test_remote_load_sums_peers_forgets_the_quiet_and_a_zero_report_leaves() -> None:
     registry = Registry(clock=lambda: 0.0)
     registry.set_endpoints("m", [Endpoint(e, "m") for e in ENDPOINTS[:2]])
