@@ -74,6 +74,7 @@ class EndpointState:
         "pending_prefill",
         "prefills",
         "released_since_scrape",
+        "remote_busy_at",
         "remote_inflight",
         "remote_pending",
         "reports_first_token",
@@ -95,6 +96,10 @@ class EndpointState:
         # tokens queued here (the sums over peers; `llmgw.runtime.peers.RemoteLoad`).
         self.remote_inflight = 0
         self.remote_pending = 0.0
+        # When a peer last reported a request in flight here, or that its last one ended
+        # (registry clock): the on-demand idle timer counts a peer's request that began and
+        # ended between two of its checks.
+        self.remote_busy_at = float("-inf")
         # When the edge last relayed a token of a stream from this engine (the registry
         # clock): every running sequence gets one at the end of each engine step, so a
         # request sent now starts when the step that began then ends (`Lease.token`).

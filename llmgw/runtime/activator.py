@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -51,6 +52,8 @@ class Activator:
         self._ready: dict[str, asyncio.Event] = {m: asyncio.Event() for m in self.machines}
         self._starts: dict[str, asyncio.Task[None]] = {}
         self._ticker: asyncio.Task[None] | None = None
+        # Per model, the latest time (registry clock) a peer was seen using it at a pass.
+        self._peer_use_seen: dict[str, float] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
         control_plane.on_crash(self._on_crash)
         if isinstance(control_plane, FollowsEndpoints):
@@ -206,8 +209,14 @@ class Activator:
         stops = []
         for model, machine in self.machines.items():
             # Requests the peer router replicas have in flight there (`peers:`): scaling the
-            # model to 0 would cut them off.
-            elsewhere = any(s.remote_inflight > 0 for s in self.registry.states(model))
+            # model to 0 would cut them off. One that began and ended since the last pass
+            # left only its time (`remote_busy_at`): it restarts the idle timer too.
+            states = self.registry.states(model)
+            elsewhere = any(s.remote_inflight > 0 for s in states)
+            busy_at = max((s.remote_busy_at for s in states), default=-math.inf)
+            if busy_at > self._peer_use_seen.get(model, -math.inf):
+                self._peer_use_seen[model] = busy_at
+                elsewhere = True
             action = machine.tick(self.clock(), elsewhere)
             if action is Action.START:
                 self._launch(model)

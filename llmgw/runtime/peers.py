@@ -21,8 +21,8 @@ scrapes, so a replica its peer just filled looked idle to it: two peering proxie
 1.12-1.17x worse than one where load decides (a busy session home). A router's load
 changes are sent as they happen (coalesced per loop turn, only what changed), refreshed
 every `LOAD_REFRESH` seconds (a zero for `LOAD_TTL` after the load went to zero), and
-forgotten `LOAD_TTL` seconds after a peer last told them (a peer that died stops
-counting); a stopping replica sends its zeros. The sums over
+forgotten `LOAD_TTL` seconds after a peer last told them, looked for every
+`LOAD_EXPIRY_CHECK` (a peer that died stops counting); a stopping replica sends its zeros. The sums over
 peers land on each endpoint's state (`remote_inflight`, `remote_pending`), which the
 scorers add to their own.
 
@@ -71,10 +71,16 @@ _HEADER = struct.Struct(">4s8sQH")
 _RECORD = struct.Struct(">HHHIH")
 _LOAD = struct.Struct(">HHIf")
 # A peer's load is resent this often while non-zero, and forgotten this long after it last
-# came (a lost update heals within a refresh; a dead peer's load stops counting).
+# came (a lost update heals within a refresh; a dead peer's load stops counting), looked
+# for this often (a scan of the few reports held: a dead peer's load is gone within
+# `LOAD_TTL + LOAD_EXPIRY_CHECK`, not up to a refresh later).
 LOAD_REFRESH = 1.0
 LOAD_TTL = 3.0
-_F32_MAX = 3.4028234663852886e38
+LOAD_EXPIRY_CHECK = 0.25
+# The most load one peer can claim at one endpoint (a bound no engine comes near): past it a
+# load datagram is malformed, not taken into the queue estimates and calibration.
+MAX_LOAD_INFLIGHT = 1_000_000  # requests in flight
+MAX_LOAD_PENDING = 1e9  # prefill tokens queued
 # Kept under common path MTUs' reassembly limits with room to spare; a record longer than
 # one datagram keeps its leading blocks (the prefix is what matching walks).
 MAX_DATAGRAM = 8192
@@ -201,8 +207,8 @@ def _packed_loads(records: Sequence[LoadRecord], limit: int) -> Iterator[bytes]:
         m, e = model.encode(), endpoint.encode()
         if _LOAD.size + len(m) + len(e) > limit - _HEADER.size or len(m) > 0xFFFF:
             continue  # names no datagram can carry: never the case for real names
-        n = min(max(inflight, 0), 0xFFFFFFFF)
-        yield _LOAD.pack(len(m), len(e), n, min(max(pending, 0.0), _F32_MAX)) + m + e
+        n = min(max(inflight, 0), MAX_LOAD_INFLIGHT)
+        yield _LOAD.pack(len(m), len(e), n, min(max(pending, 0.0), MAX_LOAD_PENDING)) + m + e
 
 
 def encode_load(
@@ -223,8 +229,10 @@ def _read_load(data: bytes, at: int) -> tuple[LoadRecord, int]:
     end = at + lm + le
     if end > len(data):
         raise ValueError("record runs past the datagram")
-    if not 0.0 <= pending <= _F32_MAX:  # NaN, negative, infinite: not a queue
+    if not 0.0 <= pending <= MAX_LOAD_PENDING:  # NaN, negative, infinite, absurd: not a queue
         raise ValueError("pending prefill tokens out of range")
+    if inflight > MAX_LOAD_INFLIGHT:
+        raise ValueError("requests in flight out of range")
     model = data[at : at + lm].decode()
     endpoint = data[at + lm : end].decode()
     return (model, endpoint, inflight, pending), end
@@ -257,12 +265,17 @@ class RemoteLoad:
             if peers is not None and peers.pop(sender, None) is not None and not peers:
                 del self._by[key]
             return False
+        before = peers.get(sender) if peers is not None else None
         if inflight or pending:
             if peers is None:
                 peers = self._by[key] = {}
             peers[sender] = (inflight, pending, now)
         elif peers is not None:
             peers.pop(sender, None)
+        if inflight > 0 or (before is not None and before[0] > 0):
+            # In use now (or until now): a request that begins and ends between two of the
+            # activator's idle checks still restarts its timer.
+            state.remote_busy_at = now
         _sum_into(state, peers)
         if peers is not None and not peers:
             del self._by[key]
@@ -326,20 +339,22 @@ def indexes(scheduler: Scheduler) -> Iterator[tuple[str, PrefixIndex]]:
             yield model, index
 
 
-def apply(scheduler: Scheduler, record: Record, now: float) -> bool:
+def apply(scheduler: Scheduler, record: Record, now: float) -> str | None:
     """Insert a peer's record into this scheduler's indexes for its model (those cutting
-    blocks of the same size); False when this replica does not route to that endpoint or
-    has no such index."""
+    blocks of the same size); None once inserted, else why not (a `llmgw_peer_dropped_total`
+    reason): `unknown_endpoint`, this replica does not route to that endpoint; `no_index`,
+    it has no index of that block size for the model (another `block_tokens`, or a strategy
+    without a prefix index)."""
     model, endpoint, key, block_chars, hashes = record
     router = scheduler.routers.get(model)
     if router is None or scheduler.registry.get(model, endpoint) is None:
-        return False
+        return "unknown_endpoint"
     applied = False
     for index in _router_indexes(router):
         if index.block_chars == block_chars:
             index.insert(endpoint, hashes, key, now)
             applied = True
-    return applied
+    return None if applied else "no_index"
 
 
 def _sibling_ports(directory: Path) -> set[tuple[str, int]]:
@@ -617,15 +632,20 @@ class Peers(asyncio.DatagramProtocol):
         return True
 
     async def _keep_load_forever(self) -> None:
-        """Refresh this replica's load at the peers (non-zero, and zeros for `LOAD_TTL`
-        after the load went to zero) and forget theirs gone quiet."""
-        while True:
-            await asyncio.sleep(LOAD_REFRESH)
+        """Refresh this replica's load at the peers every `LOAD_REFRESH` (non-zero, and
+        zeros for `LOAD_TTL` after the load went to zero) and forget theirs gone quiet,
+        looked for every `LOAD_EXPIRY_CHECK`."""
+        step = min(LOAD_EXPIRY_CHECK, LOAD_REFRESH)
+        every = max(1, round(LOAD_REFRESH / step))  # checks per refresh
+        for n in itertools.count(1):
+            await asyncio.sleep(step)
             try:
                 registry = self._scheduler().registry
                 self.remote.expire(registry, registry.clock())
             except Exception:  # never let either die: log and go on
                 log.exception("forgetting the peers' quiet load failed")
+            if n % every:
+                continue
             try:
                 told = self._load_told
                 updates = [(m, e, n, t) for (m, e), (n, t) in told.items()]
@@ -707,10 +727,11 @@ class Peers(asyncio.DatagramProtocol):
         self._applying = True
         try:
             for record in records:
-                if apply(scheduler, record, now):
+                refused = apply(scheduler, record, now)
+                if refused is None:
                     self.stats.received += 1
                 else:
-                    self.stats.drop("unknown_endpoint")
+                    self.stats.drop(refused)
         finally:
             self._applying = False
 

@@ -331,8 +331,8 @@ class _RegistryCollector(Collector):
         dropped = CounterMetricFamily(
             f"{p}_peer_dropped",
             "Peer datagrams or records not applied or not sent (unknown_sender, malformed, "
-            "unauthenticated, unknown_endpoint, stale_sender, send_error, overflow, "
-            "send_buffer_full)",
+            "unauthenticated, unknown_endpoint, no_index, stale_sender, replayed, send_error, "
+            "overflow, send_buffer_full)",
             labels=["reason"],
         )
         for reason, n in sorted(stats.dropped.items()):

@@ -119,6 +119,7 @@ _RECEIVED_DROPS = (
     "malformed",
     "unauthenticated",
     "unknown_endpoint",
+    "no_index",
     "stale_sender",
     "replayed",
 )
@@ -283,6 +284,21 @@ async def test_datagrams_from_strangers_or_about_unknown_endpoints_are_dropped()
         assert b.peers.stats.dropped == {
             "unknown_sender": 1, "unknown_endpoint": 2, "malformed": 1,
         }  # fmt: skip
+        assert b.peers.stats.received == 0 and _index(b).size() == 0
+
+
+async def test_a_record_for_a_block_size_no_index_here_cuts_is_dropped_as_no_index() -> None:
+    """A record refused because this replica has no prefix index of that block size (a peer
+    with another `block_tokens`, or a strategy without an index) was counted as
+    `unknown_endpoint`, though the endpoint is routed to here (found by a review helper)."""
+    async with _pair() as (_, b, arrived):
+        assert b.peers is not None
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            block = _index(b).block_chars // 2  # a peer's other block size
+            s.sendto(encode(b"peer-one", [("m", ENDPOINTS[0], None, block, [1])])[0],
+                     ("127.0.0.1", b.peers.port))  # fmt: skip
+            await arrived(b, 1)
+        assert b.peers.stats.dropped == {"no_index": 1}
         assert b.peers.stats.received == 0 and _index(b).size() == 0
 
 
@@ -544,6 +560,23 @@ def test_load_records_round_trip_split_and_refuse_what_is_not_a_queue() -> None:
             decode_load(bad)
 
 
+def test_a_load_no_engine_could_hold_is_refused_and_never_sent() -> None:
+    """A peer's load of 3.4e38 queued tokens or 2^32-1 requests in flight was taken as told,
+    and went into this router's queue estimates and calibration (found by a review helper)."""
+
+    def load_datagram(inflight: int, pending: float) -> bytes:
+        return struct.pack(">4s8sQHHHIf", b"LGL2", SENDER, 1, 1, 1, 1, inflight, pending) + b"me"
+
+    most = (peers_module.MAX_LOAD_INFLIGHT, peers_module.MAX_LOAD_PENDING)
+    assert decode_load(load_datagram(*most))[2] == [("m", "e", *most)]
+    for inflight, pending in ((0xFFFFFFFF, 0.0), (most[0] + 1, 0.0), (0, 3.4e38), (0, 2e9)):
+        with pytest.raises(ValueError):
+            decode_load(load_datagram(inflight, pending))
+    # What a sender tells is bounded the same way: a receiver takes it.
+    (datagram,) = encode_load(SENDER, [("m", "e", 10**9, 1e12)])
+    assert decode_load(datagram)[2] == [("m", "e", *most)]
+
+
 def test_remote_load_sums_peers_forgets_the_quiet_and_a_zero_report_leaves() -> None:
     registry = Registry(clock=lambda: 0.0)
     registry.set_endpoints("m", [Endpoint(e, "m") for e in ENDPOINTS[:2]])
@@ -633,6 +666,36 @@ async def test_a_stopping_peer_takes_its_load_away_at_once() -> None:
         await _until(lambda: _state(b, x).remote_inflight == 1, "B counts A's request")
         await a.stop()  # says goodbye
         await _until(lambda: _state(b, x).remote_inflight == 0, "B forgets A's load", 1.0)
+
+
+async def test_a_killed_peers_load_is_forgotten_within_the_ttl_and_one_check() -> None:
+    """Expiry ran only at the 1 s load refresh with a strict `> ttl`: a report that came just
+    after one was forgotten ~4 s later, not the documented 3 s (found by a review helper)."""
+    async with _pair() as (a, b, _arrived):
+        assert a.peers is not None and b.peers is not None
+        ttl = b.peers.remote.ttl
+        checks: list[float] = []
+        expire = b.peers.remote.expire
+
+        def spy(registry: Registry, now: float) -> int:
+            checks.append(now)
+            return expire(registry, now)
+
+        b.peers.remote.expire = spy  # type: ignore[method-assign]
+        clock = b.scheduler.registry.clock
+        await _until(lambda: bool(checks), "B checks", 2 * peers_module.LOAD_REFRESH)
+        await _until(lambda: clock() >= checks[0] + 0.1, "0.1 s past one of B's checks")
+        x = ENDPOINTS[1]
+        a.scheduler.registry.acquire("m", x)  # told 0.1 s into B's check period
+        await _until(lambda: _state(b, x).remote_inflight == 1, "B counts A's request")
+        told = clock()
+        keeper = a.peers._keeper
+        assert keeper is not None
+        keeper.cancel()  # killed: A tells nothing more (no refresh, no goodbye)
+        await _until(lambda: _state(b, x).remote_inflight == 0, "B forgets A's load", 6.0)
+        gone_after = clock() - told
+        # Within the ttl and one check, with 0.2 s for a loop shared with other tests.
+        assert gone_after <= ttl + peers_module.LOAD_EXPIRY_CHECK + 0.2, gone_after
 
 
 async def test_a_peer_that_restarts_under_a_new_id_is_not_counted_twice(

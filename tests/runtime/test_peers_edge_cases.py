@@ -1,6 +1,7 @@
 """Router replicas together (`peers:`): an IPv6 wildcard listener peering with IPv4 replicas, a
-peer's session keys bounded, an idle stop waiting for the peers' requests in flight, and a
-peer's zero while an endpoint is briefly gone here."""
+peer's session keys bounded, an idle stop waiting for the peers' requests in flight (and for
+one that ended between two idle checks), and a peer's zero while an endpoint is briefly gone
+here."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def test_a_session_key_past_the_bound_is_not_kept_from_a_peer() -> None:
     for i in range(50):
         datagram = _insert_datagram(b"peer-one", ENDPOINTS[0], f"{i}" + "k" * 60_000, [i])
         ((record),) = decode(datagram)[2]
-        assert apply(router.scheduler, record, 0.0)
+        assert apply(router.scheduler, record, 0.0) is None
     assert index.size(ENDPOINTS[0]) == 50  # the blocks are taken ...
     assert not index._last_key  # ... not the oversized keys (no sharing counted for them)
 
@@ -136,6 +137,45 @@ async def test_an_idle_model_is_not_stopped_while_peer_replicas_have_requests_in
     await router.activator.tick()
     assert cp.stops == 0
     router.activator.clock = lambda: clock() + 200
+    await router.activator.tick()
+    assert cp.stops == 1
+
+
+async def test_a_peers_request_between_two_idle_checks_restarts_the_idle_timer() -> None:
+    """The activator read the peers' in-flight count only at its ticks (every 0.5 s): a peer's
+    request that began and ended between two never restarted the idle timer, and the model
+    was stopped while the other replica used it (found by a review helper)."""
+    config = load_dict(
+        {
+            "models": {
+                "lazy": {
+                    "launch": {"command": "true"},
+                    "scaling": {"min": 0, "max": 1, "idle_timeout": 60},
+                }
+            }
+        }
+    )
+    cp = FakeControlPlane()
+    cp.release.set()
+    router = Router(config, control_plane=cp, scrape=False)
+    assert router.activator is not None
+    decision = await router.decide(RequestInfo(model="lazy", request_id="r1"))
+    router.acquire(decision).finish(Outcome.SUCCESS)  # this replica's own use ends at 0
+    clock = router.activator.clock
+    router.activator.clock = lambda: clock() + 50
+    await router.activator.tick()
+    # After 50 the other replica's short request begins and ends before this one's next tick.
+    endpoint = decision.endpoint.id
+    remote = RemoteLoad()
+    now = router.registry.clock()
+    assert remote.update(router.registry, b"replica2", ("lazy", endpoint, 1, 0.0), now)
+    assert remote.update(router.registry, b"replica2", ("lazy", endpoint, 0, 0.0), now)
+    router.activator.clock = lambda: clock() + 50.5  # the next tick
+    await router.activator.tick()
+    router.activator.clock = lambda: clock() + 100  # 100 s after its own use, 50 after the peer's
+    await router.activator.tick()
+    assert cp.stops == 0
+    router.activator.clock = lambda: clock() + 111  # 60 s after the tick that saw the peer's
     await router.activator.tick()
     assert cp.stops == 1
 
