@@ -734,9 +734,19 @@ def main(argv: list[str]) -> int:
         print(
             f"llmgw envoy-config: note: with --body-mode {args.body_mode} (FULL_DUPLEX_STREAMED) "
             "Envoy starts no message_timeout timer: an ext_proc server that never answers "
-            "(llmgw wedged, a partition that keeps the connection) holds each request for the "
-            f"stream idle timeout ({hcm['stream_idle_timeout']}), and --fail-open never routes "
-            "around it",
+            "(llmgw wedged, a partition that keeps the connection) holds each request for twice "
+            f"the stream idle timeout ({hcm['stream_idle_timeout']}: it fires, then Envoy's own "
+            "504 waits out another at ext_proc's response-headers step), and --fail-open never "
+            "routes around it",
+            file=sys.stderr,
+        )
+    if streamed and args.fail_open:
+        print(
+            f"llmgw envoy-config: note: --fail-open has no effect with --body-mode "
+            f"{args.body_mode}: Envoy does not apply failure_mode_allow to a "
+            "FULL_DUPLEX_STREAMED ext_proc filter, so while the ext_proc server is down every "
+            "request gets 500 router_unavailable, as with --fail-closed (a server killed "
+            "mid-request cuts the streams in flight; a wedged one holds them as above)",
             file=sys.stderr,
         )
     if args.shape == "override-host" and args.retries != 0 and streamed:

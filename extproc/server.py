@@ -141,11 +141,17 @@ class ExtProcServer:
         """One Envoy stream = one HTTP request. Reader/writer API: no generator overhead."""
         exchange = Exchange(self.gateway, self.hooks, self.local_answer)
         self.open_streams += 1
+        # Envoy ends a stream by closing its side or by a reset: `read` gives EOF for both.
+        # The loop ending otherwise (a reset seen while answering: grpc cancels the task at
+        # that write) means Envoy gave up before the answer arrived, as when this process
+        # stalled past its message_timeout and the client got Envoy's 504.
+        ended = False
         try:
             read, write, eof = context.read, context.write, grpc.aio.EOF
             while True:
                 message = await read()
                 if message is eof:
+                    ended = True
                     break
                 answer = exchange.handle(message)
                 if isinstance(answer, AwaitActivation):
@@ -158,7 +164,7 @@ class ExtProcServer:
         finally:
             # Response end, client abort or stream cancel: release exactly once.
             try:
-                exchange.close()
+                exchange.close(aborted=not ended)
             finally:
                 self.open_streams -= 1
 

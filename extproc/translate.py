@@ -32,7 +32,9 @@ The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
    is the first token (not the headers: vLLM sends them before prefill ends; not a buffered
    body: it comes when the answer is whole). Response body
    chunks pass through unchanged. With response bodies on, a stream that closes before
-   the body's end was cut by the client: `cancelled`, whatever the status said.
+   the body's end was cut by the client: `cancelled`, whatever the status said. In any
+   mode, a stream reset while its last answer was being written (`close(aborted=True)`:
+   Envoy gave up waiting) is cut the same way.
    With `debug_headers`, the response carries `x-llmgw-decision` (endpoint + rationale).
 """
 
@@ -795,20 +797,23 @@ class Exchange:
             return streamed_response_body(body.body, end_of_stream=end)
         return CONTINUE_RESPONSE_BODY
 
-    def close(self) -> None:
+    def close(self, *, aborted: bool = False) -> None:
         """Release the lease: the response's outcome if seen, else the client went away
         (`unknown` from a gateway that is not Envoy, which reports no response).
 
         When Envoy sends response bodies, a stream that closes before the body's end (or
         trailers) was cut: the client went away mid-stream, unless the status already said
         the engine failed (a 5xx, 429), which the breaker must hear however the body ended.
+        `aborted`: the stream ended while an answer was being written (Envoy reset it), not
+        at a read, so the answer to the response headers may never have reached Envoy (its
+        message_timeout passed: the client got Envoy's 504): cut too, in every mode.
         """
         if not self._envoy and self.status is None:
             # A gateway that is not Envoy (no `:path`) sends no response messages: the
             # stream ends right after the pick, saying nothing of how the request went.
             self.lifecycle.finish(Outcome.UNKNOWN)
             return
-        cut = self._response_mode != NONE and not self._response_ended
+        cut = not self._response_ended and (aborted or self._response_mode != NONE)
         if cut and (self.status is None or outcome_for_status(self.status) is Outcome.SUCCESS):
             self.lifecycle.finish(Outcome.CANCELLED)
         else:

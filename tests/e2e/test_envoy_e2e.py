@@ -161,6 +161,18 @@ def test_extproc_down_fail_open_still_routes(stack: StackFactory, shape: str) ->
     assert "x-llmgw-decision" not in r.headers
 
 
+def test_extproc_down_with_a_streamed_body_fails_closed_even_with_fail_open(
+    stack: StackFactory,
+) -> None:
+    """Envoy applies no failure_mode_allow to a FULL_DUPLEX_STREAMED ext_proc filter: the
+    README said `--fail-open` still routed (found by a review helper)."""
+    s = stack("original-dst", fail_open=True, body_mode="gie")
+    s.extproc.stop()
+    with httpx.Client(timeout=10) as client:
+        r = chat(client, s.url, "anyone")
+    assert r.status_code == 500 and r.json()["error"]["code"] == "router_unavailable", r.text
+
+
 def test_extproc_down_fail_closed_is_5xx(stack: StackFactory) -> None:
     s = stack("original-dst", fail_open=False)
     s.extproc.stop()

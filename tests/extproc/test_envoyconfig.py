@@ -496,6 +496,21 @@ def test_streamed_body_modes_say_message_timeout_and_fail_open_do_not_apply(
     assert noted == (body_mode in ("gie", "envoy-gateway"))
 
 
+@pytest.mark.parametrize("fail_open", [True, False])
+@pytest.mark.parametrize("body_mode", ["gie", "envoy-gateway", "override", "buffered"])
+def test_fail_open_with_a_streamed_body_mode_is_noted_as_having_no_effect(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, body_mode: str, fail_open: bool
+) -> None:
+    """With a FULL_DUPLEX_STREAMED body Envoy answers 500 router_unavailable while ext_proc is
+    down, fail-open or not; the command and the README said Envoy still routes (found by a
+    review helper)."""
+    out = str(tmp_path / "envoy.yaml")
+    flag = "--fail-open" if fail_open else "--fail-closed"
+    assert main(["--config", str(EXAMPLE), "--body-mode", body_mode, flag, "--out", out]) == 0
+    noted = "--fail-open has no effect" in capsys.readouterr().err
+    assert noted == (fail_open and body_mode in ("gie", "envoy-gateway"))
+
+
 def test_negative_retries_and_sub_nanosecond_durations_are_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -126,6 +126,44 @@ async def test_cancelled_stream_releases_the_lease(server: ExtProcServer) -> Non
         await eventually(lambda: total_inflight(server) == 0 and server.open_streams == 0)
 
 
+class StalledStream:
+    """A stream Envoy reset while llmgw stalled (a GC pause, a throttled CPU) past its
+    message_timeout: the response headers are read on waking, and writing their answer
+    raises what grpc.aio raises there (probed with a real client: the handler task is
+    cancelled at that write; a real client cannot order that without a timed stall)."""
+
+    def __init__(self, *messages: ProcessingRequest) -> None:
+        self.messages = list(messages)
+
+    async def read(self) -> ProcessingRequest | object:
+        return self.messages.pop(0) if self.messages else grpc.aio.EOF
+
+    async def write(self, _answer: bytes) -> None:
+        if not self.messages:  # answering the last message: the stream is gone
+            raise asyncio.CancelledError
+
+    async def unused(self) -> AsyncIterator[ProcessingRequest]:  # the server reads `read`
+        return
+        yield
+
+
+@pytest.mark.parametrize(("status", "outcome"), [(200, "cancelled"), (500, "failure")])
+async def test_a_stream_reset_before_the_response_headers_answer_is_not_a_success(
+    server: ExtProcServer, status: int, outcome: str
+) -> None:
+    """Envoy gave up on the response headers' answer (the client got its 504) and reset the
+    stream; it was counted as the status it carried, 200: `success`. An engine's failure
+    still reaches the breaker (found by a review helper)."""
+    chat = request_headers(chat_headers(**{"x-llmgw-model": "m1"}))
+    stalled = StalledStream(chat, response_headers(status))
+    with pytest.raises(asyncio.CancelledError):
+        await server.process(stalled.unused(), stalled)
+    assert total_inflight(server) == 0 and server.open_streams == 0
+    metrics = server.telemetry.render()[0].decode()
+    assert f'llmgw_requests_total{{model="m1",outcome="{outcome}"}} 1.0' in metrics
+    assert 'outcome="success"' not in metrics
+
+
 async def ngf_shim(port: int, headers: dict[str, str], body: bytes) -> list[ProcessingResponse]:
     """What NGINX Gateway Fabric's shim (cmd/gateway/endpoint_picker.go) sends per request:
     the client's headers lower-cased in `value`, no pseudo-headers, no protocol_config; the
