@@ -25,7 +25,7 @@ from llmgw.runtime.router import Router
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.testing.controlplane import FakeControlPlane
 from llmgw.testing.wait import eventually
-from llmgw.types import Endpoint, Outcome, RequestInfo
+from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
 
 ENDPOINTS = [f"10.0.0.{i}:8000" for i in range(1, 5)]
 HISTORY = "a long conversation so far, with the notes the user pasted in. " * 40
@@ -103,7 +103,8 @@ def test_a_session_key_past_the_bound_is_not_kept_from_a_peer() -> None:
 # -- 3: an idle on-demand model is stopped while the peers have requests in flight --------
 
 
-async def test_an_idle_model_is_not_stopped_while_peer_replicas_have_requests_in_flight() -> None:
+async def _lazy_model_routed_once() -> tuple[Router, FakeControlPlane, Decision]:
+    """An on-demand model (idle_timeout 60) started by this replica's one request."""
     config = load_dict(
         {
             "models": {
@@ -117,8 +118,12 @@ async def test_an_idle_model_is_not_stopped_while_peer_replicas_have_requests_in
     cp = FakeControlPlane()
     cp.release.set()
     router = Router(config, control_plane=cp, scrape=False)
+    return router, cp, await router.decide(RequestInfo(model="lazy", request_id="r1"))
+
+
+async def test_an_idle_model_is_not_stopped_while_peer_replicas_have_requests_in_flight() -> None:
+    router, cp, decision = await _lazy_model_routed_once()
     assert router.activator is not None
-    decision = await router.decide(RequestInfo(model="lazy", request_id="r1"))
     router.acquire(decision).finish(Outcome.SUCCESS)  # this replica's own use is over
     # The other router replica has two requests streaming from the same engine (what its
     # `peers:` load updates put on this replica's registry).
@@ -145,21 +150,8 @@ async def test_a_peers_request_between_two_idle_checks_restarts_the_idle_timer()
     """The activator read the peers' in-flight count only at its ticks (every 0.5 s): a peer's
     request that began and ended between two never restarted the idle timer, and the model
     was stopped while the other replica used it (found by a review helper)."""
-    config = load_dict(
-        {
-            "models": {
-                "lazy": {
-                    "launch": {"command": "true"},
-                    "scaling": {"min": 0, "max": 1, "idle_timeout": 60},
-                }
-            }
-        }
-    )
-    cp = FakeControlPlane()
-    cp.release.set()
-    router = Router(config, control_plane=cp, scrape=False)
+    router, cp, decision = await _lazy_model_routed_once()
     assert router.activator is not None
-    decision = await router.decide(RequestInfo(model="lazy", request_id="r1"))
     router.acquire(decision).finish(Outcome.SUCCESS)  # this replica's own use ends at 0
     clock = router.activator.clock
     router.activator.clock = lambda: clock() + 50
