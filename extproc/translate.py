@@ -40,6 +40,7 @@ The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote
@@ -174,6 +175,9 @@ def _set(name: str, value: str) -> HeaderValueOption:
 
 _ROUTE_CACHE: dict[tuple[tuple[str, ...], bool, int | None], bytes] = {}
 _ROUTE_CACHE_LIMIT = 4096
+# A request handed off to a gateway that reports no response is counted in flight at most
+# this long (its predicted first token, normally far sooner).
+_HAND_OFF_MAX_S = 30.0
 
 
 def route_response(
@@ -797,6 +801,25 @@ class Exchange:
             return streamed_response_body(body.body, end_of_stream=end)
         return CONTINUE_RESPONSE_BODY
 
+    def _hand_off(self) -> None:
+        """The request runs on at the engine, its end unseen (NGINX Gateway Fabric). Its
+        lease is held to its predicted first token, so that the queue and load terms count
+        it while it is most likely waiting or prefilling there (ended at the pick, each one
+        sent lowered that engine's load until the next scrape: the next picks went there
+        too), then ended `unknown`: no verdict, its first token owed to the engine's count."""
+        lease = self.lifecycle.lease
+        delay = 0.0
+        if lease is not None and lease.ready_at is not None:
+            delay = min(_HAND_OFF_MAX_S, lease.ready_at - lease.registry.clock())
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): end it now
+            delay = 0.0
+        if delay <= 0.0:
+            self.lifecycle.finish(Outcome.UNKNOWN)
+            return
+        loop.call_later(delay, self.lifecycle.finish, Outcome.UNKNOWN)
+
     def close(self, *, aborted: bool = False) -> None:
         """Release the lease: the response's outcome if seen, else the client went away
         (`unknown` from a gateway that is not Envoy, which reports no response).
@@ -811,7 +834,7 @@ class Exchange:
         if not self._envoy and self.status is None:
             # A gateway that is not Envoy (no `:path`) sends no response messages: the
             # stream ends right after the pick, saying nothing of how the request went.
-            self.lifecycle.finish(Outcome.UNKNOWN)
+            self._hand_off()
             return
         cut = not self._response_ended and (aborted or self._response_mode != NONE)
         if cut and (self.status is None or outcome_for_status(self.status) is Outcome.SUCCESS):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -391,3 +393,31 @@ def test_debug_headers_explain_the_decision_on_the_response() -> None:
     reply = parse(exchange.handle(response_headers(200, primary)))
     summary = set_headers(reply)["x-llmgw-decision"]
     assert summary.startswith(f"endpoint={primary} strategy=ring")
+
+
+async def test_a_request_handed_to_a_gateway_that_reports_no_response_stays_in_flight() -> None:
+    """NGINX Gateway Fabric closes the stream right after the pick and reports nothing more.
+    The lease ended then: the request, just sent, left the queue and load terms at once and
+    counted as released, lowering that engine's load until its next scrape, so the next
+    picks went there too. It is held to its predicted first token, then ended `unknown`
+    (found by a review helper)."""
+    scheduler = Scheduler(make_config(strategy="latency"))
+    ended: list[Outcome] = []
+    over = asyncio.Event()
+
+    def end(_model: str, outcome: Outcome) -> None:
+        ended.append(outcome)
+        over.set()
+
+    exchange = Exchange(Gateway(scheduler), Hooks(ended=end))
+    body = b'{"model": "m1", "messages": [{"role": "user", "content": "' + b"hi " * 3000 + b'"}]}'
+    exchange.handle(request_headers({"content-type": "application/json"}))  # no :path
+    answer = exchange.handle(request_body(body, end_of_stream=True))
+    assert answer, "routed"
+    lease = exchange.lifecycle.lease
+    assert lease is not None and lease.ready_at is not None
+    exchange.close()
+    state = scheduler.registry.get("m1", lease.endpoint_id)
+    assert state is not None and state.inflight == 1 and ended == []
+    await asyncio.wait_for(over.wait(), 30)  # at its predicted first token
+    assert state.inflight == 0 and ended == [Outcome.UNKNOWN]
