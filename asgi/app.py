@@ -194,9 +194,10 @@ class ProxyApp:
             await self._error(scope, send, refused)
             return
         config = self.router.gateway.config
+        cors = CORS_ANSWER_HEADERS if from_browser(scope) else None
         if not config.admin.explain:  # answered before the body is read
             status, body = explain(self.router.gateway, b"")
-            await self._send(send, status, "application/json", body)
+            await self._send(send, status, "application/json", body, cors)
             return
         length = dict(scope["headers"]).get(b"content-length", b"")
         try:  # like a request's body: 413 early (its length said so), 408 on a stall
@@ -214,7 +215,7 @@ class ProxyApp:
             await self._error(scope, send, error)
             return
         status, body = explain(self.router.gateway, query)
-        await self._send(send, status, "application/json", body)
+        await self._send(send, status, "application/json", body, cors)
 
     async def _error(self, scope: Scope, send: Send, error: LlmgwError) -> None:
         """Answer `error`, counted in `llmgw_errors_total` as every error answered (with

@@ -531,7 +531,7 @@ def _ext_proc_filter(
             "grpc_service": {
                 "envoy_grpc": {
                     "cluster_name": EXTPROC_CLUSTER,
-                    "max_receive_message_length": max_message,  # as llmgw's own limit
+                    "max_receive_message_length": max_message,  # ext_proc's answers: body + 1 MiB
                 }
             },
             "failure_mode_allow": fail_open,

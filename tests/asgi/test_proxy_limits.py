@@ -681,6 +681,24 @@ async def test_llmgw_own_error_answers_to_a_browser_carry_cors() -> None:
     assert plain.status_code == 404 and "access-control-allow-origin" not in plain.headers
 
 
+@pytest.mark.parametrize(
+    ("explain", "query", "status"), [(False, b"{}", 404), (True, b"not json", 400)]
+)
+async def test_explain_answers_to_a_browser_carry_cors(
+    explain: bool, query: bytes, status: int
+) -> None:
+    """`POST /admin/explain`'s 404 (explain off) and 400 (a query that is not JSON) went out
+    without the CORS headers every other error of the proxy carries to a browser (found by
+    a review helper)."""
+    app, protocol = _proxy(make_config([refused_address()], admin={"explain": explain}))
+    async with serve(app, http=protocol) as base, httpx.AsyncClient(base_url=base) as client:
+        answer = await client.post(
+            "/admin/explain", content=query, headers={"origin": "http://localhost:3000"}
+        )
+    assert answer.status_code == status
+    assert answer.headers.get("access-control-allow-origin") == "*", answer.headers
+
+
 async def test_a_get_of_the_explain_path_is_a_405_that_says_allow_post(
     engine: ScriptedUpstream,
 ) -> None:
