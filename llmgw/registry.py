@@ -441,7 +441,8 @@ class Registry:
                 entry.owed = False
         if state.blind:
             _drain_blind(state, now)
-        if _restarted(state, metrics):
+        restarted = _restarted(state, metrics)
+        if restarted:
             # A new engine process: its cache is empty and its batch size may differ.
             state.restarts += 1
             state.peak_running, state.full_at_peak, state.peak_is_batch = 0.0, 0, False
@@ -450,7 +451,8 @@ class Registry:
         # glitched reading (a 16-bit underflow: 65535) was its batch until a restart, and
         # that engine, never priced a batch-slot wait again, drew every request. A real
         # rise lands one scrape later; a reading above the peak proves nothing until then.
-        held = 0.0 if prev is None else min(prev.running, metrics.running)
+        # (Not paired with the last reading of a process that is gone.)
+        held = 0.0 if prev is None or restarted else min(prev.running, metrics.running)
         if held > state.peak_running:
             state.peak_running = held
             state.full_at_peak, state.peak_is_batch = 0, False

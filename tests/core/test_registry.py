@@ -130,6 +130,25 @@ def test_a_peak_running_seen_on_one_scrape_only_is_not_the_peak() -> None:
     assert [scrape(r) for r in (12, 16, 16)] == [8, 12, 16]  # a real rise: a scrape later
 
 
+def test_a_restarted_engines_first_reading_is_not_paired_with_the_old_process() -> None:
+    """The peak is confirmed by two scrapes in a row; a restart resets it, but the new
+    process's first reading was paired with the old process's last one, so one reading set
+    the new peak (found by a review helper)."""
+    reg = registry(A)
+    s = reg.get("m", A)
+    assert s is not None
+
+    def scrape(running: float, finished: float) -> float:
+        metrics = EngineMetrics(waiting=1, running=running, kv_usage=0.1, finished_total=finished)
+        reg.record_scrape("m", A, metrics)
+        return s.peak_running
+
+    assert [scrape(16, 50), scrape(16, 60)] == [0, 16]
+    assert scrape(20, 0) == 0  # restarted (its counters back to 0): no peak from one reading
+    assert s.restarts == 1
+    assert scrape(20, 5) == 20
+
+
 def test_the_peak_counts_as_the_batch_once_seen_full_with_requests_waiting() -> None:
     """A request waits until the engine's next step even with slots free, so one scrape at
     the peak with some waiting proves nothing: it takes FULL_SCRAPES of them since the peak
