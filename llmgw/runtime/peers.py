@@ -22,9 +22,9 @@ scrapes, so a replica its peer just filled looked idle to it: two peering proxie
 changes are sent as they happen (coalesced per loop turn, only what changed), refreshed
 every `LOAD_REFRESH` seconds (a zero for `LOAD_TTL` after the load went to zero), and
 forgotten `LOAD_TTL` seconds after a peer last told them, looked for every
-`LOAD_EXPIRY_CHECK` (a peer that died stops counting); a stopping replica sends its zeros. The sums over
-peers land on each endpoint's state (`remote_inflight`, `remote_pending`), which the
-scorers add to their own.
+`LOAD_EXPIRY_CHECK` (a peer that died stops counting); a stopping replica sends its
+zeros. The sums over peers land on each endpoint's state (`remote_inflight`,
+`remote_pending`), which the scorers add to their own.
 
 Wire format, big-endian (hand-written with `struct`: a datagram is a header and flat
 records; a schema library would add a dependency for ~20 lines):
@@ -637,14 +637,14 @@ class Peers(asyncio.DatagramProtocol):
         looked for every `LOAD_EXPIRY_CHECK`."""
         step = min(LOAD_EXPIRY_CHECK, LOAD_REFRESH)
         every = max(1, round(LOAD_REFRESH / step))  # checks per refresh
-        for n in itertools.count(1):
+        for check in itertools.count(1):
             await asyncio.sleep(step)
             try:
                 registry = self._scheduler().registry
                 self.remote.expire(registry, registry.clock())
             except Exception:  # never let either die: log and go on
                 log.exception("forgetting the peers' quiet load failed")
-            if n % every:
+            if check % every:
                 continue
             try:
                 told = self._load_told

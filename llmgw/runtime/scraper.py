@@ -117,10 +117,15 @@ class Scraper:
         """Feed one fetched /metrics page to the registry (pure: no I/O; the in-process
         fleet simulator `bench/fleetsim.py` calls it too). False if a target failed."""
         ok = True
+        # The page is read once per contract, whatever the models it serves (a base model
+        # and its adapters are targets of one page).
+        selected: dict[int, list[Sample]] = {}
         for t in targets:
             samples: list[Sample] | None = None
             try:
-                samples = select(text, t.contract)  # the page is read once
+                samples = selected.get(id(t.contract))
+                if samples is None:
+                    samples = selected[id(t.contract)] = select(text, t.contract)
                 metrics = extract_samples(samples, t.contract, model=t.label)
             except MetricsError as exc:
                 ok = False
