@@ -196,6 +196,11 @@ class Lifecycle:
         return error
 
     def _dispatch(self, decision: Decision) -> None:
+        if not self.done:
+            # Routed twice (ext_proc: a body routed without headers, then headers that
+            # Envoy never sends after it): the first lease ends here, or its endpoint
+            # would count it in flight for ever.
+            self.finish(Outcome.CANCELLED)
         self.decision = decision
         self.endpoint = decision.endpoint
         request = self.request

@@ -106,6 +106,19 @@ def test_random_message_sequences_get_valid_answers(sequence: list[ProcessingReq
     run_exchange(Scheduler(CONFIG, seed=1), sequence)
 
 
+def test_headers_after_a_body_routed_without_them_leave_nothing_in_flight() -> None:
+    # Found by the test above (a CI draw): a body routed without headers (Envoy's
+    # request_header_mode SKIP), then headers, which route again. The first lease was
+    # replaced, never ended: its endpoint counted it in flight for ever.
+    body = b'{"model":"m1","messages":[{"role":"user","content":"hi"}]}'
+    sequence = [
+        ProcessingRequest(request_body=HttpBody(body=body)),
+        ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=[]))),
+        ProcessingRequest(request_body=HttpBody(end_of_stream=True)),
+    ]
+    run_exchange(Scheduler(CONFIG, seed=1), sequence)
+
+
 VALID_STREAM = [
     request_headers(chat_headers(**{"x-session-id": "s1"})),
     ProcessingRequest(
