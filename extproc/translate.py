@@ -831,9 +831,11 @@ class Exchange:
         at a read, so the answer to the response headers may never have reached Envoy (its
         message_timeout passed: the client got Envoy's 504): cut too, in every mode.
         """
-        if not self._envoy and self.status is None:
+        if not self._envoy and self.status is None and not aborted:
             # A gateway that is not Envoy (no `:path`) sends no response messages: the
             # stream ends right after the pick, saying nothing of how the request went.
+            # (Reset while the answer was written: it never got an endpoint, nothing ran:
+            # cut, below.)
             self._hand_off()
             return
         cut = not self._response_ended and (aborted or self._response_mode != NONE)

@@ -407,11 +407,17 @@ class Registry:
         # Owed only to an engine that counts first tokens: else nothing ever settles it.
         counts = state.metrics is not None and state.metrics.ttft_count is not None
         _prefill_over(state, prefill, prefill_tokens, owed=counted and counts)
-        now = self.clock()
-        if ready_at > now:
-            state.busy_until = max(now, state.busy_until - (ready_at - now))
+        self.prefill_withdrawn(model, endpoint_id, ready_at)
         if self.on_load is not None:
             self.on_load(model, state)
+
+    def prefill_withdrawn(self, model: str, endpoint_id: str, ready_at: float) -> None:
+        """A request predicted to finish its prefill at `ready_at` failed there before it
+        ran (a fallback takes it): the time-drained queue estimate loses its share."""
+        state = self._live_or_draining(model, endpoint_id)
+        now = self.clock()
+        if state is not None and ready_at > now:
+            state.busy_until = max(now, state.busy_until - (ready_at - now))
 
     def saw_token(self, model: str, endpoint_id: str) -> None:
         """A token of a stream from this endpoint reached the edge: a step ended now."""

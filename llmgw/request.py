@@ -389,12 +389,17 @@ def _other_body(
 
 
 def needs_body(config: Config, headers: Mapping[str, str], path: str) -> bool:
-    """Is the body needed to route: no model header, or a strategy that reads the prompt?"""
+    """Is the body needed to route: no model header, or a strategy that reads the prompt
+    (on an inference path itself: below one, `/v1/responses/{id}/cancel`, a body holds no
+    prompt, and often there is none: ext_proc, asking for it, could be answered by bodiless
+    HTTP/2 trailers, too late to route on)?"""
     if not on_paths(path):
         return False
     model = headers.get(config.model_header)
     if not model:  # absent, or sent empty: the body names it
         return True
+    if path.split("?", 1)[0] not in BODY_PATHS:
+        return False
     spec = config.models.get(model)
     return spec is not None and any(
         getattr(SCORERS.get(name), "needs_prompt", False) for name in resolve(spec.strategy).scorers

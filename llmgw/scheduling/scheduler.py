@@ -203,6 +203,11 @@ class Lease:
             return
         self.done = True
         self.ended_at = self.registry.clock()
+        if not self.first_token_seen and self.ready_at is not None:
+            # A failed attempt (a fallback follows): its prefill never ran there, so its
+            # predicted share of that engine's queue goes too (left, the primary's queue
+            # term held a long prompt's whole prefill after the retry answered elsewhere).
+            self.registry.prefill_withdrawn(self.model, self.endpoint_id, self.ready_at)
         pending = 0.0 if self.first_token_seen else self.prefill_tokens or 0.0
         self.registry.release(
             self.model,
