@@ -116,14 +116,19 @@ class Gateway:
                 router.spec = spec
             if router.spec == spec:
                 scheduler.routers[name] = router  # keeps its ring and prefix index
+        # Every model set before any engine's KV index is forgotten: a model renamed, or an
+        # endpoint moved to another model, is listed again by the end (in set order, the
+        # old name first, its cache was forgotten in some processes, not in others).
+        listed = {s.id for s in registry.all_states()}
         for name in set(old.config.models) | set(config.models):
             if self.manages(name) or discovered(old.config, name):
                 continue  # its endpoints are the control plane's or discovery's
             spec = config.models.get(name)
             if spec is not None and scheduler.routers[name].mode is not ModelMode.OFF:
-                registry.set_endpoints(name, endpoints_of(name, spec))
+                registry.set_endpoints(name, endpoints_of(name, spec), forget=False)
             elif registry.states(name):
-                registry.set_endpoints(name, [])
+                registry.set_endpoints(name, [], forget=False)
+        registry.forget_unlisted(listed)
         self.snapshot = Snapshot(config, scheduler)
 
 

@@ -214,12 +214,16 @@ class Registry:
         for state in itertools.chain(self._by_id.values(), self._draining.values()):
             state.breaker.settings = breaker
 
-    def set_endpoints(self, model: str, endpoints: Iterable[Endpoint]) -> None:
+    def set_endpoints(
+        self, model: str, endpoints: Iterable[Endpoint], *, forget: bool = True
+    ) -> None:
         """Replace a model's endpoint set, keeping live state of endpoints that stay.
 
         The one path every source takes (static config and its reloads, on-demand starts,
         Kubernetes discovery). An endpoint added to a model that already has some starts
         warming; one that leaves with requests in flight drains (see `_draining`).
+        `forget` False: an endpoint no model lists any more keeps its KV index (a reload
+        setting several models calls `forget_unlisted` once all are set).
         """
         new: list[EndpointState] = []
         current = self._by_model.get(model, [])
@@ -241,7 +245,7 @@ class Registry:
                 self._draining[(model, gone.id)] = gone
             # One server may serve several models (a base and its adapters): its cache
             # stays known while another still lists it.
-            if not any((m, gone.id) in self._by_id for m in self._by_model if m != model):
+            if forget and not self._listed(gone.id, but=model):
                 self.kv_index.forget(gone.id)
         before = [s.id for s in current]
         self._by_model[model] = new
@@ -250,6 +254,15 @@ class Registry:
         self._warming[model] = sum(1 for s in new if s.warming)
         if before != [s.id for s in new]:
             self.version += 1
+
+    def _listed(self, endpoint_id: str, but: str | None = None) -> bool:
+        return any((m, endpoint_id) in self._by_id for m in self._by_model if m != but)
+
+    def forget_unlisted(self, endpoint_ids: Iterable[str]) -> None:
+        """The KV index forgets those of `endpoint_ids` that no model lists now."""
+        for endpoint_id in endpoint_ids:
+            if not self._listed(endpoint_id):
+                self.kv_index.forget(endpoint_id)
 
     def warming(self, model: str) -> int:
         """How many of the model's endpoints wait for their first scrape."""
@@ -280,14 +293,15 @@ class Registry:
         key = (model, endpoint_id)
         return self._by_id.get(key) or self._draining.get(key)
 
-    def acquire(self, model: str, endpoint_id: str) -> int:
+    def acquire(self, model: str, endpoint_id: str) -> int | None:
         """Count a request sent to the endpoint; returns its half-open period's number if
-        it is a probe (`Breaker.on_dispatch`), else 0."""
+        it is a probe (`Breaker.on_dispatch`), else 0; None: not counted (no such endpoint,
+        not even draining: its release must not be charged to one added later there)."""
         # A draining endpoint (a reload removed it) counts too: Envoy may retry on a fallback
         # listed before the reload, and its release is charged there.
         state = self._live_or_draining(model, endpoint_id)
         if state is None:
-            return 0
+            return None
         state.inflight += 1
         if self.on_load is not None:
             self.on_load(model, state)

@@ -144,6 +144,9 @@ class Lease:
     # Its entry among the endpoint's prefills that the engine's first-token count has not
     # closed (`Registry.record_scrape`); closed here at the latest.
     prefill: PendingPrefill | None = None
+    # Counted in flight there (False: the endpoint was gone, not even draining, when the
+    # request moved to it: its end is charged nowhere, not to a state added there since).
+    counted: bool = True
 
     def first_token(self, observed: bool = True, counted: bool = True) -> None:
         """The first response body byte arrived (the engine finished this prefill); with
@@ -203,6 +206,8 @@ class Lease:
             return
         self.done = True
         self.ended_at = self.registry.clock()
+        if not self.counted:
+            return
         if not self.first_token_seen and self.ready_at is not None:
             # A failed attempt (a fallback follows): its prefill never ran there, so its
             # predicted share of that engine's queue goes too (left, the primary's queue
@@ -317,10 +322,11 @@ class Scheduler:
             self.registry,
             decision.model,
             target.id,
-            probe,
+            probe or 0,
             self.registry.clock(),
             decision.ready_at if primary else None,
             tokens,
             ahead,
             prefill=prefill,
+            counted=probe is not None,
         )

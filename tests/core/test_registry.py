@@ -50,8 +50,8 @@ def test_inflight_never_goes_negative(outcome: Outcome) -> None:
 
 def test_unknown_endpoint_is_ignored_by_acquire_and_release() -> None:
     reg = registry(A)
-    assert reg.acquire("m", "9.9.9.9:1") == 0
-    assert reg.acquire("other", A) == 0
+    assert reg.acquire("m", "9.9.9.9:1") is None  # not counted: its lease charges nothing
+    assert reg.acquire("other", A) is None
     reg.release("m", "9.9.9.9:1", Outcome.FAILURE)
     assert inflight(reg, A) == 0
 

@@ -10,9 +10,11 @@ import pytest
 from llmgw.breaker import BreakerSettings
 from llmgw.config import load_dict
 from llmgw.gateway import Gateway
+from llmgw.kvevents import BlockStored, EventBatch
+from llmgw.lifecycle import Lifecycle
 from llmgw.registry import Registry
 from llmgw.scheduling.scheduler import ModelRouter, Scheduler
-from llmgw.types import Endpoint, Outcome, RequestInfo
+from llmgw.types import Decision, Endpoint, Outcome, RequestInfo
 
 A, B, C, D = (f"127.0.0.1:{9300 + i}" for i in range(4))
 PROMPT = "You are a careful assistant. " * 200  # many prefix blocks
@@ -60,3 +62,67 @@ def test_a_draining_endpoint_counts_a_retry_on_it_and_takes_new_breaker_settings
     state = registry.get("m1", B)
     assert state is not None and state.inflight == 1
     assert state.breaker.settings.failure_threshold == 9
+
+
+def test_a_retry_on_a_fallback_gone_and_back_is_not_charged_to_a_new_request_there() -> None:
+    """A reload removed an idle fallback (its state dropped, not drained); Envoy, holding
+    the old list, retried there and said so: the lease moved without any state counting
+    it. The endpoint came back (a new state) and took a new request: the old request's
+    end took that one's count, and the endpoint showed 0 in flight while serving it
+    (found by a review helper)."""
+
+    def config(endpoints: list[str]) -> Any:
+        spec = {"endpoints": endpoints, "strategy": "round-robin"}
+        return load_dict(
+            {
+                "models": {"m": {**spec, "session": {"num_fallback_replicas": 1}}},
+                "destination_fallbacks": True,
+            }
+        )
+
+    gateway = Gateway(Scheduler(config([A, B]), Registry(), seed=1))
+    old = Lifecycle(gateway)
+    decision = old.route({"x-llmgw-model": "m"}, "/v1/chat/completions", None)
+    assert isinstance(decision, Decision)
+    primary, fallback = decision.endpoint.id, decision.fallbacks[0].id
+    gateway.reload(config([primary]))  # the fallback leaves, nothing in flight there
+    old.answered_by(fallback)  # Envoy's retry there answered: a long stream
+    gateway.reload(config([A, B]))  # it is back
+    registry = gateway.scheduler.registry
+    new = Lifecycle(gateway)
+    for _ in range(4):  # round-robin: until a new request lands there
+        d = new.route({"x-llmgw-model": "m"}, "/v1/chat/completions", None)
+        assert isinstance(d, Decision)
+        if d.endpoint.id == fallback:
+            break
+        new.finish(Outcome.SUCCESS)
+        new = Lifecycle(gateway)
+    state = registry.get("m", fallback)
+    assert state is not None and state.inflight == 1
+    old.response(200)
+    old.finish()  # the old stream ends
+    assert state.inflight == 1, "the new request there is still running"
+    new.finish(Outcome.SUCCESS)
+    assert state.inflight == 0
+
+
+@pytest.mark.parametrize(("before", "after"), [("a", "b"), ("b", "a")])
+def test_a_reload_renaming_a_model_keeps_its_engines_kv_index(before: str, after: str) -> None:
+    """The reload set models in set order: where the old name came first, the endpoint was
+    listed by no model for a moment and its exact KV index was forgotten (unknown until a
+    resync), in some processes and not others (string hashes). Both orders run here
+    (found by a review helper)."""
+
+    def config(name: str) -> Any:
+        return load_dict({"models": {name: {"endpoints": [A], "served_name": "chat"}}})
+
+    registry = Registry()
+    gateway = Gateway(Scheduler(config(before), registry))
+    stored = BlockStored(
+        block_hashes=(b"h0",), parent_block_hash=None, token_ids=(1, 2, 3, 4), block_size=4
+    )
+    registry.kv_index.apply_batch(A, EventBatch(0, 0.0, (stored,)), now=0.0)
+    gateway.reload(config(after))
+    assert registry.kv_index.size(A) == 1 and str(registry.kv_index.state(A)) == "live"
+    gateway.reload(load_dict({"models": {"other": {"endpoints": [B]}}}))
+    assert registry.kv_index.size(A) == 0  # listed by no model now: forgotten
