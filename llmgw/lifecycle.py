@@ -316,8 +316,10 @@ class Lifecycle:
                 self._move(decision, lease, endpoint, Outcome.FAILURE)
                 return
         # Envoy's own pick on a retry (no fallback list sent, or the list ran out): still an
-        # endpoint of the model, charged as a listed fallback would be.
-        state = self.snapshot.scheduler.registry.get(decision.model, address)
+        # endpoint of the model, charged as a listed fallback would be, also while it
+        # drains (a reload removed it). An address llmgw does not know may be one of its
+        # endpoints spelt otherwise (a host name Envoy resolved): left on the primary.
+        state = self.snapshot.scheduler.registry.find(decision.model, address)
         if state is not None:
             self._attempt = len(decision.fallbacks)
             self._move(decision, lease, state.endpoint, Outcome.FAILURE)

@@ -293,6 +293,10 @@ class Registry:
         key = (model, endpoint_id)
         return self._by_id.get(key) or self._draining.get(key)
 
+    def find(self, model: str, endpoint_id: str) -> EndpointState | None:
+        """The endpoint's state, live or draining."""
+        return self._live_or_draining(model, endpoint_id)
+
     def acquire(self, model: str, endpoint_id: str) -> int | None:
         """Count a request sent to the endpoint; returns its half-open period's number if
         it is a probe (`Breaker.on_dispatch`), else 0; None: not counted (no such endpoint,

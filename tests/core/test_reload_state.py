@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from llmgw.breaker import BreakerSettings
+from llmgw.breaker import BreakerSettings, BreakerState
 from llmgw.config import load_dict
 from llmgw.gateway import Gateway
 from llmgw.kvevents import BlockStored, EventBatch
@@ -126,3 +126,41 @@ def test_a_reload_renaming_a_model_keeps_its_engines_kv_index(before: str, after
     assert registry.kv_index.size(A) == 1 and str(registry.kv_index.state(A)) == "live"
     gateway.reload(load_dict({"models": {"other": {"endpoints": [B]}}}))
     assert registry.kv_index.size(A) == 0  # listed by no model now: forgotten
+
+
+def test_envoys_own_retry_pick_on_a_draining_endpoint_is_charged_there() -> None:
+    """Envoy's own pick on a retry (no fallback list sent) answered from an endpoint a
+    reload removed while it still served a request: the primary, which failed, kept the
+    answer's outcome as a success, and the draining endpoint did not count the request
+    (found by a review helper)."""
+    config: dict[str, Any] = {
+        "models": {
+            "m": {
+                "endpoints": [A, B],
+                "strategy": "round-robin",
+                "session": {"num_fallback_replicas": 0},
+            }
+        },
+        "breaker": {"failure_threshold": 1},
+    }
+    gateway = Gateway(Scheduler(load_dict(config), Registry(), seed=1))
+    registry = gateway.scheduler.registry
+    running = Lifecycle(gateway)
+    first = running.route({"x-llmgw-model": "m"}, "/v1/chat/completions", None)
+    retried = Lifecycle(gateway)
+    second = retried.route({"x-llmgw-model": "m"}, "/v1/chat/completions", None)
+    assert isinstance(first, Decision) and isinstance(second, Decision)
+    assert not second.fallbacks and first.endpoint.id != second.endpoint.id
+    gone, primary = first.endpoint.id, second.endpoint.id
+    config["models"]["m"]["endpoints"] = [primary]
+    gateway.reload(load_dict(config))  # `gone` drains
+    retried.answered_by(gone)  # Envoy retried the second request there itself
+    draining = registry.find("m", gone)
+    assert draining is not None and draining.inflight == 2
+    state = registry.get("m", primary)
+    assert state is not None and state.inflight == 0
+    assert state.breaker.state is BreakerState.OPEN  # its attempt failed
+    retried.response(200)
+    retried.finish()
+    running.finish(Outcome.SUCCESS)
+    assert registry.find("m", gone) is None  # drained, dropped
