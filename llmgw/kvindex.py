@@ -46,13 +46,19 @@ _PREFIX_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
 
 @dataclass
 class EndpointKv:
-    """One endpoint's blocks: router key -> engine hash, oldest stored first."""
+    """One endpoint's blocks: router key -> engine hash."""
 
-    blocks: OrderedDict[int, EngineHash] = field(default_factory=OrderedDict)
+    blocks: dict[int, EngineHash] = field(default_factory=dict)
     by_engine: dict[EngineHash, int] = field(default_factory=dict)
     # Engine hash -> copies cached beyond the first (vLLM does not deduplicate its cache:
     # requests that computed the same block each store and, later, evict a copy).
     copies: dict[EngineHash, int] = field(default_factory=dict)
+    # The prefix tree, for the memory cap: each block's parent (blocks after a chain's
+    # first), how many cached blocks extend a key, and the blocks none extends (leaves),
+    # oldest first. The cap takes leaves only: a block it keeps is reachable from the root.
+    parents: dict[int, int] = field(default_factory=dict)
+    children: dict[int, int] = field(default_factory=dict)
+    leaves: OrderedDict[int, None] = field(default_factory=OrderedDict)
     block_size: int | None = None
     state: KvState = KvState.UNKNOWN
     unknown_since: float = 0.0
@@ -104,8 +110,9 @@ def _followed(e: EndpointKv, group_idx: int | None, kind: str | None) -> bool:
 
 
 class ExactPrefixIndex:
-    """Per endpoint, the blocks its engine reported cached; bounded by `capacity` blocks
-    in all (unknown endpoints lose theirs first, then the largest endpoint its oldest)."""
+    """Per endpoint, the blocks its engine reported cached; bounded by `capacity` entries
+    in all (blocks, and engine hashes of salted blocks): over it, the endpoint holding the
+    most loses its salted hashes, then its oldest blocks no cached block extends."""
 
     def __init__(self, *, capacity: int = 1_000_000, resync_s: float = 10.0) -> None:
         if capacity < 1:
@@ -116,7 +123,8 @@ class ExactPrefixIndex:
         self.resync_s = resync_s
         self._endpoints: dict[str, EndpointKv] = {}
         self._resync: dict[str, float] = {}  # endpoint -> its model's resync_s
-        self._total = 0
+        self._total = 0  # blocks
+        self._keyed = 0  # engine hashes of salted blocks
         self._memo: tuple[Sequence[int] | None, dict[tuple[int, str | None], list[int]]] = (
             None,
             {},
@@ -266,7 +274,7 @@ class ExactPrefixIndex:
         resynced = e.last_seq is not None and now - since >= resync_s
         if e.state is KvState.UNKNOWN and resynced:
             e.state, e.reason = KvState.LIVE, "resynced"
-        if self._total > self.capacity:
+        if self._total + self._keyed > self.capacity:
             self._trim()
 
     def mark_unknown(self, endpoint_id: str, reason: str, now: float) -> None:
@@ -284,6 +292,7 @@ class ExactPrefixIndex:
         e = self._endpoints.pop(endpoint_id, None)
         if e is not None:
             self._total -= len(e.blocks)
+            self._keyed -= len(e.keyed)
 
     # -- internals -------------------------------------------------------------------------
     def _get(self, endpoint_id: str) -> EndpointKv:
@@ -298,9 +307,13 @@ class ExactPrefixIndex:
 
     def _clear(self, e: EndpointKv, *, live: bool) -> None:
         self._total -= len(e.blocks)
+        self._keyed -= len(e.keyed)
         e.blocks.clear()
         e.by_engine.clear()
         e.copies.clear()
+        e.parents.clear()
+        e.children.clear()
+        e.leaves.clear()
         e.keyed.clear()
         e.block_size = None  # a restarted engine may run another block size
         e.group = None
@@ -320,6 +333,8 @@ class ExactPrefixIndex:
         parent = event.parent_block_hash
         if event.lora_name is not None:
             self._loras.add(event.lora_name)
+        blocks, by_engine = e.blocks, e.by_engine
+        prev: int | None = None  # the block the next one extends (a chain's first: none)
         if parent is None:
             lora = event.lora_name
             key = root_key(event.lora_id if lora is None else lora)
@@ -333,8 +348,9 @@ class ExactPrefixIndex:
                 e.orphan_at = now
                 return
             key = found
+            if found in blocks:
+                prev = found
         tokens = event.token_ids
-        blocks, by_engine = e.blocks, e.by_engine
         hashes = event.block_hashes
         if event.keyed_from is not None:
             self._keep_keyed(e, hashes[event.keyed_from :])
@@ -347,8 +363,10 @@ class ExactPrefixIndex:
             old = blocks.get(key)
             if old is None:
                 self._total += 1
+                self._link(e, key, prev)
             else:
-                blocks.move_to_end(key)
+                if key in e.leaves:  # stored again: recent
+                    e.leaves.move_to_end(key)
                 if old == engine_hash:
                     e.copies[old] = e.copies.get(old, 0) + 1
                 elif by_engine.get(old) == key:
@@ -358,17 +376,48 @@ class ExactPrefixIndex:
                     e.copies.pop(old, None)
             blocks[key] = engine_hash
             by_engine[engine_hash] = key
+            prev = key
+
+    def _link(self, e: EndpointKv, key: int, parent: int | None) -> None:
+        """A new block `key` extends `parent` (None: a chain's first block)."""
+        children = e.children
+        if parent is not None:
+            e.parents[key] = parent
+            n = children.get(parent, 0)
+            if n == 0:  # extended: no longer a leaf
+                e.leaves.pop(parent, None)
+            children[parent] = n + 1
+        if key not in children:  # (blocks the engine kept after removing it may extend it)
+            e.leaves[key] = None
+
+    def _unlink(self, e: EndpointKv, key: int) -> None:
+        """Block `key` is gone: its parent may be a leaf again, then the oldest one (it
+        was stored before every block extending it)."""
+        e.leaves.pop(key, None)
+        parent = e.parents.pop(key, None)
+        if parent is None:
+            return
+        children = e.children
+        n = children[parent] - 1
+        if n > 0:
+            children[parent] = n
+            return
+        del children[parent]
+        if parent in e.blocks:
+            e.leaves[parent] = None
+            e.leaves.move_to_end(parent, last=False)
 
     def _keep_keyed(self, e: EndpointKv, hashes: Iterable[EngineHash]) -> None:
         keyed = e.keyed
+        before = len(keyed)
         keyed.update(hashes)
-        if len(keyed) > self.capacity:  # removals lost: forget them (children then orphans)
-            keyed.clear()
+        self._keyed += len(keyed) - before
 
     def _remove(self, e: EndpointKv, hashes: Iterable[EngineHash]) -> None:
-        blocks, by_engine, copies = e.blocks, e.by_engine, e.copies
+        blocks, by_engine, copies, keyed = e.blocks, e.by_engine, e.copies, e.keyed
+        salted = len(keyed)
         for h in hashes:
-            e.keyed.discard(h)
+            keyed.discard(h)
             extra = copies.pop(h, 0)
             if extra > 0:  # another copy of the block stays cached
                 if extra > 1:
@@ -377,23 +426,39 @@ class ExactPrefixIndex:
             key = by_engine.pop(h, None)
             if key is not None and blocks.get(key) == h:
                 del blocks[key]
+                self._unlink(e, key)
                 self._total -= 1
+        self._keyed -= salted - len(keyed)
 
     def _trim(self) -> None:
-        # Unknown endpoints are not matched against: their blocks go first.
-        for e in self._endpoints.values():
-            if self._total <= self.capacity:
-                return
-            if e.state is KvState.UNKNOWN:
-                self._total -= len(e.blocks)
-                self.evicted += len(e.blocks)
-                e.blocks.clear()
-                e.by_engine.clear()
-                e.copies.clear()
-        while self._total > self.capacity:
-            largest = max(self._endpoints.values(), key=lambda x: len(x.blocks))
-            _, engine_hash = largest.blocks.popitem(last=False)
-            largest.by_engine.pop(engine_hash, None)
-            largest.copies.pop(engine_hash, None)
-            self._total -= 1
-            self.evicted += 1
+        """Down to capacity: the endpoint holding the most (live or not: a resyncing one's
+        blocks are what it goes live on) loses its salted hashes, then its oldest leaves,
+        down to the next largest. A block whose descendants stay is never taken: `match`
+        walks from the root, and a shared prefix's first block (a system prompt, stored
+        once and the oldest) would take every chain under it."""
+        while (over := self._total + self._keyed - self.capacity) > 0:
+            largest: EndpointKv | None = None
+            most = second = 0
+            for e in self._endpoints.values():
+                held = len(e.blocks) + len(e.keyed)
+                if held > most:
+                    largest, most, second = e, held, most
+                elif held > second:
+                    second = held
+            assert largest is not None  # over capacity: something is held
+            take = min(over, max(1, most - second))
+            keyed = largest.keyed
+            salted = min(take, len(keyed))
+            for _ in range(salted):
+                keyed.pop()
+            self._keyed -= salted
+            blocks, leaves = largest.blocks, largest.leaves
+            for _ in range(take - salted):
+                key = leaves.popitem(last=False)[0]
+                engine_hash = blocks.pop(key)
+                self._unlink(largest, key)
+                if largest.by_engine.get(engine_hash) == key:
+                    del largest.by_engine[engine_hash]
+                largest.copies.pop(engine_hash, None)
+            self._total -= take - salted
+            self.evicted += take

@@ -293,12 +293,22 @@ class KvEventSubscribers:
 
     def sync(self) -> None:
         targets = self.targets()
+        index = self.registry.kv_index
         for eid in list(self._tasks):
-            if eid not in targets or self.subscribers[eid].spec != targets[eid]:
-                self._tasks.pop(eid).cancel()
-                del self.subscribers[eid]
-                if eid not in targets:  # no longer followed: its blocks would freeze, live
-                    self.registry.kv_index.forget(eid)
+            spec, sub = targets.get(eid), self.subscribers[eid]
+            if spec == sub.spec:
+                continue
+            if spec is not None and spec.model_copy(update={"resync": sub.spec.resync}) == sub.spec:
+                sub.spec = spec  # only `resync` (set on the index by targets()): same stream
+                continue
+            self._tasks.pop(eid).cancel()
+            del self.subscribers[eid]
+            # Either way the old stream's blocks would stay live, frozen: no removal reaches
+            # them any more.
+            if spec is None:  # no longer followed
+                index.forget(eid)
+            else:  # followed from another source: unknown until that stream syncs
+                index.mark_unknown(eid, "kv_events source changed", self.registry.clock())
         for eid, spec in targets.items():
             if eid not in self._tasks:
                 sub = self.subscribers[eid] = KvEventSubscriber(self.registry, eid, spec)

@@ -258,7 +258,7 @@ def test_the_same_tokens_under_new_engine_hashes_keep_the_hash_map_bounded() -> 
     assert kv is not None and len(kv.blocks) == 1 and len(kv.by_engine) == 1
 
 
-def test_capacity_drops_unknown_endpoints_then_the_largest_endpoints_oldest() -> None:
+def test_capacity_takes_the_largest_endpoints_oldest_blocks_first() -> None:
     index = ExactPrefixIndex(capacity=6)
     other = tuple(range(500, 516))
     index.apply_batch("big", EventBatch(0, 0.0, (stored(0, 3),)), now=0.0)  # 4 blocks
@@ -266,13 +266,95 @@ def test_capacity_drops_unknown_endpoints_then_the_largest_endpoints_oldest() ->
     index.apply_batch("stale", EventBatch(7, 0.0, (stored(0, 0, other),)), now=0.0)  # unknown
     assert index.size() == 6
     index.apply_batch("small", EventBatch(1, 0.0, (stored(1, 1, other),)), now=0.0)
-    assert index.size("stale") == 0  # unknown ones go first
-    assert index.size() == 6
+    assert index.size() == 6 and index.size("big") == 3  # the largest lost a block
     index.apply_batch("small", EventBatch(2, 0.0, (stored(2, 2, other),)), now=0.0)
     assert index.size() == 6
-    assert index.size("small") == 3  # its recent blocks stay
-    assert index.size("big") == 3  # the largest lost its oldest block (the first)
-    assert index.match(PROMPT, ["big"]) == {"big": 0}
+    assert index.size("small") == 3 and index.size("stale") == 1
+    assert index.size("big") == 2  # its last blocks: their chain's first two stay
+    assert index.match(PROMPT, ["big"]) == {"big": 8}
+    assert index.evicted == 2
+
+
+def test_the_cap_keeps_a_shared_prefix_while_blocks_extending_it_stay() -> None:
+    """The cap took the oldest-stored blocks: a system prompt every request reuses is
+    stored once (vLLM never stores a hit again), so it went first, and every chain under it
+    was unreachable (`match` walks from the root) and blocks stored later under it orphans:
+    the endpoint read 0 cached tokens for every prompt, for good (found by a review
+    helper)."""
+    system = tuple(range(1000, 1004))
+    index = ExactPrefixIndex(capacity=10)
+    events = [BlockStored((b"S",), None, system, BS)]
+    events += [
+        BlockStored((b"c%d" % i,), b"S", tuple(range(10 * i, 10 * i + 4)), BS) for i in range(11)
+    ]
+    for seq, event in enumerate(events):
+        index.apply_batch("a", EventBatch(seq, 0.0, (event,)), now=0.0)
+    assert index.size() == 10
+    hits = [index.match((*system, *range(10 * i, 10 * i + 4), 7), ["a"])["a"] for i in range(11)]
+    assert hits == [4, 4] + [8] * 9  # the two oldest conversations' blocks went
+    index.apply_batch(
+        "a", EventBatch(12, 0.0, (BlockStored((b"new",), b"S", TOKENS[:4], BS),)), 0.0
+    )
+    assert index.match((*system, *TOKENS[:4], 7), ["a"]) == {"a": 8}
+    kv = index.endpoint("a")
+    assert kv is not None and kv.orphans == 0
+
+
+def test_the_cap_takes_a_chains_last_blocks_before_its_first() -> None:
+    index = live_index(stored(0, 3), capacity=4)
+    other = BlockStored((b"o0", b"o1"), None, tuple(range(500, 508)), BS)
+    index.apply_batch("a", EventBatch(1, 0.0, (other,)), now=0.0)
+    assert index.match(PROMPT, ["a"]) == {"a": 8}  # blocks 3 and 2 went, 0 and 1 stay
+    assert index.match((*other.token_ids, 0), ["a"]) == {"a": 8}
+    index.apply_batch("a", EventBatch(2, 0.0, (removed(1),)), now=0.0)  # the engine's
+    more = BlockStored((b"x", b"y"), None, tuple(range(900, 908)), BS)
+    index.apply_batch("a", EventBatch(3, 0.0, (more,)), now=0.0)
+    assert index.match(PROMPT, ["a"]) == {"a": 0}  # block 0 then was the oldest leaf
+    assert index.match((*other.token_ids, 0), ["a"]) == {"a": 8}
+    assert index.match((*more.token_ids, 0), ["a"]) == {"a": 8} and index.size() == 4
+    kv = index.endpoint("a")
+    assert kv is not None and set(kv.leaves) == set(kv.parents)  # nothing left behind
+    assert kv.children == dict.fromkeys(kv.parents.values(), 1)
+
+
+def test_an_endpoint_resyncing_after_a_gap_keeps_its_blocks_under_the_cap() -> None:
+    """The cap emptied unknown endpoints first: one resyncing after a gap lost what it was
+    told since, then went live on schedule reading a miss for prompts its engine served
+    from cache (in a fleet at capacity, every store elsewhere emptied it) (found by a
+    review helper)."""
+    index = ExactPrefixIndex(capacity=4, resync_s=5.0)
+    index.apply_batch("a", EventBatch(0, 0.0, ()), now=0.0)
+    index.apply_batch("a", EventBatch(5, 0.0, ()), now=1.0)  # a gap: unknown
+    index.apply_batch("a", EventBatch(6, 0.0, (stored(0, 1),)), now=1.5)
+    other = tuple(range(500, 512))
+    index.apply_batch("b", EventBatch(0, 0.0, (stored(0, 2, other),)), now=2.0)
+    assert index.size("a") == 2 and index.size("b") == 2  # the largest gave one up
+    index.apply_batch("a", EventBatch(7, 0.0, ()), now=6.0)
+    assert index.state("a") is KvState.LIVE
+    assert index.match(PROMPT, ["a"]) == {"a": 8}
+
+
+def test_salted_blocks_engine_hashes_count_against_the_cap() -> None:
+    """Engine hashes of salted or image blocks were kept outside the cap, up to `capacity`
+    per endpoint: a vision fleet's N endpoints held N times the promised bound (found by a
+    review helper)."""
+    index = ExactPrefixIndex(capacity=10)
+    for n, eid in enumerate("abcd"):
+        hashes = tuple(f"{eid}{i}".encode() for i in range(8))
+        salted = BlockStored(hashes, None, tuple(range(32)), BS, keyed_from=0)
+        index.apply_batch(eid, EventBatch(0, 0.0, (salted,)), now=float(n))
+    held = [len(e.keyed) + len(e.blocks) for e in index.endpoints().values()]
+    assert sum(held) == 10 and max(held) - min(held) <= 1
+    index.apply_batch("a", EventBatch(1, 0.0, (stored(0, 1),)), now=5.0)
+    kv = index.endpoint("a")
+    assert kv is not None and kv.keyed == set()  # its salted hashes went before blocks
+    assert index.match(PROMPT, ["a"]) == {"a": 8}
+    salted_c = index.endpoint("c")
+    assert salted_c is not None and len(salted_c.keyed) == 3
+    index.apply_batch("c", EventBatch(1, 0.0, (BlockRemoved(tuple(salted_c.keyed)),)), 6.0)
+    assert salted_c.keyed == set()
+    index.apply_batch("a", EventBatch(2, 0.0, (stored(2, 2),)), now=7.0)
+    assert index.match(PROMPT, ["a"]) == {"a": 12}  # the removal made room: nothing taken
 
 
 def test_a_block_cached_twice_stays_until_both_copies_are_evicted() -> None:

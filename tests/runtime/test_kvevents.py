@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from llmgw.config import Config, KvEventsSpec, load_dict
-from llmgw.kvevents import BlockStored, encode_events
+from llmgw.kvevents import BlockStored, EventBatch, encode_events
 from llmgw.kvindex import KvState
 from llmgw.registry import Registry
 from llmgw.runtime.kvevents import KvEventSubscriber, source_from_engine, source_from_spec
@@ -258,6 +258,48 @@ async def test_a_reload_that_drops_kv_events_stops_following_and_forgets(fleet: 
         assert index.state(eid) is KvState.UNKNOWN and index.size(eid) == 0
     finally:
         await router.stop()
+
+
+async def test_a_reload_to_another_kv_events_source_makes_the_endpoint_unknown() -> None:
+    """A reload pointing an endpoint's `kv_events` at another source (a topic, a port,
+    discover) restarted its subscriber but left the endpoint live on the old stream's
+    blocks, frozen, for as long as the new source said nothing (found by a review
+    helper)."""
+    import zmq.asyncio  # noqa: PLC0415  (the extra; imported at the top it is not optional)
+
+    from llmgw.runtime.kvevents import KvEventSubscribers  # noqa: PLC0415
+    from llmgw.types import Endpoint  # noqa: PLC0415
+
+    pub = zmq.asyncio.Context.instance().socket(zmq.PUB)  # a source that never publishes
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    eid = "127.0.0.1:8000"
+
+    def config(topic: str, resync: float) -> Config:
+        kv_events = {"endpoint": f"tcp://{{host}}:{port}", "topic": topic, "resync": resync}
+        return load_dict({"models": {"m": {"endpoints": [eid], "kv_events": kv_events}}})
+
+    registry = Registry()
+    registry.set_endpoints("m", [Endpoint(eid, "m")])
+    index = registry.kv_index
+    subscribers = KvEventSubscribers(config("kv", 10.0), registry)
+    subscribers.sync()
+    try:
+        batch = EventBatch(0, 0.0, (BlockStored((b"h0",), None, (1, 2, 3, 4), 4),))
+        index.apply_batch(eid, batch, now=registry.clock())
+        first = subscribers.subscribers[eid]
+        subscribers.config = config("kv", 0.0)  # the resync time only: the same stream
+        subscribers.sync()
+        assert subscribers.subscribers[eid] is first and first.spec.resync == 0.0
+        assert index.state(eid) is KvState.LIVE and index.size(eid) == 1
+        subscribers.config = config("renamed", 0.0)
+        subscribers.sync()
+        assert subscribers.subscribers[eid] is not first
+        assert index.state(eid) is KvState.UNKNOWN and index.size(eid) == 0
+        assert index.endpoint(eid).reason == "kv_events source changed"  # type: ignore[union-attr]
+    finally:
+        await subscribers.stop()
+        pub.close()
 
 
 class Relay:
