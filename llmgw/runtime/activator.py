@@ -135,9 +135,13 @@ class Activator:
         machine = self.machines[model]
         if machine.running and self.registry.states(model):
             return
+        self._request(model)
+        if machine.failed:
+            # In its backoff: said so before the waiter cap, which still counts a failed
+            # start's waiters until they run again (this request got 429 then).
+            raise machine.not_ready_error(self.clock())
         machine.begin_wait(self.clock())
         try:
-            self._request(model)
             deadline = self.clock() + self.config.activation_timeout
             poll = self.config.activation_poll_interval
             while not (machine.running and self.registry.states(model)):

@@ -358,3 +358,39 @@ async def test_a_slow_idle_stop_does_not_hold_the_other_models() -> None:
     finally:
         cp.drained.set()
         await router.stop()
+
+
+async def test_a_request_right_after_a_failed_start_is_told_start_failed_not_429() -> None:
+    """The failed start's woken waiters stay counted until they run again (one loop turn):
+    a request in that turn, with the waiter cap full, got 429 "requests already wait for
+    model to load" with the failed start's load estimate, not 503 `model_start_failed`
+    with the backoff (found by a review helper)."""
+    config = load_dict(
+        {
+            "activation_timeout": 30,
+            "models": {
+                "lazy": {
+                    "launch": {"command": "true", "expected_start_seconds": 30},
+                    "scaling": {"min": 0, "max": 1, "max_waiting_requests": 2},
+                }
+            },
+        }
+    )
+    plane = FakeControlPlane()
+    router = Router(config, control_plane=plane, scrape=False)
+    activator = router.activator
+    assert activator is not None
+    waiters = [asyncio.create_task(activator.ensure_ready("lazy")) for _ in range(2)]
+    async with asyncio.timeout(5):
+        while activator.machines["lazy"].waiters < 2:
+            await asyncio.sleep(0)  # a loop turn: the waiters start waiting
+    plane.fail_with = "CUDA out of memory"
+    plane.release.set()
+    await asyncio.sleep(0)  # the start fails and wakes its waiters, which have not run yet
+    assert activator.machines["lazy"].failed
+    try:
+        with pytest.raises(ModelFailed):
+            await activator.ensure_ready("lazy")
+    finally:
+        await asyncio.gather(*waiters, return_exceptions=True)
+        await activator.stop()
