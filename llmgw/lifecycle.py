@@ -196,11 +196,18 @@ class Lifecycle:
         return error
 
     def _dispatch(self, decision: Decision) -> None:
-        if not self.done:
+        superseded = self.lease
+        if superseded is not None and not superseded.done:
             # Routed twice (ext_proc: a body routed without headers, then headers that
             # Envoy never sends after it): the first lease ends here, or its endpoint
-            # would count it in flight for ever.
-            self.finish(Outcome.CANCELLED)
+            # would count it in flight for ever. One request still: its end (metrics, the
+            # trace) is reported once, at `finish`.
+            self._release(superseded, Outcome.CANCELLED, end=True)
+            if self._in_use:
+                self._in_use = False
+                activation = self.gateway.activation
+                if activation is not None:
+                    activation.use_end(superseded.model)
         self.decision = decision
         self.endpoint = decision.endpoint
         request = self.request

@@ -26,8 +26,10 @@ from hypothesis import strategies as st
 from llmgw.extproc.server import ExtProcServer
 from llmgw.extproc.translate import Exchange, response_head
 from llmgw.gateway import Gateway
+from llmgw.lifecycle import Hooks
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.testing.extproc import chat_headers, make_config, request_headers, response_headers
+from llmgw.types import Outcome
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -117,6 +119,28 @@ def test_headers_after_a_body_routed_without_them_leave_nothing_in_flight() -> N
         ProcessingRequest(request_body=HttpBody(end_of_stream=True)),
     ]
     run_exchange(Scheduler(CONFIG, seed=1), sequence)
+
+
+def test_a_request_routed_twice_is_reported_ended_once() -> None:
+    # Ending the first lease with the request's own `finish` fired the metrics and trace
+    # hooks: one stream counted as two requests, the first `cancelled` (found by a review
+    # helper).
+    ended: list[Outcome] = []
+    finished: list[Outcome] = []
+    hooks = Hooks(
+        edge="extproc",
+        ended=lambda _m, o: ended.append(o),
+        finished=lambda _l, o: finished.append(o),
+    )
+    scheduler = Scheduler(CONFIG, seed=1)
+    exchange = Exchange(Gateway(scheduler), hooks)
+    body = b'{"model":"m1","messages":[{"role":"user","content":"hi"}]}'
+    exchange.handle(ProcessingRequest(request_body=HttpBody(body=body)))
+    exchange.handle(ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=[]))))
+    exchange.handle(ProcessingRequest(request_body=HttpBody(end_of_stream=True)))
+    exchange.close()
+    assert sum(s.inflight for s in scheduler.registry.states("m1")) == 0
+    assert len(ended) == 1 and len(finished) == 1, (ended, finished)
 
 
 VALID_STREAM = [
