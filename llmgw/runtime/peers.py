@@ -28,8 +28,9 @@ zeros. The sums over peers land on each endpoint's state (`remote_inflight`,
 
 Wire format, big-endian (hand-written with `struct`: a datagram is a header and flat
 records; a schema library would add a dependency for ~20 lines):
-    header: magic (4 bytes), sender id (8 bytes, random per process), sequence number
-            (u64, per sender, one per datagram), record count (u16)
+    header: magic (4 bytes), sender id (8 bytes per process: its start time in ms in 6,
+            then 2 random), sequence number (u64, per sender, one per datagram), record
+            count (u16)
     b"LGP2", prefix-index inserts; record: model length (u16), endpoint length (u16), key
             length (u16), block size in characters (u32), hash count (u16), then model,
             endpoint, key (UTF-8) and the hashes (i64 each)
@@ -48,6 +49,7 @@ import math
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -418,7 +420,10 @@ class Peers(asyncio.DatagramProtocol):
                 "empty (every replica needs the same secret)"
             )
         self._key = key if key is not None else secret.encode() if secret else None
-        self.sender = os.urandom(8)
+        # Its start time first (ms, big-endian), then random: of two ids heard from one
+        # address, the lower is the older process (a late datagram of a replica that has
+        # restarted since), however the wire reordered them.
+        self.sender = (time.time_ns() // 1_000_000).to_bytes(6, "big") + os.urandom(2)
         self._seq = itertools.count(1)  # this replica's datagram numbers
         # Per peer sender id, the highest sequence number heard (bounded like the sources).
         self._heard: dict[bytes, int] = {}
@@ -444,6 +449,8 @@ class Peers(asyncio.DatagramProtocol):
         # late (reordered) datagrams are dropped rather than undo that (`stale_sender`).
         self._sender_at: dict[tuple[str, int], bytes] = {}
         self._retired: dict[tuple[str, int], list[bytes]] = {}
+        # When each address's current sender id was last heard.
+        self._current_at: dict[tuple[str, int], float] = {}
         self._keeper: asyncio.Task[None] | None = None
         self._flush_scheduled = False
         self._applying = False
@@ -699,12 +706,21 @@ class Peers(asyncio.DatagramProtocol):
         if source not in self._targets:  # a peer this one does not send to yet
             self._wake_resolver()
         scheduler = self._scheduler()
+        now = scheduler.registry.clock()
         before = self._sender_at.get(source)
         if before != sender:
             retired = self._retired.get(source)
-            if retired is not None and sender in retired:
+            was = retired is not None and sender in retired
+            # An id older than the one that replaced it or than the current one (started
+            # before it: a restart's datagrams reordered, the old process's last one after
+            # the new one's first) is stale, unless the current one has gone quiet past the
+            # load TTL while this one talks (a clock that stepped back at the restart).
+            quiet = now - self._current_at.get(source, now) > LOAD_TTL
+            if (was or (before is not None and sender < before)) and not quiet:
                 self.stats.drop("stale_sender")
                 return
+            if retired is not None and was:
+                retired.remove(sender)
             if before is not None:
                 self.remote.forget(scheduler.registry, before)
                 retired = self._retired.setdefault(source, [])
@@ -713,17 +729,17 @@ class Peers(asyncio.DatagramProtocol):
             elif len(self._sender_at) >= _MAX_SOURCES:  # bounded; only peers' ips get here
                 self._sender_at.clear()
                 self._retired.clear()
+                self._current_at.clear()
             self._sender_at[source] = sender
+        self._current_at[source] = now
         if loads:
             registry = scheduler.registry
-            now = registry.clock()
             for load in loads:
                 if self.remote.update(registry, sender, load, now):
                     self.stats.load_received += 1
                 else:
                     self.stats.drop("unknown_endpoint")
             return
-        now = scheduler.registry.clock()
         self._applying = True
         try:
             for record in records:

@@ -730,6 +730,41 @@ async def test_a_peer_that_restarts_under_a_new_id_is_not_counted_twice(
         assert _state(b, y).remote_inflight == 3
 
 
+async def test_a_late_datagram_of_an_id_never_heard_does_not_cut_off_the_newer_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica restarted; its new self was heard first, then a late datagram of its old
+    self that this replica had never heard (its first to here, overtaken on the wire). That
+    one was taken for a restart: the live id retired, everything it sent dropped as
+    `stale_sender` for as long as it lived. The ids begin with their start time: the older
+    one is dropped. And should the newer go quiet past the load TTL while the other talks
+    (a clock stepped back at a restart), the talking one is taken (found by a review
+    helper)."""
+    monkeypatch.setattr(peers_module, "LOAD_REFRESH", 60.0)  # no refresh in between
+    async with _pair() as (a, b, arrived):
+        assert a.peers is not None and a.peers._transport is not None
+        assert b.peers is not None
+        x, y = ENDPOINTS[1], ENDPOINTS[2]
+        old, new = b"\x00" * 8, b"\xff" * 8  # started before A, and last
+
+        async def send(sender: bytes, endpoint: str, n: int, seq: int) -> None:
+            assert a.peers is not None and a.peers._transport is not None
+            assert b.peers is not None
+            handled = _handled(b)
+            load = encode_load(sender, [("m", endpoint, n, 0.0)], seq=itertools.count(seq))[0]
+            a.peers._transport.sendto(load, ("127.0.0.1", b.peers.port))
+            await arrived(b, handled + 1)
+
+        await send(new, y, 1, 1)
+        await send(old, x, 7, 1)  # the late one
+        assert b.peers.stats.dropped.get("stale_sender") == 1
+        await send(new, y, 1, 2)  # the live one is still heard
+        assert (_state(b, x).remote_inflight, _state(b, y).remote_inflight) == (0, 1)
+        monkeypatch.setattr(peers_module, "LOAD_TTL", 0.0)  # `new` is quiet past the TTL
+        await send(old, x, 7, 2)
+        assert (_state(b, x).remote_inflight, _state(b, y).remote_inflight) == (7, 0)
+
+
 async def test_load_that_changed_while_no_peer_was_known_is_told_right_when_one_is(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
