@@ -9,9 +9,10 @@ The protocol (Gateway API Inference Extension endpoint picker, v1.0.0):
 1. `request_headers`: if the body is not needed to route (`llmgw.request.needs_body`; on
    a path llmgw does not know, a POST's body whenever no header names the model, as GIE's
    reference picker reads every path's), decide now. Else, by the body mode the gateway
-   configured (`protocol_config`, sent in the first message): FULL_DUPLEX_STREAMED (GIE's reference mode) holds the headers
-   answer and collects the body chunks; BUFFERED waits for the whole body; NONE (llmgw's
-   own config) asks for a BUFFERED body with `mode_override` (`allow_mode_override`).
+   configured (`protocol_config`, sent in the first message): FULL_DUPLEX_STREAMED (GIE's
+   reference mode) holds the headers answer and collects the body chunks; BUFFERED waits
+   for the whole body; NONE (llmgw's own config) asks for a BUFFERED body with
+   `mode_override` (`allow_mode_override`).
    A gateway that sends no `:path` is not Envoy (NGINX Gateway Fabric's shim: the
    client's headers, then the whole body, and the endpoint is read from the headers
    answer only): its body is always read and the headers answer held, as in

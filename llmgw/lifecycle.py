@@ -203,11 +203,7 @@ class Lifecycle:
             # would count it in flight for ever. One request still: its end (metrics, the
             # trace) is reported once, at `finish`.
             self._release(superseded, Outcome.CANCELLED, end=True)
-            if self._in_use:
-                self._in_use = False
-                activation = self.gateway.activation
-                if activation is not None:
-                    activation.use_end(superseded.model)
+            self._end_use(superseded.model)
         self.decision = decision
         self.endpoint = decision.endpoint
         request = self.request
@@ -375,15 +371,19 @@ class Lifecycle:
             status = self._status
             outcome = Outcome.CANCELLED if status is None else outcome_for_status(status)
         self._release(lease, outcome if charge is None else charge, end=True)
-        if self._in_use:
-            self._in_use = False
-            activation = self.gateway.activation
-            if activation is not None:
-                activation.use_end(lease.model)
+        self._end_use(lease.model)
         if self.hooks.ended is not None:
             self.hooks.ended(lease.model, outcome)
         if self.hooks.finished is not None:
             self.hooks.finished(self, outcome)
+
+    def _end_use(self, model: str) -> None:
+        """The on-demand model's use that `_dispatch` began is over (once)."""
+        if self._in_use:
+            self._in_use = False
+            activation = self.gateway.activation
+            if activation is not None:
+                activation.use_end(model)
 
     @property
     def status(self) -> int | None:

@@ -425,7 +425,7 @@ class Registry:
         # Owed only to an engine that counts first tokens: else nothing ever settles it.
         counts = state.metrics is not None and state.metrics.ttft_count is not None
         _prefill_over(state, prefill, prefill_tokens, owed=counted and counts)
-        self.prefill_withdrawn(model, endpoint_id, ready_at)
+        _withdraw(state, ready_at, self.clock())
         if self.on_load is not None:
             self.on_load(model, state)
 
@@ -433,9 +433,8 @@ class Registry:
         """A request predicted to finish its prefill at `ready_at` failed there before it
         ran (a fallback takes it): the time-drained queue estimate loses its share."""
         state = self._live_or_draining(model, endpoint_id)
-        now = self.clock()
-        if state is not None and ready_at > now:
-            state.busy_until = max(now, state.busy_until - (ready_at - now))
+        if state is not None:
+            _withdraw(state, ready_at, self.clock())
 
     def saw_token(self, model: str, endpoint_id: str) -> None:
         """A token of a stream from this endpoint reached the edge: a step ended now."""
@@ -581,6 +580,13 @@ def _drop_ended(queue: deque[PendingPrefill]) -> None:
     it: the queue stays bounded by the requests in flight and one scrape's first tokens."""
     while queue and not queue[0].open and (not queue[0].owed or len(queue) > _MAX_OWED):
         queue.popleft()
+
+
+def _withdraw(state: EndpointState, ready_at: float, now: float) -> None:
+    """The time-drained queue estimate (`busy_until`) loses what is left of a prefill
+    predicted to end at `ready_at`: it ended, or will never run there."""
+    if ready_at > now:
+        state.busy_until = max(now, state.busy_until - (ready_at - now))
 
 
 def _prefill_over(
