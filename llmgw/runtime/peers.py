@@ -447,10 +447,9 @@ class Peers(asyncio.DatagramProtocol):
         # restarted (a crash says no goodbye), so its old self's load is dropped at once,
         # not counted beside the new one's until the ttl; and the ids it had before, whose
         # late (reordered) datagrams are dropped rather than undo that (`stale_sender`).
-        self._sender_at: dict[tuple[str, int], bytes] = {}
+        # With the id, when it was last heard (registry clock).
+        self._sender_at: dict[tuple[str, int], tuple[bytes, float]] = {}
         self._retired: dict[tuple[str, int], list[bytes]] = {}
-        # When each address's current sender id was last heard.
-        self._current_at: dict[tuple[str, int], float] = {}
         self._keeper: asyncio.Task[None] | None = None
         self._flush_scheduled = False
         self._applying = False
@@ -707,19 +706,19 @@ class Peers(asyncio.DatagramProtocol):
             self._wake_resolver()
         scheduler = self._scheduler()
         now = scheduler.registry.clock()
-        before = self._sender_at.get(source)
+        before, heard_at = self._sender_at.get(source, (None, now))
         if before != sender:
-            retired = self._retired.get(source)
-            was = retired is not None and sender in retired
+            retired = self._retired.get(source, [])
+            was = sender in retired
             # An id older than the one that replaced it or than the current one (started
             # before it: a restart's datagrams reordered, the old process's last one after
             # the new one's first) is stale, unless the current one has gone quiet past the
             # load TTL while this one talks (a clock that stepped back at the restart).
-            quiet = now - self._current_at.get(source, now) > LOAD_TTL
-            if (was or (before is not None and sender < before)) and not quiet:
+            stale = was or (before is not None and sender < before)
+            if stale and now - heard_at <= LOAD_TTL:
                 self.stats.drop("stale_sender")
                 return
-            if retired is not None and was:
+            if was:
                 retired.remove(sender)
             if before is not None:
                 self.remote.forget(scheduler.registry, before)
@@ -729,9 +728,7 @@ class Peers(asyncio.DatagramProtocol):
             elif len(self._sender_at) >= _MAX_SOURCES:  # bounded; only peers' ips get here
                 self._sender_at.clear()
                 self._retired.clear()
-                self._current_at.clear()
-            self._sender_at[source] = sender
-        self._current_at[source] = now
+        self._sender_at[source] = (sender, now)
         if loads:
             registry = scheduler.registry
             for load in loads:
