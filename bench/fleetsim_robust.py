@@ -73,14 +73,21 @@ from bench.routing import (  # noqa: E402
     pressure_level,
 )
 from bench.workloads import Workload  # noqa: E402
-from bench.workloads.grid import EXTRA_REGIMES, REGIMES, EngineSpeed, regime_workload  # noqa: E402
+from bench.workloads.grid import (  # noqa: E402
+    EXTRA_REGIMES,
+    OVER_REGIMES,
+    REGIMES,
+    EngineSpeed,
+    regime_workload,
+)
 from llmgw.config import ScrapeSpec  # noqa: E402
 from llmgw.sim.model import EngineConfig  # noqa: E402
 
 RESULTS = HERE / "results"
 CELLS = ("chat-history", "chat-history-heavy", "hot-zipf", "hot-zipf-pressure", "docs-shared",
          "prefill-heavy", "decode-heavy")  # fmt: skip
-ALL_REGIMES = {**REGIMES, **EXTRA_REGIMES}  # the grid's, then short chat without sessions
+# The grid's, then short chat without sessions, then sustained overload.
+ALL_REGIMES = {**REGIMES, **EXTRA_REGIMES, **OVER_REGIMES}
 CONTENDERS = (
     "llmgw:latency",
     "llmgw:latency@envoy",

@@ -340,11 +340,26 @@ EXTRA_REGIMES: dict[str, Regime] = {
         Regime("system-shared-pressure", 0.85, "short", "none", 2.5, zipf_s=0.8),
     )
 }
+# Sustained overload, also outside the real grid: more than the fleet can serve, so every
+# queue grows for the whole window and a pick decides how long a request waits in it.
+# Run them 4x longer than the grid's window (`bench/fleetsim_robust.py --variants base
+# --cells chat-history-over,... --window 4`): a queue that grows needs time to tell routers apart.
+OVER_REGIMES: dict[str, Regime] = {
+    r.name: r
+    for r in (
+        Regime("chat-history-over", 1.15, "history", "cold", 0.4),
+        Regime("chat-over", 1.2, "short", "cold", 0.4),
+        Regime("hot-over", 1.2, "short", "hot", 0.4, zipf_s=1.2),
+        Regime("docs-over", 1.1, "long-doc", "none", 0.4, zipf_s=0.8),
+        Regime("decode-over", 1.15, "decode-heavy", "cold", 0.4, window_s=8.0),
+    )
+}
 
 
 __all__ = [
     "EXTRA_REGIMES",
     "MIXES",
+    "OVER_REGIMES",
     "QUICK_REGIMES",
     "REGIMES",
     "SESSION_KINDS",

@@ -163,6 +163,7 @@ from bench.loadclient import ring_picker, round_robin_picker  # noqa: E402
 from bench.workloads.grid import (  # noqa: E402
     EXTRA_REGIMES,
     MIXES,
+    OVER_REGIMES,
     REGIMES,
     SESSION_KINDS,
     EngineSpeed,
@@ -212,6 +213,17 @@ def test_extra_regimes_are_short_chat_sharing_system_prompts_without_sessions() 
         systems = Counter(c.system for c in wl.conversations)  # Zipf over the contexts
         assert len(systems) < len(wl.conversations)
         assert systems.most_common(1)[0][1] >= 0.04 * len(wl.conversations)  # 13-39 of 230-340
+
+
+def test_over_regimes_offer_more_than_the_fleet_serves() -> None:
+    """The overload cells offer 1.1-1.2x the capacity the grid's own cells are sized by,
+    one per mix but prefill-heavy, under their own names."""
+    assert not set(OVER_REGIMES) & (set(REGIMES) | set(EXTRA_REGIMES))
+    for regime in OVER_REGIMES.values():
+        params = regime_workload(regime, SPEED, seed=1).params
+        offered, capacity = float(params["offered_req_s"]), float(params["capacity_req_s"])
+        assert offered > 1.05 * capacity, regime.name
+    assert {r.mix for r in OVER_REGIMES.values()} == set(MIXES) - {"prefill-heavy"}
 
 
 @pytest.mark.parametrize(
