@@ -5,6 +5,7 @@
     .venv/bin/python bench/crosscheck.py --metrics minimal     # engines publish gauges only
     .venv/bin/python bench/crosscheck.py --metrics none        # engines publish nothing
     .venv/bin/python bench/crosscheck.py --cache-info          # engines say their KV size
+    .venv/bin/python bench/crosscheck.py --role-chunk at-once  # a role-only chunk at once
     .venv/bin/python bench/crosscheck.py --replicas 8          # 8 replicas, rates x 2
     .venv/bin/python bench/crosscheck.py --seeds 1,2,3 --workloads chat-moderate  # pooled
 
@@ -114,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--metrics", choices=("full", "minimal", "none"), default="full")
     parser.add_argument("--cache-info", action="store_true")
+    parser.add_argument(
+        "--role-chunk",
+        choices=("with-token", "at-once"),
+        default="with-token",
+        help="engines send the chat stream's role chunk with the first token (vLLM) or at once",
+    )
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--out", default="crosscheck")
     add_install_option(parser)
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     text = (
         f"# {command.strip()}\n# engines: bench/xsim, {args.replicas} replicas, rates x {scale:g} "
         f"(metrics {args.metrics}, cache info "
-        f"{args.cache_info}); TTFT p90 ms (x the best in the column; * its 95% interval wholly "
+        f"{args.cache_info}, role chunk {args.role_chunk}); TTFT p90 ms (x the best in the column; * its 95% interval wholly "
         f"above the best's, and with seeds pooled slower than it in every seed; fail: the p90 "
         f"fell on a failed request; -: not run); "
         f"{time.monotonic() - started:.0f} s\n" + "\n\n".join(texts)
@@ -199,7 +206,8 @@ def _run_seed(
             if (SPECS[n].fleet, SPECS[n].engine_args()) == (fleet_name, engine_args)
         ]
         kv = FLEET_KV_BLOCKS[fleet_name]
-        fleet = Fleet(args.replicas, kv, args.metrics, args.cache_info, engine_args)
+        role = ("--role-chunk", args.role_chunk) if args.role_chunk != "with-token" else ()
+        fleet = Fleet(args.replicas, kv, args.metrics, args.cache_info, (*engine_args, *role))
         try:
             with tempfile.TemporaryDirectory(prefix="crosscheck-") as scratch:
                 for contender in contenders:

@@ -24,6 +24,8 @@ be an artefact of either:
   Capacity `--kv-blocks`; the engine says it only with `--cache-info`.
 - **HTTP**: headers at once (like vLLM), then the first SSE chunk (role and first token
   together) at the end of the step that finishes the prefill, one chunk per token.
+  `--role-chunk at-once` sends a role-only chunk (`content: ""`) with the headers instead,
+  as some OpenAI-compatible servers and simulators do: the first chunk is then no token.
 - **Metrics**: vLLM v1 names; histograms for TTFT, e2e, queue and prefill time and
   inter-token latency, no per-request computed-token or inference-time histograms;
   `--metrics minimal` publishes only running, waiting and KV usage, `--metrics none`
@@ -157,6 +159,7 @@ class EngineParams:
     decode_s_per_seq: float = 0.0009
     metrics: str = "full"
     cache_info: bool = False
+    role_at_once: bool = False  # a role-only chunk with the headers (`--role-chunk at-once`)
     # Degraded (`--degrade`): every step takes `slow_factor` x as long from `slow_from` to
     # `slow_until` seconds after the last reset (a throttled GPU, a noisy neighbour).
     slow_factor: float = 1.0
@@ -448,11 +451,15 @@ def make_app(engine: Engine, model: str, index: int) -> web.Application:
         )
         try:
             await response.prepare(request)  # headers now, before any token (like vLLM)
+            role_at_once = engine.p.role_at_once
+            if role_at_once:
+                await response.write(_chunk(rid, model, "", True, None))
             while (n := await r.out.get()) is not None:
                 if n == CUT:
                     return response
                 finish = "length" if n >= max_tokens else None
-                await response.write(_chunk(rid, model, " tok", n == 1, finish))
+                role = n == 1 and not role_at_once
+                await response.write(_chunk(rid, model, " tok", role, finish))
         except ConnectionResetError:  # a write to a closed connection: the client has gone
             return response
         finally:
@@ -615,6 +622,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics", choices=("full", "minimal", "none"), default="full")
     parser.add_argument("--cache-info", action="store_true")
     parser.add_argument(
+        "--role-chunk",
+        choices=("with-token", "at-once"),
+        default="with-token",
+        help="the chat stream's role chunk: with the first token (vLLM), or alone at once",
+    )
+    parser.add_argument(
         "--degrade",
         help="REPLICA:FROM:UNTIL:FACTOR[,...]: that replica's steps x FACTOR in the window",
     )
@@ -629,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batched_tokens=args.max_batched_tokens,
         metrics=args.metrics,
         cache_info=args.cache_info,
+        role_at_once=args.role_chunk == "at-once",
     )
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import statistics
 import sys
@@ -112,6 +113,19 @@ async def test_streams_like_vllm_and_a_repeated_prompt_hits_the_cache(
         assert _metric(text, "vllm:prefix_cache_hits_total") >= 96
         assert _metric(text, "vllm:request_success_total") == 2
         assert "vllm:cache_config_info" not in text  # only with --cache-info
+
+
+async def test_role_chunk_at_once_comes_alone_before_the_first_token() -> None:
+    # `--role-chunk at-once`: as some OpenAI-compatible servers do, a role-only chunk with
+    # the headers, before the prefill; the tokens follow without a role.
+    async for url, _ in _serve(EngineParams(kv_blocks=64, role_at_once=True)):
+        async with aiohttp.ClientSession() as http:
+            events = await _stream(http, url, "alpha beta gamma " * 20, 3)
+        assert len(events) == 1 + 1 + 3 + 1
+        role = json.loads(events[1])["choices"][0]["delta"]
+        assert role == {"role": "assistant", "content": ""}
+        tokens = [json.loads(e)["choices"][0]["delta"] for e in events[2:-1]]
+        assert tokens == [{"content": " tok"}] * 3
 
 
 async def test_max_completion_tokens_wins_over_max_tokens_as_in_vllm(
