@@ -254,12 +254,10 @@ class Forwarder:
         watch.sending()
         await send(start)
         watch.sending_since = None
-        first = True
+        # Each chunk reaches `dispatch.body_chunk` through the middleware's send: the first
+        # token is the first chunk that holds one (a role chunk sent ahead of it does not).
         while True:
             data = await response.next_chunk()
-            if first:
-                first = False
-                dispatch.first_byte()
             done = response.complete and not response.has_buffered
             if not data or done:
                 response.release()

@@ -17,6 +17,7 @@ the stage timings. The edges only translate their protocol to and from it.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
@@ -46,6 +47,28 @@ INTERNAL_HEADERS = frozenset({DESTINATION_HEADER, DECISION_HEADER, UPSTREAM_HEAD
 # Paths whose answer is generated token by token: without `"stream": true` in the body
 # the whole answer comes at once. (An embedding's first byte does follow its prefill.)
 GENERATING_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
+# A chunk of a streamed answer that carries a generated token (or the end): text, a
+# reasoning or tool-call delta, a finish reason. JSON with or without spaces.
+_TOKEN = re.compile(
+    rb'"(?:content|text|reasoning_content|reasoning|delta|arguments)"\s*:\s*"[^"]'
+    rb'|"tool_calls"\s*:\s*\[\s*\{|"finish_reason"\s*:\s*"|\[DONE\]'
+)
+# What an event stream sends before its first token: a chat role (`"delta": {"role":
+# "assistant", "content": ""}`), the Responses API's `response.created` and
+# `response.in_progress` (vLLM 0.32 sends both with the headers, before the prefill).
+_NO_TOKEN_YET = re.compile(rb'"role"\s*:|"type"\s*:\s*"response\.')
+
+
+def _holds_no_token(data: bytes) -> bool:
+    """An event stream's chunk sent before its first token: empty, SSE comments only (`:
+    keep-alive`), or events that announce an answer without any of it (`_NO_TOKEN_YET`).
+    Some OpenAI-compatible servers send a chat role chunk with the headers, before the
+    prefill (vLLM sends it with the first token): timed there, a prefill took no time."""
+    if _NO_TOKEN_YET.search(data) is not None:
+        return _TOKEN.search(data) is None
+    return all(not line or line.startswith(b":") for line in data.strip().splitlines())
 
 
 def _unstreamed(request: RequestInfo, streamed: bool | None = None) -> bool:
@@ -262,14 +285,23 @@ class Lifecycle:
 
     def body_chunk(self, data: bytes) -> None:
         """A response body chunk reached the edge (call it for each one, empty or not). The
-        first is the first byte (`first_byte`); in a streamed generation every later one
-        with data marks the end of an engine step there (`Lease.token`), which the latency
-        scorer reads as the step's phase. The proxy and Envoy with response bodies streamed
-        see every chunk."""
+        first is the first byte (`first_byte`), but in a good event stream the first that
+        holds a token (`_holds_no_token`: not a role alone, nor a comment); in a streamed
+        generation every later one with data marks the end of an engine step there
+        (`Lease.token`), which the latency scorer reads as the step's phase. The proxy and
+        Envoy with response bodies streamed see every chunk."""
         lease = self.lease
         if lease is None:
             return
         if not lease.first_token_seen:
+            status = self._status
+            if (
+                self._streamed
+                and status is not None
+                and 200 <= status < 300
+                and _holds_no_token(data)
+            ):
+                return
             self.first_byte()
         elif data and lease.streaming and not lease.done:
             lease.token()

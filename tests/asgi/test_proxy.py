@@ -212,6 +212,51 @@ async def test_first_upstream_chunk_marks_the_first_token_once() -> None:
     assert marks == [upstream.address]
 
 
+async def test_a_role_chunk_ahead_of_the_first_token_is_no_first_token() -> None:
+    """An engine that sends the chat role chunk with its headers, before the prefill (some
+    OpenAI-compatible servers do; vLLM sends it with the first token): the first token
+    is the chunk after it."""
+    release = asyncio.Event()
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+
+    async def script(
+        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(SSE_HEAD + chunk(role))
+        await writer.drain()
+        await asyncio.wait_for(release.wait(), DEADLINE)
+        writer.write(chunk(token) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    upstream = await ScriptedUpstream(script).start()
+    app = proxy_for(make_config([upstream.address]))
+    marks: list[str] = []
+    acquire = app.router.scheduler.acquire
+
+    def acquire_with_hook(*args: Any, **kwargs: Any) -> Lease:
+        lease = acquire(*args, **kwargs)
+        lease.on_first_token = lambda: marks.append(lease.endpoint_id)
+        return lease
+
+    app.router.scheduler.acquire = acquire_with_hook  # type: ignore[method-assign]
+    streamed = orjson.dumps({**orjson.loads(BODY), "stream": True})
+    try:
+        async with (
+            serve(app) as base,
+            httpx.AsyncClient(base_url=base) as client,
+            client.stream("POST", CHAT, content=streamed) as reply,
+        ):
+            pieces = reply.aiter_raw()
+            assert await asyncio.wait_for(anext(pieces), DEADLINE) == role
+            assert marks == []  # the role reached the client; no token has
+            release.set()
+            assert b"".join([p async for p in pieces]) == token + b"data: [DONE]\n\n"
+    finally:
+        await upstream.stop()
+    assert marks == [upstream.address]
+
+
 async def test_each_streamed_chunk_marks_a_step_end_on_its_endpoint() -> None:
     """Every chunk of a token stream on its way to the client marks the end of an engine
     step there (the latency scorer's step phase), not only the first."""

@@ -341,6 +341,74 @@ def test_an_unstreamed_answers_first_byte_is_its_end_not_a_first_token() -> None
     assert state.calibration.observed.n == 1
 
 
+VLLM_ROLE = b'data: {"id":"c1","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+SPACED_TOKEN = b'data: {"id": "c1", "choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": null}]}\n\n'
+RESPONSES_START = (
+    b'event: response.created\ndata: {"type":"response.created","response":{"status":'
+    b'"in_progress","output":[],"instructions":"be brief","text":{"format":{"type":"text"}}}}'
+    b'\n\nevent: response.in_progress\ndata: {"type":"response.in_progress","response":{}}\n\n'
+)
+RESPONSES_DELTA = (
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+    b'"delta":"Hi","item_id":"m1","output_index":0,"content_index":0}\n\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "ahead", "token"),
+    [
+        (CHAT, [VLLM_ROLE], SPACED_TOKEN),  # a role chunk sent with the headers
+        (CHAT, [b": keep-alive\n\n", b""], VLLM_ROLE + SPACED_TOKEN),  # vLLM: role + token
+        ("/v1/responses", [RESPONSES_START], RESPONSES_DELTA),  # vLLM 0.32's Responses API
+    ],
+)
+def test_the_first_token_is_the_first_chunk_that_holds_one(
+    path: str, ahead: list[bytes], token: bytes
+) -> None:
+    """Chunks an event stream sends before its first token (a chat role alone, comments,
+    the Responses API's `response.created`) are no first token: timed there, a prefill
+    behind a queue read as taking no time, and its pending work left the queue estimate."""
+    clock, registry, gw, hooks, seen = timed_gateway()
+    body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "'
+    lifecycle = Lifecycle(gw, hooks)
+    decision = lifecycle.route({}, path, body + b"x" * 4000 + b'"}], "input": "x"}')
+    assert isinstance(decision, Decision)
+    state = registry.get("chat", decision.endpoint.id)
+    assert state is not None and state.pending_prefill > 0
+    lifecycle.response(200, content_type="text/event-stream; charset=utf-8")
+    clock.advance(0.01)
+    for chunk in ahead:
+        lifecycle.body_chunk(chunk)
+    assert (seen, state.pending_prefill > 0, state.token_at) == ([], True, float("-inf"))
+    clock.advance(0.3)  # the prefill ends
+    lifecycle.body_chunk(token)
+    assert seen == [pytest.approx(0.31)] and state.pending_prefill == 0.0
+    lifecycle.body_chunk(SPACED_TOKEN)  # a later token: the step in progress ended now
+    assert state.token_at == clock()
+    lifecycle.finish(Outcome.SUCCESS)
+
+
+@pytest.mark.parametrize(
+    ("status", "content_type"), [(200, "application/json"), (200, None), (500, "text/event-stream")]
+)
+def test_outside_a_good_event_stream_the_first_chunk_is_the_first_byte(
+    status: int, content_type: str | None
+) -> None:
+    """A role in a whole JSON answer, an answer of unknown type or an error is no stream
+    to wait in: the first chunk ends the pending prefill as it did."""
+    clock, registry, gw, hooks, _ = timed_gateway()
+    lifecycle = Lifecycle(gw, hooks)
+    body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+    decision = lifecycle.route({}, CHAT, body)
+    assert isinstance(decision, Decision)
+    state = registry.get("chat", decision.endpoint.id)
+    assert state is not None and state.pending_prefill > 0
+    lifecycle.response(status, content_type=content_type)
+    lifecycle.body_chunk(VLLM_ROLE)
+    assert state.pending_prefill == 0.0
+    lifecycle.finish()
+
+
 def test_an_unstreamed_prefill_leaves_the_queue_before_its_answer_ends() -> None:
     """Where the edge sees first tokens, the pending prefill is the queue. An unstreamed
     request shows no first token, so its prefill once stayed pending until its whole answer
