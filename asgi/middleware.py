@@ -16,9 +16,10 @@ header) it:
 4. hands the Decision to the inner app:
    - `scope["state"]["llmgw_decision"]`: the `Decision` (Starlette: `request.state.llmgw_decision`);
    - `scope["state"]["llmgw_dispatch"]`: the `Lifecycle` (the live lease; an app that
-     forwards and falls back calls `dispatch.fall_back(outcome)`, and may report
-     `dispatch.first_byte()` when the upstream's first body byte arrives; the middleware
-     reports each body chunk it sends on, `dispatch.body_chunk(data)`);
+     forwards and falls back calls `dispatch.fall_back(outcome)`; the middleware
+     reports each body chunk it sends on, `dispatch.body_chunk(data)`, which finds the
+     first token in them: an app that calls `dispatch.first_byte()` itself says the first
+     token came then, a chat role chunk sent ahead of it or not);
    - request headers `x-gateway-destination-endpoint: host:port` (the primary) and
      `x-llmgw-decision: <rationale summary>`; internal headers sent by the client
      (`llmgw.lifecycle.INTERNAL_HEADERS`) are removed;
