@@ -396,7 +396,7 @@ def test_outside_a_good_event_stream_the_first_chunk_is_the_first_byte(
 ) -> None:
     """A role in a whole JSON answer, an answer of unknown type or an error is no stream
     to wait in: the first chunk ends the pending prefill as it did."""
-    clock, registry, gw, hooks, _ = timed_gateway()
+    _, registry, gw, hooks, _ = timed_gateway()
     lifecycle = Lifecycle(gw, hooks)
     body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
     decision = lifecycle.route({}, CHAT, body)
