@@ -24,6 +24,8 @@ _SHARE_DECAY = 0.95
 # Scrapes that must see the engine at its peak running with requests waiting before the
 # peak counts as its batch size (`EndpointState.peak_is_batch`).
 FULL_SCRAPES = 3
+# A rise of the peak running count that needs no second scrape to count (`record_scrape`).
+PEAK_STEP = 16.0
 
 
 class PendingPrefill:
@@ -112,8 +114,8 @@ class EndpointState:
         self.scrape_error: str | None = None
         self.serves_model: bool | None = None  # None: not known yet
         self.breaker = Breaker(breaker)
-        # The most requests the engine was seen running at once (on two scrapes in a row:
-        # `Registry.record_scrape`): its batch size as far as anyone can tell from outside
+        # The most requests the engine was seen running at once (a far higher reading on two
+        # scrapes in a row: `Registry.record_scrape`): its batch size as far as anyone can tell from outside
         # (vLLM does not export max_num_seqs). Beyond it,
         # requests wait for a slot: one frees every `service / slots` seconds.
         self.peak_running = 0.0
@@ -470,13 +472,20 @@ class Registry:
             state.restarts += 1
             state.peak_running, state.full_at_peak, state.peak_is_batch = 0.0, 0, False
             self.restart_epoch += 1
-        # A new peak counts once two scrapes in a row show it (the lower of the two): one
-        # glitched reading (a 16-bit underflow: 65535) was its batch until a restart, and
-        # that engine, never priced a batch-slot wait again, drew every request. A real
-        # rise lands one scrape later; a reading above the peak proves nothing until then.
+        # A new peak up to twice the last (and PEAK_STEP more) counts at once. A higher one
+        # counts once two scrapes in a row show it (the lower of the two): one glitched
+        # reading (a 16-bit underflow: 65535) was its batch until a restart, and that
+        # engine, never priced a batch-slot wait again, drew every request. (Two in a row
+        # for every rise too kept the peak under a batch a busy engine fills only now and
+        # then: it priced slot waits that were not there and moved conversations off their
+        # cache, chat-history TTFT p90 1.11x in `bench/fleetsim_regimes.py`.)
         # (Not paired with the last reading of a process that is gone.)
-        held = 0.0 if prev is None or restarted else min(prev.running, metrics.running)
-        if held > state.peak_running:
+        running, peak = metrics.running, state.peak_running
+        if running <= peak + peak + PEAK_STEP:
+            held = running
+        else:
+            held = 0.0 if prev is None or restarted else min(prev.running, running)
+        if held > peak:
             state.peak_running = held
             state.full_at_peak, state.peak_is_batch = 0, False
         if metrics.waiting >= 1 and metrics.running == state.peak_running:

@@ -86,7 +86,7 @@ def test_a_restarted_engine_is_forgotten_by_the_prefix_index_and_relearns_its_ba
     assert held_elsewhere > 0
     scrape(chosen, 2, running=1)  # counting from 0 again
     assert state.restarts == 1 and registry.restart_epoch == 1
-    assert state.peak_running == 0 and not state.peak_is_batch  # one reading: no peak yet
+    assert state.peak_running == 1 and not state.peak_is_batch  # the new process's, anew
     assert cached_at(chosen, "r2") == 0
     assert latency.index.size(other) >= held_elsewhere  # the other endpoint: untouched
     scrape(chosen, 5)

@@ -7,7 +7,7 @@ import pytest
 from llmgw.breaker import BreakerSettings, BreakerState
 from llmgw.kvevents import BlockStored, EventBatch
 from llmgw.kvindex import KvState
-from llmgw.registry import FULL_SCRAPES, Registry
+from llmgw.registry import FULL_SCRAPES, PEAK_STEP, Registry
 from llmgw.types import Endpoint, EngineMetrics, Outcome
 
 from .helpers import FakeClock
@@ -109,15 +109,17 @@ def test_peak_running_is_the_most_requests_seen_running_at_once() -> None:
     reg = registry(A)
     s = reg.get("m", A)
     assert s is not None and s.peak_running == 0
-    for running in (3, 8, 8, 5):  # (on two scrapes in a row: see the next test)
+    for running in (3, 8, 8, 5):  # (a far higher one on two in a row: the next test)
         reg.record_scrape("m", A, EngineMetrics(waiting=0, running=running, kv_usage=0.1))
     assert s.peak_running == 8
 
 
 def test_a_peak_running_seen_on_one_scrape_only_is_not_the_peak() -> None:
     """One glitched reading (65535: a 16-bit underflow) was the endpoint's peak batch until
-    it restarted, so its batch-slot waits were never priced again; a new peak now counts
-    once two scrapes in a row show it (found by a review helper)."""
+    it restarted, so its batch-slot waits were never priced again (found by a review
+    helper). A peak past twice the last and PEAK_STEP more counts once two scrapes in a
+    row show it; a smaller rise counts at once (two in a row for every rise kept the peak
+    under a batch a busy engine fills only now and then)."""
     reg = registry(A)
     s = reg.get("m", A)
     assert s is not None
@@ -126,8 +128,10 @@ def test_a_peak_running_seen_on_one_scrape_only_is_not_the_peak() -> None:
         reg.record_scrape("m", A, EngineMetrics(waiting=1, running=running, kv_usage=0.1))
         return s.peak_running
 
-    assert [scrape(r) for r in (8, 8, 65535, 8, 8)] == [0, 8, 8, 8, 8]
-    assert [scrape(r) for r in (12, 16, 16)] == [8, 12, 16]  # a real rise: a scrape later
+    assert PEAK_STEP == 16
+    assert [scrape(r) for r in (8, 7, 65535, 8, 8)] == [8, 8, 8, 8, 8]
+    assert [scrape(r) for r in (12, 10, 32)] == [12, 12, 32]  # within 2 x 12 + 16 = 40
+    assert [scrape(r) for r in (200, 180, 500, 90)] == [32, 180, 180, 180]  # past it: 2 in a row
 
 
 def test_a_restarted_engines_first_reading_is_not_paired_with_the_old_process() -> None:
@@ -143,16 +147,17 @@ def test_a_restarted_engines_first_reading_is_not_paired_with_the_old_process() 
         reg.record_scrape("m", A, metrics)
         return s.peak_running
 
-    assert [scrape(16, 50), scrape(16, 60)] == [0, 16]
-    assert scrape(20, 0) == 0  # restarted (its counters back to 0): no peak from one reading
-    assert s.restarts == 1
+    assert [scrape(40, 50), scrape(40, 60)] == [0, 40]
+    assert scrape(20, 0) == 0  # restarted (its counters back to 0): no peak from its first
+    assert s.restarts == 1  # reading past PEAK_STEP, nor the old process's 40 with it
     assert scrape(20, 5) == 20
 
 
 def test_the_peak_counts_as_the_batch_once_seen_full_with_requests_waiting() -> None:
     """A request waits until the engine's next step even with slots free, so one scrape at
     the peak with some waiting proves nothing: it takes FULL_SCRAPES of them since the peak
-    last rose, and a higher peak (two scrapes in a row) starts over."""
+    last rose, and a higher peak starts over (one past twice the last and PEAK_STEP more
+    once two scrapes in a row show it)."""
     reg = registry(A)
     s = reg.get("m", A)
     assert s is not None
@@ -161,17 +166,17 @@ def test_the_peak_counts_as_the_batch_once_seen_full_with_requests_waiting() -> 
         reg.record_scrape("m", A, EngineMetrics(waiting=waiting, running=running, kv_usage=0.1))
         return s.peak_is_batch
 
-    assert not scrape(1, 2)  # one reading: no peak yet
     assert not scrape(1, 2)  # peak 2: a new arrival, not yet admitted
     assert not scrape(0, 2)
     assert not scrape(2, 1)  # below the peak: memory or a prefill budget, not slots
     assert not scrape(1, 2)
     assert scrape(1, 2)  # the third time at peak 2 with requests waiting
     assert scrape(0, 2)  # once known, it stays
-    assert scrape(3, 8)  # one reading above it proves nothing yet (a glitch?)
-    assert not scrape(3, 8)  # the second: it ran more at once, 2 was not the batch
-    assert not any(scrape(3, 8) for _ in range(FULL_SCRAPES - 2))
-    assert scrape(3, 8) and s.peak_running == 8
+    assert scrape(3, 40)  # one reading far above it proves nothing yet (a glitch?)
+    assert not scrape(3, 40)  # the second: it ran more at once, 2 was not the batch
+    assert not any(scrape(3, 40) for _ in range(FULL_SCRAPES - 2))
+    assert scrape(3, 40) and s.peak_running == 40
+    assert not scrape(3, 41)  # a small rise counts at once, and starts over
 
 
 def test_release_feeds_the_breaker_but_cancellation_does_not() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
@@ -13,6 +14,7 @@ import pytest
 from llmgw.asgi.app import ProxyApp
 from llmgw.asgi.testing import serve
 from llmgw.config import Config, load_dict
+from llmgw.lifecycle import Lifecycle
 from llmgw.promtext import CONTRACTS, extract, parse
 from llmgw.testing.extproc import EnvoyProcess, ExtProcThread, loopback_bootstrap
 from llmgw.types import Engine
@@ -226,3 +228,41 @@ async def test_killed_instance_is_avoided_and_its_return_is_noticed(
             await asyncio.wait_for(until_served_again(via_proxy, finished(reborn)), 120)
             await via_envoy.close()
             await via_proxy.close()
+
+
+async def test_the_first_token_is_the_first_chunk_that_holds_one(
+    vllm_pair: list[VllmInstance], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real vLLM 0.32 through the proxy: the Responses API streams `response.created` and
+    `response.in_progress` before the prefill, the chat API its role with the first token.
+    The router's first token is the first chunk with generated text in both."""
+    marked: list[bytes] = []
+    chunks: list[bytes] = []
+    body_chunk = Lifecycle.body_chunk
+
+    def spy(self: Lifecycle, data: bytes) -> None:
+        before = self.lease is not None and self.lease.first_token_seen
+        body_chunk(self, data)
+        chunks.append(data)
+        if not before and self.lease is not None and self.lease.first_token_seen:
+            marked.append(data)
+
+    monkeypatch.setattr(Lifecycle, "body_chunk", spy)
+    async with proxy_stack(vllm_pair, "latency") as url:
+        c = client(url)
+        stream = await c.responses.create(
+            model="tiny", input="say something about routers", max_output_tokens=8, stream=True
+        )
+        kinds = [event.type async for event in stream]
+        assert kinds[:2] == ["response.created", "response.in_progress"]
+        assert "response.output_text.delta" in kinds
+        assert len(marked) == 1 and b"response.output_text.delta" in marked[0], chunks[:4]
+        assert b"response.created" in chunks[0] and not chunks[0].count(b".delta")
+        marked.clear()
+        chat = await c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+        )
+        pieces = [piece async for piece in chat]
+        await c.close()
+    assert pieces[0].choices[0].delta.role == "assistant"
+    assert len(marked) == 1 and re.search(rb'"content"\s*:\s*"[^"]', marked[0]), marked

@@ -441,7 +441,7 @@ def test_a_trace_line_names_where_the_pick_knew_the_batch_size_and_the_slower_re
     cfg = config(addresses, path=str(path))
     scheduler = Scheduler(cfg, seed=1)
     registry = scheduler.registry
-    for _ in range(FULL_SCRAPES + 1):  # (a peak counts once two scrapes in a row show it)
+    for _ in range(FULL_SCRAPES + 1):  # (a peak counts from its first scrape at 8)
         registry.record_scrape(
             "m1", addresses[0], EngineMetrics(waiting=2, running=8, kv_usage=0.5)
         )
