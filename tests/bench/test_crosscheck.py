@@ -86,7 +86,9 @@ def test_a_contender_that_fails_to_start_is_skipped_and_the_run_goes_on(
     monkeypatch.setattr(crosscheck, "run_one", run_one)
     by_name = {c.name: c for c in all_contenders()}
     contenders = [by_name[n] for n in ("sglang-router:cache_aware", "client:ring")]
-    args = argparse.Namespace(replicas=4, metrics="full", cache_info=False, timeout=60.0)
+    args = argparse.Namespace(
+        replicas=4, metrics="full", cache_info=False, role_chunk="with-token", timeout=60.0
+    )
     results = crosscheck._run_seed(args, 1, 1.0, ["decode-long"], contenders, {}, None)
     assert list(results["decode-long"]) == ["client:ring"]
     assert (
