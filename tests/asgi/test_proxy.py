@@ -56,6 +56,20 @@ def inflight(app: ProxyApp) -> int:
     return sum(s.inflight for s in app.router.registry.states(MODEL))
 
 
+def first_token_marks(app: ProxyApp) -> list[str]:
+    """The endpoint of each first token the proxy's leases mark, in order."""
+    marks: list[str] = []
+    acquire = app.router.scheduler.acquire
+
+    def acquire_with_hook(*args: Any, **kwargs: Any) -> Lease:
+        lease = acquire(*args, **kwargs)
+        lease.on_first_token = lambda: marks.append(lease.endpoint_id)
+        return lease
+
+    app.router.scheduler.acquire = acquire_with_hook  # type: ignore[method-assign]
+    return marks
+
+
 async def test_non_streaming_passes_status_headers_and_body(fleet: SimFleet) -> None:
     app = proxy_for(make_config([address_of(u) for u in fleet.urls]))
     async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
@@ -173,73 +187,37 @@ async def test_headers_a_connection_header_names_stay_on_their_hop_both_ways() -
     assert "x-client-hop" not in sent and sent["x-s"] == "s"
 
 
-async def test_first_upstream_chunk_marks_the_first_token_once() -> None:
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("first", "rest", "marked_at_first"),
+    [
+        (b"data: first\n\n", [b"data: [DONE]\n\n"], True),
+        # An engine that sends the chat role chunk with its headers, before the prefill
+        # (some OpenAI-compatible servers do; vLLM sends it with the first token): the
+        # first token is the chunk after it.
+        (ROLE, [TOKEN, b"data: [DONE]\n\n"], False),
+    ],
+)
+async def test_the_first_chunk_holding_a_token_marks_the_first_token_once(
+    first: bytes, rest: list[bytes], marked_at_first: bool
+) -> None:
     release = asyncio.Event()
 
     async def script(
         request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        writer.write(SSE_HEAD + chunk(b"data: first\n\n"))
+        writer.write(SSE_HEAD + chunk(first))
         await writer.drain()
         await asyncio.wait_for(release.wait(), DEADLINE)
-        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        writer.write(b"".join(chunk(piece) for piece in rest) + b"0\r\n\r\n")
         await writer.drain()
 
     upstream = await ScriptedUpstream(script).start()
     app = proxy_for(make_config([upstream.address]))
-    marks: list[str] = []
-    acquire = app.router.scheduler.acquire
-
-    def acquire_with_hook(*args: Any, **kwargs: Any) -> Lease:
-        lease = acquire(*args, **kwargs)
-        lease.on_first_token = lambda: marks.append(lease.endpoint_id)
-        return lease
-
-    app.router.scheduler.acquire = acquire_with_hook  # type: ignore[method-assign]
-    try:
-        async with (
-            serve(app) as base,
-            httpx.AsyncClient(base_url=base) as client,
-            client.stream("POST", CHAT, content=BODY) as reply,
-        ):
-            pieces = reply.aiter_raw()
-            assert await asyncio.wait_for(anext(pieces), DEADLINE) == b"data: first\n\n"
-            assert marks == [upstream.address]  # before the stream ended
-            release.set()
-            assert b"".join([p async for p in pieces]) == b"data: [DONE]\n\n"
-    finally:
-        await upstream.stop()
-    assert marks == [upstream.address]
-
-
-async def test_a_role_chunk_ahead_of_the_first_token_is_no_first_token() -> None:
-    """An engine that sends the chat role chunk with its headers, before the prefill (some
-    OpenAI-compatible servers do; vLLM sends it with the first token): the first token
-    is the chunk after it."""
-    release = asyncio.Event()
-    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
-    token = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
-
-    async def script(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        writer.write(SSE_HEAD + chunk(role))
-        await writer.drain()
-        await asyncio.wait_for(release.wait(), DEADLINE)
-        writer.write(chunk(token) + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-        await writer.drain()
-
-    upstream = await ScriptedUpstream(script).start()
-    app = proxy_for(make_config([upstream.address]))
-    marks: list[str] = []
-    acquire = app.router.scheduler.acquire
-
-    def acquire_with_hook(*args: Any, **kwargs: Any) -> Lease:
-        lease = acquire(*args, **kwargs)
-        lease.on_first_token = lambda: marks.append(lease.endpoint_id)
-        return lease
-
-    app.router.scheduler.acquire = acquire_with_hook  # type: ignore[method-assign]
+    marks = first_token_marks(app)
     streamed = orjson.dumps({**orjson.loads(BODY), "stream": True})
     try:
         async with (
@@ -248,10 +226,11 @@ async def test_a_role_chunk_ahead_of_the_first_token_is_no_first_token() -> None
             client.stream("POST", CHAT, content=streamed) as reply,
         ):
             pieces = reply.aiter_raw()
-            assert await asyncio.wait_for(anext(pieces), DEADLINE) == role
-            assert marks == []  # the role reached the client; no token has
+            assert await asyncio.wait_for(anext(pieces), DEADLINE) == first
+            # Marked before the stream ended; a role alone reached the client, no token.
+            assert marks == ([upstream.address] if marked_at_first else [])
             release.set()
-            assert b"".join([p async for p in pieces]) == token + b"data: [DONE]\n\n"
+            assert b"".join([p async for p in pieces]) == b"".join(rest)
     finally:
         await upstream.stop()
     assert marks == [upstream.address]

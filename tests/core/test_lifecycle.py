@@ -315,6 +315,19 @@ def timed_gateway() -> tuple[FakeClock, Registry, Gateway, Hooks, list[float]]:
     return clock, registry, gw, hooks, seen
 
 
+def routed_streamed(
+    lifecycle: Lifecycle, registry: Registry, chars: int, path: str = CHAT
+) -> EndpointState:
+    """Route a streamed chat request of `chars` characters (the Responses API reads its
+    `input`); its endpoint's state, which now holds its pending prefill."""
+    body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "'
+    decision = lifecycle.route({}, path, body + b"x" * chars + b'"}], "input": "x"}')
+    assert isinstance(decision, Decision)
+    state = registry.get("chat", decision.endpoint.id)
+    assert state is not None and state.pending_prefill > 0
+    return state
+
+
 def test_an_unstreamed_answers_first_byte_is_its_end_not_a_first_token() -> None:
     """`"stream": false` (or no `stream`): the first byte comes with the last token. Timed
     as a first token it would report the whole generation as TTFT, feed it to the per-token
@@ -369,12 +382,8 @@ def test_the_first_token_is_the_first_chunk_that_holds_one(
     the Responses API's `response.created`) are no first token: timed there, a prefill
     behind a queue read as taking no time, and its pending work left the queue estimate."""
     clock, registry, gw, hooks, seen = timed_gateway()
-    body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "'
     lifecycle = Lifecycle(gw, hooks)
-    decision = lifecycle.route({}, path, body + b"x" * 4000 + b'"}], "input": "x"}')
-    assert isinstance(decision, Decision)
-    state = registry.get("chat", decision.endpoint.id)
-    assert state is not None and state.pending_prefill > 0
+    state = routed_streamed(lifecycle, registry, 4000, path)
     lifecycle.response(200, content_type="text/event-stream; charset=utf-8")
     clock.advance(0.01)
     for chunk in ahead:
@@ -398,11 +407,7 @@ def test_outside_a_good_event_stream_the_first_chunk_is_the_first_byte(
     to wait in: the first chunk ends the pending prefill as it did."""
     _, registry, gw, hooks, _ = timed_gateway()
     lifecycle = Lifecycle(gw, hooks)
-    body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
-    decision = lifecycle.route({}, CHAT, body)
-    assert isinstance(decision, Decision)
-    state = registry.get("chat", decision.endpoint.id)
-    assert state is not None and state.pending_prefill > 0
+    state = routed_streamed(lifecycle, registry, 2)
     lifecycle.response(status, content_type=content_type)
     lifecycle.body_chunk(VLLM_ROLE)
     assert state.pending_prefill == 0.0
@@ -469,12 +474,9 @@ def test_an_error_answer_is_no_first_token(status: int) -> None:
     for a first token it read as a long prefill that took no time, pulling the per-token
     fit towards 0 and the TTFT telemetry down. It only ends the request's pending prefill."""
     clock, registry, gw, hooks, seen = timed_gateway()
-    body = b'{"model": "chat", "stream": true, "messages": [{"role": "user", "content": "'
     refused = Lifecycle(gw, hooks)
-    decision = refused.route({}, CHAT, body + b"x" * 40000 + b'"}]}')
-    assert isinstance(decision, Decision)
-    state = registry.get("chat", decision.endpoint.id)
-    assert state is not None and state.pending_prefill > 5000
+    state = routed_streamed(refused, registry, 40000)
+    assert state.pending_prefill > 5000
     clock.advance(0.002)
     refused.response(status)
     refused.first_byte()
@@ -482,7 +484,7 @@ def test_an_error_answer_is_no_first_token(status: int) -> None:
     assert state.calibration.observed.n == 0
     refused.finish()
     answered = Lifecycle(gw, hooks)  # a 200's first byte is still a first token
-    assert isinstance(answered.route({}, CHAT, body + b'hello"}]}'), Decision)
+    routed_streamed(answered, registry, 5)
     clock.advance(0.05)
     answered.response(200)
     answered.first_byte()
