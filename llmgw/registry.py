@@ -115,9 +115,9 @@ class EndpointState:
         self.serves_model: bool | None = None  # None: not known yet
         self.breaker = Breaker(breaker)
         # The most requests the engine was seen running at once (a far higher reading on two
-        # scrapes in a row: `Registry.record_scrape`): its batch size as far as anyone can tell from outside
-        # (vLLM does not export max_num_seqs). Beyond it,
-        # requests wait for a slot: one frees every `service / slots` seconds.
+        # scrapes in a row: `Registry.record_scrape`): its batch size as far as anyone can
+        # tell from outside (vLLM does not export max_num_seqs). Beyond it, requests wait
+        # for a slot: one frees every `service / slots` seconds.
         self.peak_running = 0.0
         # Whether that peak is the batch size: the engine was seen running at it with
         # requests waiting on `FULL_SCRAPES` scrapes since it last rose (`full_at_peak`).
