@@ -393,7 +393,11 @@ def problems(row: Row, case: FaultCase) -> list[str]:
         out.append("accepted != succeeded + failed")
     if row.edge not in case.may_fail and row.failed:
         out.append(f"{row.failed} failed: {row.statuses}")
-    if row.ok < row.sent // 2:  # the healthy replicas' share always succeeds
+    # The healthy replicas' share succeeds: half the sessions hash to the victim. An edge
+    # blind to the fault may also send it some of the others' (its cut streams end fast,
+    # so it looks idle): through Envoy, crash mid-stream read 11-16 of 24 ok over 25 runs.
+    floor = row.sent // 2 - (row.sent // 8 if row.edge in case.blind else 0)
+    if row.ok < floor:
         out.append(f"only {row.ok}/{row.sent} ok")
     opens = case.breaker_opens and row.edge not in case.blind
     if opens and not row.breaker_opened:

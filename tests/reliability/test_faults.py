@@ -21,6 +21,7 @@ from bench.fault_matrix import (
     EnvoyEdge,
     FaultCase,
     ProxyThread,
+    Row,
     matrix_config,
     problems,
     run_case,
@@ -64,3 +65,18 @@ def test_fault(edge: Edge, fleet: ThreadedFleet, case: FaultCase) -> None:
     assert problems(row, case) == [], row
     assert row.hung == 0 and row.ok + row.failed == row.sent
     assert row.inflight_after == 0
+
+
+@pytest.mark.parametrize(
+    ("edge_name", "ok", "short"), [("envoy", 9, False), ("envoy", 8, True), ("asgi", 11, True)]
+)
+def test_only_an_edge_blind_to_the_fault_may_lose_some_healthy_sessions_to_it(
+    edge_name: str, ok: int, short: bool
+) -> None:
+    """Half the sessions hash to the victim. Through Envoy, blind to cut streams, the
+    victim looks idle and may get a few of the others' too; the proxy sees the cuts."""
+    case = next(c for c in CASES if c.name == "crash mid-stream")
+    assert case.blind == ("envoy",)
+    row = Row(edge_name, case.name, sent=24, ok=ok, failed=24 - ok, breaker_opened=True,
+              breaker_closed_after_s=1.0, inflight_after=0)  # fmt: skip
+    assert (f"only {ok}/24 ok" in problems(row, case)) is short
