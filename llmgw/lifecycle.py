@@ -68,6 +68,11 @@ def _holds_no_token(data: bytes) -> bool:
     prefill (vLLM sends it with the first token): timed there, a prefill took no time."""
     if _NO_TOKEN_YET.search(data) is not None:
         return _TOKEN.search(data) is None
+    return _comments_only(data)
+
+
+def _comments_only(data: bytes) -> bool:
+    """Empty, or SSE comment lines only (`: keep-alive`): no event, so no engine step."""
     return all(not line or line.startswith(b":") for line in data.strip().splitlines())
 
 
@@ -287,7 +292,7 @@ class Lifecycle:
         """A response body chunk reached the edge (call it for each one, empty or not). The
         first is the first byte (`first_byte`), but in a good event stream the first that
         holds a token (`_holds_no_token`: not a role alone, nor a comment); in a streamed
-        generation every later one with data marks the end of an engine step there
+        generation every later one with an event marks the end of an engine step there
         (`Lease.token`), which the latency scorer reads as the step's phase. The proxy and
         Envoy with response bodies streamed see every chunk."""
         lease = self.lease
@@ -304,6 +309,9 @@ class Lifecycle:
                 return
             self.first_byte()
         elif data and lease.streaming and not lease.done:
+            # A keep-alive comment between tokens is the server's timer, not a step's end.
+            if data[:1] == b":" and _comments_only(data):
+                return
             lease.token()
 
     def response(self, status: int, *, content_type: str | None = None) -> None:

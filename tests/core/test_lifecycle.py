@@ -394,6 +394,10 @@ def test_the_first_token_is_the_first_chunk_that_holds_one(
     assert seen == [pytest.approx(0.31)] and state.pending_prefill == 0.0
     lifecycle.body_chunk(SPACED_TOKEN)  # a later token: the step in progress ended now
     assert state.token_at == clock()
+    stepped = clock()
+    clock.advance(0.02)
+    lifecycle.body_chunk(b": keep-alive\n\n")  # the server's timer between two tokens
+    assert state.token_at == stepped
     lifecycle.finish(Outcome.SUCCESS)
 
 
