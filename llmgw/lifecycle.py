@@ -49,31 +49,48 @@ INTERNAL_HEADERS = frozenset({DESTINATION_HEADER, DECISION_HEADER, UPSTREAM_HEAD
 GENERATING_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
-# A chunk of a streamed answer that carries a generated token (or the end): text, a
-# reasoning or tool-call delta, a finish reason. JSON with or without spaces.
+# A chunk of a streamed answer that carries a generated token: text, a reasoning or
+# tool-call delta, a finish reason. JSON with or without spaces.
 _TOKEN = re.compile(
     rb'"(?:content|text|reasoning_content|reasoning|delta|arguments)"\s*:\s*"[^"]'
-    rb'|"tool_calls"\s*:\s*\[\s*\{|"finish_reason"\s*:\s*"|\[DONE\]'
+    rb'|"tool_calls"\s*:\s*\[\s*\{|"finish_reason"\s*:\s*"'
 )
 # What an event stream sends before its first token: a chat role (`"delta": {"role":
 # "assistant", "content": ""}`), the Responses API's `response.created` and
 # `response.in_progress` (vLLM 0.32 sends both with the headers, before the prefill).
-_NO_TOKEN_YET = re.compile(rb'"role"\s*:|"type"\s*:\s*"response\.')
-
-
-def _holds_no_token(data: bytes) -> bool:
-    """An event stream's chunk sent before its first token: empty, SSE comments only (`:
-    keep-alive`), or events that announce an answer without any of it (`_NO_TOKEN_YET`).
-    Some OpenAI-compatible servers send a chat role chunk with the headers, before the
-    prefill (vLLM sends it with the first token): timed there, a prefill took no time."""
-    if _NO_TOKEN_YET.search(data) is not None:
-        return _TOKEN.search(data) is None
-    return _comments_only(data)
+_ROLE = re.compile(rb'"role"\s*:')
+_ANNOUNCE = re.compile(rb'"type"\s*:\s*"response\.')
+# A role chunk this long after the response head came with the first output (vLLM sends
+# it then, and nothing more until a tool-call or reasoning parser lets a token through);
+# sooner, the server sent it with the head, before the prefill.
+ROLE_WITH_HEAD_S = 0.005
+# An unfinished line longer than this before the first token is decided as it stands.
+_MAX_PENDING = 1 << 20
 
 
 def _comments_only(data: bytes) -> bool:
     """Empty, or SSE comment lines only (`: keep-alive`): no event, so no engine step."""
     return all(not line or line.startswith(b":") for line in data.strip().splitlines())
+
+
+def _line_holds_token(line: bytes, role_counts: bool) -> bool:
+    """Whether one whole line of an event stream, before any token, carries the first
+    one: a `data:` line with a token, `[DONE]` (an answer without tokens), or anything
+    not known to come before them; not comments, `event:` / `id:` / `retry:` lines, nor
+    data announcing an answer without any of it (a role alone, unless `role_counts`)."""
+    line = line.strip()
+    if not line or line.startswith((b":", b"event:", b"id:", b"retry:")):
+        return False
+    if not line.startswith(b"data:"):
+        return True  # not an event stream's line: whatever it is, it is an answer
+    data = line[5:].strip()
+    if data == b"[DONE]" or _TOKEN.search(data) is not None:
+        return True
+    if _ANNOUNCE.search(data) is not None:
+        return False
+    if _ROLE.search(data) is not None:
+        return role_counts
+    return True
 
 
 def _unstreamed(request: RequestInfo, streamed: bool | None = None) -> bool:
@@ -130,7 +147,9 @@ class Lifecycle:
 
     __slots__ = (
         "_attempt",
+        "_head_at",
         "_in_use",
+        "_pending",
         "_sent_at",
         "_started",
         "_status",
@@ -158,6 +177,8 @@ class Lifecycle:
         self._attempt = 0
         self._status: int | None = None
         self._streamed: bool | None = None  # the answer is an event stream (None: unknown)
+        self._head_at: float | None = None  # when the response head came (registry clock)
+        self._pending = b""  # an event stream's unfinished line, before its first token
         self.ttft: float | None = None  # seconds from dispatch to the first response byte
         # When the first attempt was sent (registry clock): a fallback's answer is timed
         # from there, as its client waited (the time lost on a failed primary included).
@@ -291,10 +312,10 @@ class Lifecycle:
     def body_chunk(self, data: bytes) -> None:
         """A response body chunk reached the edge (call it for each one, empty or not). The
         first is the first byte (`first_byte`), but in a good event stream the first that
-        holds a token (`_holds_no_token`: not a role alone, nor a comment); in a streamed
-        generation every later one with an event marks the end of an engine step there
-        (`Lease.token`), which the latency scorer reads as the step's phase. The proxy and
-        Envoy with response bodies streamed see every chunk."""
+        holds a token (`_first_token_in`: not a role sent with the head, an announcement
+        or a comment); in a streamed generation every later one with an event marks the
+        end of an engine step there (`Lease.token`), which the latency scorer reads as the
+        step's phase. The proxy and Envoy with response bodies streamed see every chunk."""
         lease = self.lease
         if lease is None:
             return
@@ -304,7 +325,7 @@ class Lifecycle:
                 self._streamed
                 and status is not None
                 and 200 <= status < 300
-                and _holds_no_token(data)
+                and not self._first_token_in(data, lease)
             ):
                 return
             self.first_byte()
@@ -314,6 +335,30 @@ class Lifecycle:
                 return
             lease.token()
 
+    def _first_token_in(self, data: bytes, lease: Lease) -> bool:
+        """Whether this chunk of a good event stream brings its first token. Decided by
+        whole lines: an edge passes on what one read brought, and an announcement with
+        long instructions or tools echoed (the Responses API's `response.created`) comes
+        in pieces, whose tail no longer says what it is; the unfinished line waits for
+        the next chunk (decided as it stands past `_MAX_PENDING`, or when it shows a
+        token already)."""
+        if self._pending:
+            data = self._pending + data
+            self._pending = b""
+        head_at = self._head_at
+        role_counts = head_at is not None and lease.registry.clock() - head_at >= ROLE_WITH_HEAD_S
+        lines = data.split(b"\n")
+        tail = lines.pop()  # after the last newline: b"" when the chunk ends a line
+        for line in lines:
+            if _line_holds_token(line, role_counts):
+                return True
+        if not tail:
+            return False
+        if _TOKEN.search(tail) is not None or len(tail) > _MAX_PENDING:
+            return True
+        self._pending = tail
+        return False
+
     def response(self, status: int, *, content_type: str | None = None) -> None:
         """The response status seen by the edge (decides the outcome at `finish`), and its
         content type where known: a generation whose body was not read (the model came in a
@@ -322,6 +367,8 @@ class Lifecycle:
         if content_type is not None:
             self._streamed = content_type.lstrip().lower().startswith("text/event-stream")
         lease = self.lease
+        self._pending = b""
+        self._head_at = lease.registry.clock() if lease is not None else None
         if lease is not None and lease.probe and outcome_for_status(status) is Outcome.SUCCESS:
             # A half-open probe is decided by the answer's head, not its last token: held to
             # the end of a long stream, its slot kept the endpoint refused for minutes.

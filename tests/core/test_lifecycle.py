@@ -367,25 +367,56 @@ RESPONSES_DELTA = (
 )
 
 
+INSTRUCTIONS = b"You are a coding agent. " * 600  # ~14 KB, echoed by response.created
+RESPONSES_CREATED_LONG = (
+    b'event: response.created\ndata: {"response":{"id":"resp_1","created_at":1,'
+    b'"instructions":"' + INSTRUCTIONS + b'","model":"m","object":"response","output":[],'
+    b'"tools":[],"status":"in_progress","text":{"format":{"type":"text"}}},'
+    b'"sequence_number":0,"type":"response.created"}\n\n'
+)
+EVENT_LINE = b"event: response.created\n"
+TOOL_CALL = (
+    b'data: {"id":"c1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"t1",'
+    b'"type":"function","function":{"name":"get_weather","arguments":""}}]}}]}\n\n'
+)
+EMPTY_DELTA = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":""}}]}\n\n'
+
+
 @pytest.mark.parametrize(
     ("path", "ahead", "token"),
     [
         (CHAT, [VLLM_ROLE], SPACED_TOKEN),  # a role chunk sent with the headers
         (CHAT, [b": keep-alive\n\n", b""], VLLM_ROLE + SPACED_TOKEN),  # vLLM: role + token
         ("/v1/responses", [RESPONSES_START], RESPONSES_DELTA),  # vLLM 0.32's Responses API
+        # An edge passes on what one read brought: an announcement in pieces, the piece
+        # past its marker no longer says what it is.
+        (
+            "/v1/responses",
+            [RESPONSES_CREATED_LONG[:8192], RESPONSES_CREATED_LONG[8192:]],
+            RESPONSES_DELTA,
+        ),
+        ("/v1/responses", [EVENT_LINE, RESPONSES_CREATED_LONG[len(EVENT_LINE) :]], RESPONSES_DELTA),
+        (CHAT, [VLLM_ROLE[:70], VLLM_ROLE[70:]], SPACED_TOKEN),
+        # Instructions that say "[DONE]" are no end of the answer.
+        (
+            "/v1/responses",
+            [RESPONSES_CREATED_LONG.replace(b"coding agent.", b"agent. Say [DONE].")],
+            RESPONSES_DELTA,
+        ),
     ],
 )
 def test_the_first_token_is_the_first_chunk_that_holds_one(
     path: str, ahead: list[bytes], token: bytes
 ) -> None:
-    """Chunks an event stream sends before its first token (a chat role alone, comments,
-    the Responses API's `response.created`) are no first token: timed there, a prefill
-    behind a queue read as taking no time, and its pending work left the queue estimate."""
+    """Chunks an event stream sends before its first token (a chat role with the head,
+    comments, the Responses API's `response.created`, whole or in pieces) are no first
+    token: timed there, a prefill behind a queue read as taking no time, and its pending
+    work left the queue estimate."""
     clock, registry, gw, hooks, seen = timed_gateway()
     lifecycle = Lifecycle(gw, hooks)
     state = routed_streamed(lifecycle, registry, 4000, path)
-    lifecycle.response(200, content_type="text/event-stream; charset=utf-8")
     clock.advance(0.01)
+    lifecycle.response(200, content_type="text/event-stream; charset=utf-8")
     for chunk in ahead:
         lifecycle.body_chunk(chunk)
     assert (seen, state.pending_prefill > 0, state.token_at) == ([], True, float("-inf"))
@@ -399,6 +430,33 @@ def test_the_first_token_is_the_first_chunk_that_holds_one(
     lifecycle.body_chunk(b": keep-alive\n\n")  # the server's timer between two tokens
     assert state.token_at == stepped
     lifecycle.finish(Outcome.SUCCESS)
+
+
+@pytest.mark.parametrize(
+    ("first", "steps", "token"),
+    [
+        (VLLM_ROLE, 8, TOOL_CALL),
+        (VLLM_ROLE, 1, SPACED_TOKEN),
+        (VLLM_ROLE + EMPTY_DELTA, 1, SPACED_TOKEN),
+    ],
+)
+def test_a_role_chunk_after_the_prefill_is_the_first_token(
+    first: bytes, steps: int, token: bytes
+) -> None:
+    """vLLM sends the role chunk with its first output, after the prefill, and then nothing
+    while a tool-call or reasoning parser holds tokens back (`<tool_call>`, `<think>`):
+    the role chunk, come well after the head, is the first token; waiting for the first
+    visible one timed the prefill several steps long."""
+    clock, registry, gw, hooks, seen = timed_gateway()
+    lifecycle = Lifecycle(gw, hooks)
+    routed_streamed(lifecycle, registry, 4000)
+    lifecycle.response(200, content_type="text/event-stream")
+    clock.advance(0.3)
+    lifecycle.body_chunk(first)
+    clock.advance(0.03 * steps)
+    lifecycle.body_chunk(token)
+    lifecycle.finish(Outcome.SUCCESS)
+    assert seen == [pytest.approx(0.3)]
 
 
 @pytest.mark.parametrize(
