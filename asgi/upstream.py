@@ -185,10 +185,13 @@ class UpstreamResponse:
 
 
 def _delimited_by_close(headers: list[tuple[bytes, bytes]]) -> bool:
+    final_coding = b""
     for name, value in headers:
-        if name == b"content-length" or (name == b"transfer-encoding" and b"chunked" in value):
+        if name == b"content-length":
             return False
-    return True
+        if name == b"transfer-encoding":
+            final_coding = value.rsplit(b",", 1)[-1].strip().lower()
+    return final_coding != b"chunked"
 
 
 class _Connection(asyncio.Protocol):
@@ -295,8 +298,8 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         response = self.response
-        if not self._expecting or response is None:
-            return
+        if not self._expecting or response is None or response.status:
+            return  # status set: the final head is over, this is a chunked trailer field
         response.headers.append((name.lower(), value))
         self._head_bytes += len(name) + len(value)
         if len(response.headers) > _MAX_HEADERS or self._head_bytes > _MAX_HEAD:
