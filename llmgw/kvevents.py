@@ -173,7 +173,11 @@ def decode_event(raw: Any) -> KvEvent | None:
 
 
 def decode_batch(seq: int, payload: Any) -> EventBatch:
-    """`[ts, [event, ...], dp_rank?]` (msgpack-decoded) with its sequence number."""
+    """`[ts, [event, ...], dp_rank?]` (msgpack-decoded) with its sequence number; or the
+    same as a map (`ts`, `events`, `data_parallel_rank`), as a vLLM whose `EventBatch` is
+    not `array_like` sends it."""
+    if isinstance(payload, dict):
+        payload = [payload.get("ts"), payload.get("events"), payload.get("data_parallel_rank")]
     if not isinstance(payload, list | tuple) or len(payload) < 2:
         raise KvEventError("payload must be the array [ts, [events...], dp_rank?]")
     ts, raw_events = payload[0], payload[1]

@@ -66,6 +66,15 @@ def test_decodes_both_encodings_through_msgpack(raw: Any, event: object) -> None
     assert (batch.seq, batch.ts, batch.dp_rank, batch.events) == (3, 1.5, 0, (event,))
 
 
+def test_a_batch_sent_as_a_map_decodes_as_the_array_does() -> None:
+    """A vLLM whose `EventBatch` is not `array_like` sends the batch as a map."""
+    raw = msgpack.packb({"ts": 1.5, "events": encode_events((STORED,)), "data_parallel_rank": 0})
+    batch = decode_batch(3, msgpack.unpackb(raw))
+    assert (batch.seq, batch.ts, batch.dp_rank, batch.events) == (3, 1.5, 0, (STORED,))
+    with pytest.raises(KvEventError, match="timestamp then a list"):
+        decode_batch(3, {"ts": 1.5})
+
+
 def test_unknown_event_types_are_skipped() -> None:
     batch = decode_batch(0, [0.0, [{"type": "SomethingNew"}, {"type": "AllBlocksCleared"}]])
     assert batch.events == (AllBlocksCleared(),)
