@@ -52,14 +52,32 @@ def source_from_spec(spec: KvEventsSpec, host: str) -> Source:
     return Source(spec.endpoint.format(host=host), replay, spec.topic)
 
 
+class ManyRanks(ValueError):
+    """The engine publishes events from several data-parallel ranks: each rank holds its own
+    prefix cache and its own stream, and the engine's load balancer sends a request to any
+    rank, so no one stream says what the endpoint holds for a request."""
+
+
 def source_from_engine(body: bytes, host: str) -> Source | None:
-    """The engine's `/kv_event_sources` answer ({rank: KVEventsConfig}): rank 0's."""
+    """The engine's `/kv_event_sources` answer: its ranks' KVEventsConfig, keyed by rank
+    (vLLM 0.32: `{"0": {...}}`) or as a list; the one rank's source, None where events are
+    off. ManyRanks where several ranks publish."""
     data = orjson.loads(body)
-    if not isinstance(data, dict) or not data:
+    if isinstance(data, dict) and "enable_kv_cache_events" in data:
+        data = [data]  # one config, not keyed by rank
+    ranks = list(data.values()) if isinstance(data, dict) else data
+    if not isinstance(ranks, list):
         return None
-    conf = data.get("0") or next(iter(data.values()))
-    if not isinstance(conf, dict) or not conf.get("enable_kv_cache_events"):
+    publishing = [c for c in ranks if isinstance(c, dict) and c.get("enable_kv_cache_events")]
+    if len(publishing) > 1:
+        raise ManyRanks(
+            f"{len(publishing)} data-parallel ranks publish KV events, each for its own cache; "
+            "exact matching follows one cache per endpoint, so this endpoint stays on the "
+            "approximate index (list each rank as its own endpoint to match exactly)"
+        )
+    if not publishing:
         return None
+    conf = publishing[0]
     if conf.get("publisher", "zmq") != "zmq" or not isinstance(conf.get("endpoint"), str):
         return None
 
@@ -115,6 +133,7 @@ class KvEventSubscriber:
         self.stats = SubscriberStats()
         self.source: Source | None = None
         self.connected = asyncio.Event()  # set once the SUB socket is connected
+        self._said: str | None = None  # the last warning logged (repeats are not)
 
     async def _discover(self) -> Source | None:
         if not self.spec.discover:
@@ -133,18 +152,23 @@ class KvEventSubscriber:
             try:
                 self.source = await self._discover()
                 if self.source is None:
-                    log.warning(
-                        "%s publishes no KV events (GET /kv_event_sources)", self.endpoint_id
-                    )
+                    self._warn(f"{self.endpoint_id} publishes no KV events (GET /kv_event_sources)")
                 else:
+                    self._said = None
                     await self._follow(self.source)
             except (HttpGetError, OSError, zmq.ZMQError, ValueError) as exc:
                 index.mark_unknown(self.endpoint_id, f"{type(exc).__name__}: {exc}", self._now())
-                log.warning("kv events from %s: %s", self.endpoint_id, exc)
+                self._warn(f"kv events from {self.endpoint_id}: {exc}")
             except Exception as exc:  # anything else: unknown and follow again, never a dead task
                 index.mark_unknown(self.endpoint_id, f"{type(exc).__name__}: {exc}", self._now())
                 log.exception("kv events from %s", self.endpoint_id)
             await asyncio.sleep(self.retry_s)  # back-off before reconnecting, not a sync
+
+    def _warn(self, message: str) -> None:
+        """Log a warning once while it stays the same (the loop retries every second)."""
+        if message != self._said:
+            log.warning("%s", message)
+            self._said = message
 
     def _now(self) -> float:
         return self.registry.clock()

@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import httpx
+import orjson
 import pytest
 
 from llmgw.config import Config, KvEventsSpec, load_dict
 from llmgw.kvevents import BlockStored, EventBatch, encode_events
 from llmgw.kvindex import KvState
 from llmgw.registry import Registry
-from llmgw.runtime.kvevents import KvEventSubscriber, source_from_engine, source_from_spec
+from llmgw.runtime.kvevents import (
+    KvEventSubscriber,
+    ManyRanks,
+    source_from_engine,
+    source_from_spec,
+)
 from llmgw.runtime.router import Router
 from llmgw.sim import SimFleet
 from llmgw.sim.replica import Replica
@@ -426,5 +433,54 @@ async def test_discovery_against_an_engine_that_never_answers_is_retried() -> No
             await task
         for writer in accepted:
             writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+ONE_RANK = {"enable_kv_cache_events": True, "endpoint": "tcp://*:5557", "topic": "kv"}
+
+
+def test_engine_sources_as_a_list_or_one_config_are_read_too() -> None:
+    """Newer vLLM answers `/kv_event_sources` with a list of its ranks' configs."""
+    for body in (orjson.dumps([ONE_RANK]), orjson.dumps(ONE_RANK)):
+        source = source_from_engine(body, "10.0.0.5")
+        assert source is not None and source.endpoint == "tcp://10.0.0.5:5557"
+
+
+async def test_an_engine_whose_data_parallel_ranks_publish_stays_approximate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each data-parallel rank has its own cache and stream, and the engine sends a request
+    to any rank: following rank 0's alone reported its blocks as the whole endpoint's,
+    exactly (found by a review helper). The endpoint is not live for exact matching, said
+    once in the log, not at every retry."""
+    ranks = {"0": ONE_RANK, "1": {**ONE_RANK, "endpoint": "tcp://*:5558"}}
+    with pytest.raises(ManyRanks, match="2 data-parallel ranks"):
+        source_from_engine(orjson.dumps(ranks), "h")
+    asked: list[int] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        asked.append(1)
+        body = orjson.dumps(ranks)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    eid = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    registry = Registry()
+    sub = KvEventSubscriber(registry, eid, KvEventsSpec(discover=True), retry_s=0.01)
+    task = asyncio.create_task(sub.run())
+    try:
+        with caplog.at_level(logging.WARNING, logger="llmgw.kvevents"):
+            await until(lambda: len(asked) >= 3)
+        assert sub.source is None and registry.kv_index.state(eid) is not KvState.LIVE
+        assert registry.kv_index.match((1, 2, 3), [eid]) == {}
+        assert caplog.text.count("data-parallel ranks") == 1
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         server.close()
         await server.wait_closed()
