@@ -766,7 +766,9 @@ class Exchange:
         elif upstream:
             lifecycle.answered_by(upstream)
         # After answered_by: the status is the serving host's (a probe there is decided by it).
-        lifecycle.response(status, content_type=content_type)
+        lifecycle.response(
+            status, content_type=content_type, bodies_seen=self._response_mode != NONE
+        )
         # Not the first token: engines (vLLM) send the head before prefill ends. Only a
         # response body message (when Envoy is set to send bodies) marks the first byte.
         if headers.end_of_stream:

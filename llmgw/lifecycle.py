@@ -299,6 +299,7 @@ class Lifecycle:
             lease.first_token(observed=False, counted=status is None or 200 <= status < 300)
             return
         lease.first_token()
+        lease.answered()  # a half-open probe's verdict, if it still waits for one
         hook, decision = self.hooks.ttft, self.decision
         sent_at = self._sent_at if self._sent_at is not None else lease.started
         if sent_at is not None:
@@ -359,19 +360,30 @@ class Lifecycle:
         self._pending = tail
         return False
 
-    def response(self, status: int, *, content_type: str | None = None) -> None:
+    def response(
+        self, status: int, *, content_type: str | None = None, bodies_seen: bool = True
+    ) -> None:
         """The response status seen by the edge (decides the outcome at `finish`), and its
         content type where known: a generation whose body was not read (the model came in a
-        header) is known unstreamed when its answer is not an event stream."""
+        header) is known unstreamed when its answer is not an event stream. `bodies_seen`:
+        the edge will see this answer's body (the proxy; Envoy with response bodies)."""
         self._status = status
         if content_type is not None:
             self._streamed = content_type.lstrip().lower().startswith("text/event-stream")
         lease = self.lease
         self._pending = b""
         self._head_at = lease.registry.clock() if lease is not None else None
-        if lease is not None and lease.probe and outcome_for_status(status) is Outcome.SUCCESS:
-            # A half-open probe is decided by the answer's head, not its last token: held to
-            # the end of a long stream, its slot kept the endpoint refused for minutes.
+        # A half-open probe is decided before its last token: held to the end of a long
+        # stream, its slot kept the endpoint refused for minutes. An event stream whose
+        # tokens the edge sees is decided at its first token (`first_byte`): engines send
+        # the head before the prefill, and one that sends heads and then nothing (its API
+        # server up, its engine stuck) was given all its traffic back.
+        if (
+            lease is not None
+            and lease.probe
+            and outcome_for_status(status) is Outcome.SUCCESS
+            and not (bodies_seen and self._streamed)
+        ):
             lease.answered()
 
     def fall_back(self, outcome: Outcome) -> Endpoint | None:

@@ -588,24 +588,54 @@ def test_a_half_open_endpoint_is_no_fallback_so_envoy_retries_cannot_flood_its_p
     assert primaries > 0  # it still takes probes as the primary
 
 
-def test_a_probe_is_decided_by_its_answers_head_not_its_last_token() -> None:
+@pytest.mark.parametrize("bodies_seen", [True, False])
+def test_a_probe_is_decided_by_its_first_token_or_head_not_its_last_token(
+    bodies_seen: bool,
+) -> None:
     """One replica, half-open after a blip: its probe answered 200 and streamed, yet every
     other request was a 503 no_healthy_endpoint until the stream's last token (minutes for
-    a long generation). Found by a review helper."""
+    a long generation). Found by a review helper. Where the edge sees the stream's tokens
+    the first one decides it; where it does not (Envoy without response bodies), the head."""
     gw, clock, state = _half_open_gateway(1)
-    probe = Lifecycle(gw)
-    assert isinstance(probe.route({"x-llmgw-model": "chat"}, CHAT, None), Decision)
-    assert state.breaker.probes_inflight == 1
-    probe.response(200, content_type="text/event-stream")
-    assert state.breaker.probes_inflight == 0  # decided: one success of success_threshold 2
-    second = Lifecycle(gw)
-    assert isinstance(second.route({"x-llmgw-model": "chat"}, CHAT, None), Decision)
-    second.response(200, content_type="text/event-stream")
+    probes = []
+    for _ in range(2):  # success_threshold 2
+        probe = Lifecycle(gw)
+        assert isinstance(probe.route({"x-llmgw-model": "chat"}, CHAT, None), Decision)
+        assert state.breaker.probes_inflight == 1
+        probe.response(200, content_type="text/event-stream", bodies_seen=bodies_seen)
+        if bodies_seen:
+            assert state.breaker.probes_inflight == 1  # the head alone decides nothing
+            clock.advance(0.2)
+            probe.body_chunk(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
+        assert state.breaker.probes_inflight == 0
+        probes.append(probe)
     assert state.breaker.state is BreakerState.CLOSED
     clock.advance(60.0)
-    probe.finish(Outcome.FAILURE)  # cut mid-stream a minute later: an ordinary failure
-    second.finish()
+    probes[0].finish(Outcome.FAILURE)  # cut mid-stream a minute later: an ordinary failure
+    probes[1].finish()
     assert state.breaker.state is BreakerState.CLOSED and state.inflight == 0
+
+
+def test_an_engine_that_sends_heads_and_then_nothing_gets_no_traffic_back() -> None:
+    """Its API server answers 200 heads, its engine is stuck: each probe times out at the
+    read timeout. Decided at the head, two empty heads closed the breaker and gave it every
+    request, and the backoff never grew (found by a review helper). Now the probe holds its
+    slot until a token comes, and each timed-out probe doubles the cooldown."""
+    gw, clock, state = _half_open_gateway(1)
+    cooldowns = []
+    for _ in range(4):
+        admitted = []
+        for _ in range(20):
+            lifecycle = Lifecycle(gw)
+            if isinstance(lifecycle.route({"x-llmgw-model": "chat"}, CHAT, None), Decision):
+                lifecycle.response(200, content_type="text/event-stream")  # then silence
+                admitted.append(lifecycle)
+        assert (state.breaker.state, len(admitted)) == (BreakerState.HALF_OPEN, 1)
+        admitted[0].finish(Outcome.FAILURE)  # the read timeout
+        assert state.breaker.state is BreakerState.OPEN
+        cooldowns.append(state.breaker.opened_until - clock())
+        clock.advance(cooldowns[-1])
+    assert cooldowns == [2.0, 4.0, 8.0, 16.0]
 
 
 def test_a_probe_answered_with_an_error_status_is_decided_at_its_end() -> None:
