@@ -164,6 +164,36 @@ async def test_a_stream_reset_before_the_response_headers_answer_is_not_a_succes
     assert 'outcome="success"' not in metrics
 
 
+class ClosedByReset(StalledStream):
+    """How Envoy ends a stream once nothing is left to process (its ext_proc client's close:
+    a half-close, then a reset): the answers all written, grpc cancels the task waiting in
+    `read`, most often before it sees the end of the stream."""
+
+    async def read(self) -> ProcessingRequest | object:
+        if self.messages:
+            return self.messages.pop(0)
+        raise asyncio.CancelledError
+
+    async def write(self, _answer: bytes) -> None:
+        return None
+
+
+async def test_a_stream_envoy_closes_after_the_last_answer_keeps_the_answers_outcome(
+    server: ExtProcServer,
+) -> None:
+    """Through a real Envoy 1.40 without response bodies, 53 of 60 whole 200s were counted
+    `cancelled` (no success for the breaker, no first token counted for the engine), as if
+    Envoy had reset the stream before an answer (found by a review helper)."""
+    chat = request_headers(chat_headers(**{"x-llmgw-model": "m1"}))
+    closed = ClosedByReset(chat, response_headers(200))
+    with pytest.raises(asyncio.CancelledError):
+        await server.process(closed.unused(), closed)
+    assert total_inflight(server) == 0 and server.open_streams == 0
+    metrics = server.telemetry.render()[0].decode()
+    assert 'llmgw_requests_total{model="m1",outcome="success"} 1.0' in metrics
+    assert 'outcome="cancelled"' not in metrics
+
+
 async def ngf_shim(port: int, headers: dict[str, str], body: bytes) -> list[ProcessingResponse]:
     """What NGINX Gateway Fabric's shim (cmd/gateway/endpoint_picker.go) sends per request:
     the client's headers lower-cased in `value`, no pseudo-headers, no protocol_config; the
