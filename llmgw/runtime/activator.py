@@ -119,6 +119,10 @@ class Activator:
             machine.start_failed("the router is stopping", self.clock())
             raise
         else:
+            if not endpoints:  # nothing to route to: a failed start, said so, not a wait
+                machine.start_failed("the control plane started it with no replica", self.clock())
+                log.warning("start of %s failed: the control plane returned no replica", model)
+                return
             self.registry.set_endpoints(model, endpoints)
             machine.started(self.clock())
             log.info("model %s ready after %.2fs", model, machine.last_start_seconds or 0.0)
@@ -154,9 +158,11 @@ class Activator:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(poll, remaining)):
                         await ready.wait()
-                if ready.is_set() and not (machine.running or machine.failed):
-                    # Woken by a start that ended neither way: a set event does not suspend
-                    # the next wait, and this loop would hold the event loop to its deadline.
+                if ready.is_set():
+                    # Woken, and the model is still not ready here (a start that ended
+                    # neither way, or running with no replica in the registry): a set event
+                    # does not suspend the next wait, and this loop would hold the event
+                    # loop to its deadline (found by a review helper).
                     ready.clear()
         finally:
             machine.end_wait()

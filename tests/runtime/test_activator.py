@@ -15,7 +15,7 @@ from llmgw.runtime.controlplanes.local import LocalProcessControlPlane, group_me
 from llmgw.runtime.router import Router
 from llmgw.testing.controlplane import FakeControlPlane
 from llmgw.testing.wait import eventually
-from llmgw.types import Outcome, RequestInfo
+from llmgw.types import Endpoint, Outcome, RequestInfo
 
 
 def config(timeout: float = 5.0, **scaling: object) -> Config:
@@ -90,6 +90,36 @@ async def test_failed_start_reports_the_reason() -> None:
         await router.decide(req("lazy"))
     assert "CUDA not found" in info.value.message
     assert router.models_status()["lazy"]["last_error"] == "exit code 3: CUDA not found"
+
+
+class NoReplicaStart(FakeControlPlane):
+    """A control plane whose start returns no replica (the protocol allows it)."""
+
+    async def want(self, model: str) -> list[Endpoint]:
+        self.wants += 1
+        return []
+
+
+async def test_a_start_with_no_replica_fails_at_once_and_the_loop_keeps_running() -> None:
+    """Running with no replica in the registry, its waiters spun on a set event until the
+    activation timeout, holding the event loop: nothing else ran (found by a review
+    helper). Now such a start has failed, and says why."""
+    router = Router(config(timeout=0.5), control_plane=NoReplicaStart(), scrape=False)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    try:
+        with pytest.raises(ModelFailed) as info:
+            await asyncio.wait_for(router.decide(req("lazy")), 5)
+    finally:
+        task.cancel()
+    assert "no replica" in info.value.message and ticks > 1
 
 
 async def test_idle_model_is_stopped_and_started_again_later() -> None:
