@@ -357,7 +357,9 @@ def _override(request_body_mode: int, response_body_mode: int) -> ProcessingMode
         request_body_mode=request_body_mode,
         response_body_mode=response_body_mode,
         request_trailer_mode=ProcessingMode.SEND if request_body_mode else ProcessingMode.SKIP,
-        response_trailer_mode=ProcessingMode.SKIP,
+        # Where response bodies come, so do their trailers: a body that trailers end (an
+        # HTTP/2 or gRPC engine) comes with end_of_stream false, and only they say it ended.
+        response_trailer_mode=ProcessingMode.SEND if response_body_mode else ProcessingMode.SKIP,
     )
 
 
@@ -793,7 +795,7 @@ class Exchange:
         if self._response_mode not in (BUFFERED, BUFFERED_PARTIAL):
             self.lifecycle.body_chunk(body.body)
         end = body.end_of_stream
-        if end:
+        if end or self._response_mode == BUFFERED:  # a buffered body is whole (trailers follow)
             self._response_ended = True
             self.close()
         elif self._response_mode == BUFFERED_PARTIAL:

@@ -261,6 +261,26 @@ def _outcomes(events: list[Outcome]) -> Hooks:
     return Hooks(outcome=lambda _m, _e, o: events.append(o))
 
 
+@pytest.mark.parametrize("response_mode", [ProcessingMode.STREAMED, ProcessingMode.BUFFERED])
+def test_a_whole_response_that_trailers_end_is_a_success_not_cancelled(response_mode: int) -> None:
+    """An HTTP/2 or gRPC engine's answer ends with trailers: its body comes with
+    end_of_stream false (buffered: whole, then the trailers). llmgw's override turned the
+    response trailers off, never saw the end, and counted a whole answer `cancelled`
+    (found by a review helper)."""
+    events: list[Outcome] = []
+    ex = exchange(hooks=_outcomes(events))
+    (ask,) = decode(ex.handle(first(chat_headers(), request_mode=0, response_mode=response_mode)))
+    assert ask.mode_override is not None
+    assert int(ask.mode_override.response_trailer_mode) == ProcessingMode.SEND
+    ex.handle(body(CHAT, end=True))
+    ex.handle(response_headers(200))
+    ex.handle(body(b"data: [DONE]\n\n", response=True))
+    if response_mode == ProcessingMode.STREAMED:
+        ex.handle(ProcessingRequest(response_trailers=HttpTrailers()))
+    ex.close()
+    assert events == [Outcome.SUCCESS]
+
+
 def test_a_stream_cut_after_a_200_head_is_cancelled_not_success() -> None:
     events: list[Outcome] = []
     ex = exchange(hooks=_outcomes(events))
