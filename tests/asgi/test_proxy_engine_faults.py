@@ -1,6 +1,7 @@
 """Engines that break HTTP: the proxy answers the client in JSON, skips interim 1xx
 answers, and never lets bytes an engine sent past a response's end reach the next request
-on the pooled connection."""
+on the pooled connection; and engines that use its odd corners (a transfer coding in
+capitals, trailer fields) get their answers read right."""
 
 from __future__ import annotations
 
