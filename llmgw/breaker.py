@@ -84,6 +84,13 @@ class Breaker:
         self._failures = 0
         self._successes = 0
 
+    def reconfigure(self, settings: BreakerSettings, now: float) -> None:
+        """New settings (a config reload); an open breaker's cooldown ends at the latest
+        `max_cooldown` from now (shortened to 5 s, a 300 s cooldown ran on to its end)."""
+        self.settings = settings
+        if self.state is BreakerState.OPEN and self.opened_until > now + settings.max_cooldown:
+            self.opened_until = now + settings.max_cooldown
+
     def _apply(self, event: BreakerEvent, now: float) -> None:
         before = self.state
         after = TRANSITIONS[(before, event)]

@@ -213,8 +213,9 @@ class Registry:
         self._breaker = breaker
         self.staleness = staleness
         # Draining endpoints too: one that comes back returns with its state as it was.
+        now = self.clock()
         for state in itertools.chain(self._by_id.values(), self._draining.values()):
-            state.breaker.settings = breaker
+            state.breaker.reconfigure(breaker, now)
 
     def set_endpoints(
         self, model: str, endpoints: Iterable[Endpoint], *, forget: bool = True

@@ -64,6 +64,30 @@ def test_a_draining_endpoint_counts_a_retry_on_it_and_takes_new_breaker_settings
     assert state.breaker.settings.failure_threshold == 9
 
 
+def test_a_reload_that_shortens_max_cooldown_shortens_an_open_breakers_cooldown() -> None:
+    """An endpoint opened with a 300 s cooldown stayed refused for all of it after a reload
+    to `max_cooldown: 5` (found by a review helper)."""
+    now = [100.0]
+    registry = Registry(clock=lambda: now[0])
+    long = BreakerSettings(failure_threshold=1, base_cooldown=300, max_cooldown=300)
+    registry.configure(breaker=long, staleness=2)
+    registry.set_endpoints("m1", [Endpoint(A, "m1")])
+    registry.acquire("m1", A)
+    registry.release("m1", A, Outcome.FAILURE)
+    state = registry.get("m1", A)
+    assert state is not None
+    before = state.breaker.state
+    short = BreakerSettings(failure_threshold=1, base_cooldown=1, max_cooldown=5)
+    registry.configure(breaker=short, staleness=2)
+    now[0] += 6.0
+    available = state.breaker.available(now[0])
+    assert (before, available, state.breaker.state) == (
+        BreakerState.OPEN,
+        True,
+        BreakerState.HALF_OPEN,
+    )
+
+
 def test_a_retry_on_a_fallback_gone_and_back_is_not_charged_to_a_new_request_there() -> None:
     """A reload removed an idle fallback (its state dropped, not drained); Envoy, holding
     the old list, retried there and said so: the lease moved without any state counting
