@@ -135,6 +135,8 @@ class BodyFields:
     # The body's `messages` list or `prompt` string, uncut (exact prefix matching renders
     # and tokenizes it as the engine does).
     raw_prompt: Any = None
+    reads_cache: bool = True  # `RequestInfo.reads_cache`
+    cache_salt: str | None = None
 
 
 def _content_text(content: Any) -> str:
@@ -323,7 +325,27 @@ def parse_body(
             raw = TextPrompt(raw, add_special_tokens=False)  # vLLM's default: true
     elif any(payload.get(k) is not None for k in _TEMPLATE_FIELDS):
         raw = _chat_prompt(payload, messages)
-    return BodyFields(model=model, prompt=prompt, stream=stream, prompt_chars=chars, raw_prompt=raw)
+    salt = payload.get("cache_salt")
+    return BodyFields(
+        model=model,
+        prompt=prompt,
+        stream=stream,
+        prompt_chars=chars,
+        raw_prompt=raw,
+        reads_cache=_reads_cache(payload),
+        cache_salt=salt if isinstance(salt, str) and salt else None,
+    )
+
+
+def _reads_cache(payload: Mapping[str, Any]) -> bool:
+    """Whether vLLM reads its prefix cache for this body: not for prompt logprobs (asked,
+    or a completion's echo with logprobs) nor `skip_reading_prefix_cache`."""
+    if (
+        payload.get("skip_reading_prefix_cache") is True
+        or payload.get("prompt_logprobs") is not None
+    ):
+        return False
+    return not (payload.get("echo") is True and payload.get("logprobs") is not None)
 
 
 def _chat_prompt(payload: Mapping[str, Any], messages: list[Any]) -> ChatPrompt:
@@ -477,4 +499,6 @@ def build_request(
         headers=headers,
         prompt_tokens=estimate_tokens(fields.prompt_chars) if fields else 0,
         raw_prompt=fields.raw_prompt if fields else None,
+        reads_cache=fields.reads_cache if fields else True,
+        cache_salt=fields.cache_salt if fields else None,
     )

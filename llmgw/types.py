@@ -95,6 +95,11 @@ class RequestInfo:
     subset: frozenset[str] | None = None
     # The body's `messages` (list) or `prompt` (str), uncut, for exact prefix matching.
     raw_prompt: Any = field(default=None, compare=False)
+    # Whether the engine reads its prefix cache for it (vLLM does not for a request asking
+    # `prompt_logprobs`, an echo with logprobs, or `skip_reading_prefix_cache`).
+    reads_cache: bool = True
+    # vLLM's `cache_salt`: the request reuses only blocks computed under the same salt.
+    cache_salt: str | None = None
 
     @property
     def routing_key(self) -> str:

@@ -448,10 +448,13 @@ class LatencyScorer:
     def _exact_hits(self, ctx: PickContext, candidates: list[EndpointState]) -> dict[str, int]:
         """Cached tokens per endpoint whose engine's events are live; tokenizes only then."""
         kv = ctx.kv
-        if self.tokenizer is None or kv is None or not kv.any_live():
+        request = ctx.request
+        if self.tokenizer is None or kv is None or not kv.any_live() or not request.reads_cache:
             self._tokens = None
             return {}
-        request = ctx.request
+        if request.cache_salt is not None:  # salted blocks: the approximate index keys them
+            self._tokens = None
+            return {}
         tokens = self.tokenizer.tokens(request.raw_prompt, request.session_key)
         self._tokens = tokens
         if not tokens:
@@ -543,7 +546,14 @@ class LatencyScorer:
         request = ctx.request
         if request is not self._request:
             self._request = request
-            self._hashes = self.index.hashes(request.prompt)
+            # Salted, a prompt shares blocks only with prompts of the same salt; read no
+            # cache, it shares none (and it is no reason to stay anywhere).
+            if not request.reads_cache:
+                self._hashes = []
+            elif request.cache_salt is not None:
+                self._hashes = self.index.hashes(f"\x00{request.cache_salt}\x00{request.prompt}")
+            else:
+                self._hashes = self.index.hashes(request.prompt)
         hashes = self._hashes
         exact = self._exact_hits(ctx, candidates)
         tokens = request.prompt_tokens if request.prompt_tokens > 0 else 1

@@ -1196,3 +1196,49 @@ def test_a_replica_whose_metrics_fail_does_not_draw_a_burst_behind_envoy() -> No
         got[decision.endpoint.id] += 1
         clock.advance(0.002)
     assert got[broken] <= 2 * burst / n, got
+
+
+@pytest.mark.parametrize(
+    ("extra", "reads", "salt"),
+    [
+        ({}, True, None),
+        ({"prompt_logprobs": 0}, False, None),
+        ({"skip_reading_prefix_cache": True}, False, None),
+        ({"cache_salt": "tenant-b"}, True, "tenant-b"),
+    ],
+)
+def test_the_body_says_whether_and_under_which_salt_the_engine_reads_its_cache(
+    extra: dict[str, object], reads: bool, salt: str | None
+) -> None:
+    cfg = config({"m": static_model(1)})
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})
+    info = build_request(cfg, {}, "/v1/chat/completions", body)
+    assert (info.reads_cache, info.cache_salt) == (reads, salt)
+    completion = {"model": "m", "prompt": "hi", "echo": True, "logprobs": 1}
+    assert not build_request(cfg, {}, "/v1/completions", orjson.dumps(completion)).reads_cache
+
+
+def test_requests_that_read_no_cache_or_another_salt_are_credited_no_hits() -> None:
+    """vLLM reads no cache for prompt logprobs or `skip_reading_prefix_cache`, and a salted
+    request reuses only blocks computed under its salt: credited the history's hits, such
+    a request was kept on a busy home that had nothing for it (found by a review helper)."""
+    scorer = LatencyScorer()
+    states = [state("a:1"), state("b:1")]
+    home = context(states, request=request(session="s"), now=NOW)
+    scorer.score(home, states)
+    scorer.observe(home, states[0])  # the history is cached on a:1
+    states[0].busy_until = NOW  # its prefill done
+
+    def cached(req: RequestInfo) -> tuple[float, ...]:
+        scorer.score(context(states, request=req, now=NOW), states)
+        return scorer.terms()["cached_tokens"]
+
+    assert cached(request(session="s", rid="2"))[0] > 0
+    plain = request(session="s", rid="3")
+    assert cached(replace(plain, reads_cache=False)) == (0.0, 0.0)
+    salted = context(states, request=replace(plain, request_id="4", cache_salt="t1"), now=NOW)
+    scorer.score(salted, states)
+    assert scorer.terms()["cached_tokens"] == (0.0, 0.0)
+    scorer.observe(salted, states[1])  # computed under salt t1 on b:1
+    assert cached(replace(plain, request_id="5", cache_salt="t1"))[1] > 0  # the same salt hits
+    assert cached(replace(plain, request_id="6", cache_salt="t2")) == (0.0, 0.0)
