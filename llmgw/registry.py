@@ -218,7 +218,7 @@ class Registry:
             state.breaker.reconfigure(breaker, now)
 
     def set_endpoints(
-        self, model: str, endpoints: Iterable[Endpoint], *, forget: bool = True
+        self, model: str, endpoints: Iterable[Endpoint], *, forget: bool = True, fresh: bool = False
     ) -> None:
         """Replace a model's endpoint set, keeping live state of endpoints that stay.
 
@@ -226,13 +226,20 @@ class Registry:
         Kubernetes discovery). An endpoint added to a model that already has some starts
         warming; one that leaves with requests in flight drains (see `_draining`).
         `forget` False: an endpoint no model lists any more keeps its KV index (a reload
-        setting several models calls `forget_unlisted` once all are set).
+        setting several models calls `forget_unlisted` once all are set). `fresh`: the
+        endpoints are new processes (an on-demand start): one at the address of a process
+        that left with requests in flight keeps their count but not its breaker (open on
+        the crashed process, it refused the new one the control plane had just checked).
         """
         new: list[EndpointState] = []
         current = self._by_model.get(model, [])
         old = {s.id: s for s in current}
         for ep in endpoints:
-            state = old.pop(ep.address, None) or self._draining.pop((model, ep.address), None)
+            state = old.pop(ep.address, None)
+            if state is None:
+                state = self._draining.pop((model, ep.address), None)
+                if state is not None and fresh:
+                    state.breaker = Breaker(self._breaker)
             if state is None:
                 state = EndpointState(ep, self._breaker)
                 state.warming = bool(current)

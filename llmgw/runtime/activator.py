@@ -123,7 +123,7 @@ class Activator:
                 machine.start_failed("the control plane started it with no replica", self.clock())
                 log.warning("start of %s failed: the control plane returned no replica", model)
                 return
-            self.registry.set_endpoints(model, endpoints)
+            self.registry.set_endpoints(model, endpoints, fresh=True)
             machine.started(self.clock())
             log.info("model %s ready after %.2fs", model, machine.last_start_seconds or 0.0)
         finally:

@@ -64,6 +64,25 @@ def test_a_draining_endpoint_counts_a_retry_on_it_and_takes_new_breaker_settings
     assert state.breaker.settings.failure_threshold == 9
 
 
+def test_a_new_process_at_a_crashed_ones_address_gets_a_closed_breaker() -> None:
+    """An on-demand model crashed with a request in flight and its breaker open; the
+    restart at the same address revived that state, breaker and all: the control plane had
+    just checked the new process, yet its waiters got 503 (found by a review helper). A
+    reload that brings an endpoint back keeps its breaker (it is the same server)."""
+    registry = Registry(clock=lambda: 0.0)
+    registry.configure(breaker=BreakerSettings(failure_threshold=1), staleness=2)
+    registry.set_endpoints("m1", [Endpoint(A, "m1")])
+    registry.acquire("m1", A)  # still in flight at the crash
+    registry.acquire("m1", A)
+    registry.release("m1", A, Outcome.FAILURE)  # open
+    for fresh in (False, True):
+        registry.set_endpoints("m1", [])  # gone: drains with its request
+        registry.set_endpoints("m1", [Endpoint(A, "m1")], fresh=fresh)
+        state = registry.get("m1", A)
+        assert state is not None and state.inflight == 1
+        assert state.breaker.state is (BreakerState.CLOSED if fresh else BreakerState.OPEN)
+
+
 def test_a_reload_that_shortens_max_cooldown_shortens_an_open_breakers_cooldown() -> None:
     """An endpoint opened with a 300 s cooldown stayed refused for all of it after a reload
     to `max_cooldown: 5` (found by a review helper)."""
