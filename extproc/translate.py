@@ -148,10 +148,21 @@ def header_map(headers: HttpHeaders) -> dict[str, str]:
     return out
 
 
+# A gRPC error's HTTP equivalent (gRPC's own mapping, doc/http-grpc-status-mapping.md, the
+# other way round): an engine's gRPC front end answers an error as HTTP 200 with
+# `grpc-status` in a headers-only answer. Codes not listed are 500.
+_GRPC_AS_HTTP = {
+    b"1": 499, b"3": 400, b"4": 504, b"5": 404, b"6": 409, b"7": 403, b"8": 429, b"9": 400,
+    b"10": 409, b"11": 400, b"12": 501, b"14": 503, b"16": 401,
+}  # fmt: skip
+
+
 def response_head(headers: HttpHeaders) -> tuple[int, str | None, str | None]:
     """`:status`, the `x-llmgw-upstream` value and the content type, without building a
-    dict of every header."""
+    dict of every header. A gRPC answer's 200 carrying a `grpc-status` other than 0 (a
+    trailers-only error) reads as that error's HTTP equivalent."""
     status, upstream, content_type = 0, None, None
+    grpc: bytes | None = None
     for h in headers.headers.headers:
         key = h.key
         if key == ":status":
@@ -165,6 +176,16 @@ def response_head(headers: HttpHeaders) -> tuple[int, str | None, str | None]:
         elif key == "content-type":
             raw = h.raw_value
             content_type = raw.decode("latin-1") if raw else h.value
+        elif key == "grpc-status":
+            grpc = (h.raw_value or h.value.encode()).strip()
+    if (
+        grpc is not None
+        and grpc != b"0"
+        and status == 200
+        and content_type is not None
+        and content_type.startswith("application/grpc")
+    ):
+        status = _GRPC_AS_HTTP.get(grpc, 500)
     return status, upstream, content_type
 
 

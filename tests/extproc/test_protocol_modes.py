@@ -281,6 +281,33 @@ def test_a_whole_response_that_trailers_end_is_a_success_not_cancelled(response_
     assert events == [Outcome.SUCCESS]
 
 
+@pytest.mark.parametrize(
+    ("grpc_status", "outcome"),
+    [
+        ("0", Outcome.SUCCESS),
+        ("14", Outcome.BACKPRESSURE),  # UNAVAILABLE
+        ("8", Outcome.BACKPRESSURE),  # RESOURCE_EXHAUSTED
+        ("13", Outcome.FAILURE),  # INTERNAL
+        ("3", Outcome.SUCCESS),  # INVALID_ARGUMENT: the client's, not the engine's
+    ],
+)
+def test_a_grpc_error_answered_as_http_200_is_charged_as_its_code(
+    grpc_status: str, outcome: Outcome
+) -> None:
+    """An engine's gRPC front end answers an error as HTTP 200 with `grpc-status` in a
+    headers-only answer: it was charged a success (found by a review helper)."""
+    events: list[Outcome] = []
+    ex = exchange(hooks=_outcomes(events))
+    ex.handle(first(chat_headers(), request_mode=0, response_mode=0))
+    ex.handle(body(CHAT, end=True))
+    head = response_headers(200, end_of_stream=True)
+    for key, value in (("content-type", "application/grpc"), ("grpc-status", grpc_status)):
+        head.response_headers.headers.headers.add(key=key, raw_value=value.encode())
+    ex.handle(head)
+    ex.close()
+    assert events == [outcome]
+
+
 def test_a_stream_cut_after_a_200_head_is_cancelled_not_success() -> None:
     events: list[Outcome] = []
     ex = exchange(hooks=_outcomes(events))
