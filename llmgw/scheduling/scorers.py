@@ -449,10 +449,13 @@ class LatencyScorer:
         """Cached tokens per endpoint whose engine's events are live; tokenizes only then."""
         kv = ctx.kv
         request = ctx.request
-        if self.tokenizer is None or kv is None or not kv.any_live() or not request.reads_cache:
-            self._tokens = None
-            return {}
-        if request.cache_salt is not None:  # salted blocks: the approximate index keys them
+        if (
+            self.tokenizer is None
+            or kv is None
+            or not kv.any_live()
+            or not request.reads_cache
+            or request.cache_salt is not None  # salted blocks: the approximate index keys them
+        ):
             self._tokens = None
             return {}
         tokens = self.tokenizer.tokens(request.raw_prompt, request.session_key)
