@@ -3,8 +3,14 @@
 closed --(failure_threshold consecutive failures)--> open
 open   --(cooldown elapsed: base * 2**k, capped)----> half_open
 half_open admits at most `half_open_probes` requests at a time;
-half_open --(success_threshold successes)--> closed (k reset)
+half_open --(success_threshold successes)--> closed (k kept)
 half_open --(any failure)--> open (k += 1)
+
+k forgets one step for every `max_cooldown` the breaker stays closed (Envoy's outlier
+detection decays its ejection multiplier the same way). An engine that reopens sooner is
+flapping: it reopens with k + 1, less the steps forgotten. So one that answers a probe or
+two and fails again backs off 1, 2, 4 ... s like one that never answered, while an
+isolated trip an hour later starts again at `base_cooldown`.
 
 Each half-open period has a number; a probe carries its period's (`on_dispatch`), and only
 the current period's probes hold its slots and decide it. A stream outlives a cooldown:
@@ -64,6 +70,7 @@ class BreakerSettings:
 
 class Breaker:
     __slots__ = (
+        "_closed_at",
         "_failures",
         "_successes",
         "opened_until",
@@ -77,7 +84,8 @@ class Breaker:
     def __init__(self, settings: BreakerSettings) -> None:
         self.settings = settings
         self.state = BreakerState.CLOSED
-        self.trips = 0  # k in base_cooldown * 2**k: consecutive re-openings
+        self.trips = 0  # k in base_cooldown * 2**k: re-openings not yet forgotten
+        self._closed_at = -1.0  # when it last closed after a trip; < 0: it never tripped
         self.opened_until = 0.0
         self.probes_inflight = 0
         self.period = 0  # the half-open period's number (counts every half-opening)
@@ -99,19 +107,36 @@ class Breaker:
         self.state = after
         if after is BreakerState.OPEN:
             base, cap = self.settings.base_cooldown, self.settings.max_cooldown
+            if before is BreakerState.CLOSED:
+                self.trips = self._reopening_trips(now)
             # Stop growing k at the cap: base * 2**k overflows a float after ~1000 trips.
-            if before is BreakerState.HALF_OPEN and base * 2**self.trips < cap:
+            elif base * 2**self.trips < cap:
                 self.trips += 1
             self.opened_until = now + min(base * 2**self.trips, cap)
             self.probes_inflight = 0
         elif after is BreakerState.CLOSED:
-            self.trips = 0
+            self._closed_at = now
             self.probes_inflight = 0
         else:  # half-open: a new period of probes
             self.period += 1
             self.probes_inflight = 0
         self._failures = 0
         self._successes = 0
+
+    def _reopening_trips(self, now: float) -> int:
+        """k for an opening from closed: 0 the first time; after an earlier trip, k + 1
+        less one for every `max_cooldown` closed since, at least 0 and no higher than the
+        cap needs."""
+        if self._closed_at < 0:
+            return 0
+        base, cap = self.settings.base_cooldown, self.settings.max_cooldown
+        forgotten = (now - self._closed_at) / cap if cap > 0 else float("inf")
+        if forgotten >= self.trips + 1:
+            return 0
+        k = self.trips + 1 - int(forgotten)
+        while k > 0 and base * 2 ** (k - 1) >= cap:
+            k -= 1
+        return k
 
     def available(self, now: float) -> bool:
         """May a request be sent now? Moves open -> half_open once the cooldown is over."""

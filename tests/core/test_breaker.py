@@ -169,25 +169,54 @@ def test_cooldown_doubles_on_each_reopening_and_is_capped() -> None:
     assert cooldowns == pytest.approx(expected)
 
 
-def test_closing_resets_the_backoff_exponent() -> None:
+def _fail_probes(b: Breaker, n: int) -> float:
+    """n failed probes in a row; returns the time of the last."""
+    now = 0.0
+    for _ in range(n):
+        now = b.opened_until
+        assert b.available(now)
+        b.record(False, now, probe=b.on_dispatch())
+    return now
+
+
+def _close(b: Breaker) -> float:
+    now = b.opened_until
+    assert b.available(now)
+    b.record(True, now, probe=b.on_dispatch())
+    assert b.state is C
+    return now
+
+
+def test_a_flapping_engine_keeps_backing_off_after_it_closes() -> None:
+    # Closing used to reset k: an engine that answered one probe and failed again a
+    # second later was retried after 1 s every time, however often it flapped.
     s = BreakerSettings(
         failure_threshold=1, success_threshold=1, base_cooldown=1.0, max_cooldown=60.0
     )
     b = opened(s, now=0.0)
-    now = 0.0
-    for _ in range(3):  # three failed probes: cooldown now 8 s
-        now = b.opened_until
-        b.available(now)
-        probe = b.on_dispatch()
-        b.record(False, now, probe=probe)
+    now = _fail_probes(b, 3)
     assert b.opened_until - now == pytest.approx(8.0)
-    now = b.opened_until
-    b.available(now)
-    probe = b.on_dispatch()
-    b.record(True, now, probe=probe)
-    assert b.state is C and b.trips == 0
-    b.record(False, now + 1)
-    assert b.opened_until - (now + 1) == pytest.approx(1.0)
+    cooldowns = []
+    for _ in range(5):  # answers a probe, fails a second later, five times
+        now = _close(b) + 1.0
+        b.record(False, now)
+        cooldowns.append(b.opened_until - now)
+    assert cooldowns == pytest.approx([16.0, 32.0, 60.0, 60.0, 60.0])
+
+
+def test_the_backoff_is_forgotten_one_step_per_max_cooldown_closed() -> None:
+    s = BreakerSettings(
+        failure_threshold=1, success_threshold=1, base_cooldown=1.0, max_cooldown=10.0
+    )
+    b = opened(s, now=0.0)
+    _fail_probes(b, 3)  # k = 3: 8 s
+    closed = _close(b)
+    b.record(False, closed + 25.0)  # two steps forgotten: 3 + 1 - 2
+    assert b.opened_until - (closed + 25.0) == pytest.approx(4.0)
+    closed = _close(b)
+    b.record(False, closed + 1000.0)  # all forgotten: like a first trip
+    assert b.opened_until - (closed + 1000.0) == pytest.approx(1.0)
+    assert b.trips == 0
 
 
 def test_long_outage_keeps_the_cooldown_at_the_cap_without_overflow() -> None:
