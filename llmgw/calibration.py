@@ -119,8 +119,11 @@ def _slope(fits: Iterable[DecayedSlope]) -> float | None:
     n = x = y = xx = xy = 0.0
     for f in fits:
         n, x, y, xx, xy = n + f.n, x + f.x, y + f.y, xx + f.xx, xy + f.xy
+    # n var(x) over mean(x^2): samples of one size (a templated workload at low load) say
+    # nothing of the cost per token, and in floats their spread is rounding residue, not
+    # 0 (the slope of noise over it read 61-366 us a token, by the size). Under 1e-6: one x.
     spread = n * xx - x * x
-    if n < _MIN_SAMPLES or spread <= 0:
+    if n < _MIN_SAMPLES or spread <= 1e-6 * n * xx:
         return None
     slope = (n * xy - x * y) / spread
     return slope if slope > 0 else None

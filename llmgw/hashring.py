@@ -153,20 +153,31 @@ class HashRing:
         """Like `candidates`, but replicas at capacity ceil(c * (total + 1) / n) are passed over.
 
         The first replica clockwise with spare capacity becomes the primary; the fallbacks are
-        the next distinct replicas with spare capacity. If every replica is at capacity the
-        plain ring order is returned (the bound can't be met, affinity still can). `among`:
-        only those replicas are eligible (`candidates_among`).
+        the next distinct replicas with spare capacity, then, if fewer have room than there
+        are slots, the others in plain ring order (every router names the same ones). If
+        every replica is at capacity the plain ring order is returned (the bound can't be
+        met, affinity still can). `among`: only those replicas are eligible
+        (`candidates_among`), and the bound is over them alone: a replica that takes
+        nothing (its breaker open) is no bin to spread over.
         """
         if c < 1.0:
             raise ValueError(f"bounded-load factor must be >= 1.0, got {c!r}")
         if not self.replica_ids:
             return []
-        total = sum(load.get(r, 0) for r in self.replica_ids)
-        capacity = bounded_capacity(c, total, len(self.replica_ids))
+        bins = self.replica_ids if among is None else [r for r in self.replica_ids if r in among]
+        if not bins:
+            return []
+        total = sum(load.get(r, 0) for r in bins)
+        capacity = bounded_capacity(c, total, len(bins))
         out = self._first(key, among, load, capacity)
-        if out:
-            return out
-        return self.candidates(key) if among is None else self.candidates_among(key, among)
+        limit = min(1 + self.num_fallback_replicas, len(bins))
+        if len(out) < limit:
+            for rid in self._walk(key):
+                if (among is None or rid in among) and rid not in out:
+                    out.append(rid)
+                    if len(out) == limit:
+                        break
+        return out
 
 
 @functools.lru_cache(maxsize=64)

@@ -117,8 +117,8 @@ class FreshMetricsFilter:
 
 class BoundedLoadFilter:
     """A guard against herding: drops endpoints whose in-flight count (this router's and its
-    `peers:`') is at capacity ceil(c * (total + 1) / n) (consistent hashing with bounded
-    loads), where c is the model's `session.bounded_load` (default 1.5). Keeps all when
+    `peers:`') is at capacity ceil(c * (total + 1) / n) over the candidates (consistent
+    hashing with bounded loads), where c is the model's `session.bounded_load` (default 1.5). Keeps all when
     every one is at capacity.
     """
 
@@ -128,12 +128,16 @@ class BoundedLoadFilter:
     default_factor = 1.5
 
     def filter(self, ctx: PickContext, candidates: list[EndpointState]) -> list[EndpointState]:
-        states = ctx.all_states
+        # The bound is over the endpoints this request may go to: one that takes nothing
+        # (its breaker open, outside a subset hint) is no bin to spread over (counted, the
+        # capacity fell below the healthy ones' mean: c read as less than 1).
+        if not candidates:
+            return candidates
         c = ctx.spec.session.bounded_load or self.default_factor
         total = 0
-        for s in states:
+        for s in candidates:
             total += s.inflight + s.remote_inflight
-        capacity = bounded_capacity(c, total, len(states))
+        capacity = bounded_capacity(c, total, len(candidates))
         kept = [s for s in candidates if s.inflight + s.remote_inflight < capacity]
         return _kept(candidates, kept) if kept else candidates
 

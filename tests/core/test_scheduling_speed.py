@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from llmgw.calibration import Calibration, pooled
 from llmgw.registry import EndpointState
 from llmgw.scheduling.scorers import LatencyScorer, slower_endpoints
 from llmgw.types import EngineMetrics, RequestInfo
@@ -190,3 +191,24 @@ def test_a_slower_endpoints_first_tokens_stay_out_of_the_cost_it_is_priced_a_mul
     prefill = scorer.terms()["prefill_s"]
     assert prefill[0] == pytest.approx(1000 * 20e-6, rel=0.01)
     assert prefill[2] == pytest.approx(2 * prefill[0], rel=0.05)
+
+
+def test_first_tokens_of_one_prompt_size_give_no_per_token_cost() -> None:
+    """Requests of one size sent with nothing pending ahead (a templated workload, a fixed
+    -length benchmark, at low load) say nothing about seconds per token: every sample has
+    the same x, and `_slope` means to answer None there (`spread <= 0`). In floats,
+    n x sum(x^2) - sum(x)^2 is a rounding residue (+-2^-k), not 0, and the slope of noise
+    over it is taken as the model's cost: 61-366 us a token at 993-1039 tokens, by the
+    prompt's size, for engines that publish no prefill cost (the `per_token` every prefill
+    and queue is priced at), and as `observed` for requests without a session."""
+    ys = [0.12 + 0.001 * ((k * 7) % 5 - 2) for k in range(30)]
+    invented = {}
+    for tokens in (997.0, 999.0, 1018.0, 1036.0):
+        cals = [Calibration(), Calibration()]
+        for k in range(15):
+            for j, cal in enumerate(cals):
+                cal.saw_first_token(0.0, tokens, ys[2 * k + j])
+        costs = pooled(cals)
+        if costs.per_token is not None or costs.observed is not None:
+            invented[tokens] = costs.per_token
+    assert invented == {}, f"seconds per token fitted to one x: {invented}"
