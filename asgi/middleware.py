@@ -51,6 +51,7 @@ from llmgw.request import (
     BODY_PATHS,
     CORS_ANSWER_HEADERS,
     check_body_size,
+    cors_preflight,
     needs_body,
     on_paths,
     wrong_method,
@@ -92,6 +93,24 @@ async def send_error(send: Send, error: LlmgwError, *, cors: bool = False) -> No
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def route_path(scope: Scope) -> str:
+    """The path below the app's mount: ASGI's `path` includes `root_path` (uvicorn's
+    `--root-path`, Starlette's `Mount`), as Starlette's own routing strips it. Matched
+    whole, an app mounted at `/llm` was never routed (its handler found no Decision)."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return path
+
+
+def _preflight(scope: Scope) -> bool:
+    """A browser's CORS preflight: OPTIONS with `Access-Control-Request-Method`."""
+    return scope["method"] == "OPTIONS" and any(
+        name.lower() == b"access-control-request-method" for name, _ in scope["headers"]
+    )
 
 
 class Disconnected(Exception):
@@ -243,7 +262,7 @@ class SchedulerMiddleware:
         return cached[1]
 
     def _routed(self, scope: Scope) -> bool:
-        path: str = scope["path"]
+        path = route_path(scope)
         if on_paths(path, self.paths):
             return True
         wanted = self._model_header()
@@ -252,12 +271,59 @@ class SchedulerMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "lifespan":
-            await self.app(scope, self._lifespan_receive(receive), send)
+            await self._lifespan(scope, receive, send)
             return
         if kind != "http" or not self._routed(scope):
             await self.app(scope, receive, send)
             return
+        if _preflight(scope):
+            # `cors` off, the app's own CORS middleware answers it (refused 405 here, a
+            # browser page could never POST to the app); on, llmgw answers it as vLLM does.
+            if not self.cors:
+                await self.app(scope, receive, send)
+                return
+            if await self._answer_preflight(scope, send):
+                return
         await self._route(scope, receive, send)
+
+    async def _answer_preflight(self, scope: Scope, send: Send) -> bool:
+        headers = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in scope["headers"]}
+        answer = cors_preflight("OPTIONS", route_path(scope), headers)
+        if answer is None:
+            return False
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.items()]
+        raw += [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        await send({"type": "http.response.body", "body": b"OK", "more_body": False})
+        return True
+
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The inner app's lifespan, with this middleware's router started and stopped in
+        it. An app that does not speak lifespan (Django's raises for it, many return at
+        once) never reads its messages: the middleware then answers them itself (its
+        router never started: no scrape, discovery or activator ran, silently)."""
+        read = False
+
+        async def counted() -> Message:
+            nonlocal read
+            read = True
+            return await wrapped()
+
+        wrapped = self._lifespan_receive(receive)
+        try:
+            await self.app(scope, counted, send)
+        except Exception:
+            if read:
+                raise
+        if read:
+            return
+        while True:
+            message = await wrapped()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
 
     def _lifespan_receive(self, receive: Receive) -> Receive:
         """Start and stop the router this middleware built; at shutdown, close the trace
@@ -279,7 +345,7 @@ class SchedulerMiddleware:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         lifecycle = Lifecycle(self.gateway, self.hooks)
         raw_headers, headers = split_headers(scope)
-        path: str = scope["path"]
+        path = route_path(scope)
         body: bytes | None = None
         limits = lifecycle.config.limits
         needed = needs_body(lifecycle.config, headers, path)
@@ -313,12 +379,13 @@ class SchedulerMiddleware:
         decision = result
         raw_headers.append((_DESTINATION, decision.endpoint.address.encode("latin-1")))
         raw_headers.append((_DECISION, decision.describe().encode("latin-1", "replace")))
-        state = dict(scope.get("state") or {})
+        # In place: middleware layers share `scope["state"]` (Starlette's `request.state`)
+        # by reference; a copy hid what the handler set, and the Decision, from outer ones.
+        state = scope.setdefault("state", {})
         state[DECISION_KEY] = decision
         state[DISPATCH_KEY] = lifecycle
         inner_scope = dict(scope)
         inner_scope["headers"] = raw_headers
-        inner_scope["state"] = state
         await self._call_inner(inner_scope, body, lifecycle, receive, send)
 
     async def _call_inner(
