@@ -171,9 +171,30 @@ class LaunchSpec(_Strict):
     def _one_kind(self) -> LaunchSpec:
         if (self.command is None) == (self.deployment is None):
             raise ValueError("command: give exactly one of `command` (local) or `deployment` (k8s)")
+        local = self.command is not None
+        kind, other = ("command", _K8S_LAUNCH) if local else ("deployment", _LOCAL_LAUNCH)
+        stray = sorted(self.model_fields_set & other)
+        if stray:  # accepted and ignored, `{command: ..., port: 8001}` looked right
+            raise ValueError(
+                f"{stray[0]}: not read with `{kind}` (a local command reads "
+                f"{', '.join(sorted(_LOCAL_LAUNCH))}; a deployment "
+                f"{', '.join(sorted(_K8S_LAUNCH))})"
+            )
         if self.command is not None:
             launch_argv(self.command, port=8000, host=self.host, model="m")
+            if self.base_port == 0 and "port" not in _field_names(self.command):
+                # llmgw picks a free port and health-checks it; the engine, never told,
+                # listens elsewhere: every start failed after start_timeout.
+                raise ValueError(
+                    "command: has no {port} placeholder and base_port is 0, so the engine "
+                    "never hears the port llmgw picks for it; add `--port {port}`, or set "
+                    "base_port to the port the command listens on"
+                )
         return self
+
+
+_LOCAL_LAUNCH = frozenset({"command", "health_path", "host", "base_port"})
+_K8S_LAUNCH = frozenset({"deployment", "namespace", "service", "port"})
 
 
 def _field_names(text: str) -> list[str]:
@@ -267,8 +288,27 @@ class KvEventsSpec(_Strict):
             )
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
-            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            if value is None:
+                continue
+            if not value.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"{name}: {value!r} is not a ZMQ address (tcp://{{host}}:PORT)")
+            # Filled per endpoint at run time: a typo raised there, in every follower,
+            # every second, and exact matching never came on.
+            try:
+                unknown = next((f for f in _field_names(value) if f != "host"), None)
+                if unknown is not None:
+                    raise KeyError(unknown)
+                value.format(host="h")
+            except (KeyError, IndexError) as exc:
+                raise ValueError(
+                    f"{name}: unknown placeholder {{{exc.args[0]}}} in {value!r} (the only one "
+                    "is {host}, the engine's host; the port is written out)"
+                ) from None
+            except ValueError as exc:
+                raise ValueError(
+                    f"{name}: {exc} in {value!r} (the only placeholder is {{host}}; write a "
+                    "literal brace as {{ or }})"
+                ) from None
         missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(
@@ -377,6 +417,23 @@ class ScrapeSpec(_Strict):
     # A replica added to a running model takes at most this many requests at once until
     # its first scrape says how busy it is (it may still be warming up).
     warmup_inflight: StrictInt = Field(default=2, ge=1)
+
+    @model_validator(mode="after")
+    def _fresh_between_scrapes(self) -> ScrapeSpec:
+        # Metrics older than `staleness` are not used: with scrapes further apart, every
+        # endpoint read stale for most of each interval and the load-aware scorers ran
+        # blind, silently. An omitted staleness follows a long interval instead.
+        needed = self.interval * (1 + self.jitter) + self.timeout
+        if self.staleness > needed:
+            return self
+        if "staleness" in self.model_fields_set:
+            raise ValueError(
+                f"staleness: {self.staleness:g} s would mark metrics stale between scrapes "
+                f"(interval {self.interval:g} s x (1 + jitter {self.jitter:g}) + timeout "
+                f"{self.timeout:g} s = {needed:g} s); make it longer, or scrape more often"
+            )
+        object.__setattr__(self, "staleness", max(2.0, 2 * needed))  # frozen: set once here
+        return self
 
 
 class LimitsSpec(_Strict):

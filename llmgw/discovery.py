@@ -160,6 +160,10 @@ def slice_port(slice_: Mapping[str, Any], wanted: str | int | None, default: int
     """The port of one EndpointSlice to route to (None: the slice lacks the wanted one)."""
     ports = [p for p in slice_.get("ports") or [] if p.get("port")]
     if isinstance(wanted, int):
+        # A headless Service may define no ports (KubeRay's, JobSet's): its slices list
+        # none, and the pod port number given is the only word on where the engine listens.
+        if not ports:
+            return wanted
         return wanted if any(int(p["port"]) == wanted for p in ports) else None
     if isinstance(wanted, str):
         named = [p for p in ports if p.get("name") == wanted]
@@ -207,15 +211,21 @@ def missing_port(slices: Iterable[Mapping[str, Any]], port: str | int | None) ->
     """When slices list endpoints but none has the wanted port: the ports they have (a
     Service's own port given instead of the pods' is the usual slip), else None."""
     have: set[str] = set()
+    portless = False
     for slice_ in slices:
         if not slice_.get("endpoints"):
             continue
         if slice_port(slice_, port, 0) is not None:
             return None
-        for p in slice_.get("ports") or []:
-            if p.get("port"):
-                have.add(f"{p['name']}:{p['port']}" if p.get("name") else str(p["port"]))
-    return ", ".join(sorted(have)) if have else None
+        listed = [p for p in slice_.get("ports") or [] if p.get("port")]
+        portless = portless or not listed
+        for p in listed:
+            have.add(f"{p['name']}:{p['port']}" if p.get("name") else str(p["port"]))
+    if have:
+        return ", ".join(sorted(have))
+    if portless:
+        return "none: a headless Service without ports, whose pods' port must be given by number"
+    return None
 
 
 def pod_is_routable(pod: Mapping[str, Any]) -> bool:

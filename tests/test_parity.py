@@ -263,7 +263,7 @@ def lazy_config() -> Config:
             "activation_poll_interval": 0.01,
             "models": {
                 **MODELS,
-                "lazy": {"launch": {"command": "true"}, "scaling": {"min": 0, "max": 1}},
+                "lazy": {"launch": {"command": "true {port}"}, "scaling": {"min": 0, "max": 1}},
             },
         }
     )

@@ -13,7 +13,7 @@ CONFIG = load_dict(
     {
         "models": {
             "static": {"endpoints": ["10.0.0.1:8000"]},
-            "lazy": {"launch": {"command": "true"}, "scaling": {"min": 0, "max": 1}},
+            "lazy": {"launch": {"command": "true {port}"}, "scaling": {"min": 0, "max": 1}},
         }
     }
 )

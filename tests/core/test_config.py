@@ -784,7 +784,9 @@ def test_normalize_never_turns_an_explicit_zero_max_into_a_default() -> None:
 
 
 def test_explicit_zero_max_from_yaml_stays_off() -> None:
-    cfg = load_text("models:\n  big:\n    launch: {command: run}\n    scaling: {min: 0, max: 0}\n")
+    cfg = load_text(
+        "models:\n  big:\n    launch: {command: 'run {port}'}\n    scaling: {min: 0, max: 0}\n"
+    )
     assert cfg.models["big"].scaling is not None
     assert cfg.models["big"].scaling.max == 0
     assert model_mode(cfg.models["big"]) is ModelMode.OFF

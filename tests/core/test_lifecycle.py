@@ -19,7 +19,7 @@ from .helpers import FakeClock, config, static_model
 
 CHAT = "/v1/chat/completions"
 HEADERS = {"x-llmgw-model": "chat", "x-session-id": "s1"}
-LAZY = {"launch": {"command": "true"}, "scaling": {"min": 0, "max": 1}}
+LAZY = {"launch": {"command": "true {port}"}, "scaling": {"min": 0, "max": 1}}
 LAZY_ADDRESS = "127.0.0.1:9"
 
 

@@ -117,8 +117,8 @@ def test_unknown_model_is_404_not_loading() -> None:
     "fields",
     [
         {"endpoints": ADDRS[:2], "scaling": {"min": 0, "max": 0}},
-        {"launch": {"command": "run"}, "scaling": {"min": 0, "max": 0}},
-        {"launch": {"command": "run"}},
+        {"launch": {"command": "run {port}"}, "scaling": {"min": 0, "max": 0}},
+        {"launch": {"command": "run {port}"}},
     ],
     ids=["static-max-0", "launched-max-0", "launched-no-scaling"],
 )
@@ -130,7 +130,7 @@ def test_disabled_model_is_503_model_disabled_and_not_retriable(fields: dict[str
 
 def test_on_demand_model_without_replicas_is_not_ready_for_the_activator() -> None:
     sched, _, _ = scheduler(
-        {"big": {"launch": {"command": "run"}, "scaling": {"min": 0, "max": 1}}}
+        {"big": {"launch": {"command": "run {port}"}, "scaling": {"min": 0, "max": 1}}}
     )
     expect(ModelNotReady, 503, "model_not_ready", sched, req("big"))
     # with a gateway's subset hint too: it was a 503 no_healthy_endpoint, never started

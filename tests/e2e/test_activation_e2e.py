@@ -52,7 +52,7 @@ def make_config(
                         "start_timeout": 30,
                     },
                 },
-                "off": {"launch": {"command": "false"}, "scaling": {"min": 0, "max": 0}},
+                "off": {"launch": {"command": "false {port}"}, "scaling": {"min": 0, "max": 0}},
             },
         }
     )

@@ -61,7 +61,7 @@ def make_router(strategy: str, *, fallbacks: bool, conformance: bool, debug: boo
             "models": {
                 "m1": {"endpoints": ENDPOINTS, "strategy": strategy},
                 "lazy": {
-                    "launch": {"command": "true", "expected_start_seconds": 1},
+                    "launch": {"command": "true {port}", "expected_start_seconds": 1},
                     "scaling": {"min": 0, "max": 1},
                     "strategy": strategy,
                 },

@@ -25,11 +25,11 @@ def config(timeout: float = 5.0, **scaling: object) -> Config:
             "activation_poll_interval": 0.01,
             "models": {
                 "lazy": {
-                    "launch": {"command": "true", "expected_start_seconds": 30},
+                    "launch": {"command": "true {port}", "expected_start_seconds": 30},
                     "scaling": {"min": 0, "max": 1, **scaling},
                 },
-                "off": {"launch": {"command": "true"}, "scaling": {"min": 0, "max": 0}},
-                "nostanza": {"launch": {"command": "true"}},
+                "off": {"launch": {"command": "true {port}"}, "scaling": {"min": 0, "max": 0}},
+                "nostanza": {"launch": {"command": "true {port}"}},
             },
         }
     )
@@ -177,7 +177,7 @@ async def test_local_control_plane_reports_a_process_that_exits_at_start() -> No
             "models": {
                 "m1": {
                     "launch": {
-                        "command": f"{sys.executable} -c 'import sys; sys.exit(\"no weights\")'"
+                        "command": f"{sys.executable} -c 'import sys; sys.exit(\"no weights\")' {{port}}"
                     },
                     "scaling": {"min": 0, "max": 1, "start_timeout": 10},
                 }
@@ -220,7 +220,7 @@ async def test_always_on_model_is_never_stopped_for_idleness_and_restarts_after_
         {
             "models": {
                 "warm": {
-                    "launch": {"command": "true"},
+                    "launch": {"command": "true {port}"},
                     "scaling": {"min": 1, "max": 1, "idle_timeout": 0.01},
                 }
             }
@@ -254,7 +254,7 @@ async def test_a_cancelled_start_leaves_no_process_behind() -> None:
             "models": {
                 "slow": {
                     "launch": {
-                        "command": f"{sys.executable} -c 'import time; time.sleep(60)' {token}"
+                        "command": f"{sys.executable} -c 'import time; time.sleep(60)' {{port}} {token}"
                     },
                     "scaling": {"min": 0, "max": 1, "start_timeout": 60},
                 }
@@ -362,10 +362,10 @@ async def test_a_slow_idle_stop_does_not_hold_the_other_models() -> None:
         {
             "models": {
                 "lazy": {
-                    "launch": {"command": "true"},
+                    "launch": {"command": "true {port}"},
                     "scaling": {"min": 0, "max": 1, "idle_timeout": 0.01},
                 },
-                "warm": {"launch": {"command": "true"}, "scaling": {"min": 1, "max": 1}},
+                "warm": {"launch": {"command": "true {port}"}, "scaling": {"min": 1, "max": 1}},
             }
         }
     )
@@ -400,7 +400,7 @@ async def test_a_request_right_after_a_failed_start_is_told_start_failed_not_429
             "activation_timeout": 30,
             "models": {
                 "lazy": {
-                    "launch": {"command": "true", "expected_start_seconds": 30},
+                    "launch": {"command": "true {port}", "expected_start_seconds": 30},
                     "scaling": {"min": 0, "max": 1, "max_waiting_requests": 2},
                 }
             },

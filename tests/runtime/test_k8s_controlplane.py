@@ -388,7 +388,7 @@ def test_each_model_gets_the_control_plane_of_its_launch_kind() -> None:
     mixed = load_dict(
         {
             "models": {
-                "local": {"launch": {"command": "true"}, "scaling": {"min": 0, "max": 1}},
+                "local": {"launch": {"command": "true {port}"}, "scaling": {"min": 0, "max": 1}},
                 "kube": {"launch": {"deployment": "d"}, "scaling": {"min": 0, "max": 1}},
             }
         }

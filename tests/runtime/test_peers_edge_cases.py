@@ -109,7 +109,7 @@ async def _lazy_model_routed_once() -> tuple[Router, FakeControlPlane, Decision]
         {
             "models": {
                 "lazy": {
-                    "launch": {"command": "true"},
+                    "launch": {"command": "true {port}"},
                     "scaling": {"min": 0, "max": 1, "idle_timeout": 60},
                 }
             }
