@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -11,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from llmgw.cli.explain import main
+from llmgw.testing.rawhttp import read_http_message
 
 ANSWERS: dict[str, tuple[int, bytes]] = {}
 
@@ -78,19 +78,8 @@ def http2_only_port() -> Iterator[int]:
         with conn:
             # The whole request first: closing with some of it unread resets the connection,
             # and the client may see the reset before the frame (the test then flaked).
-            data = b""
-            while b"\r\n\r\n" not in data:
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                data += chunk
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = re.search(rb"(?i)content-length:\s*(\d+)", head)
-            while length is not None and len(body) < int(length.group(1)):
-                chunk = conn.recv(65536)
-                if not chunk:
-                    return
-                body += chunk
+            if not read_http_message(conn)[0]:
+                return
             conn.sendall(HTTP2_SETTINGS)
             conn.shutdown(socket.SHUT_WR)  # then close once the client has read and gone
             while conn.recv(65536):

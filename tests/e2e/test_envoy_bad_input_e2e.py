@@ -36,6 +36,7 @@ from llmgw.testing.extproc import (
     loopback_bootstrap,
     wait_for,
 )
+from llmgw.testing.rawhttp import read_http_message
 
 pytestmark = pytest.mark.e2e
 
@@ -135,29 +136,9 @@ def _raw_status(stack: Stack, head: bytes, body: bytes) -> tuple[int, bytes, flo
 
         writer = threading.Thread(target=send_body, daemon=True)
         writer.start()
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        head, rest = read_http_message(sock)
         elapsed = time.monotonic() - started
-        head_end = data.find(b"\r\n\r\n")
-        status = int(data.split(b" ", 2)[1]) if data else 0
-        rest = data[head_end + 4 :]
-        length = next(
-            (
-                int(line.split(b":", 1)[1])
-                for line in data[:head_end].split(b"\r\n")
-                if line.lower().startswith(b"content-length:")
-            ),
-            0,
-        )
-        while len(rest) < length:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            rest += chunk
+        status = int(head.split(b" ", 2)[1]) if head else 0
         writer.join(5)
         return status, rest, elapsed
 
