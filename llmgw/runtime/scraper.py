@@ -54,6 +54,7 @@ class Scraper:
         self._supervisor: asyncio.Task[None] | None = None
         self._seen_version = -1
         self._rng = random.Random()
+        self._targets: tuple[int, Config, dict[str, list[Target]]] | None = None
 
     @property
     def config(self) -> Config:
@@ -79,7 +80,19 @@ class Scraper:
             self._sync()
 
     def targets(self) -> dict[str, list[Target]]:
-        """Address -> the models it serves, from the registry's current endpoint sets."""
+        """Address -> the models it serves, from the registry's current endpoint sets.
+        Built once per endpoint set and config (each address's loop asks before each
+        scrape: rebuilt every time, a round of N scrapes walked N x N endpoints, and 256
+        endpoints with `metrics:` overrides held the event loop 287 ms a timer, p50)."""
+        version, config = self.registry.version, self.config
+        cached = self._targets
+        if cached is not None and cached[0] == version and cached[1] is config:
+            return cached[2]
+        out = self._build_targets()
+        self._targets = (version, config, out)
+        return out
+
+    def _build_targets(self) -> dict[str, list[Target]]:
         out: dict[str, list[Target]] = {}
         for state in self.registry.all_states():
             ep = state.endpoint

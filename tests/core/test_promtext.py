@@ -270,8 +270,9 @@ vllm:kv_cache_usage_perc{engine="0",model_name="b"} 0.9
 def test_model_name_label_selects_one_model_of_several_on_a_page() -> None:
     a = extract(MULTI, CONTRACTS[Engine.VLLM], model="a")
     b = extract(MULTI, CONTRACTS[Engine.VLLM], model="b")
-    # Queues of a model's engines add up; KV takes the fullest engine.
-    assert (a.waiting, a.running, a.kv_usage) == (3.0, 7.0, 0.6)
+    # Queues of a model's engines add up; KV usage is their mean (their sizes add up too).
+    assert (a.waiting, a.running) == (3.0, 7.0)
+    assert a.kv_usage == pytest.approx(0.4)
     assert (b.waiting, b.running, b.kv_usage) == (40.0, 50.0, 0.9)
 
 
@@ -424,3 +425,37 @@ def test_a_page_of_many_series_nobody_reads_gives_just_the_wanted_samples() -> N
     got = outcome(lambda: list(iter_samples(text, WANTED)))
     assert got == outcome(lambda: line_by_line(text, WANTED))
     assert got == outcome(lambda: list(iter_samples(VLLM_BUSY, WANTED)))
+
+
+def _two_rank_vllm_page(usage: tuple[float, float], blocks: int, block_size: int) -> str:
+    """A vLLM page with two data-parallel ranks (`--data-parallel-size 2`): each publishes its
+    own gauges and its own cache_config_info (`engine` label), as the fixture's one rank."""
+    lines = []
+    for rank, used in enumerate(usage):
+        labels = f'engine="{rank}",model_name="m"'
+        lines += [
+            f"vllm:num_requests_waiting{{{labels}}} 0.0",
+            f"vllm:num_requests_running{{{labels}}} 4.0",
+            f"vllm:kv_cache_usage_perc{{{labels}}} {used}",
+            f'vllm:cache_config_info{{block_size="{block_size}",engine="{rank}",'
+            f'num_gpu_blocks="{blocks}"}} 1.0',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def test_kv_usage_times_kv_tokens_is_not_more_than_the_tokens_in_use_on_two_ranks() -> None:
+    """`extract` reads KV usage as the fullest rank's (max) but the KV size as every rank's
+    (sum); the latency scorer takes `kv_usage * kv_tokens` as the tokens in use. Two ranks of
+    16,384 tokens, one 95 % full and one 5 %: 31,129 tokens read as in use (1.9x the 16,384
+    really held) and 1,639 free (of 16,384), so the memory-admission wait is priced for a
+    prompt that fits on the idle rank at once."""
+    blocks, block_size = 1024, 16
+    usage = (0.95, 0.05)
+    m = extract(_two_rank_vllm_page(usage, blocks, block_size), CONTRACTS[Engine.VLLM], "m")
+    assert m.kv_tokens is not None
+    really_used = sum(u * blocks * block_size for u in usage)
+    read_used = m.kv_usage * m.kv_tokens
+    assert read_used <= really_used * 1.01, (
+        f"kv_usage {m.kv_usage} x kv_tokens {m.kv_tokens:.0f} = {read_used:.0f} tokens in use; "
+        f"the ranks hold {really_used:.0f}"
+    )
