@@ -376,6 +376,7 @@ class LatencyScorer:
         # Built at config load: a missing optional package or file fails there, with a message.
         self.tokenizer: PromptTokenizer | None = make_tokenizer(tokenizer) if tokenizer else None
         self._tokens: tuple[int, ...] | None = None
+        self._block: float = float(block_tokens)  # the last pick's index block, in its tokens
         if shared_sessions < 1:
             raise ValueError(f"shared_sessions must be >= 1, got {shared_sessions!r}")
         self.queue_weighting = queue_weighting
@@ -560,9 +561,15 @@ class LatencyScorer:
         hashes = self._hashes
         exact = self._exact_hits(ctx, candidates)
         tokens = request.prompt_tokens if request.prompt_tokens > 0 else 1
+        block = float(self.block_tokens)
         if self._tokens:
+            # Counted by the model's tokenizer: the index's blocks (this router's chars/4
+            # estimate) scale by the same ratio, or beside exact hits an endpoint on the
+            # index read half uncached at 2 characters a token.
             tokens = len(self._tokens)
-        block = self.block_tokens
+            if request.prompt_tokens > 0:
+                block = self.block_tokens * tokens / request.prompt_tokens
+        self._block = block
         # A prefix many sessions share (a system prompt) ends up cached wherever sessions
         # go: its one-time prefill is amortised, so it must not pin new sessions to the
         # replicas that saw it first (they would herd there). Only what is this session's
@@ -570,12 +577,12 @@ class LatencyScorer:
         shared_blocks = (
             self.index.shared_depth(hashes) if hashes and request.session_key is not None else 0
         )
-        shared = shared_blocks * block
+        shared = int(shared_blocks * block)
         if shared and exact:
             # Engines hold the shared prefix to the token, past its last full index block:
             # count that extent everywhere too, or those few tokens herd new sessions. Its
             # extent: the least that the engines holding it hold (one's history goes further).
-            cap = shared + block
+            cap = shared + int(block)
             holding = [e if e < cap else cap for e in exact.values() if e >= shared]
             if holding:
                 shared = min(holding)
@@ -621,7 +628,7 @@ class LatencyScorer:
             for eid, depth in deeper.items():
                 i = position(eid)
                 if i is not None:
-                    hit = depth * block
+                    hit = int(depth * block)
                     uncached_tokens[i] = uncached = tokens - hit if hit < tokens else 1
                     prefills[i] = per_token * uncached
         # Where an engine's events are live, what it holds replaces the index's guess.
@@ -826,7 +833,7 @@ class LatencyScorer:
             if chosen.calibration.pairs_picks:
                 # What the index believes cached there, for the engine's hit counter to check
                 # (walked only where the engine publishes it).
-                held = self.index.held(chosen.id, hashes) * self.block_tokens
+                held = self.index.held(chosen.id, hashes) * self._block
                 tokens = self._prompt_tokens
                 chosen.calibration.picked(tokens, held if held < tokens else tokens)
             self.index.insert(chosen.id, hashes, ctx.request.session_key, ctx.now)

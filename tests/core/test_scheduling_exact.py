@@ -16,7 +16,7 @@ from llmgw.request import build_request
 from llmgw.scheduling.plugins import PluginError, make_scorer
 from llmgw.scheduling.scheduler import Scheduler
 from llmgw.scheduling.scorers import LatencyScorer
-from llmgw.tokenize import make_tokenizer, sim_chat_prompt, sim_token_ids
+from llmgw.tokenize import PromptTokenizer, make_tokenizer, sim_chat_prompt, sim_token_ids
 from llmgw.types import RequestInfo
 
 from .helpers import bytes_kept, context, long_session_key, state
@@ -354,3 +354,47 @@ def test_tool_call_arguments_reach_the_template_parsed_as_vllm_hands_them_over(
     ]
     assert make_tokenizer(name).tokens(messages) == (2, 4, 3, 5)  # <|user|>hi<|assistant|> there
     assert call["function"] == {"name": "f", "arguments": '{"city": "there"}'}  # not mutated
+
+
+def _two_chars_a_token() -> object:
+    """A tokenizer whose tokens are 2 characters long (code, CJK text: README's robustness
+    runs use tokenizers of 2 and 6 characters a token)."""
+
+    def encode(text: str, special: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        starts = tuple(range(0, len(text) - 1, 2))
+        return tuple(hash(text[i : i + 2]) & 0xFFFF for i in starts), starts
+
+    return PromptTokenizer("two", lambda chat: "", encode)
+
+
+def test_approximate_hits_are_counted_in_the_tokenizers_tokens_beside_exact_ones() -> None:
+    """With a `tokenizer` and KV events live on some endpoint, the prompt's size is the
+    tokenizer's count, and a live endpoint's hits are in those tokens. An endpoint whose
+    events are unknown falls back to the approximate index (README), whose hits are
+    `depth x block_tokens` of this router's chars/4 estimate: subtracted from the
+    tokenizer's count, a prompt the index holds whole there reads half uncached at 2
+    characters a token (and fully cached at a fraction of it at 6), so a session's home
+    is priced as if it had lost half its history."""
+    prompt = "".join(f"{i:04d}" for i in range(2000))  # 8,000 characters: 4,000 tokens
+    request = RequestInfo(
+        "m", "r", prompt=prompt, prompt_tokens=len(prompt) // 4, raw_prompt=prompt,
+        session_key="s1",
+    )  # fmt: skip
+    kv = ExactPrefixIndex()
+    kv.apply_batch(  # a: events live, holds nothing of this prompt
+        "a:1", EventBatch(0, 0.0, (BlockStored((), None, (), 16, medium="GPU"),)), now=0.0
+    )
+    scorer = LatencyScorer()
+    scorer.tokenizer = _two_chars_a_token()  # type: ignore[assignment]
+    states = [state("a:1"), state("b:1")]  # b: no events (unknown): the approximate index
+    scorer.index.insert("b:1", scorer.index.hashes(prompt), "s1", 0.0)  # b holds it all
+    ctx = context(states, request=request)
+    ctx.kv = kv
+    scorer.score(ctx, states)
+    terms = scorer.terms()
+    assert terms["exact"] == (1.0, 0.0)
+    tokens = 4000
+    assert terms["cached_tokens"][0] == 0.0
+    # b's index holds all 31 whole 256-character blocks of the prompt: 7,936 of its 8,000
+    # characters, 3,968 of its 4,000 tokens.
+    assert terms["cached_tokens"][1] >= 0.95 * tokens, terms["cached_tokens"]
