@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import statistics
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -16,6 +17,8 @@ from typing import Any
 from llmgw.hashring import HashRing, ring_position
 from llmgw.sim.model import EngineConfig
 from llmgw.types import CHARS_PER_TOKEN
+
+log = logging.getLogger("llmgw.replay")
 
 BLOCK_CHARS = int(64 * CHARS_PER_TOKEN)  # the trace's block: 64 tokens
 _MASK = (1 << 64) - 1
@@ -69,6 +72,7 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
     file and line that is not a trace line."""
     rows: list[dict[str, Any]] = []
     where: dict[int, str] = {}  # id(row) -> "path:line", for errors found later
+    cut: list[str] = []  # lines a full disk cut short (the writer ends them on reopening)
     for path in paths:
         try:
             with path.open(encoding="utf-8") as lines:
@@ -77,6 +81,12 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                         continue
                     try:
                         row = json.loads(line)
+                    except ValueError as exc:
+                        if line.startswith('{"'):  # cut short (a full disk): that one lost
+                            cut.append(f"{path}:{number}")
+                            continue
+                        raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
+                    try:
                         _check_row(row)
                     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
                         raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
@@ -84,9 +94,17 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                     where[id(row)] = f"{path}:{number}"
         except UnicodeDecodeError as exc:
             raise ValueError(f"{path}: not a trace (not UTF-8 text: {exc.reason})") from None
+    if cut:
+        log.warning(
+            "%d trace line(s) cut short, left out (a full disk?): %s", len(cut), ", ".join(cut[:5])
+        )
     if not rows:
         raise ValueError("the trace has no requests")
-    clocked = len(paths) == 1 and all(_clocked(row) for row in rows)  # one router's clock
+    # One router's clock: one file, every line clocked, and that clock never jumping
+    # against the wall (a router restarted after a reboot, or on another node, appends to
+    # the same file with a monotonic clock started again: ordered by it, the later run's
+    # requests were replayed first).
+    clocked = len(paths) == 1 and all(_clocked(row) for row in rows) and _one_clock(rows)
     for row in rows:  # the pick's time where the trace has it: replays space picks by it
         if clocked:  # and hold requests as that router's clock saw it (wall anchors jitter)
             row["t"] = row["clock"]["pick"]
@@ -219,6 +237,20 @@ def _arrival(
         first_s=float(first_at) - row["t"] if isinstance(first_at, int | float) else None,
         held_s=float(clock["end"]) - row["t"] if clocked else None,
     )
+
+
+_CLOCK_DRIFT_S = 1.0  # the wall clock's steps (NTP) against a monotonic one, at most
+
+
+def _one_clock(rows: Sequence[dict[str, Any]]) -> bool:
+    """Every row's monotonic pick time is its wall pick time less one offset (within
+    `_CLOCK_DRIFT_S`): one process's clock throughout."""
+    offsets = [
+        float(row["clock"]["pick"]) - float(row["t_pick"])
+        for row in rows
+        if isinstance(row.get("t_pick"), int | float)
+    ]
+    return not offsets or max(offsets) - min(offsets) <= _CLOCK_DRIFT_S
 
 
 def _clocked(row: dict[str, Any]) -> bool:

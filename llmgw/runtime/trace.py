@@ -35,11 +35,34 @@ from llmgw.registry import EndpointState, fresh_metrics_of
 from llmgw.runtime.telemetry import decision_reason
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scorers import LatencyScorer
-from llmgw.types import CHARS_PER_TOKEN, Outcome, Rationale
+from llmgw.types import CHARS_PER_TOKEN, Outcome, Rationale, RequestInfo
 
 BLOCK_TOKENS = 64  # the latency scorer's default block: the same hashes, the same sharing
 MAX_BLOCKS = 128  # 8,192 tokens of prefix: more says little more about cache reuse
 _blocks = PrefixIndex(block_chars=int(BLOCK_TOKENS * CHARS_PER_TOKEN), max_blocks=MAX_BLOCKS)
+
+
+def _trace_blocks(request: RequestInfo) -> list[int]:
+    if not request.prompt:
+        return []
+    if request.cache_salt is not None:
+        return _blocks.hashes(f"\x00{request.cache_salt}\x00{request.prompt}")
+    return _blocks.hashes(request.prompt)
+
+
+def _ends_a_line(path: Path) -> bool:
+    """The file's last byte is a newline (or it cannot be read: assume so)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True
+    try:
+        size = os.fstat(fd).st_size
+        return size == 0 or os.pread(fd, 1, size - 1) == b"\n"
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def session_hash(key: str) -> str:
@@ -214,7 +237,10 @@ def trace_record(
         # Without a session the request id is the ring key: its place, not the id.
         "rid": None if request.session_key else session_hash(request.request_id),
         "prompt_tokens": request.prompt_tokens,
-        "blocks": _blocks.hashes(request.prompt) if request.prompt else [],
+        # Keyed as the engines and the latency scorer's index key them: salted blocks by
+        # their salt (unsalted, two tenants' prompts shared blocks here, and a replay sent
+        # one to the other's replica; the trace also linked what the salt keeps apart).
+        "blocks": _trace_blocks(request),
         "stream": request.stream,
         "decision": {
             "endpoint": decision.endpoint.id,
@@ -308,6 +334,12 @@ class RotatingFile:
         file = open(self.path, "ab", buffering=self.BUFFER)  # noqa: SIM115
         self._size = file.tell()
         self._pending = self._buffered = 0
+        if self._size and not _ends_a_line(self.path):
+            # A full disk cut the last line (a short write, then ENOSPC): end it, or the
+            # next line is glued on and the reader refuses the whole file.
+            file.write(b"\n")
+            file.flush()
+            self._size += 1
         return file
 
     def _timed_flush(self) -> None:

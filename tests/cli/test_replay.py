@@ -530,3 +530,39 @@ def test_a_line_ended_unknown_at_the_pick_replays_the_default_output_length(
     assert json.loads(line)["outcome"]["outcome"] == "unknown"
     (arrival,) = read_trace([trace], decode_ms=4.0, output_tokens=None)
     assert arrival.output_tokens == 16
+
+
+def test_a_file_appended_after_a_reboot_replays_in_arrival_order(tmp_path: Path) -> None:
+    """The trace path is fixed and opened for append, so a router restarted on another
+    node (same volume) or after a host reboot adds its lines to the same file; its
+    monotonic `clock` restarted near zero. The replay trusts `clock` whenever the trace is
+    one file with clocks on every line, so Tuesday's requests replay before Monday's."""
+    rows = []
+    for i in range(3):  # Monday: a host up for 14 hours
+        wall, clock = 1_700_000_000.0 + i, 50_000.0 + i
+        rows.append((wall, clock, f"monday-{i}"))
+    for i in range(3):  # Tuesday, after a reboot: the host up for 2 minutes
+        wall, clock = 1_700_086_400.0 + i, 120.0 + i
+        rows.append((wall, clock, f"tuesday-{i}"))
+    lines = [
+        json.dumps(
+            {
+                "t": wall,
+                "t_pick": wall,
+                "clock": {"pick": clock, "first": clock + 0.02, "end": clock + 0.1},
+                "model": "m1",
+                "session": session_hash(key),
+                "rid": None,
+                "prompt_tokens": 100,
+                "blocks": [],
+                "decision": {"endpoint": "10.0.0.1:8000"},
+                "outcome": {"ttft_ms": 20.0, "duration_ms": 100.0},
+            }
+        )
+        for wall, clock, key in rows
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    arrivals = read_trace([path], 4.0, None)
+    order = [a.session for a in arrivals]
+    assert order == [f"@{session_hash(key)}" for _, _, key in rows], "replayed out of order"
