@@ -29,8 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llmgw.cli.replay_sim import mirror_corrections, mirrorable, recorded, simulate
-from llmgw.cli.replay_trace import endpoints_of, fit_engine, read_trace
+from llmgw.cli.replay_sim import (
+    ModelSettings,
+    mirror_corrections,
+    mirrorable,
+    recorded,
+    simulate,
+)
+from llmgw.cli.replay_trace import endpoints_of, fit_engine, fleets_of, read_trace
 from llmgw.config import load_file
 from llmgw.errors import ConfigError
 from llmgw.scheduling.strategies import PRESETS
@@ -91,7 +97,11 @@ def strategies_of(args: argparse.Namespace) -> dict[str, Any]:
     if args.config is not None:  # each model's strategy of a config file, by model name
         config = load_file(args.config)
         for model, spec in config.models.items():
-            chosen[f"{args.config.name}:{model}"] = spec.strategy.model_dump()
+            chosen[f"{args.config.name}:{model}"] = ModelSettings(
+                spec.strategy.model_dump(),
+                spec.session.model_dump(),
+                spec.saturation.model_dump(),
+            )
     if not chosen:
         raise ValueError("give --strategies and/or --config")
     return chosen
@@ -192,12 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmgw replay: {exc}", file=sys.stderr)
         return 2
     endpoints = endpoints_of(arrivals, replicas)
+    fleets = fleets_of(arrivals, endpoints)
     began = time.monotonic()
     try:
         mirror = args.mirror
         if mirror is None:
             mirror = mirrorable(arrivals, endpoints)
-        fixes = mirror_corrections(arrivals, endpoints, engine, args.seed) if mirror else None
+        fixes = (
+            mirror_corrections(arrivals, endpoints, engine, args.seed, fleets) if mirror else None
+        )
     except ValueError as exc:
         print(f"llmgw replay: {exc}", file=sys.stderr)
         return 2
@@ -212,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             timing="recorded" if mirror else args.timing,
             corrections=fixes,
+            fleets=fleets,
         )
         rows.append(result.row())
     if args.json:

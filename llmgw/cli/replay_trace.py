@@ -65,6 +65,8 @@ class Arrival:
     # edge saw it) and its end; None for traces without `clock` (then ttft/duration).
     first_s: float | None = None
     held_s: float | None = None
+    # The endpoints its pick scored (the trace's `decision.totals`): the model's fleet.
+    candidates: frozenset[str] = frozenset()
 
 
 def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | None) -> list[Arrival]:
@@ -236,6 +238,11 @@ def _arrival(
         costs=_costs(row["costs"]) if isinstance(row.get("costs"), dict) else None,
         first_s=float(first_at) - row["t"] if isinstance(first_at, int | float) else None,
         held_s=float(clock["end"]) - row["t"] if clocked else None,
+        candidates=(
+            frozenset(str(e) for e in totals)
+            if isinstance(totals := (row.get("decision") or {}).get("totals"), dict)
+            else frozenset()
+        ),
     )
 
 
@@ -313,12 +320,32 @@ def fit_engine(
     return engine
 
 
+def _recorded_endpoints(arrival: Arrival) -> set[str]:
+    """The endpoints its pick had: the one chosen, and every one its view of the engines
+    names (a replica never chosen is still on the ring and in the what-ifs)."""
+    out = set(arrival.engines or ()) | arrival.candidates
+    if arrival.endpoint:
+        out.add(arrival.endpoint)
+    return out
+
+
 def endpoints_of(arrivals: Iterable[Arrival], replicas: int | None) -> list[str]:
     """The recorded endpoints (so the ring is the recorded ring), else made-up ones."""
-    seen = sorted({a.endpoint for a in arrivals if a.endpoint})
+    seen = sorted(set().union(*(_recorded_endpoints(a) for a in arrivals)))
     if replicas is None or replicas == len(seen):
         return seen or [f"10.0.0.{i + 1}:8000" for i in range(replicas or 4)]
     return [f"10.0.0.{i + 1}:8000" for i in range(replicas)]
+
+
+def fleets_of(arrivals: Iterable[Arrival], endpoints: list[str]) -> dict[str, list[str]]:
+    """Each model's own endpoints among `endpoints` (the recorded ones: what its own lines
+    name; made-up ones: all of them). Pooled, one model's sessions were replayed on a ring
+    of every model's replicas and landed on another model's."""
+    known = set(endpoints)
+    fleets: dict[str, set[str]] = {}
+    for a in arrivals:
+        fleets.setdefault(a.model, set()).update(_recorded_endpoints(a) & known)
+    return {m: sorted(f) if f else list(endpoints) for m, f in sorted(fleets.items())}
 
 
 class TraceRing(HashRing):

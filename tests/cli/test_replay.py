@@ -276,7 +276,7 @@ def test_a_replay_ends_each_request_as_the_lifecycle_does() -> None:
     # tell the registry the endpoint reports them (that would switch the latency scorer's
     # queue to pending prefill tokens).
     registry = Registry(clock=lambda: 0.0)
-    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    scheduler = Scheduler(replay_config({"m1": ENDPOINTS}, "latency"), registry, seed=1)
     decision = scheduler.pick(RequestInfo(model="m1", request_id="r", prompt="x" * 400))
     lease = scheduler.acquire(decision)
     state = registry.get("m1", decision.endpoint.id)
@@ -329,7 +329,7 @@ def test_mirroring_needs_the_recorded_views_and_endpoints(tmp_path: Path) -> Non
 def scraped_fleet(now: float) -> tuple[Registry, Scheduler, list[EndpointState]]:
     """A `latency` router over ENDPOINTS, each scraped at `now`: 2 running, none waiting."""
     registry = Registry(clock=lambda: now)
-    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    scheduler = Scheduler(replay_config({"m1": ENDPOINTS}, "latency"), registry, seed=1)
     for s in registry.states("m1"):
         registry.record_scrape("m1", s.id, EngineMetrics(waiting=0.0, running=2.0, kv_usage=0.1))
     return registry, scheduler, registry.states("m1")
@@ -471,7 +471,7 @@ def test_a_mirrored_pick_prices_a_sessionless_prompt_at_the_recorded_net_cost() 
     # higher; old traces (the speed's four alone) still replay at the ratio.
     now = 10.0
     registry = Registry(clock=lambda: now)
-    scheduler = Scheduler(replay_config(ENDPOINTS, ["m1"], "latency"), registry, seed=1)
+    scheduler = Scheduler(replay_config({"m1": ENDPOINTS}, "latency"), registry, seed=1)
     states = registry.states("m1")
     scorers = [sc for sc, _ in scheduler.routers["m1"].scorers]
     latency = next(sc for sc in scorers if isinstance(sc, LatencyScorer))
