@@ -7,6 +7,7 @@ with a tokenizer.json configured: jinja2 is an optional extra.
 from __future__ import annotations
 
 import json
+from collections import deque
 from datetime import datetime
 from typing import Any
 
@@ -98,25 +99,94 @@ def render_continuing(template: Any, source: str, context: dict[str, Any]) -> st
 
 def loops_over_content(source: str) -> bool:
     """Does the template iterate over a message's content (vLLM's "openai" content format:
-    it then hands the template content parts; otherwise one string)? As vLLM tells it
-    from the template's syntax tree: a `for` over `*.content`, `*['content']` or `content`."""
+    it then hands the template content parts; otherwise one string)? As vLLM 0.32 tells
+    it from the template's syntax tree (`_iter_nodes_assign_content_item`, vllm/renderers/
+    hf.py): a `for` over a message's `content` (a message: a loop variable over `messages`
+    or a name assigned from it), over a macro parameter some call binds to a message's
+    content (a template that renders `message.content` through `render_content(x)` read
+    as one string joined "A\nB" where vLLM renders "AB"), or over `content` outside a
+    macro."""
     try:
         tree = template_environment().parse(source)
     except jinja2.TemplateError:
         return False
-    return any(_is_content(loop.iter) for loop in tree.find_all(jinja2.nodes.For))
-
-
-def _is_content(node: jinja2.nodes.Node) -> bool:
-    while isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) and node.node is not None:
-        node = node.node  # `message.content | selectattr(...)`
-    if isinstance(node, jinja2.nodes.Name):
-        return node.name == "content"
-    if isinstance(node, jinja2.nodes.Getattr):
-        return node.attr == "content"
-    if isinstance(node, jinja2.nodes.Getitem):
-        return isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == "content"
+    messages = _message_names(tree)
+    in_macros: set[int] = set()
+    bound: dict[int, set[str]] = {}  # a loop in a macro -> its parameters bound to content
+    for macro in tree.find_all(jinja2.nodes.Macro):
+        params = [arg.name for arg in macro.args]
+        content_params: set[str] = set()
+        for call in tree.find_all(jinja2.nodes.Call):
+            if not (isinstance(call.node, jinja2.nodes.Name) and call.node.name == macro.name):
+                continue
+            for i, arg in enumerate(call.args):
+                if i < len(params) and any(_accesses(arg, m, "content") for m in messages):
+                    content_params.add(params[i])
+            for kwarg in call.kwargs:
+                if kwarg.key in params and any(
+                    _accesses(kwarg.value, m, "content") for m in messages
+                ):
+                    content_params.add(kwarg.key)
+        for loop in macro.find_all(jinja2.nodes.For):
+            in_macros.add(id(loop))
+            if content_params:
+                bound[id(loop)] = content_params
+    for loop in tree.find_all(jinja2.nodes.For):
+        target = loop.iter
+        if any(_accesses(target, m, "content") for m in messages):
+            return True
+        if isinstance(target, jinja2.nodes.Name):
+            if target.name in bound.get(id(loop), ()):
+                return True
+            if id(loop) not in in_macros and target.name == "content":
+                return True
     return False
+
+
+def _accesses(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
+    """`node` reads `name` (with `key`: its `.key` or `['key']`), through filters, tests
+    and slices (vLLM's `_is_var_or_elems_access`)."""
+    if isinstance(node, jinja2.nodes.Filter):
+        return node.node is not None and _accesses(node.node, name, key)
+    if isinstance(node, jinja2.nodes.Test):
+        return _accesses(node.node, name, key)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _accesses(node.node, name, key)
+    if key is None:
+        return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
+    if isinstance(node, jinja2.nodes.Getitem):
+        return (
+            _accesses(node.node, name)
+            and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == key
+        )
+    if isinstance(node, jinja2.nodes.Getattr):
+        return _accesses(node.node, name) and node.attr == key
+    return False
+
+
+def _message_names(tree: jinja2.nodes.Template) -> list[str]:
+    """The names a message goes by: the targets of loops over `messages` or a name
+    assigned from it (`{% set loop_messages = messages[1:] %}`), transitively."""
+    lists, queue = ["messages"], deque(["messages"])
+    while queue:
+        name = queue.popleft()
+        for assign in tree.find_all(jinja2.nodes.Assign):
+            target = assign.target
+            if (
+                _accesses(assign.node, name)
+                and isinstance(target, jinja2.nodes.Name)
+                and target.name not in lists
+            ):
+                lists.append(target.name)
+                queue.append(target.name)
+    out: list[str] = []
+    for loop in tree.find_all(jinja2.nodes.For):
+        if any(_accesses(loop.iter, n) for n in lists) and isinstance(
+            loop.target, jinja2.nodes.Name
+        ):
+            out.append(loop.target.name)
+    return out
 
 
 def vllm_tools(tools: Any) -> Any:

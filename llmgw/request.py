@@ -323,6 +323,11 @@ def parse_body(
         raw = _completion_prompt(payload.get("prompt"))
         if isinstance(raw, str) and payload.get("add_special_tokens") is False:
             raw = TextPrompt(raw, add_special_tokens=False)  # vLLM's default: true
+    elif payload.get("chat_template") is not None:
+        # The request's own template (vLLM with --trust-request-chat-template renders
+        # with it): no tokens to match exactly, the approximate index decides. Rendered
+        # with the model's, it was credited the default rendering's cached blocks.
+        raw = None
     elif any(payload.get(k) is not None for k in _TEMPLATE_FIELDS):
         raw = _chat_prompt(payload, messages)
     salt = payload.get("cache_salt")

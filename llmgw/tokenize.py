@@ -237,17 +237,21 @@ def hf_tokenizer(path: str) -> PromptTokenizer:
     specials = _special_tokens(settings, folder)
 
     def render(chat: ChatPrompt) -> str:
-        chosen = templates.get("tool_use") if chat.tools is not None else None
+        # vLLM's request tools are the kwargs' defaults: `chat_template_kwargs.tools`, as
+        # sent, overrides them (ChatParams.with_defaults), for the template and its choice.
+        kwargs = chat.kwargs if isinstance(chat.kwargs, dict) else {}
+        given = kwargs.get("tools")
+        tools = given if given is not None else vllm_tools(chat.tools)
+        chosen = templates.get("tool_use") if tools is not None else None
         chosen = chosen or templates.get("default")
         if chosen is None:
             raise ValueError(f"tokenizer {path!r}: no chat template beside it")
         template, text, parts, developer = chosen
         context: dict[str, Any] = {**specials, "add_generation_prompt": True, "documents": None}
-        if isinstance(chat.kwargs, dict):  # as vLLM merges them (request.py's _chat_prompt)
-            context.update(chat.kwargs)
+        context.update(kwargs)  # as vLLM merges them (request.py's _chat_prompt)
         continuing = context.pop("continue_final_message", False)  # not a template variable
         context["messages"] = vllm_messages(chat.messages, parts, developer)
-        context["tools"] = vllm_tools(chat.tools)
+        context["tools"] = tools
         if continuing:
             return render_continuing(template, text, context)
         return str(template.render(**context))
