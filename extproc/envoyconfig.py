@@ -131,7 +131,21 @@ def host_name_problem(config: Config) -> str | None:
 
 
 def _socket(host: str, port: int) -> dict[str, Any]:
-    return {"socket_address": {"address": host, "port_value": port}}
+    address: dict[str, Any] = {"address": host, "port_value": port}
+    if host == "::":  # every address, IPv4 clients too (bare `::` binds IPv6 only)
+        address["ipv4_compat"] = True
+    return {"socket_address": address}
+
+
+def _drop_response_header(name: str) -> dict[str, Any]:
+    mutation = _T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": mutation,
+            "mutations": {"response_mutations": [{"remove": name}]},
+        },
+    }
 
 
 def _extproc_addresses(addresses: str) -> list[str]:
@@ -367,6 +381,10 @@ def build(
     # down, Envoy's panic mode still tries them: a single replica behaves as before.
     extproc_cluster["health_checks"] = [envoylimits.extproc_health_check()]
     extproc_cluster["outlier_detection"] = envoylimits.outlier_detection()
+    # Every request Envoy carries holds one ext_proc stream for its whole life: sized as
+    # the fleet's, not Envoy's default 1,024 (the 1,025th concurrent stream got 500, or
+    # went unrouted with fail-open).
+    extproc_cluster["circuit_breakers"] = envoylimits.circuit_breakers(fleet)
     max_body = config.limits.max_body_bytes
     listener = _listener(
         _socket(listen_host, listen_port),
@@ -606,6 +624,10 @@ def _listener(
         "http_filters": [
             envoylimits.header_limit_filter(max_body),
             envoylimits.body_limit_filter(max_body),
+            # Responses pass filters in reverse: ext_proc reads the upstream header first,
+            # then this drops it where ext_proc did not (down, with fail-open: the engine's
+            # address reached clients).
+            _drop_response_header(UPSTREAM_HEADER),
             ext_proc,
             router,
         ],

@@ -225,8 +225,9 @@ def local_reply_config(max_body_bytes: int) -> dict[str, Any]:
                 "invalid_request",
                 "invalid_request_error",
             ),
-            _envoy_error(
-                "!response.code_details.startsWith('llmgw_')",
+            _envoy_error(  # (a direct response is llmgw's own JSON: the no-pick 503)
+                "!response.code_details.startsWith('llmgw_') && "
+                "response.code_details != 'direct_response'",
                 "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)",
                 "gateway_error",
             ),

@@ -110,12 +110,13 @@ def test_limits_are_checked_before_ext_proc_and_grpc_fits_the_body(shape: str) -
     assert names == [
         "envoy.filters.http.lua",
         "envoy.filters.http.buffer",
+        "envoy.filters.http.header_mutation",  # drops the upstream header ext_proc did not
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.router",
     ]
     limit = config.limits.max_body_bytes
     assert filters[1]["typed_config"]["max_request_bytes"] == limit
-    grpc = filters[2]["typed_config"]["grpc_service"]["envoy_grpc"]
+    grpc = filters[3]["typed_config"]["grpc_service"]["envoy_grpc"]
     assert grpc["max_receive_message_length"] > limit
     mappers = hcm["typed_config"]["local_reply_config"]["mappers"]
     mapped = {
@@ -130,7 +131,9 @@ def test_limits_are_checked_before_ext_proc_and_grpc_fits_the_body(shape: str) -
         for m in mappers
         if "extension_filter" in m["filter"]
     ]
-    assert expressions[-1] == "!response.code_details.startsWith('llmgw_')"
+    assert expressions[-1] == (  # nor llmgw's direct responses (the no-pick 503)
+        "!response.code_details.startsWith('llmgw_') && response.code_details != 'direct_response'"
+    )
     assert hcm["typed_config"]["request_headers_timeout"] == "60s"
 
 
