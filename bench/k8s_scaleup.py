@@ -59,7 +59,9 @@ async def traffic(http: httpx.AsyncClient, worker: int, stop: asyncio.Event) -> 
     sent, i = 0, worker
     while not stop.is_set():
         await http.post(
-            "/v1/chat/completions", content=BODY, headers={"x-session-id": f"s{i % 48}"}
+            "/v1/chat/completions",
+            content=BODY,
+            headers={"x-session-id": f"s{i % 48}", "content-type": "application/json"},
         )
         sent, i = sent + 1, i + 4
     return sent

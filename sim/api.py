@@ -125,8 +125,8 @@ def parse_call(kind: str, raw: bytes) -> CompletionCall:
     if not isinstance(body, dict):
         raise ApiError(400, "Request body must be a JSON object")
     model = body.get("model")
-    if model is None:
-        raise ApiError(400, "model: Field required", "model")
+    if model is None:  # vLLM: `model: str | None = None`, served by the default model
+        model = ""
     if not isinstance(model, str):
         raise ApiError(400, "model: Input should be a valid string", "model")
     prompt_token_ids: tuple[int, ...] | None = None

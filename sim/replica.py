@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -278,7 +279,15 @@ class Replica:
             message = f"Injected fault: HTTP {failure}."
             return Response(failure, api.error_body(failure, message), headers=headers)
         try:
+            # vLLM's validate_json_request: any other media type (or none) is a 400.
+            media = request.headers.get("content-type", "").lower().split(";", 1)[0].strip()
+            if media != "application/json":
+                raise api.ApiError(
+                    400, "Unsupported Media Type: Only 'application/json' is allowed"
+                )
             call = api.parse_call(kind, request.body)
+            if not call.model:  # absent or null: the default (first served) model
+                call = dataclasses.replace(call, model=next(iter(self._served)))
             served = self._served.get(call.model)
             if served is None:
                 raise api.ApiError(404, f"The model `{call.model}` does not exist.", "model")
@@ -319,7 +328,18 @@ class Replica:
             hashes = block_hashes(call.prompt, config.block_size) if caching else ()
             ids = token_ids(call.prompt) if events else ()
         if call.max_tokens is not None:
-            return SeqRequest(prompt_tokens, call.max_tokens, hashes, token_ids=ids)
+            # vLLM (get_max_tokens): max_tokens over the context is a 400; else it is cut to
+            # the room the prompt leaves (a 200 ending "length"), not refused.
+            if call.max_tokens > config.max_model_len:
+                raise api.ApiError(
+                    400,
+                    f"max_tokens ({call.max_tokens}) cannot be greater than the model's "
+                    f"maximum context length ({config.max_model_len})",
+                    "max_tokens",
+                )
+            room = config.max_model_len - prompt_tokens
+            wanted = min(call.max_tokens, room) if room > 0 else call.max_tokens
+            return SeqRequest(prompt_tokens, wanted, hashes, token_ids=ids)
         low, high = self.options.default_output_tokens
         room = max(1, config.max_model_len - prompt_tokens)
         drawn = min(self._text.length(low, high), room)

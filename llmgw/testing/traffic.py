@@ -44,7 +44,9 @@ class SessionTraffic:
             epoch = self.epoch
             try:
                 reply = await self.http.post(
-                    CHAT, content=self.body, headers={"x-session-id": session}
+                    CHAT,
+                    content=self.body,
+                    headers={"x-session-id": session, "content-type": "application/json"},
                 )
             except httpx.HTTPError as exc:
                 self.failures.append(f"{session}: {type(exc).__name__} {exc}")

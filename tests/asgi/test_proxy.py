@@ -38,6 +38,8 @@ from llmgw.scheduling.scheduler import Lease, Scheduler
 from llmgw.sim import SimFleet
 from llmgw.types import Outcome
 
+JSON = {"content-type": "application/json"}  # engines (vLLM) refuse bodies sent as anything else
+
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
 
@@ -73,12 +75,12 @@ def first_token_marks(app: ProxyApp) -> list[str]:
 async def test_non_streaming_passes_status_headers_and_body(fleet: SimFleet) -> None:
     app = proxy_for(make_config([address_of(u) for u in fleet.urls]))
     async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-        reply = await client.post(CHAT, content=BODY, headers={"x-session-id": "s1"})
+        reply = await client.post(CHAT, content=BODY, headers={**JSON, "x-session-id": "s1"})
         assert reply.status_code == 200
         assert reply.headers["content-type"] == "application/json"
         assert "x-sim-replica" in reply.headers
         assert reply.json()["object"] == "chat.completion"
-        again = await client.post(CHAT, content=BODY, headers={"x-session-id": "s1"})
+        again = await client.post(CHAT, content=BODY, headers={**JSON, "x-session-id": "s1"})
         assert again.headers["x-sim-replica"] == reply.headers["x-sim-replica"]
         bad = await client.post(CHAT, content=orjson.dumps({"model": MODEL, "max_tokens": "x"}))
         assert bad.status_code == 400  # the engine's own 400 passes through
@@ -121,7 +123,7 @@ async def test_sse_is_relayed_chunk_by_chunk_not_buffered() -> None:
     app = proxy_for(make_config([upstream.address]))
     try:
         async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-            async with client.stream("POST", CHAT, content=BODY) as reply:
+            async with client.stream("POST", CHAT, content=BODY, headers=JSON) as reply:
                 assert reply.headers["content-type"] == "text/event-stream"
                 pieces = reply.aiter_raw()
                 first = await asyncio.wait_for(anext(pieces), DEADLINE)
@@ -150,6 +152,7 @@ async def test_internal_headers_are_not_forwarded_upstream() -> None:
                 CHAT,
                 content=BODY,
                 headers={
+                    **JSON,
                     "x-gateway-destination-endpoint": "10.9.9.9:1",
                     "x-llmgw-decision": "forged",
                     "x-llmgw-upstream": "10.9.9.9:1",
@@ -223,7 +226,7 @@ async def test_the_first_chunk_holding_a_token_marks_the_first_token_once(
         async with (
             serve(app) as base,
             httpx.AsyncClient(base_url=base) as client,
-            client.stream("POST", CHAT, content=streamed) as reply,
+            client.stream("POST", CHAT, content=streamed, headers=JSON) as reply,
         ):
             pieces = reply.aiter_raw()
             assert await asyncio.wait_for(anext(pieces), DEADLINE) == first
@@ -261,7 +264,7 @@ async def test_each_streamed_chunk_marks_a_step_end_on_its_endpoint() -> None:
         async with (
             serve(app) as base,
             httpx.AsyncClient(base_url=base) as client,
-            client.stream("POST", CHAT, content=streamed) as reply,
+            client.stream("POST", CHAT, content=streamed, headers=JSON) as reply,
         ):
             (state,) = app.router.scheduler.registry.states(MODEL)
             pieces = reply.aiter_raw()
@@ -326,7 +329,7 @@ async def test_a_header_routed_generation_is_timed_only_if_its_answer_streams(
     app = proxy_for(make_config([upstream.address]))  # ring: reads no prompt
     try:
         async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-            reply = await client.post(CHAT, content=BODY, headers={"x-llmgw-model": MODEL})
+            reply = await client.post(CHAT, content=BODY, headers={**JSON, "x-llmgw-model": MODEL})
             assert reply.status_code == 200
     finally:
         await upstream.stop()
@@ -345,7 +348,7 @@ async def test_429_falls_back_to_the_next_replica(fleet: SimFleet) -> None:
     refusing = addresses.index(decision.endpoint.address)
     fleet.replicas[refusing].set_faults(status=429)
     async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-        reply = await client.post(CHAT, content=BODY, headers={"x-session-id": "s429"})
+        reply = await client.post(CHAT, content=BODY, headers={**JSON, "x-session-id": "s429"})
     assert reply.status_code == 200
     fallback = addresses.index(decision.fallbacks[0].address)
     assert reply.headers["x-sim-replica"] == str(fallback)
@@ -362,7 +365,7 @@ async def test_429_passes_through_when_no_fallback_is_allowed(fleet: SimFleet) -
     )
     app = proxy_for(config)
     async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-        reply = await client.post(CHAT, content=BODY)
+        reply = await client.post(CHAT, content=BODY, headers=JSON)
     assert reply.status_code == 429  # tried the primary and one fallback, then passed it on
     refused = sum(outcome_count(app.telemetry, address_of(u), "backpressure") for u in fleet.urls)
     assert refused == 2
@@ -394,7 +397,7 @@ async def test_a_refusal_is_answered_when_the_fallback_after_it_is_down() -> Non
     upstream, dead, app, key = await _refusing_primary_dead_fallback(refusal)
     try:
         async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-            reply = await client.post(CHAT, content=BODY, headers={"x-session-id": key})
+            reply = await client.post(CHAT, content=BODY, headers={**JSON, "x-session-id": key})
     finally:
         await upstream.stop()
     assert len(upstream.requests) == 1
@@ -420,7 +423,7 @@ async def test_a_refusal_passed_on_is_credited_to_the_endpoint_that_gave_it() ->
     app.routed.hooks = dataclasses.replace(app.routed.hooks, finished=finished)
     try:
         async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-            reply = await client.post(CHAT, content=BODY, headers={"x-session-id": key})
+            reply = await client.post(CHAT, content=BODY, headers={**JSON, "x-session-id": key})
     finally:
         await upstream.stop()
     assert reply.status_code == 429 and reply.content == refusal
@@ -440,13 +443,13 @@ async def test_connect_error_falls_back_and_all_refused_is_502(fleet: SimFleet) 
     app = proxy_for(make_config([dead, address_of(fleet.urls[0])]))
     key = _session_with_primary(app, dead)
     async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-        reply = await client.post(CHAT, content=BODY, headers={"x-session-id": key})
+        reply = await client.post(CHAT, content=BODY, headers={**JSON, "x-session-id": key})
     assert reply.status_code == 200
     assert outcome_count(app.telemetry, dead, "failure") == 1
     assert outcome_count(app.telemetry, address_of(fleet.urls[0]), "success") == 1
     app = proxy_for(make_config([refused_address(), refused_address()]))
     async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
-        reply = await client.post(CHAT, content=BODY)
+        reply = await client.post(CHAT, content=BODY, headers=JSON)
     assert reply.status_code == 502
     assert reply.json()["error"]["code"] == "upstream_unreachable"
 
@@ -473,7 +476,7 @@ async def test_no_retry_after_the_first_byte_reached_the_client() -> None:
         async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
             with pytest.raises(httpx.RemoteProtocolError):
                 async with client.stream(
-                    "POST", CHAT, content=BODY, headers={"x-session-id": key}
+                    "POST", CHAT, content=BODY, headers={**JSON, "x-session-id": key}
                 ) as reply:
                     assert reply.status_code == 200
                     async for _ in reply.aiter_raw():
@@ -498,7 +501,7 @@ async def test_client_disconnect_cancels_upstream_and_releases_inflight() -> Non
     try:
         async with serve(app) as base:
             client = httpx.AsyncClient(base_url=base)
-            pending = asyncio.create_task(client.post(CHAT, content=BODY))
+            pending = asyncio.create_task(client.post(CHAT, content=BODY, headers=JSON))
             await asyncio.wait_for(upstream.received.wait(), DEADLINE)
             assert inflight(app) == 1
             pending.cancel()  # the client goes away
@@ -530,7 +533,7 @@ async def test_errors_and_fixed_routes(fleet: SimFleet) -> None:
         assert (await client.get("/healthz")).status_code == 200
         ready = await client.get("/readyz")
         assert ready.status_code == 200 and ready.json()["ready"] is True
-        await client.post(CHAT, content=BODY)
+        await client.post(CHAT, content=BODY, headers=JSON)
         metrics = (await client.get("/metrics")).text
         assert "llmgw_decisions_total" in metrics
         assert 'llmgw_errors_total{code="body_too_large",status="413"}' in metrics
@@ -581,7 +584,7 @@ async def test_fastapi_app_forwarding_itself_on_real_uvicorn(fleet: SimFleet) ->
         return {"destination": destination, "replica": reply.headers["x-sim-replica"]}
 
     async with serve(api) as base, httpx.AsyncClient(base_url=base) as client:
-        reply = (await client.post(CHAT, content=BODY)).json()
+        reply = (await client.post(CHAT, content=BODY, headers=JSON)).json()
     index = [address_of(u) for u in fleet.urls].index(reply["destination"])
     assert reply["replica"] == str(index)
 

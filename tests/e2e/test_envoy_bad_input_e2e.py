@@ -38,6 +38,8 @@ from llmgw.testing.extproc import (
 )
 from llmgw.testing.rawhttp import read_http_message
 
+JSON = {"content-type": "application/json"}  # engines (vLLM) refuse bodies sent as anything else
+
 pytestmark = pytest.mark.e2e
 
 LIMIT = 1 << 20  # limits.max_body_bytes in these tests (1 MiB)
@@ -56,7 +58,7 @@ def test_chat_through_envoy_with_and_without_tls_to_ext_proc(
     stack: StackFactory, shape: str, tls: bool
 ) -> None:
     s = stack(shape, tls=tls)
-    r = httpx.post(s.url + CHAT, content=chat_body(100), timeout=10)
+    r = httpx.post(s.url + CHAT, content=chat_body(100), headers=JSON, timeout=10)
     assert r.status_code == 200, r.text
     picked = r.headers["x-llmgw-decision"].split()[0].removeprefix("endpoint=")  # llmgw chose
     assert s.replica_index[picked] == int(r.headers["x-sim-replica"])
@@ -81,7 +83,7 @@ def test_envoy_verifies_the_ext_proc_certificate_with_extproc_ca(
                 extproc_ca=str(tmp_path / ca),
             )
             with EnvoyProcess(bootstrap) as envoy:
-                r = httpx.post(envoy.url + CHAT, content=chat_body(100), timeout=10)
+                r = httpx.post(envoy.url + CHAT, content=chat_body(100), headers=JSON, timeout=10)
                 assert r.status_code == expected, (ca, r.status_code, r.text)
     finally:
         extproc.stop()
@@ -109,7 +111,7 @@ def test_the_commands_defaults_talk_tls_and_answer_gie_health_names(
         argv += ["--listen", f"127.0.0.1:{listen}", "--admin", f"127.0.0.1:{admin}"]
         assert envoyconfig_main([*argv, "--extproc", f"127.0.0.1:{grpc_port}"]) == 0
         with EnvoyProcess(yaml.safe_load(envoy_yaml.read_text())) as envoy:
-            r = httpx.post(envoy.url + CHAT, content=chat_body(100), timeout=10)
+            r = httpx.post(envoy.url + CHAT, content=chat_body(100), headers=JSON, timeout=10)
             assert r.status_code == 200, r.text
         with grpc.insecure_channel(f"127.0.0.1:{ports['grpc_health']}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -221,7 +223,7 @@ def test_client_abort_mid_body_never_reaches_ext_proc(stack: StackFactory) -> No
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(_post(s, body))
         sock.sendall(body[: len(body) // 2])  # then hang up with half the body sent
-    r = httpx.post(s.url + CHAT, content=chat_body(100), timeout=10)
+    r = httpx.post(s.url + CHAT, content=chat_body(100), headers=JSON, timeout=10)
     assert r.status_code == 200
     # The buffer filter held the aborted request: only the good one was decided.
     assert _decisions(s) == 1
@@ -324,12 +326,12 @@ def test_a_dead_endpoint_and_a_stopped_ext_proc_are_json_errors(
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     config = fleet_config(sim_fleet, models={"m1": {"endpoints": [dead], "strategy": "ring"}})
     s = stack("original-dst", config=config)
-    r = httpx.post(s.url + CHAT, content=chat_body(100), timeout=10)
+    r = httpx.post(s.url + CHAT, content=chat_body(100), headers=JSON, timeout=10)
     assert r.status_code == 503 and r.headers["content-type"] == "application/json"
     assert r.json()["error"]["code"] == "upstream_unreachable", r.text
     assert "connect" in r.json()["error"]["message"]
     s.extproc.stop()
-    r = httpx.post(s.url + CHAT, content=chat_body(100), timeout=10)
+    r = httpx.post(s.url + CHAT, content=chat_body(100), headers=JSON, timeout=10)
     assert r.status_code == 500 and r.json()["error"]["code"] == "router_unavailable", r.text
 
 
@@ -339,7 +341,7 @@ def test_a_request_routed_at_the_headers_still_reports_its_outcome(
     """llmgw's own mode leaves response headers off in Envoy's config; the headers answer
     of a request it routes turns them on (the debug header is set in that answer)."""
     s = stack("original-dst", config=fleet_config(sim_fleet, strategy="ring"))
-    r = httpx.post(s.url + CHAT, content=chat_body(100), headers={"x-llmgw-model": "m1"})
+    r = httpx.post(s.url + CHAT, content=chat_body(100), headers={**JSON, "x-llmgw-model": "m1"})
     assert r.status_code == 200, r.text
     picked = r.headers["x-llmgw-decision"].split()[0].removeprefix("endpoint=")
     assert s.replica_index[picked] == int(r.headers["x-sim-replica"])

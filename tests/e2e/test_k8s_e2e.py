@@ -28,6 +28,8 @@ from llmgw.testing.fake_k8s import FakeKubernetes
 from llmgw.testing.traffic import SessionTraffic, served_by
 from llmgw.testing.wait import eventually
 
+JSON = {"content-type": "application/json"}  # engines (vLLM) refuse bodies sent as anything else
+
 NS = "models"
 MODEL = "m1"
 CHAT = "/v1/chat/completions"
@@ -300,7 +302,7 @@ async def test_a_pod_turning_not_ready_finishes_its_stream_through_envoy_and_get
                 {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
             )
             async with http.stream(
-                "POST", CHAT, content=stream_body, headers={"x-session-id": session}
+                "POST", CHAT, content=stream_body, headers={**JSON, "x-session-id": session}
             ) as reply:
                 chunks = reply.aiter_raw()
                 assert b"content" in await anext(chunks)
@@ -310,7 +312,9 @@ async def test_a_pod_turning_not_ready_finishes_its_stream_through_envoy_and_get
                         await asyncio.sleep(0.01)
                 kube.mark("vllm", port_a, ready=False, terminating=True, namespace=NS)
                 for _ in range(5):  # the same session, while its old pod drains
-                    again = await http.post(CHAT, content=BODY, headers={"x-session-id": session})
+                    again = await http.post(
+                        CHAT, content=BODY, headers={**JSON, "x-session-id": session}
+                    )
                     assert again.status_code == 200 and served_by(again) == b
                 assert [r.target for r in upstream.requests].count(CHAT) == 1
                 draining = await asyncio.to_thread(

@@ -27,6 +27,8 @@ from llmgw.testing.fake_k8s import FakeKubernetes
 from llmgw.testing.traffic import SessionTraffic, served_by
 from llmgw.testing.wait import eventually
 
+JSON = {"content-type": "application/json"}  # engines (vLLM) refuse bodies sent as anything else
+
 NS = "models"
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
@@ -135,7 +137,7 @@ async def test_a_pod_turning_not_ready_then_terminating_finishes_its_stream_and_
                     {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}]}
                 )
                 async with http.stream(
-                    "POST", CHAT, content=stream_body, headers={"x-session-id": session}
+                    "POST", CHAT, content=stream_body, headers={**JSON, "x-session-id": session}
                 ) as reply:
                     chunks = reply.aiter_raw()
                     first = await anext(chunks)
@@ -145,7 +147,7 @@ async def test_a_pod_turning_not_ready_then_terminating_finishes_its_stream_and_
                     kube.mark("vllm", port_a, ready=False, terminating=True, namespace=NS)
                     for _ in range(5):  # the same session: now on the other pod
                         again = await http.post(
-                            CHAT, content=BODY, headers={"x-session-id": session}
+                            CHAT, content=BODY, headers={**JSON, "x-session-id": session}
                         )
                         assert again.status_code == 200 and served_by(again) == b
                     assert [r.target for r in upstream.requests].count(CHAT) == 1

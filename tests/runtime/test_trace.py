@@ -46,6 +46,8 @@ from llmgw.testing.extproc import (
 from llmgw.testing.wait import eventually
 from llmgw.types import EngineMetrics
 
+JSON = {"content-type": "application/json"}  # engines (vLLM) refuse bodies sent as anything else
+
 SECRET = "the-launch-code-is-PURPLE-ELEPHANT-4242 "
 SESSION = "alice@example.com"
 
@@ -198,7 +200,9 @@ async def test_the_proxy_writes_the_trace_with_observed_ttft(tmp_path: Path) -> 
         async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
             for turn in range(4):
                 reply = await client.post(
-                    "/v1/chat/completions", content=body(turn), headers={"x-session-id": SESSION}
+                    "/v1/chat/completions",
+                    content=body(turn),
+                    headers={**JSON, "x-session-id": SESSION},
                 )
                 assert reply.status_code == 200
     records = lines(path)

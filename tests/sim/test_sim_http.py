@@ -123,7 +123,6 @@ async def test_streamed_completion_without_usage(client: httpx.AsyncClient) -> N
     [
         (b"{not json", "Invalid JSON"),
         (b"[1, 2]", "JSON object"),
-        (b'{"messages": []}', "model: Field required"),
         (b'{"model": 5, "messages": []}', "model: Input should be a valid string"),
         (b'{"model": "m1"}', "messages: Field required"),
         (b'{"model": "m1", "messages": "hi"}', "messages"),
@@ -139,7 +138,8 @@ async def test_streamed_completion_without_usage(client: httpx.AsyncClient) -> N
 async def test_bad_requests_are_400_openai_errors(
     client: httpx.AsyncClient, body: bytes, needle: str
 ) -> None:
-    response = await client.post("/v1/chat/completions", content=body)
+    json_body = {"content-type": "application/json"}
+    response = await client.post("/v1/chat/completions", content=body, headers=json_body)
     assert response.status_code == 400
     error = response.json()["error"]
     assert needle in error["message"]
