@@ -236,6 +236,8 @@ class Lifecycle:
         except Exception as exc:  # as in route: a router bug answers 500, not a dead stream
             return self.refuse(InternalError(f"router error: {type(exc).__name__}: {exc}"))
         self._dispatch(decision)
+        if self.hooks.stage is not None:  # the routing answer came after the model's start
+            self.hooks.stage("total", time.perf_counter() - self._started)
         return decision
 
     def refuse(self, error: LlmgwError) -> LlmgwError:

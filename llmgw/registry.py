@@ -88,6 +88,7 @@ class EndpointState:
         "share_sent",
         "token_at",
         "warming",
+        "warming_since",
     )
 
     def __init__(self, endpoint: Endpoint, breaker: BreakerSettings) -> None:
@@ -152,8 +153,11 @@ class EndpointState:
         # other routers and direct clients take their part of the count.
         self.share_sent = 0.0
         self.share_engine = 0.0
-        # Added to a running model and not scraped yet: takes a bounded share until then.
+        # Added to a running model and not scraped yet: takes a bounded share until then,
+        # or until its scrapes have failed for the staleness window (an engine without
+        # /metrics was capped for good, where the replicas there at start never were).
         self.warming = False
+        self.warming_since = 0.0
         # Times a scrape showed the engine's counters back below the last one's: a new
         # process at the same address (a crash, an OOM kill, a container restart).
         self.restarts = 0
@@ -243,6 +247,7 @@ class Registry:
             if state is None:
                 state = EndpointState(ep, self._breaker)
                 state.warming = bool(current)
+                state.warming_since = self.clock()
             else:  # same server (say, a new weight): keep its breaker, metrics and inflight
                 state.endpoint = ep
             new.append(state)
@@ -502,8 +507,7 @@ class Registry:
                 state.peak_is_batch = True
         state.calibration.on_scrape(metrics, at=now, released=state.released_since_scrape)
         if state.warming:
-            state.warming = False
-            self._warming[model] = max(0, self._warming.get(model, 0) - 1)
+            self._warmed(model, state)
         state.metrics = metrics
         state.scraped_at = now
         state.released_since_scrape = 0
@@ -522,8 +526,14 @@ class Registry:
         state.scrape_error = error
         if model_absent:
             state.serves_model = False
+        if state.warming and self.clock() - state.warming_since >= self.staleness:
+            self._warmed(model, state)  # no first scrape is coming: served as the others
         if self.on_load is not None:  # its queued prefill is no longer told (`own_load`)
             self.on_load(model, state)
+
+    def _warmed(self, model: str, state: EndpointState) -> None:
+        state.warming = False
+        self._warming[model] = max(0, self._warming.get(model, 0) - 1)
 
     def breaker_states(self) -> dict[tuple[str, str], BreakerState]:
         now = self.clock()

@@ -408,6 +408,10 @@ class Telemetry:
         )
         self._decision_children: dict[tuple[str, str, str], Counter] = {}
         self._outcome_children: dict[tuple[str, str, str], Counter] = {}
+        # Counted since the last render: a departed endpoint's series goes only at a
+        # render that has shown its last count (an outcome is told after its lease ends,
+        # which ends the drain: a dying engine's last failures were dropped unseen).
+        self._unrendered: set[tuple[str, str, str]] = set()
         self._collector: _RegistryCollector | None = None
         self._bound: Registry | None = None
 
@@ -438,6 +442,7 @@ class Telemetry:
         if child is None:
             child = self._decision_children[key] = self._decisions.labels(*key)
         child.inc()
+        self._unrendered.add(key)
         return reason
 
     def outcome(self, model: str, endpoint_id: str, outcome: Outcome) -> None:
@@ -446,6 +451,7 @@ class Telemetry:
         if child is None:
             child = self._outcome_children[key] = self._outcomes.labels(*key)
         child.inc()
+        self._unrendered.add(key)
 
     def ended(self, model: str, outcome: Outcome) -> None:
         self._requests.labels(model, outcome.value).inc()
@@ -485,6 +491,7 @@ class Telemetry:
         draining): with pods coming and going under new IPs, each kept its series forever
         (300 rollouts of 2 pods: 600 outcome series, 150 KB a scrape)."""
         registry = self._bound
+        unrendered, self._unrendered = self._unrendered, set()
         if registry is None:
             return
         for children, family in (
@@ -493,7 +500,7 @@ class Telemetry:
         ):
             for key in [k for k in children if registry.get(k[0], k[1]) is None]:
                 model, endpoint_id = key[0], key[1]
-                if any(d.id == endpoint_id for d in registry.draining(model)):
-                    continue
+                if key in unrendered or any(d.id == endpoint_id for d in registry.draining(model)):
+                    continue  # (counted since the last render: shown this once, then gone)
                 del children[key]
                 family.remove(*key)
