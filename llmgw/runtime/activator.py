@@ -10,12 +10,14 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from llmgw.activation import Action, ActivationSettings, ModelActivation
+from llmgw.activation import Action, ActivationSettings, ActivationState, ModelActivation
 from llmgw.config import Config, ModelMode, model_mode
 from llmgw.gateway import ConfigSource, config_source
 from llmgw.registry import Registry
 from llmgw.runtime.controlplanes import ControlPlane, FollowsEndpoints, StartError
 from llmgw.types import Endpoint
+
+STOP_RETRY_S = 10.0  # a failed stop (scale to 0) is tried again this often while off
 
 log = logging.getLogger("llmgw.activator")
 
@@ -55,6 +57,8 @@ class Activator:
         # Per model, the latest time (registry clock) a peer was seen using it at a pass.
         self._peer_use_seen: dict[str, float] = {}
         self._cleanups: set[asyncio.Task[None]] = set()
+        # Models whose stop failed: when to try again (while they stay off).
+        self._stop_retry_at: dict[str, float] = {}
         control_plane.on_crash(self._on_crash)
         if isinstance(control_plane, FollowsEndpoints):
             control_plane.on_endpoints(self._on_endpoints)
@@ -103,6 +107,7 @@ class Activator:
         # The start belongs to the activator, not to any waiter: a waiter giving up
         # (timeout, client gone) must not cancel it.
         self._ready[model].clear()
+        self._stop_retry_at.pop(model, None)  # started again: no stop is owed
         self._starts[model] = asyncio.create_task(self._start(model), name=f"start {model}")
 
     async def _start(self, model: str) -> None:
@@ -204,8 +209,14 @@ class Activator:
     async def _release(self, model: str, why: str) -> None:
         try:
             await self.control_plane.stop(model)
+        except StartError as exc:  # (the API server away, say): tried again
+            log.warning("stopping %s model %s failed: %s (retrying)", why, model, exc)
+            self._stop_retry_at[model] = self.clock() + STOP_RETRY_S
         except Exception:
             log.exception("stopping %s model %s failed", why, model)
+            self._stop_retry_at[model] = self.clock() + STOP_RETRY_S
+        else:
+            self._stop_retry_at.pop(model, None)
 
     async def tick(self) -> None:
         """One pass over the models; returns once the idle stops it began have ended."""
@@ -234,6 +245,12 @@ class Activator:
                 log.info("model %s idle for %.0fs: stopping", model, machine.settings.idle_timeout)
                 self.registry.set_endpoints(model, [])
                 stops.append(self._track(self._release(model, "idle"), f"stop {model}"))
+            elif (
+                machine.state is ActivationState.OFF
+                and self._stop_retry_at.get(model, math.inf) <= self.clock()
+            ):  # a stop that failed: the model reads off, its replicas must be too
+                self._stop_retry_at[model] = math.inf  # until this try says
+                stops.append(self._track(self._release(model, "off"), f"stop {model}"))
         return stops
 
     async def _tick_loop(self, interval: float) -> None:

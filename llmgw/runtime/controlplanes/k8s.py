@@ -44,6 +44,8 @@ from llmgw.runtime.kube import load_client, status_message
 from llmgw.runtime.kube.reflector import Query, Reflector
 from llmgw.types import Endpoint
 
+RECHECK_SCALE_S = 5.0  # a start waiting for pods looks at the replica count this often
+
 log = logging.getLogger("llmgw.k8s")
 
 T = TypeVar("T")
@@ -260,9 +262,17 @@ class KubernetesControlPlane:
 
     async def _wait_ready(self, state: _Model, deadline: float, timeout: float) -> None:
         target = state.target
+        # Someone may scale the Deployment to 0 meanwhile (another llmgw replica's idle
+        # stop that had not heard of this request, a kubectl scale): looked at again every
+        # so often, raised back (it waited its whole start_timeout on 0 replicas).
+        recheck = min(RECHECK_SCALE_S, timeout / 4)
+        checked = time.monotonic()
         while not state.ready:
             if state.follow_error is not None:
                 raise state.follow_error
+            if time.monotonic() - checked >= recheck:
+                checked = time.monotonic()
+                await self._ensure_replicas(target, state)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StartError(
@@ -273,10 +283,14 @@ class KubernetesControlPlane:
                 )
             state.changed.clear()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):
+                async with asyncio.timeout(min(remaining, recheck)):
                     await state.changed.wait()
 
     async def _scale_up(self, target: Target, state: _Model) -> bool:
+        """Raise the replicas to the target; False when they were already there."""
+        return await self._ensure_replicas(target, state)
+
+    async def _ensure_replicas(self, target: Target, state: _Model) -> bool:
         """Raise the replicas to the target; False when they were already there."""
         apps, _ = self._apis()
         verb = "get deployments/scale"
@@ -334,7 +348,7 @@ class KubernetesControlPlane:
                 await self._wait_gone(state)
             except StartError as exc:
                 state.last_error = str(exc)
-                log.error("stop of model %s failed: %s", model, exc)
+                raise  # the activator tries again (the replicas would keep their GPUs)
             finally:
                 await self._unfollow(state)
 

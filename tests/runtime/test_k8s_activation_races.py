@@ -1,0 +1,127 @@
+"""On-demand activation on Kubernetes when the API server or another router gets in the
+way: a failed idle stop is tried again, and a start whose Deployment was scaled to 0
+meanwhile raises it back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from llmgw.config import Config, load_dict
+from llmgw.registry import Registry
+from llmgw.runtime.activator import Activator
+from llmgw.runtime.controlplanes.k8s import KubernetesControlPlane
+from llmgw.testing.fake_k8s import FakeKubernetes
+
+
+def k8s_config(idle_timeout: float = 60.0, **scaling: Any) -> Config:
+    return load_dict(
+        {
+            "activation_timeout": 5,
+            "activation_poll_interval": 0.02,
+            "models": {
+                "big": {
+                    "launch": {"deployment": "vllm-big", "namespace": "models"},
+                    "scaling": {
+                        "min": 0,
+                        "max": 1,
+                        "start_timeout": 5,
+                        "idle_timeout": idle_timeout,
+                        **scaling,
+                    },
+                }
+            },
+        }
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def made(api: Any) -> AsyncIterator[list[KubernetesControlPlane]]:
+    planes: list[KubernetesControlPlane] = []
+    yield planes
+    for plane in planes:
+        await plane.close()
+
+
+def plane_on(
+    api: Any, config: Config, made: list[KubernetesControlPlane]
+) -> KubernetesControlPlane:
+    plane = KubernetesControlPlane(config, api_client=api, poll_interval=0.02, blind_after=0.5)
+    made.append(plane)
+    return plane
+
+
+async def test_an_idle_stop_that_hit_an_api_error_is_retried(
+    kube: FakeKubernetes, api: Any, made: list[KubernetesControlPlane]
+) -> None:
+    """The idle stop's scale-to-0 meets a moment without the API server (a restart, a
+    blip, a 5xx): the stop logs it and the model is `off`, but nothing ever patches the
+    Deployment to 0 again: its replicas (GPUs) stay up for good while llmgw reports the
+    model off."""
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18101])
+    config = k8s_config(idle_timeout=10)
+    clock = Clock()
+    plane = plane_on(api, config, made)
+    activator = Activator(config, Registry(), plane, clock=clock)
+    await activator.ensure_ready("big")
+    assert deployment.replicas == 1
+    await kube.go_down()  # the API server restarts just as the idle timer runs out
+    clock.now += 11
+    await activator.tick()
+    assert activator.machines["big"].state.value == "off"
+    await kube.come_back()
+    for _ in range(40):  # 20 idle timeouts' worth of activator passes, API back
+        clock.now += 10
+        await activator.tick()
+        await asyncio.sleep(0.05)
+        if deployment.replicas == 0:
+            break
+    assert deployment.replicas == 0, (
+        f"model reported {activator.machines['big'].state.value!r} but its Deployment still "
+        f"runs {deployment.replicas} replica(s); plane status: {plane.status('big')}"
+    )
+
+
+async def test_a_start_that_found_the_deployment_up_notices_it_scaled_to_zero_meanwhile(
+    kube: FakeKubernetes, api: Any, made: list[KubernetesControlPlane]
+) -> None:
+    """Two llmgw replicas: B's first request reads the scale (1: A runs the model), and A's
+    idle stop patches it to 0 a moment later (A had not heard of B's request yet). B's
+    start did not patch, so it waits for a ready pod of a Deployment at 0 replicas: none
+    ever comes, and B's clients get 503 model_loading for the whole start_timeout (300 s
+    by default), then model_start_failed, while one patch would have brought the model back."""
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18103])
+    config = k8s_config(start_timeout=3)
+    a = plane_on(api, config, made)
+    b = plane_on(api, config, made)
+    await a.want("big")  # replica A started the model and served it
+    scale_up = b._scale_up
+
+    async def read_then_a_stops(target: Any, state: Any) -> bool:
+        scaled = await scale_up(target, state)  # B reads replicas=1: no patch
+        await a.stop("big")  # ... and A's idle stop lands just after
+        return scaled
+
+    b._scale_up = read_then_a_stops  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    try:
+        endpoints = await b.want("big")
+    except Exception as exc:  # StartError after start_timeout
+        pytest.fail(
+            f"B waited {loop.time() - began:.1f}s (its whole start_timeout) on a Deployment "
+            f"at {deployment.replicas} replicas and failed: {exc}"
+        )
+    assert [e.address for e in endpoints] == ["127.0.0.1:18103"]
+    assert deployment.replicas == 1
