@@ -176,6 +176,13 @@ VARIANTS: dict[str, Variant] = {
     # the prefill budget and KV memory, and every prefill chunk stalls a large decode batch.
     "vllm-batch": Variant("256 sequences a replica, +0.5 % step per sequence", BATCH_256),
     "small-chunk": Variant("chunked prefill at 512 tokens", {"max_num_batched_tokens": 512}),
+    # vLLM v1's KV: a request admitted with its prompt's blocks, one more as its output
+    # fills one, the newest preempted (computed again) when none is free; the others
+    # reserve prompt + max_tokens at admission and never preempt.
+    "kv-on-demand": Variant(
+        "KV taken as tokens are computed, the newest preempted when out (vLLM v1)",
+        {"kv_on_demand": True},
+    ),
     "8-replicas": Variant("8 replicas", {}, replicas=8),
     "gauges-fast": Variant("gauges only, prefill 15 us a token", FAST, metrics=GAUGES_ONLY),
     "gauges-slow": Variant("gauges only, prefill 240 us a token", SLOW, metrics=GAUGES_ONLY),

@@ -110,6 +110,16 @@ class KVCache:
             self._stored_events(block_hashes, stored, token_ids)
         return Allocation(block_ids=block_ids, cached_blocks=matched)
 
+    def grow(self, allocation: Allocation) -> bool:
+        """One more block for a sequence's next tokens (uncached: it is not full yet);
+        False when none is free or evictable."""
+        if not (self._empty or self._evictable):
+            return False
+        block_id = self._take_free_block()
+        self._refcount[block_id] = 1
+        allocation.block_ids.append(block_id)
+        return True
+
     def _stored_events(
         self, block_hashes: tuple[bytes, ...], stored: list[int], token_ids: tuple[int, ...]
     ) -> None:

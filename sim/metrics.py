@@ -243,6 +243,13 @@ def vllm_metrics(served: ServedModel) -> Iterator[Metric]:
         stats.generation_tokens,
         created,
     )
+    yield _counter(
+        "vllm:num_preemptions",
+        "Cumulative number of preemption from the engine.",
+        labels,
+        stats.preemptions,
+        created,
+    )
     success = CounterMetricFamily(
         "vllm:request_success",
         "Count of successfully processed requests.",

@@ -59,6 +59,12 @@ class EngineConfig:
     # Record vLLM KV-cache events (`EngineModel.drain_kv_events`); requests then need
     # `SeqRequest.token_ids`.
     kv_events: bool = False
+    # KV blocks as vLLM v1 takes them (KVCacheManager.allocate_slots): a request is admitted
+    # with its prompt's blocks, takes one more as its output fills one, and when none is
+    # free the newest running request is preempted (its blocks freed, computed again from
+    # the queue's head). False: prompt + max_tokens reserved at admission, never preempted
+    # (the benchmarks' engine so far; `bench/fleetsim_robust.py --variants kv-on-demand`).
+    kv_on_demand: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "kv_blocks", "block_size", "max_model_len"):
@@ -145,6 +151,7 @@ class EngineStats:
     generation_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
+    preemptions: int = 0
 
 
 class EngineModel:
@@ -218,6 +225,8 @@ class EngineModel:
         self._step_open = True
         config = self.config
         budget = config.max_num_batched_tokens
+        if config.kv_on_demand:
+            self._grow_or_preempt()
         emitting = [seq for seq in self.running if seq.prefill_remaining == 0]
         decoding = len(emitting)
         if budget is not None:
@@ -242,6 +251,10 @@ class EngineModel:
             seq = self.waiting[0]
             request = seq.request
             needed = self.blocks_needed(request)
+            if config.kv_on_demand:  # the prompt (and what it had generated, if preempted)
+                needed = max(
+                    1, -(-(request.prompt_tokens + seq.output_tokens) // config.block_size)
+                )
             # vLLM (KVCacheManager.get_computed_blocks): the last prompt token is always
             # computed, for its logits, and a hit is whole blocks: a prompt of exactly n
             # cached blocks hits n - 1 of them and computes the last one again.
@@ -254,7 +267,8 @@ class EngineModel:
             )
             seq.cached_tokens = seq.allocation.cached_blocks * config.block_size
             seq.scheduled_time = now
-            seq.prefill_remaining = request.prompt_tokens - seq.cached_tokens
+            # (A preempted request computes its output so far again, too.)
+            seq.prefill_remaining = request.prompt_tokens + seq.output_tokens - seq.cached_tokens
             self.stats.prefix_queries_tokens += request.prompt_tokens
             self.stats.prefix_hits_tokens += seq.cached_tokens
             self.running.append(seq)
@@ -270,6 +284,30 @@ class EngineModel:
             batch = len(self.running)
             seconds += config.decode_ms / 1e3 * (1 + config.decode_batch_factor * (batch - 1))
         return seconds * config.time_scale * self.slowdown
+
+    def _grow_or_preempt(self) -> None:
+        """Each decoding sequence whose blocks are full takes one more for this step's
+        token; with none free, the newest running sequence is preempted (vLLM v1's
+        `schedule`: `self.running.pop()`), possibly the one asking."""
+        size = self.config.block_size
+        for seq in list(self.running):
+            if seq not in self.running or seq.prefill_remaining or seq.allocation is None:
+                continue
+            while (seq.request.prompt_tokens + seq.output_tokens + 1) > len(
+                seq.allocation.block_ids
+            ) * size and not self.kv.grow(seq.allocation):
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+
+    def _preempt(self, seq: Sequence) -> None:
+        if seq.allocation is not None:
+            self.kv.free(seq.allocation)
+            seq.allocation = None
+        seq.prefill_remaining = 0
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
 
     @staticmethod
     def _take_chunk(seq: Sequence, budget: int | None) -> int:

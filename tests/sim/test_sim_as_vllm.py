@@ -1,7 +1,7 @@
 """The simulator answers as vLLM 0.32 does where a router test or benchmark could
 otherwise pass on it and fail on a real engine: a body not sent as JSON is a 400, a
 max_tokens past the context is cut to the room left, and a request without a model is
-served by the default one."""
+served by the default one; and, as an option, KV blocks taken as vLLM v1 takes them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from llmgw.sim import SimFleet
+from llmgw.sim.model import EngineConfig, EngineModel, SeqRequest
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain"])
@@ -59,3 +60,43 @@ async def test_a_request_without_model_is_served_as_on_vllm(model: str | None) -
         reply = await client.post("/v1/chat/completions", json=body)
     assert reply.status_code == 200, reply.text
     assert reply.json()["model"] == "m1"
+
+
+# KV blocks as vLLM v1 takes them (`kv_on_demand`): the prompt's at admission, one more as
+# the output fills one, the newest running request preempted when none is free.
+
+
+def _run(model: EngineModel, until: float = 60.0) -> float:
+    now = 0.0
+    while model.has_work and now < until:
+        now += model.schedule(now)
+        model.complete(now)
+    return now
+
+
+def test_admission_needs_only_the_prompts_blocks_on_demand() -> None:
+    """Two 16-token prompts with max_tokens 200 on 16 blocks of 16 tokens: both run (each
+    holds one block after prefill); reserving prompt + max_tokens, the second waits."""
+    for on_demand, running in ((True, 2), (False, 1)):
+        cfg = EngineConfig(kv_blocks=16, block_size=16, max_model_len=4096, kv_on_demand=on_demand)
+        model = EngineModel(cfg)
+        for _ in range(2):
+            model.submit(SeqRequest(prompt_tokens=16, max_tokens=200), now=0.0)
+        model.complete(model.schedule(0.0))
+        assert len(model.running) == running
+        if on_demand:
+            assert model.kv.usage() <= 4 / 16
+
+
+def test_out_of_blocks_the_newest_is_preempted_and_finishes_later() -> None:
+    cfg = EngineConfig(
+        kv_blocks=8, block_size=16, max_model_len=4096, kv_on_demand=True, decode_ms=1.0
+    )
+    model = EngineModel(cfg)
+    first = model.submit(SeqRequest(prompt_tokens=16, max_tokens=60), now=0.0)
+    second = model.submit(SeqRequest(prompt_tokens=16, max_tokens=60), now=0.0)
+    _run(model)
+    assert model.stats.preemptions >= 1
+    assert first.output_tokens == second.output_tokens == 60
+    assert first.finish_reason == second.finish_reason == "length"
+    assert model.kv.usage() == 0.0
