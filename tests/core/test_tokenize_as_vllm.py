@@ -10,7 +10,6 @@ without merges, so a difference in the text is a difference in the tokens.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +21,13 @@ from llmgw.config import load_dict
 from llmgw.request import build_request
 from llmgw.tokenize import make_tokenizer
 
+from .test_tokenize import byte_tokenizer
+
 CHAT = "/v1/chat/completions"
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def _byte_tokenizer(folder: Path, template: str) -> str:
-    tokenizers = pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
-    from tokenizers import decoders, models, pre_tokenizers  # noqa: PLC0415
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    (folder / "chat_template.jinja").write_text(template)
-    return str(folder / "tokenizer.json")
 
 
 def _tokens(tmp_path: Path, template: str, body: dict[str, Any]) -> tuple[Any, str]:
-    tok = _byte_tokenizer(tmp_path / "tok", template)
+    tok = byte_tokenizer(tmp_path / "tok", template)
     config = load_dict({"models": {"m": {"endpoints": ["a:1"]}}})
     raw = build_request(config, {}, CHAT, orjson.dumps(body)).raw_prompt
     return make_tokenizer(tok).tokens(raw), tok
