@@ -59,6 +59,7 @@ class FakeDeployment:
     never_ready: bool = False
     grace: float = 0.02  # a terminating pod is deleted this long after (its grace period)
     pods: list[FakePod] = field(default_factory=list)
+    resource_version: int = 0  # its own, as its Scale reports it (a patch may require it)
 
 
 @dataclass
@@ -354,6 +355,7 @@ class FakeKubernetes:
 
     def _scale(self, deployment: FakeDeployment, replicas: int) -> None:
         deployment.replicas = replicas
+        deployment.resource_version = self._next_version()
         live = [p for p in deployment.pods if not p.terminating]
         for i in range(len(live), replicas):
             port = deployment.pod_ports[i % len(deployment.pod_ports)]
@@ -503,6 +505,17 @@ class FakeKubernetes:
             )
         if not isinstance(replicas, int) or replicas < 0:
             return status_response(422, "Invalid", f"spec.replicas: Invalid value: {replicas!r}")
+        required = (
+            body.get("metadata", {}).get("resourceVersion") if isinstance(body, dict) else None
+        )
+        if required is not None and required != str(found.resource_version):
+            # A precondition, as the API server checks it: someone changed it since.
+            return status_response(
+                409,
+                "Conflict",
+                f"Operation cannot be fulfilled on deployments.apps {found.name!r}: the object "
+                "has been modified; please apply your changes to the latest version and try again",
+            )
         self._scale(found, replicas)
         return web.json_response(self._scale_object(found))
 
@@ -514,7 +527,7 @@ class FakeKubernetes:
                 "name": deployment.name,
                 "namespace": deployment.namespace,
                 "uid": f"uid-{deployment.namespace}-{deployment.name}",
-                "resourceVersion": str(self._version),
+                "resourceVersion": str(deployment.resource_version),
                 "creationTimestamp": "2025-01-01T00:00:00Z",
             },
             "spec": {"replicas": deployment.replicas},

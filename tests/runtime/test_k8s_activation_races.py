@@ -125,3 +125,29 @@ async def test_a_start_that_found_the_deployment_up_notices_it_scaled_to_zero_me
         )
     assert [e.address for e in endpoints] == ["127.0.0.1:18103"]
     assert deployment.replicas == 1
+
+
+async def test_a_scale_up_does_not_lower_replicas_set_between_its_read_and_its_patch(
+    kube: FakeKubernetes, api: Any, made: list[KubernetesControlPlane]
+) -> None:
+    """An autoscaler that scales from 0 (KEDA) or `kubectl scale` sets 3 between the
+    scale-up's read (0) and its patch: the patch carries the version it read, gets 409,
+    and the second read leaves the 3 (it was overwritten with 1)."""
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18104])
+    plane = plane_on(api, k8s_config(), made)
+    call = plane._call
+    reads = 0
+
+    async def someone_scales_after_the_first_read(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal reads
+        result = await call(fn, *args, **kwargs)
+        if fn.__name__ == "read_namespaced_deployment_scale":
+            reads += 1
+            if reads == 1:
+                kube.scale("vllm-big", 3, namespace="models")
+        return result
+
+    plane._call = someone_scales_after_the_first_read  # type: ignore[method-assign]
+    await plane.want("big")
+    assert deployment.replicas == 3
+    assert reads == 2

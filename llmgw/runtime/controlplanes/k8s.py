@@ -44,6 +44,7 @@ from llmgw.runtime.kube import load_client, status_message
 from llmgw.runtime.kube.reflector import Query, Reflector
 from llmgw.types import Endpoint
 
+SCALE_CONFLICT_TRIES = 5  # reads of the scale after a 409 before a start gives up
 RECHECK_SCALE_S = 5.0  # a start waiting for pods looks at the replica count this often
 
 log = logging.getLogger("llmgw.k8s")
@@ -293,30 +294,40 @@ class KubernetesControlPlane:
     async def _ensure_replicas(self, target: Target, state: _Model) -> bool:
         """Raise the replicas to the target; False when they were already there."""
         apps, _ = self._apis()
-        verb = "get deployments/scale"
-        try:
-            scale = await self._call(
-                apps.read_namespaced_deployment_scale,
-                target.deployment,
-                target.namespace,
-                _request_timeout=self.request_timeout,
-            )
-            current = int(scale.spec.replicas or 0) if scale.spec is not None else 0
-            if current >= target.replicas:  # never lower what someone (an HPA) set higher
-                state.wanted = current
-                return False
-            verb = "patch deployments/scale"
-            await self._call(
-                apps.patch_namespaced_deployment_scale,
-                target.deployment,
-                target.namespace,
-                {"spec": {"replicas": target.replicas}},
-                _request_timeout=self.request_timeout,
-            )
-        except ApiException as exc:
-            raise api_error(exc, verb, target) from None
-        except Exception as exc:  # urllib3 connection errors and the like
-            raise _unreachable(exc, self._api_client) from None
+        for attempt in range(SCALE_CONFLICT_TRIES):
+            verb = "get deployments/scale"
+            try:
+                scale = await self._call(
+                    apps.read_namespaced_deployment_scale,
+                    target.deployment,
+                    target.namespace,
+                    _request_timeout=self.request_timeout,
+                )
+                current = int(scale.spec.replicas or 0) if scale.spec is not None else 0
+                if current >= target.replicas:  # never lower what someone (an HPA) set higher
+                    state.wanted = current
+                    return False
+                verb = "patch deployments/scale"
+                # On the version read: a count someone set since (an autoscaler scaling
+                # from 0, kubectl) is a 409, read again, not overwritten with a lower one.
+                seen = scale.metadata.resource_version if scale.metadata is not None else None
+                patch: dict[str, Any] = {"spec": {"replicas": target.replicas}}
+                if seen:
+                    patch["metadata"] = {"resourceVersion": seen}
+                await self._call(
+                    apps.patch_namespaced_deployment_scale,
+                    target.deployment,
+                    target.namespace,
+                    patch,
+                    _request_timeout=self.request_timeout,
+                )
+                break
+            except ApiException as exc:
+                if exc.status == 409 and attempt + 1 < SCALE_CONFLICT_TRIES:
+                    continue
+                raise api_error(exc, verb, target) from None
+            except Exception as exc:  # urllib3 connection errors and the like
+                raise _unreachable(exc, self._api_client) from None
         state.wanted = target.replicas
         log.info(
             "scaled deployment %s/%s to %d for model %s",
