@@ -14,7 +14,7 @@ from llmgw.activation import Action, ActivationSettings, ActivationState, ModelA
 from llmgw.config import Config, ModelMode, model_mode
 from llmgw.gateway import ConfigSource, config_source
 from llmgw.registry import Registry
-from llmgw.runtime.controlplanes import ControlPlane, FollowsEndpoints, StartError
+from llmgw.runtime.controlplanes import ControlPlane, FindsRunning, FollowsEndpoints, StartError
 from llmgw.types import Endpoint
 
 STOP_RETRY_S = 10.0  # a failed stop (scale to 0) is tried again this often while off
@@ -75,6 +75,8 @@ class Activator:
         for name, machine in self.machines.items():
             if machine.settings.always_on:
                 self._request(name)
+        if isinstance(self.control_plane, FindsRunning):
+            self._track(self._adopt(self.control_plane), "adopt running models")
         if self._ticker is None:
             self._ticker = asyncio.create_task(self._tick_loop(tick), name="activator tick")
 
@@ -98,6 +100,21 @@ class Activator:
                 machine.start_failed("the router is stopping", self.clock())
             self._ready[model].set()
         await self.control_plane.close()
+
+    async def _adopt(self, plane: FindsRunning) -> None:
+        """Models a previous router process left running: started here too (their start
+        finds the replicas up and only follows them), so their idle timeout applies; left
+        alone, they kept their GPUs until a request for them came."""
+        try:
+            running = await plane.running_models()
+        except Exception:
+            log.exception("cannot tell which models are already running")
+            return
+        for model in running:
+            machine = self.machines.get(model)
+            if machine is not None and machine.state is ActivationState.OFF:
+                log.info("model %s is already up (left by a previous llmgw?): adopted", model)
+                self._request(model)
 
     def _request(self, model: str) -> None:
         if self.machines[model].request(self.clock()) is Action.START:

@@ -15,6 +15,7 @@ from llmgw.registry import Registry
 from llmgw.runtime.activator import Activator
 from llmgw.runtime.controlplanes.k8s import KubernetesControlPlane
 from llmgw.testing.fake_k8s import FakeKubernetes
+from llmgw.testing.wait import eventually
 
 
 def k8s_config(idle_timeout: float = 60.0, **scaling: Any) -> Config:
@@ -151,3 +152,30 @@ async def test_a_scale_up_does_not_lower_replicas_set_between_its_read_and_its_p
     await plane.want("big")
     assert deployment.replicas == 3
     assert reads == 2
+
+
+async def test_a_deployment_left_up_by_a_previous_llmgw_is_adopted_and_stopped_when_idle(
+    kube: FakeKubernetes, api: Any, made: list[KubernetesControlPlane]
+) -> None:
+    """llmgw restarts (its own rollout, an OOM kill) while an on-demand model runs: close()
+    leaves the Deployment up (another replica may use it), and the new process started with
+    the model off, so nothing ever stopped it: its GPUs stayed taken, idle_timeout or not."""
+    deployment = kube.add_deployment("vllm-big", namespace="models", pod_ports=[18102])
+    config = k8s_config(idle_timeout=10)
+    first = Activator(config, Registry(), plane_on(api, config, made))
+    await first.ensure_ready("big")
+    await first.stop()  # the llmgw process goes away (close(): the Deployment stays up)
+    assert deployment.replicas == 1
+
+    clock = Clock()
+    second = Activator(config, Registry(), plane_on(api, config, made), clock=clock)
+    await second.start(tick=3600)  # the replacement process; no request for "big"
+    try:
+        # Until the adoption has followed the running replica.
+        await eventually(lambda: second.machines["big"].state.value == "idle", timeout=10)
+        assert deployment.replicas == 1  # adopted, not restarted: no patch
+        clock.now += 11
+        await second.tick()
+        assert deployment.replicas == 0
+    finally:
+        await second.stop()

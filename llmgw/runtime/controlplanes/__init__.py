@@ -40,3 +40,12 @@ class FollowsEndpoints(Protocol):
     autoscaler adds, moves or removes): it reports them, the activator feeds the registry."""
 
     def on_endpoints(self, callback: EndpointsCallback) -> None: ...
+
+
+@runtime_checkable
+class FindsRunning(Protocol):
+    """A control plane whose replicas outlive the router (a Deployment): it says which
+    models are up when the router starts, so that a model a previous router process left
+    running is adopted (its idle timeout then applies) rather than kept up for good."""
+
+    async def running_models(self) -> list[str]: ...

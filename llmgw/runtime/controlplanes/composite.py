@@ -14,6 +14,7 @@ from llmgw.runtime.controlplanes import (
     ControlPlane,
     CrashCallback,
     EndpointsCallback,
+    FindsRunning,
     FollowsEndpoints,
     StartError,
 )
@@ -54,6 +55,13 @@ class CompositeControlPlane:
         for plane in self._distinct:
             if isinstance(plane, FollowsEndpoints):
                 plane.on_endpoints(callback)
+
+    async def running_models(self) -> list[str]:
+        out: list[str] = []
+        for plane in self._distinct:
+            if isinstance(plane, FindsRunning):
+                out += await plane.running_models()
+        return out
 
     async def close(self) -> None:
         for plane in self._distinct:

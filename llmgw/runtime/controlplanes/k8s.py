@@ -415,6 +415,30 @@ class KubernetesControlPlane:
         state.wanted = 0
         log.info("scaled deployment %s/%s to 0", target.namespace, target.deployment)
 
+    async def running_models(self) -> list[str]:
+        """The models whose Deployment has replicas now (a previous llmgw process may have
+        left them up: `close` does not scale to 0, another router may be using them). A
+        model whose scale cannot be read is left out."""
+        apps, _ = self._apis()
+        up = []
+        for model, spec in self.config.models.items():
+            if spec.launch is None or spec.launch.deployment is None:
+                continue
+            target = self._model(model).target
+            try:
+                scale = await self._call(
+                    apps.read_namespaced_deployment_scale,
+                    target.deployment,
+                    target.namespace,
+                    _request_timeout=self.request_timeout,
+                )
+            except Exception as exc:  # the API away, RBAC: nothing adopted, said why
+                log.warning("cannot read the scale of deployment %s: %s", target.deployment, exc)
+                continue
+            if scale.spec is not None and int(scale.spec.replicas or 0) > 0:
+                up.append(model)
+        return up
+
     def status(self, model: str) -> dict[str, object]:
         state = self._models.get(model)
         if state is None:
