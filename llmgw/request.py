@@ -139,15 +139,38 @@ class BodyFields:
     cache_salt: str | None = None
 
 
+# Media parts vLLM turns into placeholder tokens it prefills (576 a LLaVA-1.5 image, 256
+# Gemma 3's, ~1,300 Qwen2-VL's at 1024x1024): counted at this many, in characters, and
+# kept in the prefix as their URL's digest (the same image, the same text). Counted as
+# nothing, "Describe this." with an image read as a 6-token prefill.
+MEDIA_PART_TOKENS = 576
+_MEDIA_PARTS = frozenset(
+    {"image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "video"}
+)
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # multi-part content: keep the text parts
-        return "".join(
-            p.get("text", "")
-            for p in content
-            if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
+    if isinstance(content, list):  # multi-part content: the text parts, then the media's
+        return "".join(_part_text(p) for p in content)
+    return ""
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, str):  # vLLM takes a bare string part as text
+        return part
+    if not isinstance(part, dict):
+        return ""
+    text = part.get("text")
+    if isinstance(text, str):
+        return text
+    kind = part.get("type")
+    if kind in _MEDIA_PARTS:
+        source = orjson.dumps(part.get(kind, part), option=orjson.OPT_SORT_KEYS)
+        digest = hashlib.blake2b(source, digest_size=8).hexdigest()
+        tag = f"<|{kind}|>{digest}"
+        return tag + "\x00" * max(0, int(MEDIA_PART_TOKENS * CHARS_PER_TOKEN) - len(tag))
     return ""
 
 
@@ -214,14 +237,17 @@ def _segments(payload: Mapping[str, Any], prompt: Any) -> Iterator[str]:
             if isinstance(m, dict):
                 yield _message_text(m)
         return
+    # The Responses API's `instructions`: a system message before the input, a string or
+    # a list (vLLM's construct_input_messages); with a string, it was left out.
+    instructions = payload.get("instructions")
+    if isinstance(instructions, str) and instructions and "input" in payload:
+        yield f"<|system|>{instructions}"
     if isinstance(prompt, str):
         yield prompt
         return
     if not isinstance(prompt, list):
+        yield from _pairs_text(payload)
         return
-    instructions = payload.get("instructions")
-    if isinstance(instructions, str) and instructions and "input" in payload:
-        yield f"<|system|>{instructions}"
     for item in prompt:
         if isinstance(item, str):
             yield item
@@ -234,6 +260,38 @@ def _segments(payload: Mapping[str, Any], prompt: Any) -> Iterator[str]:
                 yield f"<|tool|>{output if isinstance(output, str) else ''}"
             elif "role" in item:
                 yield _message_text(item)
+
+
+_PAIR_FIELDS = (("query", "documents"), ("queries", "documents"), ("text_1", "text_2"),
+                ("data_1", "data_2"))  # fmt: skip
+
+
+def _pairs_text(payload: Mapping[str, Any]) -> Iterator[str]:
+    """A rerank or score request: the engine prefills the query with each document, so
+    the query counts once per document (read as no prompt, 50 documents of 2 KB priced as
+    one token)."""
+    for first, second in _PAIR_FIELDS:
+        if first not in payload:
+            continue
+        queries = [_item_text(q) for q in _listed(payload.get(first))]
+        documents = [_item_text(d) for d in _listed(payload.get(second))]
+        for query in queries:
+            for document in documents or [""]:
+                yield query + document
+        return
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+def _item_text(item: Any) -> str:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict):  # {"text": ...}, or {"content": [parts]}
+        text = item.get("text")
+        return text if isinstance(text, str) else _content_text(item.get("content"))
+    return ""
 
 
 def _message_text(m: Mapping[str, Any]) -> str:
@@ -298,7 +356,8 @@ def parse_body(
     their model then) or send null."""
     check_body_size(len(body), max_bytes)
     try:
-        payload = orjson.loads(body)
+        # A UTF-8 byte order mark (files saved by Windows tools): vLLM's json.loads skips it.
+        payload = orjson.loads(body.removeprefix(b"\xef\xbb\xbf"))
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(payload, dict):

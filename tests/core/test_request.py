@@ -9,7 +9,14 @@ import pytest
 
 from llmgw.config import Config
 from llmgw.errors import BadRequest, BodyTooLarge, LlmgwError
-from llmgw.request import build_request, cors_preflight, needs_body, prompt_text, wrong_method
+from llmgw.request import (
+    MEDIA_PART_TOKENS,
+    build_request,
+    cors_preflight,
+    needs_body,
+    prompt_text,
+    wrong_method,
+)
 from llmgw.types import RequestInfo
 
 from .helpers import config, static_model
@@ -230,7 +237,11 @@ def test_prompt_from_messages_is_role_tagged_and_keeps_text_parts() -> None:
         "stream": True,
     }
     info = build_request(cfg(), {}, CHAT, orjson.dumps(payload))
-    assert info.prompt == "<|system|>be brief<|user|>look here"
+    # The image in its place: a digest of its source, padded to the tokens it costs.
+    before, image, after = info.prompt.partition("<|image_url|>")
+    assert before == "<|system|>be brief<|user|>look "
+    assert image and after.endswith("here")
+    assert info.prompt_tokens >= MEDIA_PART_TOKENS
     assert info.stream is True
     assert info.body_size == len(orjson.dumps(payload))
 
