@@ -871,11 +871,14 @@ def _run_group(
     peers: dict[str, str],
     timeout_s: float,
     results: dict[str, dict[str, dict[str, Any]]],
+    records_dir: Path | None = None,
     trace_dir: Path | None = None,
 ) -> None:
     """All `cells` of one pressure level on one fleet; each contender started once (its
     state, calibration and prefix index carry from one cell to the next, as in a router
-    that has run a while)."""
+    that has run a while). Requests' records go to `records_dir`, llmgw's decision trace
+    to `trace_dir` (`--trace` only: pooling's records turned the trace on, a cost only
+    llmgw's contenders paid)."""
     port = base_port()
     with (
         tempfile.TemporaryDirectory(prefix="bench-routing-") as scratch_dir,
@@ -898,8 +901,8 @@ def _run_group(
                                 timeout_s,
                                 _picker(contender, upstreams, base),
                                 records_to=None
-                                if trace_dir is None
-                                else records_file(trace_dir, contender.name, name),
+                                if records_dir is None
+                                else records_file(records_dir, contender.name, name),
                             )
                         )
                         summary["offered_req_s"] = workload.params["offered_req_s"]
@@ -923,7 +926,8 @@ def _run_seed(
     cell_names: list[str],
     contenders: list[Contender],
     peers: dict[str, str],
-    trace: Path | None,
+    records: Path | None,
+    trace: Path | None = None,
 ) -> tuple[dict[str, tuple[Regime, Workload]], dict[str, dict[str, dict[str, Any]]], list[Any]]:
     """One seed's grid: (its cells' workloads, results per cell and contender, the rows of
     TTFT p90 / best); prints each cell's table and the summary."""
@@ -940,7 +944,7 @@ def _run_seed(
     results: dict[str, dict[str, dict[str, Any]]] = {n: {} for n in cell_names}
     for level, cells in groups.items():
         print(f"== fleet with {KV_BLOCKS[level]} KV blocks a replica ({level} pressure) ==")
-        _run_group(level, cells, contenders, peers, args.timeout, results, trace)
+        _run_group(level, cells, contenders, peers, args.timeout, results, records, trace)
     print()
     every = {n: w for cells in groups.values() for n, w in cells.items()}
     for name in cell_names:
@@ -979,6 +983,10 @@ def seed_records(seeds: list[int], given: Path | None = None) -> Iterator[list[P
         for seed in seeds:
             folder = root / f"s{seed}"
             folder.mkdir(parents=True, exist_ok=True)
+            # An earlier run's records would be pooled as this one's where a contender
+            # fails to start now (`pool` leaves out only what is missing).
+            for stale in folder.glob("*.records.jsonl"):
+                stale.unlink()
             folders.append(folder)
         yield folders
 
@@ -1133,7 +1141,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed, folder in zip(seeds, folders, strict=True):
             if len(seeds) > 1:
                 print(f"\n######## seed {seed} ########")
-            runs.append(_run_seed(args, seed, cell_names, contenders, peers, folder))
+            trace = folder if args.trace is not None else None
+            runs.append(_run_seed(args, seed, cell_names, contenders, peers, folder, trace))
         root = folders[0].parent if len(seeds) > 1 and folders[0] is not None else None
         pooled = pool(root, seeds, cell_names, contenders) if root is not None else None
     if pooled is not None:

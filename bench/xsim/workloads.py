@@ -278,7 +278,9 @@ def _hot(seed: int, rate: float, window: float) -> Workload:
                  rng.randint(16, 40), _think(rng))
             for _ in range(rng.randint(2, 5))
         )  # fmt: skip
-        convs.append(Conversation(i, f"user-{user}", start, contexts[user], turns))
+        # The seed in the id, as every other workload's: with `user-{n}` alone, consistent
+        # hashing put the same hot users on the same replicas in every seed.
+        convs.append(Conversation(i, f"user-{seed}-{user}", start, contexts[user], turns))
     return _workload("hot-sessions", seed, convs, rate)
 
 
