@@ -291,18 +291,22 @@ class KubernetesControlPlane:
         """Raise the replicas to the target; False when they were already there."""
         return await self._ensure_replicas(target, state)
 
+    async def _read_scale(self, target: Target) -> Any:
+        apps, _ = self._apis()
+        return await self._call(
+            apps.read_namespaced_deployment_scale,
+            target.deployment,
+            target.namespace,
+            _request_timeout=self.request_timeout,
+        )
+
     async def _ensure_replicas(self, target: Target, state: _Model) -> bool:
         """Raise the replicas to the target; False when they were already there."""
         apps, _ = self._apis()
         for attempt in range(SCALE_CONFLICT_TRIES):
             verb = "get deployments/scale"
             try:
-                scale = await self._call(
-                    apps.read_namespaced_deployment_scale,
-                    target.deployment,
-                    target.namespace,
-                    _request_timeout=self.request_timeout,
-                )
+                scale = await self._read_scale(target)
                 current = int(scale.spec.replicas or 0) if scale.spec is not None else 0
                 if current >= target.replicas:  # never lower what someone (an HPA) set higher
                     state.wanted = current
@@ -419,19 +423,13 @@ class KubernetesControlPlane:
         """The models whose Deployment has replicas now (a previous llmgw process may have
         left them up: `close` does not scale to 0, another router may be using them). A
         model whose scale cannot be read is left out."""
-        apps, _ = self._apis()
         up = []
         for model, spec in self.config.models.items():
             if spec.launch is None or spec.launch.deployment is None:
                 continue
             target = self._model(model).target
             try:
-                scale = await self._call(
-                    apps.read_namespaced_deployment_scale,
-                    target.deployment,
-                    target.namespace,
-                    _request_timeout=self.request_timeout,
-                )
+                scale = await self._read_scale(target)
             except Exception as exc:  # the API away, RBAC: nothing adopted, said why
                 log.warning("cannot read the scale of deployment %s: %s", target.deployment, exc)
                 continue
