@@ -78,7 +78,12 @@ _CORS_ANSWER = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in CORS_ANSW
 def from_browser(scope: Scope) -> bool:
     """The request carries an `Origin` (a browser's): llmgw's own answers to it say
     `CORS_ANSWER_HEADERS`, as vLLM's do, or the page cannot read them."""
-    return any(name.lower() == b"origin" for name, _ in scope["headers"])
+    return _has_header(scope, b"origin")
+
+
+def _has_header(scope: Scope, wanted: bytes) -> bool:
+    """`wanted` (lower case) among the request's header names, in any case."""
+    return any(name.lower() == wanted for name, _ in scope["headers"])
 
 
 async def send_error(send: Send, error: LlmgwError, *, cors: bool = False) -> None:
@@ -108,9 +113,7 @@ def route_path(scope: Scope) -> str:
 
 def _preflight(scope: Scope) -> bool:
     """A browser's CORS preflight: OPTIONS with `Access-Control-Request-Method`."""
-    return scope["method"] == "OPTIONS" and any(
-        name.lower() == b"access-control-request-method" for name, _ in scope["headers"]
-    )
+    return scope["method"] == "OPTIONS" and _has_header(scope, b"access-control-request-method")
 
 
 class Disconnected(Exception):
@@ -265,8 +268,7 @@ class SchedulerMiddleware:
         path = route_path(scope)
         if on_paths(path, self.paths):
             return True
-        wanted = self._model_header()
-        return any(name.lower() == wanted for name, _ in scope["headers"])
+        return _has_header(scope, self._model_header())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]

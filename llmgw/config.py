@@ -54,7 +54,6 @@ _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 # and what it turned on (session affinity, the model header) was silently off.
 _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _NOT_A_HEADER = "must be an HTTP header name (RFC 9110 token), got"
-_PLACEHOLDERS = ("port", "host", "model")  # in launch.command
 _METRIC_ROLES = (
     "waiting",
     "running",
@@ -209,27 +208,35 @@ def _field_names(text: str) -> list[str]:
     return names
 
 
-def launch_argv(command: str, *, port: int, host: str, model: str) -> list[str]:
-    """`launch.command` with its placeholders filled, split as a shell would (no shell runs).
-    Raises ValueError saying what to fix."""
+def fill_template(field: str, text: str, values: Mapping[str, object], hint: str = "") -> str:
+    """`text` with its `{name}` placeholders filled from `values`; raises ValueError naming
+    `field`, the placeholder it does not know or the brace it cannot read (`hint`: more on
+    where literal braces come from)."""
+    known = ", ".join(f"{{{name}}}" for name in values)
     try:
         # The names alone: format() also reads `{port.real}` and `{host[0]}`, and `{port.x}`
         # escaped as an AttributeError (a traceback from check-config).
-        names = _field_names(command)
-        unknown = next((f for f in names if f not in _PLACEHOLDERS), None)
+        unknown = next((f for f in _field_names(text) if f not in values), None)
         if unknown is not None:
             raise KeyError(unknown)
-        filled = command.format(port=port, host=host, model=model)
+        return text.format(**values)
     except (KeyError, IndexError) as exc:
         raise ValueError(
-            f"command: unknown placeholder {{{exc.args[0]}}} (known: {{port}}, {{host}}, "
-            "{model}; write a literal brace as {{ or }}, e.g. JSON arguments)"
+            f"{field}: unknown placeholder {{{exc.args[0]}}} (known: {known}; write a literal "
+            f"brace as {{{{ or }}}}{hint})"
         ) from None
     except ValueError as exc:
         raise ValueError(
-            f"command: {exc} (placeholders are {{port}}, {{host}}, {{model}}; write a literal "
-            "brace as {{ or }}, e.g. JSON arguments)"
+            f"{field}: {exc} (placeholders are {known}; write a literal brace as {{{{ or }}}}"
+            f"{hint})"
         ) from None
+
+
+def launch_argv(command: str, *, port: int, host: str, model: str) -> list[str]:
+    """`launch.command` with its placeholders filled, split as a shell would (no shell runs).
+    Raises ValueError saying what to fix."""
+    values = {"port": port, "host": host, "model": model}
+    filled = fill_template("command", command, values, ", e.g. JSON arguments")
     try:
         argv = shlex.split(filled)
     except ValueError as exc:
@@ -294,21 +301,7 @@ class KvEventsSpec(_Strict):
                 raise ValueError(f"{name}: {value!r} is not a ZMQ address (tcp://{{host}}:PORT)")
             # Filled per endpoint at run time: a typo raised there, in every follower,
             # every second, and exact matching never came on.
-            try:
-                unknown = next((f for f in _field_names(value) if f != "host"), None)
-                if unknown is not None:
-                    raise KeyError(unknown)
-                value.format(host="h")
-            except (KeyError, IndexError) as exc:
-                raise ValueError(
-                    f"{name}: unknown placeholder {{{exc.args[0]}}} in {value!r} (the only one "
-                    "is {host}, the engine's host; the port is written out)"
-                ) from None
-            except ValueError as exc:
-                raise ValueError(
-                    f"{name}: {exc} in {value!r} (the only placeholder is {{host}}; write a "
-                    "literal brace as {{ or }})"
-                ) from None
+            fill_template(name, value, {"host": "h"}, "; the port is written out")
         missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(

@@ -106,6 +106,14 @@ class RequestInfo:
         # No session: a per-request key spreads uniformly through the same ring code path.
         return self.session_key if self.session_key is not None else self.request_id
 
+    @property
+    def cache_text(self) -> str:
+        """The text its prefix blocks are keyed by, as engines key them: the prompt, behind
+        its salt when salted (it shares blocks only with prompts of the same salt)."""
+        if self.cache_salt is None:
+            return self.prompt
+        return f"\x00{self.cache_salt}\x00{self.prompt}"
+
 
 @dataclass(frozen=True, slots=True)
 class ScorerColumn:

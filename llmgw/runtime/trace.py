@@ -35,19 +35,11 @@ from llmgw.registry import EndpointState, fresh_metrics_of
 from llmgw.runtime.telemetry import decision_reason
 from llmgw.scheduling.prefix import PrefixIndex
 from llmgw.scheduling.scorers import LatencyScorer
-from llmgw.types import CHARS_PER_TOKEN, Outcome, Rationale, RequestInfo
+from llmgw.types import CHARS_PER_TOKEN, Outcome, Rationale
 
 BLOCK_TOKENS = 64  # the latency scorer's default block: the same hashes, the same sharing
 MAX_BLOCKS = 128  # 8,192 tokens of prefix: more says little more about cache reuse
 _blocks = PrefixIndex(block_chars=int(BLOCK_TOKENS * CHARS_PER_TOKEN), max_blocks=MAX_BLOCKS)
-
-
-def _trace_blocks(request: RequestInfo) -> list[int]:
-    if not request.prompt:
-        return []
-    if request.cache_salt is not None:
-        return _blocks.hashes(f"\x00{request.cache_salt}\x00{request.prompt}")
-    return _blocks.hashes(request.prompt)
 
 
 def _ends_a_line(path: Path) -> bool:
@@ -240,7 +232,7 @@ def trace_record(
         # Keyed as the engines and the latency scorer's index key them: salted blocks by
         # their salt (unsalted, two tenants' prompts shared blocks here, and a replay sent
         # one to the other's replica; the trace also linked what the salt keeps apart).
-        "blocks": _trace_blocks(request),
+        "blocks": _blocks.hashes(request.cache_text) if request.prompt else [],
         "stream": request.stream,
         "decision": {
             "endpoint": decision.endpoint.id,

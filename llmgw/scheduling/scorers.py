@@ -550,14 +550,8 @@ class LatencyScorer:
         request = ctx.request
         if request is not self._request:
             self._request = request
-            # Salted, a prompt shares blocks only with prompts of the same salt; read no
-            # cache, it shares none (and it is no reason to stay anywhere).
-            if not request.reads_cache:
-                self._hashes = []
-            elif request.cache_salt is not None:
-                self._hashes = self.index.hashes(f"\x00{request.cache_salt}\x00{request.prompt}")
-            else:
-                self._hashes = self.index.hashes(request.prompt)
+            # Read no cache, a prompt shares none (and it is no reason to stay anywhere).
+            self._hashes = self.index.hashes(request.cache_text) if request.reads_cache else []
         hashes = self._hashes
         exact = self._exact_hits(ctx, candidates)
         tokens = request.prompt_tokens if request.prompt_tokens > 0 else 1
