@@ -170,13 +170,9 @@ class HashRing:
         total = sum(load.get(r, 0) for r in bins)
         capacity = bounded_capacity(c, total, len(bins))
         out = self._first(key, among, load, capacity)
-        limit = min(1 + self.num_fallback_replicas, len(bins))
-        if len(out) < limit:
-            for rid in self._walk(key):
-                if (among is None or rid in among) and rid not in out:
-                    out.append(rid)
-                    if len(out) == limit:
-                        break
+        missing = min(1 + self.num_fallback_replicas, len(bins)) - len(out)
+        if missing > 0:  # the first eligible ones in ring order hold enough not yet in `out`
+            out += [rid for rid in self._first(key, among) if rid not in out][:missing]
         return out
 
 

@@ -226,11 +226,11 @@ class Activator:
     async def _release(self, model: str, why: str) -> None:
         try:
             await self.control_plane.stop(model)
-        except StartError as exc:  # (the API server away, say): tried again
-            log.warning("stopping %s model %s failed: %s (retrying)", why, model, exc)
-            self._stop_retry_at[model] = self.clock() + STOP_RETRY_S
-        except Exception:
-            log.exception("stopping %s model %s failed", why, model)
+        except Exception as exc:  # tried again (the API server away, say)
+            if isinstance(exc, StartError):  # says what went wrong: no traceback
+                log.warning("stopping %s model %s failed: %s (retrying)", why, model, exc)
+            else:
+                log.exception("stopping %s model %s failed", why, model)
             self._stop_retry_at[model] = self.clock() + STOP_RETRY_S
         else:
             self._stop_retry_at.pop(model, None)

@@ -107,14 +107,18 @@ async def test_a_start_that_found_the_deployment_up_notices_it_scaled_to_zero_me
     a = plane_on(api, config, made)
     b = plane_on(api, config, made)
     await a.want("big")  # replica A started the model and served it
-    scale_up = b._scale_up
+    ensure = b._ensure_replicas
+    stopped = False
 
     async def read_then_a_stops(target: Any, state: Any) -> bool:
-        scaled = await scale_up(target, state)  # B reads replicas=1: no patch
-        await a.stop("big")  # ... and A's idle stop lands just after
+        nonlocal stopped
+        scaled = await ensure(target, state)  # B reads replicas=1: no patch
+        if not stopped:  # ... and A's idle stop lands just after B's first look
+            stopped = True
+            await a.stop("big")
         return scaled
 
-    b._scale_up = read_then_a_stops  # type: ignore[method-assign]
+    b._ensure_replicas = read_then_a_stops  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
     began = loop.time()
     try:

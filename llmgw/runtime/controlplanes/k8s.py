@@ -251,7 +251,7 @@ class KubernetesControlPlane:
         spec = self.config.models[model]
         timeout = spec.scaling.start_timeout if spec.scaling else 300.0
         deadline = time.monotonic() + timeout
-        scaled = await self._scale_up(target, state)
+        scaled = await self._ensure_replicas(target, state)
         self._follow(model, state)
         try:
             await self._wait_ready(state, deadline, timeout)
@@ -286,10 +286,6 @@ class KubernetesControlPlane:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(remaining, recheck)):
                     await state.changed.wait()
-
-    async def _scale_up(self, target: Target, state: _Model) -> bool:
-        """Raise the replicas to the target; False when they were already there."""
-        return await self._ensure_replicas(target, state)
 
     async def _read_scale(self, target: Target) -> Any:
         apps, _ = self._apis()
