@@ -153,6 +153,14 @@ def json_response(status: int, body: bytes, extra: str = "") -> bytes:
     ).encode() + body
 
 
+async def answer_ok(
+    _request: UpstreamRequest, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """A script that answers every request 200 `{}` and keeps the connection alive."""
+    writer.write(json_response(200, b"{}"))
+    await writer.drain()
+
+
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%b\r\n" % (len(data), data)
 

@@ -21,8 +21,7 @@ from llmgw.asgi.testing import (
     DEADLINE,
     MODEL,
     ScriptedUpstream,
-    UpstreamRequest,
-    json_response,
+    answer_ok,
     make_config,
     serve,
 )
@@ -156,13 +155,7 @@ async def test_the_router_starts_even_if_the_inner_app_has_no_lifespan() -> None
     (Django's ASGIHandler raises for it; many bare apps return) never calls it: no scraper,
     no discovery, no activator ever runs, silently (the endpoint is never scraped)."""
 
-    async def engine(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        writer.write(json_response(200, b"{}"))
-        await writer.drain()
-
-    upstream = await ScriptedUpstream(engine).start()
+    upstream = await ScriptedUpstream(answer_ok).start()
 
     async def django_like(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -24,6 +24,7 @@ from llmgw.asgi.testing import (
     ScriptedUpstream,
     UpstreamRequest,
     address_of,
+    answer_ok,
     chunk,
     json_response,
     make_config,
@@ -138,13 +139,7 @@ async def test_sse_is_relayed_chunk_by_chunk_not_buffered() -> None:
 
 
 async def test_internal_headers_are_not_forwarded_upstream() -> None:
-    async def script(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        writer.write(json_response(200, b"{}"))
-        await writer.drain()
-
-    upstream = await ScriptedUpstream(script).start()
+    upstream = await ScriptedUpstream(answer_ok).start()
     app = proxy_for(make_config([upstream.address]))
     try:
         async with serve(app) as base, httpx.AsyncClient(base_url=base) as client:
@@ -462,14 +457,8 @@ async def test_no_retry_after_the_first_byte_reached_the_client() -> None:
         await writer.drain()
         writer.transport.abort()
 
-    async def healthy(
-        request: UpstreamRequest, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        writer.write(json_response(200, b"{}"))
-        await writer.drain()
-
     broken = await ScriptedUpstream(cut_after_one_chunk).start()
-    spare = await ScriptedUpstream(healthy).start()
+    spare = await ScriptedUpstream(answer_ok).start()
     app = proxy_for(make_config([broken.address, spare.address]))
     key = _session_with_primary(app, broken.address)
     try:

@@ -20,6 +20,7 @@ from llmgw.asgi.testing import (
     Script,
     ScriptedUpstream,
     UpstreamRequest,
+    answer_ok,
     chunk,
     json_response,
     make_config,
@@ -41,13 +42,6 @@ from llmgw.testing.wait import eventually
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
-
-
-async def answer_ok(
-    _request: UpstreamRequest, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-) -> None:
-    writer.write(json_response(200, b"{}"))  # keep-alive
-    await writer.drain()
 
 
 @contextlib.asynccontextmanager
