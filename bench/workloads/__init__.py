@@ -12,9 +12,12 @@ process, so every contender replays exactly the same traffic.
     wl.requests, wl.conversations[0].turns[0].user
 
 Scripted replies, not the server's: the history carries an assistant reply of realistic
-length that the generator wrote, not the text the server streamed back. Engines do not
-cache generated tokens anyway, so the cache behaviour is the same, and the prompts stay
-identical whichever replica answered. `max_tokens` (what the server decodes) is kept
+length that the generator wrote, not the text the server streamed back, so the prompts
+stay identical whichever replica answered. vLLM does cache the full blocks of what it
+generated (`allocate_slots` caches up to `request.num_tokens`, outputs included), but a
+scripted reply never matches them, so only the next turn's hits on the *previous prompt*
+count here; `llmgw.sim` does not cache output blocks (a known difference: under cache
+pressure vLLM's outputs also sit in the LRU list, first in line for eviction). `max_tokens` (what the server decodes) is kept
 short so the client's and the simulators' CPU goes to routing-relevant work.
 
 Workloads (`WORKLOADS`):
