@@ -137,6 +137,7 @@ async def send_one(
         stream=spec.stream,
     )
     chunks = 0
+    done = False
     try:
         async with asyncio.timeout(timeout_s):
             async with http.post(url, data=body, headers=headers) as response:
@@ -159,6 +160,7 @@ async def send_one(
                         continue
                     data = line[5:].strip()
                     if data == b"[DONE]":
+                        done = True
                         break
                     has_content, usage_tokens = _content_of(data)
                     if has_content:
@@ -176,6 +178,10 @@ async def send_one(
             record.output_tokens = chunks
         if record.ttft_s is None:
             record.error = "no content chunk"
+        elif not (done or record.stopped):
+            # A stream cut before `data: [DONE]` (an engine or a router that dropped the
+            # connection mid-answer) is a failure, not a short answer.
+            record.error = f"stream ended without [DONE] after {chunks} content chunks"
     except TimeoutError:
         record.error = f"timeout after {timeout_s} s"
     except (aiohttp.ClientError, orjson.JSONDecodeError) as exc:
