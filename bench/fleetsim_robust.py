@@ -368,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         worst_rows.append({"variant": v, **worst})
     print("\n## worst ratio per contender and variant")
     print(format_table(worst_rows))
+    print(errors_report(results))
     requests = sorted({r["requests"] for r in results})
     print(f"requests per cell: {requests[0]}-{requests[-1]}; wall {wall:.0f} s")
     write_results(args.out, {"seeds": seeds, "variants": variants, "cells": results,
@@ -375,6 +376,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(summary, contenders, cells, Path(args.plot))
     return 0
+
+
+def errors_report(results: list[dict[str, Any]]) -> str:
+    """The runs that refused or failed requests (429 queue full, 400 too large, a router's
+    503): the ratios above time only the answered ones, so a contender that sheds load
+    must not read as fast without saying so."""
+    lines = [
+        f"  {cell['variant']} / {cell['cell']} / seed {cell['seed']}: {run['contender']} "
+        f"{run['errors']} of {cell['requests']}"
+        for cell in results
+        for run in cell["runs"]
+        if run.get("errors")
+    ]
+    if not lines:
+        return "errors: none in any run"
+    return "\n".join(["## runs with errors (left out of the TTFT percentiles)", *lines])
 
 
 def reuse_runs(results: list[dict[str, Any]], contenders: list[str], path: Path) -> list[str]:

@@ -387,3 +387,17 @@ def test_robust_reuse_reruns_one_contender_and_keeps_the_others_runs(tmp_path: P
     other = run_cell("base", "decode-heavy", ["least-requests"], 1, 0.6, {})
     with pytest.raises(SystemExit, match="other requests"):
         reuse_runs([other], ["least-requests"], old)
+
+
+def test_robust_report_names_the_runs_that_refused_requests() -> None:
+    """The ratio tables time answered requests only; a run that shed some (429 queue full)
+    is listed with its count, so it cannot read as fast unremarked."""
+    from bench.fleetsim_robust import errors_report  # noqa: PLC0415
+
+    cell = {"variant": "base", "cell": "hot-zipf", "seed": 1, "requests": 500}
+    clean = [{**cell, "runs": [{"contender": "round-robin", "errors": 0}]}]
+    assert errors_report(clean) == "errors: none in any run"
+    shed = [{**cell, "runs": [{"contender": "round-robin", "errors": 0},
+                              {"contender": "least-requests", "errors": 7}]}]  # fmt: skip
+    report = errors_report(shed)
+    assert "least-requests 7 of 500" in report and "round-robin" not in report
