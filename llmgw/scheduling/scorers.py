@@ -232,7 +232,9 @@ class PrefixScorer:
         # Keyed by the request object: request ids may come from clients and repeat.
         request = ctx.request
         if self._last[0] is not request:
-            self._last = (request, self.index.hashes(request.prompt))
+            # As the latency scorer keys them: behind the salt, none when vLLM skips the cache.
+            hashes = self.index.hashes(request.cache_text) if request.reads_cache else []
+            self._last = (request, hashes)
         return self._last[1]
 
     def score(self, ctx: PickContext, candidates: list[EndpointState]) -> list[float]:

@@ -157,3 +157,22 @@ def test_match_deeper_than_keeps_only_endpoints_past_that_depth() -> None:
     assert idx.match(own) == {"a": 2, "b": 4}
     assert idx.match(own, deeper_than=2) == {"b": 4}
     assert idx.match(own, deeper_than=4) == {}
+
+
+def test_prefix_scorer_credits_blocks_only_under_the_same_salt_and_when_the_cache_is_read() -> None:
+    """vLLM shares blocks only among requests of one `cache_salt` and reads none for a
+    request that skips the cache (prompt logprobs): the `prefix` scorer keyed the bare
+    prompt, crediting a salted tenant with another tenant's blocks."""
+    states = [state("a:1"), state("b:1")]
+    scorer = PrefixScorer(block_chars=8)
+    prompt = "A" * 8 + "B" * 8
+    salted = RequestInfo("m", "r1", prompt=prompt, cache_salt="tenant-1")
+    scorer.observe(context(states, request=salted), states[0])
+    assert scorer.score(context(states, request=RequestInfo("m", "r2", prompt=prompt)), states) == [
+        0.0,
+        0.0,
+    ]
+    same = RequestInfo("m", "r3", prompt=prompt, cache_salt="tenant-1")
+    assert scorer.score(context(states, request=same), states) == [1.0, 0.0]
+    skips = RequestInfo("m", "r4", prompt=prompt, cache_salt="tenant-1", reads_cache=False)
+    assert scorer.score(context(states, request=skips), states) == [0.0, 0.0]
