@@ -119,7 +119,8 @@ def _optional_bool(body: dict[str, Any], name: str) -> bool:
 def parse_call(kind: str, raw: bytes) -> CompletionCall:
     """Validate a request body; raises ApiError(400) with the offending field."""
     try:
-        body = orjson.loads(raw)
+        # vLLM's json.loads skips a UTF-8 byte order mark (files saved by Windows tools).
+        body = orjson.loads(raw.removeprefix(b"\xef\xbb\xbf"))
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}") from None
     if not isinstance(body, dict):

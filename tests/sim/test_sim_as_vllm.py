@@ -25,6 +25,21 @@ async def test_a_body_not_sent_as_json_is_400_as_on_vllm(content_type: str | Non
     assert "application/json" in reply.json()["error"]["message"]
 
 
+async def test_a_body_with_a_utf8_byte_order_mark_is_read_as_on_vllm() -> None:
+    """vLLM's json.loads skips a leading UTF-8 BOM (bodies saved by Windows tools), and so
+    does llmgw: the simulator answered 400, so such a request routed fine and then failed."""
+    body = b'\xef\xbb\xbf{"model": "m1", "prompt": "hello", "max_tokens": 2}'
+    async with (
+        SimFleet(replicas=1, model="m1", time_scale=0) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0], timeout=10) as client,
+    ):
+        reply = await client.post(
+            "/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 2
+
+
 # 4. Context length: vLLM 0.32 rejects a prompt longer than max_model_len, or a max_tokens
 #    above it, but clamps max_tokens to max_model_len - prompt otherwise (get_max_tokens in
 #    entrypoints/serve/utils/api_utils.py): a 200 ending with finish_reason "length".
