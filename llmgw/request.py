@@ -363,7 +363,7 @@ def parse_body(
     if not isinstance(payload, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(payload).__name__}")
     model = payload.get("model")
-    if model is None and model_given:
+    if model in (None, "") and model_given:  # vLLM serves its model for both
         model = ""
     elif not isinstance(model, str) or not model:
         raise BadRequest("request body needs a string field 'model'")

@@ -391,6 +391,12 @@ def test_a_body_without_model_is_routed_by_the_model_header_whatever_the_strateg
         build_request(cfg(), {}, CHAT, body)
     with pytest.raises(BadRequest, match="string field 'model'"):  # a wrong type still is
         build_request(cfg(), {"x-llmgw-model": "chat"}, CHAT, orjson.dumps({"model": 3}))
+    # `"model": ""` too: vLLM's _is_model_supported takes an empty name as its own model.
+    empty = orjson.dumps({"model": "", "messages": [{"role": "user", "content": "hi"}]})
+    for model in ("chat", "plain"):
+        assert build_request(cfg(), {"x-llmgw-model": model}, CHAT, empty).model == model
+    with pytest.raises(BadRequest, match="string field 'model'"):
+        build_request(cfg(), {}, CHAT, empty)
 
 
 # -- a browser's CORS preflight -----------------------------------------------------------
