@@ -198,6 +198,7 @@ class Calibration:
         "predicted_hits",
         "prefill",
         "prefill_long",
+        "prefix_caching",
         "router_prompt",
         "sent",
         "sent_count",
@@ -229,6 +230,8 @@ class Calibration:
         self.step = DecayedRatio()  # seconds per engine step, normalised to a batch of one
         self.service = DecayedRatio()  # seconds a request holds its batch slot
         self.kv_tokens: float | None = None  # the engine's KV cache size, if it says
+        # Whether it reuses cached prefixes, if it says (vLLM's cache_config_info does).
+        self.prefix_caching: bool | None = None
         # What this router saw itself: time to first token against the prefill tokens ahead
         # of and in the request (its own estimate, in its own tokens), where the edge sees
         # first tokens. Its slope is seconds per token for engines that publish none.
@@ -332,6 +335,8 @@ class Calibration:
         prev_at, self._prev_at = self._prev_at, at
         if m.kv_tokens is not None:
             self.kv_tokens = m.kv_tokens
+        if m.prefix_caching is not None:
+            self.prefix_caching = m.prefix_caching
         sent_tokens, sent_count = self.sent_tokens, self.sent_count
         self.sent_tokens = self.sent_count = 0.0  # folded in below (dropped before a first page)
         if prev is None:

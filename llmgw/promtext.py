@@ -301,6 +301,7 @@ def extract_samples(
     """
     found: dict[str, list[float]] = {}
     kv_tokens: float | None = None
+    prefix_caching: bool | None = None
     for sample in samples:
         if model is not None:
             label = sample.labels.get(contract.model_label)
@@ -310,6 +311,9 @@ def extract_samples(
             continue
         if sample.name in contract.cache_info:
             kv_tokens = _kv_tokens(sample.labels, kv_tokens)
+            said = _PREFIX_CACHING.get(sample.labels.get("enable_prefix_caching", ""))
+            if said is not None:  # on if any engine of the page caches
+                prefix_caching = said or bool(prefix_caching)
             continue
         found.setdefault(sample.name, []).append(sample.value)
 
@@ -376,6 +380,7 @@ def extract_samples(
         service_seconds_sum=total(contract.service_time, "_sum"),
         service_count=total(contract.service_time, "_count"),
         kv_tokens=kv_tokens,
+        prefix_caching=prefix_caching,
         ttft_seconds_sum=total(contract.ttft_time, "_sum"),
         ttft_count=total(contract.ttft_time, "_count"),
         queue_seconds_sum=total(contract.queue_time, "_sum"),
@@ -383,6 +388,8 @@ def extract_samples(
 
 
 _MAX_REQUESTS = 1e7  # requests one engine has waiting or running, at most
+# vLLM's cache_config_info writes the flag as Python prints a bool.
+_PREFIX_CACHING = {"True": True, "true": True, "False": False, "false": False}
 
 
 def _kv_tokens(labels: Mapping[str, str], before: float | None) -> float | None:

@@ -137,6 +137,7 @@ class BodyFields:
     raw_prompt: Any = None
     reads_cache: bool = True  # `RequestInfo.reads_cache`
     cache_salt: str | None = None
+    lead_chars: int = 0  # `RequestInfo.lead_tokens`, in characters
 
 
 # Media parts vLLM turns into placeholder tokens it prefills (576 a LLaVA-1.5 image, 256
@@ -179,8 +180,9 @@ def prompt_text(payload: Mapping[str, Any], limit: int) -> str:
     return prompt_parts(payload, limit)[0]
 
 
-def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int]:
-    """`prompt_text`, and the length in characters of the whole prompt it was cut from.
+def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int, int]:
+    """`prompt_text`, the length in characters of the whole prompt it was cut from, and how
+    many characters more than its own the text's leading digest stands for (the tools').
 
     What an engine's template renders, in its order: the tools' schemas (before the
     messages, where templates put them; a digest in the text, their length in the count),
@@ -195,21 +197,23 @@ def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int]:
         # A stable text to hash: the same ids, the same text. A batch reads as its prompts
         # one after the other, as a list of strings does: all counted, the first in front.
         ids = ",".join(map(str, itertools.chain.from_iterable(batch)))
-        return ids[:limit], int(sum(map(len, batch)) * CHARS_PER_TOKEN)
+        return ids[:limit], int(sum(map(len, batch)) * CHARS_PER_TOKEN), 0
     parts: list[str] = []
-    size = 0
+    size = lead = 0
     tools = payload.get("tools")
     if isinstance(tools, list) and tools:
         # Counted whole, kept as a digest: a 20 KB tool list verbatim would fill the kept
         # prefix and hide each conversation behind it (every turn of the agent alike).
         schemas = orjson.dumps(tools)
-        parts.append(f"<|tools|>{hashlib.blake2b(schemas, digest_size=8).hexdigest()}")
+        digest = f"<|tools|>{hashlib.blake2b(schemas, digest_size=8).hexdigest()}"
+        parts.append(digest)
         size += len(schemas) + 9
+        lead = size - len(digest)
     for text in _segments(payload, prompt):
         if size < limit:  # past the kept prefix: only count
             parts.append(text)
         size += len(text)
-    return "".join(parts)[:limit], size
+    return "".join(parts)[:limit], size, lead
 
 
 def _token_ids(value: Any) -> bool:
@@ -376,7 +380,7 @@ def parse_body(
     messages = payload.get("messages")
     if messages is not None and not isinstance(messages, list):
         raise BadRequest("field 'messages' must be an array")
-    prompt, chars = prompt_parts(payload, prefix_chars)
+    prompt, chars, lead = prompt_parts(payload, prefix_chars)
     raw: Any = messages
     if messages is None:
         raw = _completion_prompt(payload.get("prompt"))
@@ -398,6 +402,7 @@ def parse_body(
         raw_prompt=raw,
         reads_cache=_reads_cache(payload),
         cache_salt=salt if isinstance(salt, str) and salt else None,
+        lead_chars=lead,
     )
 
 
@@ -565,4 +570,5 @@ def build_request(
         raw_prompt=fields.raw_prompt if fields else None,
         reads_cache=fields.reads_cache if fields else True,
         cache_salt=fields.cache_salt if fields else None,
+        lead_tokens=estimate_tokens(fields.lead_chars) if fields else 0,
     )

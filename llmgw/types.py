@@ -51,6 +51,8 @@ class EngineMetrics:
     service_seconds_sum: float | None = None  # time in the batch (inference) histogram _sum
     service_count: float | None = None  # ... and its _count
     kv_tokens: float | None = None  # KV cache size in tokens (cache config info)
+    # Its cache config's `enable_prefix_caching` (None: not said): off, nothing is reused.
+    prefix_caching: bool | None = None
     ttft_seconds_sum: float | None = None  # time to first token histogram _sum
     ttft_count: float | None = None  # ... and its _count
     queue_seconds_sum: float | None = None  # queue time (arrival to scheduled) _sum
@@ -100,6 +102,9 @@ class RequestInfo:
     reads_cache: bool = True
     # vLLM's `cache_salt`: the request reuses only blocks computed under the same salt.
     cache_salt: str | None = None
+    # Tokens the prompt's first block stands for beyond its own text: an agent's tool
+    # schemas, kept in `prompt` as a digest and counted whole in `prompt_tokens`.
+    lead_tokens: int = 0
 
     @property
     def routing_key(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import repeat
 from operator import truediv
@@ -316,6 +317,9 @@ class TermRows(Sequence[Row]):
 
 _HUGE = 1e18  # seconds: past any real prediction; NaN and inf costs are priced at it
 _MAX_INDEX_BLOCKS = 1e12  # an index capacity past this is no engine's KV cache
+# Sessions whose prompts run past the index's hashed prefix, remembered with the tokens each
+# last sent to each endpoint (the least recently seen forgotten first).
+_MAX_LONG_SESSIONS = 65536
 
 
 class LatencyScorer:
@@ -436,6 +440,13 @@ class LatencyScorer:
         )
         self._request: RequestInfo | None = None
         self._hashes: list[int] = []
+        # The last pick's leading-digest tokens (`RequestInfo.lead_tokens`) in its block
+        # unit, and whether its prompt ran past the hashed prefix.
+        self._lead = 0
+        self._long = False
+        # Session -> endpoint -> the prompt tokens it last sent there, for prompts longer
+        # than the hashed prefix: what is past that prefix is known only by its session.
+        self._long_sessions: OrderedDict[str, dict[str, int]] = OrderedDict()
         self._costs_at = float("-inf")
         self._costs = Costs(self.prefill_s, self.step_s, None, None)
         # Whether the engines publish their step (the step's phase needs its length).
@@ -483,6 +494,11 @@ class LatencyScorer:
             block = self.block_tokens * measured.engine_tokens
             for s in ctx.all_states:
                 s.calibration.batch_factor = self.batch_factor  # its steps scale back by it
+                if s.calibration.prefix_caching is False:
+                    # It computes every prompt whole: nothing held there counts (credited
+                    # its history, a session stayed on a queued home that reused none).
+                    self.index.set_capacity(s.id, 0)
+                    continue
                 kv = s.calibration.kv_tokens
                 if not self.kv_sized:
                     continue
@@ -566,6 +582,18 @@ class LatencyScorer:
             if request.prompt_tokens > 0:
                 block = self.block_tokens * tokens / request.prompt_tokens
         self._block = block
+        # An agent's tool schemas: one digest in the first block, their tokens in the count.
+        lead = int(request.lead_tokens * block / self.block_tokens)
+        self._lead = lead
+        # A prompt past the hashed prefix (`limits.prompt_prefix_chars`, the index's
+        # `max_blocks`): an endpoint holding all of that prefix holds, for a session, what
+        # it was last sent of it. Credited the prefix alone, a 59k-token history's home
+        # read 51k tokens uncached and the session left it for a replica holding nothing.
+        session = request.session_key
+        long_at: dict[str, int] | None = None
+        self._long = bool(hashes) and tokens > (len(hashes) + 1) * block + lead
+        if self._long and session is not None:
+            long_at = self._long_sessions.get(session)
         # A prefix many sessions share (a system prompt) ends up cached wherever sessions
         # go: its one-time prefill is amortised, so it must not pin new sessions to the
         # replicas that saw it first (they would herd there). Only what is this session's
@@ -573,7 +601,7 @@ class LatencyScorer:
         shared_blocks = (
             self.index.shared_depth(hashes) if hashes and request.session_key is not None else 0
         )
-        shared = int(shared_blocks * block)
+        shared = int(shared_blocks * block) + lead if shared_blocks else 0
         if shared and exact:
             # Engines hold the shared prefix to the token, past its last full index block:
             # count that extent everywhere too, or those few tokens herd new sessions. Its
@@ -621,10 +649,15 @@ class LatencyScorer:
         prefills = [per_token * uncached_tokens[0]] * n if n else []
         if deeper:
             position = self._positions(ctx, candidates).get
+            whole = len(hashes)
             for eid, depth in deeper.items():
                 i = position(eid)
                 if i is not None:
-                    hit = int(depth * block)
+                    hit = int(depth * block) + lead
+                    if long_at is not None and depth == whole:
+                        sent = long_at.get(eid, 0)
+                        if sent > hit:  # noqa: PLR1730 (no call per endpoint)
+                            hit = sent
                     uncached_tokens[i] = uncached = tokens - hit if hit < tokens else 1
                     prefills[i] = per_token * uncached
         # Where an engine's events are live, what it holds replaces the index's guess.
@@ -829,10 +862,22 @@ class LatencyScorer:
             if chosen.calibration.pairs_picks:
                 # What the index believes cached there, for the engine's hit counter to check
                 # (walked only where the engine publishes it).
-                held = self.index.held(chosen.id, hashes) * self._block
+                depth = self.index.held(chosen.id, hashes)
+                held = depth * self._block + self._lead if depth else 0.0
                 tokens = self._prompt_tokens
                 chosen.calibration.picked(tokens, held if held < tokens else tokens)
-            self.index.insert(chosen.id, hashes, ctx.request.session_key, ctx.now)
+            session = ctx.request.session_key
+            self.index.insert(chosen.id, hashes, session, ctx.now)
+            if self._long and session is not None:
+                long_sessions = self._long_sessions
+                sent = long_sessions.get(session)
+                if sent is None:
+                    sent = long_sessions[session] = {}
+                    if len(long_sessions) > _MAX_LONG_SESSIONS:
+                        long_sessions.popitem(last=False)
+                else:
+                    long_sessions.move_to_end(session)
+                sent[chosen.id] = self._prompt_tokens
         candidates = self._candidates
         i = self._positions(ctx, candidates).get(chosen.id)
         if i is None or candidates[i] is not chosen:
@@ -854,3 +899,5 @@ class LatencyScorer:
 
     def forget(self, endpoint_id: str) -> None:
         self.index.forget(endpoint_id)
+        for sent in self._long_sessions.values():
+            sent.pop(endpoint_id, None)
