@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 log = logging.getLogger("llmgw.workers")
@@ -41,6 +41,27 @@ def exit_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
         return
     if os.getppid() != parent:  # the parent died before the request reached the kernel
         os.kill(os.getpid(), sig)
+
+
+def child_dies_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` for a child process that must not outlive this one, even if this one
+    is SIGKILLed (a launched engine: orphaned, it kept its GPU and port, and the next llmgw
+    started a second engine beside it). None off Linux. libc's `prctl` is looked up here, in
+    the parent: the hook itself runs between fork and exec and only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request reached the kernel
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
 
 
 class EarlyHangup:

@@ -20,6 +20,7 @@ from llmgw.discovery import join
 from llmgw.runtime.controlplanes import CrashCallback, StartError
 from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
 from llmgw.runtime.ports import free_port
+from llmgw.runtime.workers import child_dies_with_parent
 from llmgw.types import Endpoint
 
 
@@ -81,6 +82,8 @@ class LocalProcessControlPlane:
                 stdout=fd,
                 stderr=fd,
                 start_new_session=True,  # own process group: stop() signals the whole tree
+                # SIGTERM when this process dies, however (the engine takes its workers down).
+                preexec_fn=child_dies_with_parent(),
             )
         except OSError as exc:
             raise StartError(f"cannot run {argv[0]!r}: {exc}") from None
