@@ -486,6 +486,11 @@ async def serve(
         scrape=not args.no_scrape,
         reuse_port=args.workers > 1,
     )
+    # The file as loaded (main read it just before): an edit that lands while the server
+    # starts (discovery's first lists, peers) is a change to apply, not the state seen.
+    watcher = ConfigWatcher(
+        args.config, lambda c: server.reload(_with_flags(c, args)), interval=args.reload_interval
+    )
     await server.start()
     # Startup objects (config, modules, protobuf pools) never die: keep them out of every
     # GC pass, so the per-request garbage is all the collector walks.
@@ -506,10 +511,8 @@ async def serve(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_stop)
-    # SIGHUP or a changed file: reload; an invalid file is logged and the old config kept.
-    watcher = ConfigWatcher(
-        args.config, lambda c: server.reload(_with_flags(c, args)), interval=args.reload_interval
-    )
+    # SIGHUP or a changed file (`watcher`): reload; an invalid file is logged and the old
+    # config kept.
 
     def on_hangup() -> None:
         watcher.reload()
