@@ -86,6 +86,25 @@ _WATCH_AFTER = 0.02  # seconds before a slow exchange starts watching for a disc
 _DEBUG_HEADER = DECISION_HEADER.encode("latin-1")
 
 
+_LOCATIONS = (b"location", b"content-location")
+
+
+def _own_locations(headers: list[tuple[bytes, bytes]], address: str) -> list[tuple[bytes, bytes]]:
+    """A Location naming the engine itself becomes relative (its path on this proxy), as
+    nginx's `proxy_redirect default` does. The engine builds it from the Host it was sent,
+    its own address: vLLM (FastAPI) answers `/v1/chat/completions/` with a 307 there, and
+    the client, the OpenAI SDK following it, went around the router to a pod address."""
+    origin = b"http://" + address.encode("latin-1")
+    out = []
+    for name, value in headers:
+        rest = value[len(origin) :]
+        if name in _LOCATIONS and value.startswith(origin) and (not rest or rest[:1] in b"/?#"):
+            out.append((name, rest if rest[:1] == b"/" else b"/" + rest))
+        else:
+            out.append((name, value))
+    return out
+
+
 def pool_limits(config: Config) -> PoolLimits:
     limits = config.limits
     return PoolLimits(
@@ -232,6 +251,8 @@ class Forwarder:
             content_type=content_type.decode("latin-1") if content_type is not None else None,
         )
         headers = _passed_on(response.headers, HOP_BY_HOP)
+        if 300 <= response.status < 400 or response.status == 201:
+            headers = _own_locations(headers, response.address)
         if response.status in (204, 304):  # no body follows: a length would make uvicorn
             headers = [(n, v) for n, v in headers if n != b"content-length"]  # wait for one
         if dispatch.config.debug_headers and dispatch.decision is not None:

@@ -166,6 +166,11 @@ class UpstreamResponse:
             parts.append(chunk)
         return b"".join(parts)
 
+    @property
+    def address(self) -> str:
+        """The `host:port` it came from."""
+        return self._conn.address
+
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
             if key == name:
@@ -435,6 +440,8 @@ class UpstreamPool:
         self._hosts: dict[str, _HostPool] = {}
         self._connections: set[_Connection] = set()
         self._closed = False
+        # One timer for the whole pool: it closes the connections idle past `idle_timeout`.
+        self._sweep_at: asyncio.TimerHandle | None = None
 
     def _host(self, address: str) -> _HostPool:
         host = self._hosts.get(address)
@@ -445,6 +452,9 @@ class UpstreamPool:
     async def _checkout(self, address: str) -> _Connection:
         host = self._host(address)
         now = time.monotonic()
+        # One deadline for the whole wait: a waiter woken for a connection that a newer
+        # request took first waits on, but not a fresh `connect_timeout` each time.
+        deadline = asyncio.get_running_loop().time() + self.limits.connect_timeout
         while True:
             while host.idle:
                 conn = host.idle.pop()
@@ -456,7 +466,7 @@ class UpstreamPool:
             waiter = asyncio.get_running_loop().create_future()
             host.waiters.append(waiter)
             try:
-                async with asyncio.timeout(self.limits.connect_timeout):
+                async with asyncio.timeout_at(deadline):
                     await waiter
             except BaseException as exc:
                 if not waiter.done():
@@ -503,6 +513,31 @@ class UpstreamPool:
         conn.idle_since = time.monotonic()
         host.idle.append(conn)
         self._wake_one(host)
+        if self._sweep_at is None:
+            self._sweep_at = conn.loop.call_later(self.limits.idle_timeout, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections idle for `idle_timeout` (their age was read only when a
+        request took one: after a burst, or to an endpoint no request goes to any more, they
+        stayed open for good where the engine does not close idle ones itself)."""
+        self._sweep_at = None
+        now = time.monotonic()
+        limit = self.limits.idle_timeout
+        oldest: float | None = None
+        for host in self._hosts.values():
+            if not host.idle:
+                continue
+            idle, host.idle = host.idle, []
+            for conn in idle:
+                if not conn.closed and now - conn.idle_since < limit:
+                    host.idle.append(conn)
+                    if oldest is None or conn.idle_since < oldest:
+                        oldest = conn.idle_since
+                else:
+                    conn.abort()  # (`_forget`: no longer in `host.idle`, one fewer open)
+        if oldest is not None and not self._closed:
+            loop = asyncio.get_running_loop()
+            self._sweep_at = loop.call_later(max(0.0, oldest + limit - now), self._sweep)
 
     def _forget(self, conn: _Connection) -> None:
         if conn in self._connections:
@@ -569,6 +604,9 @@ class UpstreamPool:
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._sweep_at is not None:
+            self._sweep_at.cancel()
+            self._sweep_at = None
         for conn in list(self._connections):
             conn.abort()
         for host in self._hosts.values():
