@@ -57,6 +57,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HeadersResponse,
     HttpBody,
     HttpHeaders,
+    HttpTrailers,
     ImmediateResponse,
     ProcessingRequest,
     ProcessingResponse,
@@ -482,6 +483,7 @@ class Exchange:
         "_body_ended",
         "_body_size",
         "_envoy",
+        "_grpc",
         "_headers",
         "_held",
         "_local",
@@ -519,6 +521,7 @@ class Exchange:
         self._request_mode = UNSAID
         self._response_mode = NONE
         self._response_ended = False
+        self._grpc = False  # the answer is gRPC: its trailers may carry its real status
         self._subset: tuple[str, ...] | None = None
         self._trailers = False
         self._replied = False
@@ -545,6 +548,8 @@ class Exchange:
         if kind == "response_body":
             return self._response_body(message.response_body)
         if kind == "response_trailers":
+            if self._grpc and self.status == 200:
+                self._trailer_status(message.response_trailers)
             self._response_ended = True
             self.close()
             return CONTINUE_RESPONSE_TRAILERS
@@ -783,6 +788,7 @@ class Exchange:
         lifecycle = self.lifecycle
         status, upstream, content_type = response_head(headers)
         self.status = status
+        self._grpc = content_type is not None and content_type.startswith("application/grpc")
         served = metadata_value(message, METADATA_NAMESPACE, SERVED_KEY)
         if isinstance(served, str) and served:
             lifecycle.answered_by(served.split(",", 1)[0].strip())
@@ -808,6 +814,18 @@ class Exchange:
         if upstream is not None:
             return STRIP_UPSTREAM_HEADER
         return CONTINUE_RESPONSE_HEADERS
+
+    def _trailer_status(self, trailers: HttpTrailers) -> None:
+        """A gRPC answer's status is in its trailers: a 200 head, then a `grpc-status` other
+        than 0 when the engine failed after it (mid-generation). Charged as that error's
+        HTTP equivalent, as in a head; it was charged a success."""
+        for h in trailers.trailers.headers:
+            if h.key == "grpc-status":
+                code = (h.raw_value or h.value.encode()).strip()
+                if code != b"0":
+                    self.status = _GRPC_AS_HTTP.get(code, 500)
+                    self.lifecycle.revise_status(self.status)
+                return
 
     def _response_body(self, body: HttpBody) -> bytes:
         # The first chunk of a streamed body: the first token reached Envoy. A buffered body

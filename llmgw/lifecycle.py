@@ -362,6 +362,11 @@ class Lifecycle:
         self._pending = tail
         return False
 
+    def revise_status(self, status: int) -> None:
+        """The answer's trailers said what its head did not (a gRPC error after a 200):
+        `finish` decides the outcome by `status` instead."""
+        self._status = status
+
     def response(
         self, status: int, *, content_type: str | None = None, bodies_seen: bool = True
     ) -> None:
