@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.config import TraceSpec
-from llmgw.runtime.trace import trace_problem
 from llmgw.scheduling.strategies import PRESETS
 
 
@@ -142,15 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv or [])
     if args.context_tokens < 0:
         parser.error("--context-tokens must be >= 0")
-    if args.trace:  # before the fleet starts, not a warning in the log and a claimed trace
-        problem = trace_problem(TraceSpec(path=args.trace), 1)
-        if problem is not None:
-            parser.error(problem.replace("trace.path", "--trace"))
-
-    try:
+    try:  # (the runtime's trace needs prometheus_client, not in the base install either)
         import openai  # noqa: PLC0415
 
         import llmgw.sim  # noqa: F401, PLC0415 (checked here, used by demo_fleet)
+        from llmgw.runtime.trace import trace_problem  # noqa: PLC0415
         from llmgw.testing.extproc import (  # noqa: PLC0415
             EnvoyProcess,
             ExtProcThread,
@@ -160,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(f"llmgw demo needs the extproc, sim and dev extras: {exc}", file=sys.stderr)
         return 2
+    if args.trace:  # before the fleet starts, not a warning in the log and a claimed trace
+        problem = trace_problem(TraceSpec(path=args.trace), 1)
+        if problem is not None:
+            parser.error(problem.replace("trace.path", "--trace"))
 
     began = time.monotonic()
     front = "Envoy, the ext_proc server" if args.edge == "envoy" else "the llmgw proxy"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmgw.cli.replay_mirror import Correction, Speed, View, apply, correction, view_of
-from llmgw.cli.replay_trace import Arrival, TraceRing, prompt_text
+from llmgw.cli.replay_trace import Arrival, TraceRing, prompt_text, recorded_endpoints
 from llmgw.config import Config, load_dict
 from llmgw.errors import LlmgwError
 from llmgw.registry import Registry
@@ -53,7 +53,7 @@ class ReplayResult:
     recorded: int = 0  # requests whose recorded endpoint is known
 
     def row(self) -> dict[str, Any]:
-        span = self.makespan_s or math.nan
+        span = self.makespan_s  # 0 when nothing completed: rates None, not NaN (not JSON)
         return {
             "same_as_recorded": round(self.same / self.recorded, 3) if self.recorded else None,
             "strategy": self.strategy,
@@ -64,8 +64,8 @@ class ReplayResult:
             "ttft_p90_ms": _ms(_pct(self.ttft_s, 90)),
             "ttft_p99_ms": _ms(_pct(self.ttft_s, 99)),
             "e2e_p90_ms": _ms(_pct(self.e2e_s, 90)),
-            "req_per_s": round(len(self.e2e_s) / span, 2),
-            "tok_per_s": round(self.output_tokens / span, 1),
+            "req_per_s": round(len(self.e2e_s) / span, 2) if span > 0 else None,
+            "tok_per_s": round(self.output_tokens / span, 1) if span > 0 else None,
             "hit_rate": round(self.hit_rate, 3),
             "per_replica": dict(self.per_replica),
         }
@@ -181,6 +181,7 @@ def simulate(
     n = len(endpoints)
     models = sorted({a.model for a in arrivals})
     fleet = {m: list((fleets or {}).get(m) or endpoints) for m in models}
+    fleet_sets = {m: frozenset(f) for m, f in fleet.items()}
     now = 0.0
     registry = Registry(clock=lambda: now)
     config = replay_config(fleet, strategy, seed)
@@ -263,13 +264,23 @@ def simulate(
             arrived += 1
             arrival = arrivals[a]
             text = prompt_text(arrival, a)
+            if force and arrival.endpoint:
+                subset: frozenset[str] | None = frozenset({arrival.endpoint})
+            elif arrival.engines or arrival.candidates:
+                # The fleet of its time: across a rollout (new pod addresses) the pick has
+                # only the endpoints its recorded view names, not every one the trace ever
+                # does (pooled, post-rollout requests went to pods that were gone).
+                subset = fleet_sets[arrival.model].intersection(recorded_endpoints(arrival))
+                subset = subset or None
+            else:  # no view recorded (its endpoint alone is no fleet)
+                subset = None
             info = RequestInfo(
                 model=arrival.model,
                 request_id=arrival.request_key or f"r{a}",
                 session_key=arrival.session,
                 prompt=text,
                 prompt_tokens=arrival.prompt_tokens,
-                subset=frozenset({arrival.endpoint}) if force and arrival.endpoint else None,
+                subset=subset,
             )
             for tie in ties:
                 tie.prefer = arrival.endpoint

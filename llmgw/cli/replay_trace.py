@@ -76,26 +76,32 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
     where: dict[int, str] = {}  # id(row) -> "path:line", for errors found later
     cut: list[str] = []  # lines a full disk cut short (the writer ends them on reopening)
     for path in paths:
-        try:
-            with path.open(encoding="utf-8") as lines:
-                for number, line in enumerate(lines, 1):
-                    if not line.strip():
+        # Decoded line by line: a line cut inside a character (model names are raw UTF-8)
+        # is one cut line, not a file that is not text.
+        with path.open("rb") as lines:
+            for number, raw in enumerate(lines, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    if raw.startswith(b'{"'):  # cut short (a full disk): that one lost
+                        cut.append(f"{path}:{number}")
                         continue
-                    try:
-                        row = json.loads(line)
-                    except ValueError as exc:
-                        if line.startswith('{"'):  # cut short (a full disk): that one lost
-                            cut.append(f"{path}:{number}")
-                            continue
-                        raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
-                    try:
-                        _check_row(row)
-                    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
-                        raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
-                    rows.append(row)
-                    where[id(row)] = f"{path}:{number}"
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not a trace (not UTF-8 text: {exc.reason})") from None
+                    raise ValueError(f"{path}: not a trace (not UTF-8 text: {exc.reason})") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError as exc:
+                    if line.startswith('{"'):  # cut short (a full disk): that one lost
+                        cut.append(f"{path}:{number}")
+                        continue
+                    raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
+                try:
+                    _check_row(row)
+                except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
+                    raise ValueError(f"{path}:{number}: not a trace line ({exc})") from None
+                rows.append(row)
+                where[id(row)] = f"{path}:{number}"
     if cut:
         log.warning(
             "%d trace line(s) cut short, left out (a full disk?): %s", len(cut), ", ".join(cut[:5])
@@ -320,7 +326,7 @@ def fit_engine(
     return engine
 
 
-def _recorded_endpoints(arrival: Arrival) -> set[str]:
+def recorded_endpoints(arrival: Arrival) -> set[str]:
     """The endpoints its pick had: the one chosen, and every one its view of the engines
     names (a replica never chosen is still on the ring and in the what-ifs)."""
     out = set(arrival.engines or ()) | arrival.candidates
@@ -331,7 +337,7 @@ def _recorded_endpoints(arrival: Arrival) -> set[str]:
 
 def endpoints_of(arrivals: Iterable[Arrival], replicas: int | None) -> list[str]:
     """The recorded endpoints (so the ring is the recorded ring), else made-up ones."""
-    seen = sorted(set().union(*(_recorded_endpoints(a) for a in arrivals)))
+    seen = sorted(set().union(*(recorded_endpoints(a) for a in arrivals)))
     if replicas is None or replicas == len(seen):
         return seen or [f"10.0.0.{i + 1}:8000" for i in range(replicas or 4)]
     return [f"10.0.0.{i + 1}:8000" for i in range(replicas)]
@@ -344,7 +350,7 @@ def fleets_of(arrivals: Iterable[Arrival], endpoints: list[str]) -> dict[str, li
     known = set(endpoints)
     fleets: dict[str, set[str]] = {}
     for a in arrivals:
-        fleets.setdefault(a.model, set()).update(_recorded_endpoints(a) & known)
+        fleets.setdefault(a.model, set()).update(recorded_endpoints(a) & known)
     return {m: sorted(f) if f else list(endpoints) for m, f in sorted(fleets.items())}
 
 
