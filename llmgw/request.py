@@ -532,15 +532,19 @@ def build_request(
     (the model header names the model there)."""
     fields: BodyFields | None = None
     exact = path.split("?", 1)[0] in BODY_PATHS
+    # One model served: a request that names none is that model's, as an engine serving one
+    # model takes a body without `model` (and GIE's picker, one per pool, routes bodyless
+    # requests: its conformance suite sends plain GETs to a pool's routes).
+    only = next(iter(config.models)) if len(config.models) == 1 else None
     if body is not None and (body or exact):
         read = parse_body if on_paths(path) else _other_body
         fields = read(
             body,
             max_bytes=config.limits.max_body_bytes,
             prefix_chars=config.limits.prompt_prefix_chars,
-            model_given=bool(headers.get(config.model_header)),
+            model_given=bool(headers.get(config.model_header)) or only is not None,
         )
-    model = headers.get(config.model_header) or (fields.model if fields else None)
+    model = headers.get(config.model_header) or (fields.model if fields else None) or only
     if not model:
         if not on_paths(path):
             raise BadRequest(

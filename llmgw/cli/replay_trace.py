@@ -86,7 +86,9 @@ def read_trace(paths: Sequence[Path], decode_ms: float, output_tokens: int | Non
                     if raw.startswith(b'{"'):  # cut short (a full disk): that one lost
                         cut.append(f"{path}:{number}")
                         continue
-                    raise ValueError(f"{path}: not a trace (not UTF-8 text: {exc.reason})") from None
+                    raise ValueError(
+                        f"{path}: not a trace (not UTF-8 text: {exc.reason})"
+                    ) from None
                 if not line.strip():
                     continue
                 try:

@@ -132,7 +132,7 @@ def test_body_in_chunks_is_joined_before_parsing() -> None:
     ("body", "model_header", "status", "code"),
     [
         (b"{not json", None, 400, "invalid_request"),
-        (b'{"messages": []}', None, 400, "invalid_request"),
+        (b'{"model": 7, "messages": []}', None, 400, "invalid_request"),
         (b'{"model": "nope", "messages": []}', None, 404, "model_not_found"),
         (b'{"model": "m1", "prompt": "' + b"x" * 5000 + b'"}', None, 413, "body_too_large"),
     ],
