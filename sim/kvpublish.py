@@ -45,6 +45,9 @@ class KvEventPublisher:
 
     @staticmethod
     def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:
+        if ":" in host:  # an IPv6 address: bracketed, and the socket told (else "No such device")
+            sock.setsockopt(zmq.IPV6, 1)
+            host = f"[{host.strip('[]')}]"
         if port:
             sock.bind(f"tcp://{host}:{port}")
             return port

@@ -104,6 +104,14 @@ class SubscriberStats:
     lag_s: float = 0.0  # last batch: receive time - the engine's timestamp
 
 
+def _ipv6(endpoint: str) -> int:
+    """ZMQ_IPV6 for a connect to `endpoint`: on for an IPv6 literal (`tcp://[::1]:5557`: else
+    libzmq never connects, silently), off for a name or an IPv4 address. On, libzmq looks a
+    name up as IPv6 only, and `localhost` (::1 in every pod's /etc/hosts) or a dual-stack
+    DNS name never reached vLLM's publisher, which binds `tcp://*:PORT`: IPv4 only."""
+    return int("://[" in endpoint)
+
+
 class KvEventSubscriber:
     """Follows one endpoint's event stream into `registry.kv_index`."""
 
@@ -177,7 +185,7 @@ class KvEventSubscriber:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.IPV6, 1)  # else libzmq never connects to an IPv6 peer, silently
+        sub.setsockopt(zmq.IPV6, _ipv6(source.endpoint))
         # ZMTP heartbeats: a publisher's host that dies without closing its connection
         # (power, a partition) is a disconnect within seconds, not an endpoint live forever
         # on frozen blocks. libzmq answers them itself, on both ends.
@@ -264,7 +272,7 @@ class KvEventSubscriber:
         assert source.replay_endpoint is not None
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.IPV6, 1)
+        dealer.setsockopt(zmq.IPV6, _ipv6(source.replay_endpoint))
         out: list[EventBatch] = []
         try:
             dealer.connect(source.replay_endpoint)
