@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -406,7 +407,7 @@ def test_without_a_prefill_histogram_the_time_to_first_token_less_the_queue_pric
     Without a queue histogram the queue counts too (an upper bound); a prefill histogram,
     where published, wins; with neither, no seconds are made up."""
 
-    def page(**counters: float) -> EngineMetrics:
+    def page(**counters: Any) -> EngineMetrics:
         return EngineMetrics(waiting=0.0, running=4.0, kv_usage=0.0, **counters)
 
     start = {"prompt_tokens_total": 0.0, "cached_tokens_total": 0.0, "finished_total": 0.0}
