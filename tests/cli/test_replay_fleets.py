@@ -125,3 +125,25 @@ def test_replaying_a_configs_strategy_uses_its_models_ring_settings(
     out = json.loads(capsys.readouterr().out)
     replayed = next(r for r in out["rows"] if r["strategy"] == "llmgw.yaml:m1")
     assert replayed["same_as_recorded"] == 1.0, replayed
+
+
+OLD = ["10.0.0.1:8000", "10.0.0.2:8000"]  # the pods before a rollout
+NEW = ["10.0.0.3:8000", "10.0.0.4:8000"]  # after it: new pod IPs (Kubernetes)
+
+
+def test_a_trace_across_a_rollout_replays_each_request_on_the_fleet_of_its_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A week of traffic on Kubernetes spans rollouts: the pods come back under new IPs.
+    The replay put every endpoint the trace ever names in one fleet for the whole replay,
+    so requests recorded after the rollout were spread over pods that were gone (and
+    before it, over pods not yet there): replaying the recorded strategy (ring) did not
+    give the recorded picks, and capacity was doubled."""
+    lines = [ring_line(i * 0.05, "m1", OLD, f"user-{i}") for i in range(40)]
+    lines += [ring_line(2.0 + i * 0.05, "m1", NEW, f"user-{i}") for i in range(40)]
+    path = tmp_path / "week.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert main([str(path), "--strategies", "ring", "--json", "--no-mirror"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    ring = next(r for r in rows if r["strategy"] == "ring")
+    assert ring["same_as_recorded"] == 1.0, ring

@@ -448,18 +448,19 @@ def test_an_engine_smaller_than_the_index_forgets_what_it_must_have_evicted() ->
     assert scorer.index.match(scorer.index.hashes(old.prompt)) == {}
 
 
+def counters_page(prompt: float, cached: float) -> EngineMetrics:
+    """An engine's page with its prompt-token and cached-token counters at these totals."""
+    return EngineMetrics(
+        waiting=0, running=0, kv_usage=0.0, prompt_tokens_total=prompt, cached_tokens_total=cached
+    )
+
+
 def test_the_engines_hit_counter_checks_the_share_the_index_predicted_for_the_same_prompts() -> (
     None
 ):
     """Picks wait until the engine's prompt counter has counted their tokens (it counts at
     admission, a queue later); then its cached-token counter says what it found of them."""
-
-    def page(prompt: float, cached: float) -> EngineMetrics:
-        return EngineMetrics(
-            waiting=0, running=0, kv_usage=0.0, prompt_tokens_total=prompt,
-            cached_tokens_total=cached,
-        )  # fmt: skip
-
+    page = counters_page
     cal = Calibration()
     cal.on_scrape(page(0.0, 0.0))
     cal.picked(1000.0, 800.0)
@@ -485,13 +486,7 @@ def test_cache_hits_counted_before_their_prompts_tokens_are_carried_to_them() ->
     token were dropped: the engine's share read a fraction of the truth, the index was cut
     to a sliver, and on engines without `cache_config_info` sessions spread (2.3-9x the
     best TTFT p90 in `bench/fleetsim_robust.py`, variants no-kv-size, counters-only)."""
-
-    def page(prompt: float, cached: float) -> EngineMetrics:
-        return EngineMetrics(
-            waiting=0, running=1, kv_usage=0.0, prompt_tokens_total=prompt,
-            cached_tokens_total=cached,
-        )  # fmt: skip
-
+    page = counters_page
     cal = Calibration()
     cal.on_scrape(page(0.0, 0.0))
     prompt = cached = 0.0
