@@ -760,6 +760,11 @@ class Peers(asyncio.DatagramProtocol):
         lookup fails keeps what it last resolved to (one DNS hiccup must not cut a replica
         off from its peers)."""
         if self.siblings is not None:
+            # Registered again at each look: a /tmp cleaner (systemd-tmpfiles' 10 days)
+            # deletes files it sees untouched, and the workers silently stopped peering.
+            with contextlib.suppress(OSError):
+                self.siblings.mkdir(parents=True, exist_ok=True)
+                self._registration().touch()
             self._resolved = {"siblings": _sibling_ports(self.siblings)}
         loop = asyncio.get_running_loop()
         # An IPv6 socket (`[::]`) is dual-stack: IPv4 peers are reached, and heard from, at
