@@ -33,6 +33,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 from llmgw import native
 from llmgw.catalog import catalog_answer
 from llmgw.config import Config, load_file
+from llmgw.discovery import bracketed
 from llmgw.errors import ConfigError
 from llmgw.extproc.envoyconfig import host_name_problem
 from llmgw.extproc.grpchealth import (
@@ -95,7 +96,8 @@ class ExtProcServer:
         reuse_port: bool = False,
     ) -> None:
         refuse_host_names(config, "config")
-        self.host = host
+        # Bare (`::1` or `[::1]` alike): aiohttp binds it so, gRPC in brackets (`_bind`).
+        self.host = host.removeprefix("[").removesuffix("]")
         self.router = router_for(config, scheduler=scheduler, scrape=scrape)
         self.gateway = self.router.gateway
         self.telemetry = telemetry or Telemetry()
@@ -242,7 +244,7 @@ class ExtProcServer:
             await site.start()
         except OSError as exc:
             raise StartError(
-                f"cannot listen on {self.host}:{number} ({_PORT_FLAGS[port]}): "
+                f"cannot listen on {bracketed(self.host)}:{number} ({_PORT_FLAGS[port]}): "
                 f"{exc.strerror or exc}"
             ) from None
         server = site._server
@@ -343,7 +345,7 @@ class ExtProcServer:
         self._runners.clear()
 
     def _bind(self, server: grpc.aio.Server, port: str, *, tls: ServerTls | None) -> int:
-        address = f"{self.host}:{self._ports[port]}"
+        address = f"{bracketed(self.host)}:{self._ports[port]}"
         try:
             if tls is None:
                 bound = server.add_insecure_port(address)

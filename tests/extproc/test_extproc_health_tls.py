@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,14 +27,13 @@ EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 async def start(**options: object) -> ExtProcServer:
     options.setdefault("config", make_config())
+    options.setdefault("host", "127.0.0.1")
     srv = ExtProcServer(
-        host="127.0.0.1",
         grpc_port=0,
         grpc_health_port=0,
-        health_port=None,
         metrics_port=None,
         scrape=False,
-        **options,  # type: ignore[arg-type]
+        **{"health_port": None, **options},  # type: ignore[arg-type]
     )
     await srv.start()
     return srv
@@ -231,3 +231,33 @@ def test_tls_flags_default_to_self_signed_and_reject_contradictions() -> None:
         server_tls(parse(["--config", "x", "--tls-cert", "a.pem"]))
     with pytest.raises(ConfigError, match="cannot be combined"):
         server_tls(parse(["--config", "x", "--plaintext", "--tls-cert", "a", "--tls-key", "b"]))
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+async def test_the_server_listens_on_an_ipv6_host_written_bare_or_bracketed(host: str) -> None:
+    """`--host` binds every port; on an IPv6 cluster the kubelet probes 9003 and gateways
+    dial 9002 at the pod's IPv6 address. Bare, gRPC read `::1:0` as a host name; bracketed,
+    aiohttp could not resolve `[::1]`: no spelling started (found by a review helper)."""
+    srv = await start(host=host, health_port=0)
+    try:
+        async with grpc.aio.insecure_channel(f"[::1]:{srv.ports['grpc_health']}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            answer = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
+        assert answer.status == SERVING
+        reader, writer = await asyncio.open_connection("::1", srv.ports["health"])
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        head = await reader.readline()
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 200"), head
+    finally:
+        await srv.stop(1.0)
