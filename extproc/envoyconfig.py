@@ -42,6 +42,7 @@ import argparse
 import ipaddress
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,7 @@ def build(
     body_mode: str = "override",
     extproc_tls: bool = False,
     extproc_ca: str | None = None,
+    extproc_names: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The Envoy bootstrap as a dict (dump it as YAML or JSON)."""
     if shape not in SHAPES:
@@ -374,7 +376,13 @@ def build(
         connect_timeout=timing.connect,
     )  # fmt: skip
     if extproc_tls or extproc_ca:
-        extproc_cluster["transport_socket"] = envoylimits.upstream_tls(ca_file=extproc_ca)
+        hosts = [a.rpartition(":")[0] for a in _extproc_addresses(extproc_address)]
+        names = list(extproc_names) if extproc_names else hosts
+        # A name's certificate is asked for by it (SNI), as a client of that name would.
+        sni = next((n for n in names if not _is_ip(n.strip("[]"))), None) if extproc_ca else None
+        extproc_cluster["transport_socket"] = envoylimits.upstream_tls(
+            ca_file=extproc_ca, sni=sni, names=names
+        )
     # A dead or draining replica of several must not keep its share of the requests (each
     # would fail, or pass unrouted with fail-open): Envoy asks each one's grpc.health.v1
     # (NOT_SERVING from SIGTERM on) and ejects one whose streams fail. With every replica
@@ -710,7 +718,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="talk to ext_proc without TLS (pair with `llmgw extproc --plaintext`); "
         "default: TLS without verification, as llmgw's self-signed default",
     )
-    tls.add_argument("--extproc-ca", help="PEM CA file to verify the ext_proc certificate with")
+    tls.add_argument(
+        "--extproc-ca",
+        help="PEM CA file to verify the ext_proc certificate with; the certificate must also "
+        "name the --extproc host (or an --extproc-san)",
+    )
+    parser.add_argument(
+        "--extproc-san",
+        action="append",
+        default=[],
+        help="a name (DNS or IP) the ext_proc certificate must carry instead of the --extproc "
+        "hosts (repeatable; with --extproc-ca)",
+    )
     parser.add_argument("--out", help="write here instead of stdout")
     return parser
 
@@ -736,6 +755,7 @@ def main(argv: list[str]) -> int:
             body_mode=args.body_mode,
             extproc_tls=not args.extproc_plaintext,
             extproc_ca=args.extproc_ca,
+            extproc_names=args.extproc_san,
         )
         text = render(bootstrap, Path(args.config).name)
     except (ConfigError, ValueError) as exc:

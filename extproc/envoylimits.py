@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Sequence
 from typing import Any
 
 from llmgw.request import CLIENT_MAX_HEADERS, CLIENT_MAX_HEADERS_KB, HEADERS_TOO_LARGE
@@ -86,19 +88,36 @@ def extproc_health_check() -> dict[str, Any]:
     }
 
 
-def upstream_tls(*, ca_file: str | None = None, sni: str | None = None) -> dict[str, Any]:
+def upstream_tls(
+    *, ca_file: str | None = None, sni: str | None = None, names: Sequence[str] = ()
+) -> dict[str, Any]:
     """The ext_proc cluster's TLS: like GIE's gateways, no verification unless a CA is given
-    (llmgw's default certificate is self-signed)."""
+    (llmgw's default certificate is self-signed). With a CA, the certificate must also name
+    one of `names` (an IP address as an IP SAN, else a DNS SAN): a CA alone let any
+    certificate it issued, to whatever workload, answer as llmgw."""
     common: dict[str, Any] = {"alpn_protocols": ["h2"]}
     if ca_file:
-        common["validation_context"] = {"trusted_ca": {"filename": ca_file}}
-    context: dict[str, Any] = {
+        context: dict[str, Any] = {"trusted_ca": {"filename": ca_file}}
+        if names:
+            context["match_typed_subject_alt_names"] = [_san(name) for name in names]
+        common["validation_context"] = context
+    upstream: dict[str, Any] = {
         "@type": _T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
         "common_tls_context": common,
     }
     if sni:
-        context["sni"] = sni
-    return {"name": "envoy.transport_sockets.tls", "typed_config": context}
+        upstream["sni"] = sni
+    return {"name": "envoy.transport_sockets.tls", "typed_config": upstream}
+
+
+def _san(name: str) -> dict[str, Any]:
+    """Envoy's SAN matcher for a host: an IP SAN for an address, a DNS SAN for a name."""
+    bare = name.removeprefix("[").removesuffix("]")
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return {"san_type": "DNS", "matcher": {"exact": bare.lower()}}
+    return {"san_type": "IP_ADDRESS", "matcher": {"exact": ip.compressed}}
 
 
 _HEADER_LIMIT_LUA = """
