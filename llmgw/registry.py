@@ -342,7 +342,10 @@ class Registry:
         probe: int = 0,
         prefill_tokens: float = 0.0,
         prefill: PendingPrefill | None = None,
+        started: float | None = None,
     ) -> None:
+        """`started`: when the request was sent there (None: unknown, taken as before the
+        last scrape)."""
         key = (model, endpoint_id)
         state = self._by_id.get(key)
         if state is None:
@@ -354,7 +357,11 @@ class Registry:
         _prefill_over(state, prefill, prefill_tokens)
         now = self.clock()
         state.inflight = max(0, state.inflight - 1)
-        state.released_since_scrape += 1
+        if started is None or started <= state.scraped_at:
+            # The last scrape counted it (running or waiting) and the next will not. One
+            # sent since was never in it: taken off too, short requests of this router's
+            # erased the load other clients put there (a busy engine read as idle).
+            state.released_since_scrape += 1
         if self.on_load is not None:
             self.on_load(model, state)
         if outcome is Outcome.CANCELLED or outcome is Outcome.UNKNOWN:  # no verdict

@@ -115,6 +115,7 @@ def run_pick(
     )
     candidates = offered
     drops: list[tuple[str, int]] = []
+    explained = len(dropped) if dropped is not None else 0  # the subset's entry stays
     cap = registry.warmup_inflight
     if cap is not None and registry.warming(request.model):
         # New replicas not scraped yet take a bounded share (their ring arcs overflow
@@ -125,14 +126,18 @@ def run_pick(
             if dropped is not None:
                 dropped.append(("warmup", _left_out(offered, kept)))
             candidates = kept
-    for flt in router.filters:
-        kept = flt.filter(ctx, candidates)
-        drops.append((flt.name, len(candidates) - len(kept)))
+    try:
+        candidates = _filtered(router.filters, ctx, candidates, drops, dropped)
+    except LlmgwError:
+        if candidates is offered:
+            raise
+        # Nothing else is left once filtered (the others failing, saturated or not serving
+        # the model): the warming replicas past their cap take it. Capped first, a healthy
+        # new replica's model answered 503 with the failing ones' Retry-After.
+        del drops[:]
         if dropped is not None:
-            dropped.append((flt.name, _left_out(candidates, kept)))
-        if not kept:
-            raise _nothing_left(flt, ctx, candidates)
-        candidates = kept
+            del dropped[explained:]
+        candidates = _filtered(router.filters, ctx, offered, drops, dropped)
 
     columns: list[ScorerColumn] = []
     n = len(candidates)
@@ -186,6 +191,26 @@ def run_pick(
         tokens,
         ctx.now,
     )
+
+
+def _filtered(
+    filters: list[Filter],
+    ctx: PickContext,
+    candidates: list[EndpointState],
+    drops: list[tuple[str, int]],
+    dropped: list[tuple[str, tuple[str, ...]]] | None,
+) -> list[EndpointState]:
+    """`candidates` through each filter in turn, noting what each dropped; raises the error
+    of the first that leaves none."""
+    for flt in filters:
+        kept = flt.filter(ctx, candidates)
+        drops.append((flt.name, len(candidates) - len(kept)))
+        if dropped is not None:
+            dropped.append((flt.name, _left_out(candidates, kept)))
+        if not kept:
+            raise _nothing_left(flt, ctx, candidates)
+        candidates = kept
+    return candidates
 
 
 def _nothing_left(flt: Filter, ctx: PickContext, candidates: list[EndpointState]) -> LlmgwError:

@@ -221,6 +221,7 @@ class Lease:
             probe=self.probe,
             prefill_tokens=pending,
             prefill=self.prefill,
+            started=self.started,
         )
 
 
