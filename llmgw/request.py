@@ -199,7 +199,7 @@ def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int, int]
         ids = ",".join(map(str, itertools.chain.from_iterable(batch)))
         return ids[:limit], int(sum(map(len, batch)) * CHARS_PER_TOKEN), 0
     parts: list[str] = []
-    size = lead = 0
+    size = lead = kept = 0
     tools = payload.get("tools")
     if isinstance(tools, list) and tools:
         # Counted whole, kept as a digest: a 20 KB tool list verbatim would fill the kept
@@ -209,9 +209,13 @@ def prompt_parts(payload: Mapping[str, Any], limit: int) -> tuple[str, int, int]
         parts.append(digest)
         size += len(schemas) + 9
         lead = size - len(digest)
+        kept = len(digest)
     for text in _segments(payload, prompt):
-        if size < limit:  # past the kept prefix: only count
+        # Past the kept prefix (its text: a tool list past the limit kept no message at
+        # all, and every conversation of that agent read as one): only count.
+        if kept < limit:
             parts.append(text)
+            kept += len(text)
         size += len(text)
     return "".join(parts)[:limit], size, lead
 

@@ -649,17 +649,26 @@ class LatencyScorer:
         prefills = [per_token * uncached_tokens[0]] * n if n else []
         if deeper:
             position = self._positions(ctx, candidates).get
-            whole = len(hashes)
             for eid, depth in deeper.items():
                 i = position(eid)
                 if i is not None:
                     hit = int(depth * block) + lead
-                    if long_at is not None and depth == whole:
-                        sent = long_at.get(eid, 0)
-                        if sent > hit:  # noqa: PLR1730 (no call per endpoint)
-                            hit = sent
                     uncached_tokens[i] = uncached = tokens - hit if hit < tokens else 1
                     prefills[i] = per_token * uncached
+        if long_at is not None:
+            # Where it holds every hashed block, what the session last sent there (also
+            # where all of them are shared: a system prompt past the kept prefix).
+            position = self._positions(ctx, candidates).get
+            whole = len(hashes)
+            for eid, sent in long_at.items():
+                i = position(eid)
+                if i is None or tokens - uncached_tokens[i] >= sent:
+                    continue
+                depth = deeper.get(eid, 0) if deeper else 0
+                if depth != whole and self.index.held(eid, hashes) != whole:
+                    continue
+                uncached_tokens[i] = uncached = tokens - sent if sent < tokens else 1
+                prefills[i] = per_token * uncached
         # Where an engine's events are live, what it holds replaces the index's guess.
         exact_flags: list[float] | None = None
         if exact:
