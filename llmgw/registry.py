@@ -65,7 +65,6 @@ class EndpointState:
         "counted_prefill",
         "counters",
         "counts_first_tokens",
-        "ended_since_scrape",
         "endpoint",
         "full_at_peak",
         "id",
@@ -108,13 +107,9 @@ class EndpointState:
         # clock): every running sequence gets one at the end of each engine step, so a
         # request sent now starts when the step that began then ends (`Lease.token`).
         self.token_at = float("-inf")
-        # Requests this router saw end since the last scrape that it counted (sent before
-        # it): the engine's counts still include them until the next scrape (a replica that
-        # just answered looks busy).
+        # Requests this router saw end since the last scrape: the engine's counts still
+        # include them until the next scrape (a replica that just answered looks busy).
         self.released_since_scrape = 0
-        # Every request this router saw end there since the last scrape, counted or not:
-        # what finished, for the time in batch of engines that count nothing themselves.
-        self.ended_since_scrape = 0
         self.metrics: EngineMetrics | None = None
         self.scraped_at = float("-inf")
         self.scrape_error: str | None = None
@@ -347,10 +342,7 @@ class Registry:
         probe: int = 0,
         prefill_tokens: float = 0.0,
         prefill: PendingPrefill | None = None,
-        started: float | None = None,
     ) -> None:
-        """`started`: when the request was sent there (None: unknown, taken as before the
-        last scrape)."""
         key = (model, endpoint_id)
         state = self._by_id.get(key)
         if state is None:
@@ -362,12 +354,7 @@ class Registry:
         _prefill_over(state, prefill, prefill_tokens)
         now = self.clock()
         state.inflight = max(0, state.inflight - 1)
-        state.ended_since_scrape += 1
-        if started is None or started <= state.scraped_at:
-            # The last scrape counted it (running or waiting) and the next will not. One
-            # sent since was never in it: taken off too, short requests of this router's
-            # erased the load other clients put there (a busy engine read as idle).
-            state.released_since_scrape += 1
+        state.released_since_scrape += 1
         if self.on_load is not None:
             self.on_load(model, state)
         if outcome is Outcome.CANCELLED or outcome is Outcome.UNKNOWN:  # no verdict
@@ -518,12 +505,12 @@ class Registry:
             state.full_at_peak += 1
             if state.full_at_peak >= FULL_SCRAPES:
                 state.peak_is_batch = True
-        state.calibration.on_scrape(metrics, at=now, released=state.ended_since_scrape)
+        state.calibration.on_scrape(metrics, at=now, released=state.released_since_scrape)
         if state.warming:
             self._warmed(model, state)
         state.metrics = metrics
         state.scraped_at = now
-        state.released_since_scrape = state.ended_since_scrape = 0
+        state.released_since_scrape = 0
         state.scrape_error = None
         state.serves_model = True
         if self.on_load is not None:

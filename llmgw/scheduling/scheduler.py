@@ -221,7 +221,6 @@ class Lease:
             probe=self.probe,
             prefill_tokens=pending,
             prefill=self.prefill,
-            started=self.started,
         )
 
 
