@@ -3,8 +3,10 @@ part (past the kept prefix, behind a tools digest) and with nothing where cachin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+from typing import Any
 
 from llmgw.promtext import CONTRACTS, extract
 from llmgw.registry import Registry
@@ -28,9 +30,14 @@ def _setup() -> tuple[Scheduler, FakeClock]:
     return Scheduler(cfg, Registry(clock=clock)), clock
 
 
-def _request(scheduler: Scheduler, messages: list[dict[str, str]], sid: str) -> RequestInfo:
+def _request(
+    scheduler: Scheduler, messages: list[dict[str, str]], sid: str, tools: list[Any] | None = None
+) -> RequestInfo:
     """As an edge builds it (the config's limits: the kept prompt prefix included)."""
-    body = json.dumps({"model": "m", "messages": messages, "stream": True}).encode()
+    payload: dict[str, Any] = {"model": "m", "messages": messages, "stream": True}
+    if tools is not None:
+        payload["tools"] = tools
+    body = json.dumps(payload).encode()
     return build_request(scheduler.config, {"x-session-id": sid}, "/v1/chat/completions", body)
 
 
@@ -194,3 +201,100 @@ def test_an_agents_tool_list_counts_as_cached_at_its_home() -> None:
     assert decision.endpoint.id == home, [
         decision.rationale.summary(e) for e in decision.rationale.endpoint_ids
     ]
+
+
+def test_a_long_history_behind_a_shared_system_prompt_longer_than_the_kept_prefix() -> None:
+    """Every session of an agent starts with the same 40 KB system prompt (past the 32 KB
+    kept prefix: the index hashes nothing but it), and other sessions have put it on both
+    replicas. Session s1's home holds its ~40k-token history; the next turn, with a 2.5 s
+    queue at the home, read ~30k tokens uncached there (only the shared 8k credited) and
+    left for the replica holding none of its history (found by a review helper)."""
+    clock = FakeClock(1000.0)
+    scheduler = Scheduler(
+        config({"m": {"endpoints": EPS, "strategy": "latency"}}), Registry(clock=clock)
+    )
+    rng = random.Random(1)
+    system = {"role": "system", "content": _words(rng, 5_000)}  # ~40 KB of characters
+    for i in range(6):  # other sessions of the agent, on both replicas
+        request = _request(scheduler, [system, {"role": "user", "content": f"task {i}"}], f"o{i}")
+        request = dataclasses.replace(request, subset=frozenset({EPS[i % 2]}))
+        _serve(scheduler, clock, scheduler.pick(request))
+        clock.advance(0.5)
+    history = [system, {"role": "user", "content": _words(rng, 15_000)}]  # ~40k tokens in all
+    first = scheduler.pick(_request(scheduler, history, "s1"))
+    home = first.endpoint.id
+    _serve(scheduler, clock, first)
+    clock.advance(1.0)
+    history += [
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "next question please"},
+    ]
+    scheduler.registry.add_prefill("m", home, 25_000.0)
+    request = _request(scheduler, history, "s1")
+    decision = scheduler.pick(request)
+    assert request.prompt_tokens > 35_000
+    assert _cached(decision, home) >= request.prompt_tokens - 100, (
+        f"home {home} credited {_cached(decision, home):.0f} of {request.prompt_tokens}; "
+        f"picked {decision.endpoint.id}"
+    )
+    assert decision.endpoint.id == home, [
+        decision.rationale.summary(e) for e in decision.rationale.endpoint_ids
+    ]
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "description": "Does a thing. " * 60,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    f"arg{j}": {"type": "string", "description": "an argument"} for j in range(5)
+                },
+            },
+        },
+    }
+    for i in range(30)
+]  # ~37 KB of schemas (~9k tokens): an agent with a few MCP servers
+
+
+def test_a_tool_list_past_the_kept_prefix_still_leaves_the_conversation_in_the_prompt() -> None:
+    """Two sessions of the agent with different conversations must not read as one prefix."""
+    scheduler = Scheduler(config({"m": {"endpoints": EPS, "strategy": "latency"}}))
+    one = _request(scheduler, [{"role": "user", "content": "fix the bug in foo.py"}], "a", TOOLS)
+    two = _request(scheduler, [{"role": "user", "content": "write docs for bar.py"}], "b", TOOLS)
+    assert one.prompt != two.prompt, f"both read {one.prompt!r}"
+
+
+def test_an_agent_with_a_large_tool_list_is_credited_its_history_at_its_home() -> None:
+    """As `test_an_agents_tool_list_counts_as_cached_at_its_home`, with 37 KB of tools
+    instead of 25 KB: past the kept prefix, the tools digest was all the text kept. The
+    home, holding
+    the tools and the whole conversation, was credited nothing, and the session left it
+    for a cold replica at a 0.3 s queue (found by a review helper)."""
+    clock = FakeClock(1000.0)
+    scheduler = Scheduler(
+        config({"m": {"endpoints": EPS, "strategy": "latency"}}), Registry(clock=clock)
+    )
+    messages = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "fix the bug in foo.py " * 20},
+    ]
+    first = scheduler.pick(_request(scheduler, messages, "agent-1", TOOLS))
+    home = first.endpoint.id
+    _serve(scheduler, clock, first)
+    clock.advance(1.0)
+    messages += [
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "thanks, now run the tests"},
+    ]
+    scheduler.registry.add_prefill("m", home, 3_000.0)  # 0.3 s queued at the home
+    second = _request(scheduler, messages, "agent-1", TOOLS)
+    decision = scheduler.pick(second)
+    assert second.prompt_tokens > 9_000
+    assert _cached(decision, home) >= second.prompt_tokens - 100, (
+        f"home credited {_cached(decision, home):.0f} of {second.prompt_tokens}; "
+        f"picked {decision.endpoint.id} (home {home})"
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from llmgw.extproc.tls import ServerTls
 from llmgw.runtime.controlplanes import StartError
 from llmgw.runtime.health import readiness
 from llmgw.testing.extproc import make_config
+from llmgw.testing.net import ipv6_loopback
 from llmgw.testing.wait import eventually
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -233,16 +233,7 @@ def test_tls_flags_default_to_self_signed_and_reject_contradictions() -> None:
         server_tls(parse(["--config", "x", "--plaintext", "--tls-cert", "a", "--tls-key", "b"]))
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 async def test_the_server_listens_on_an_ipv6_host_written_bare_or_bracketed(host: str) -> None:
     """`--host` binds every port; on an IPv6 cluster the kubelet probes 9003 and gateways

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,19 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from llmgw.testing.net import ipv6_loopback
+
 pytest.importorskip("zmq")
 pytest.importorskip("msgpack")
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
 
 
 def _can_unshare() -> bool:
@@ -95,7 +87,7 @@ def test_an_endpoint_named_localhost_follows_a_publisher_bound_like_vllms(
     Kubernetes pod's /etc/hosts, a dual-stack cluster's DNS names) is then connected at
     [::1] / its IPv6 address, refused, retried forever: no event was ever received, the
     endpoint never went live, and nothing was logged (found by a review helper)."""
-    if not _can_unshare() or not _ipv6_loopback():
+    if not _can_unshare() or not ipv6_loopback():
         pytest.skip("needs unshare (a private /etc/hosts) and an IPv6 loopback")
     hosts = tmp_path / "hosts"
     hosts.write_text(KUBELET_HOSTS)
@@ -120,7 +112,7 @@ async def test_the_simulator_publishes_kv_events_on_an_ipv6_host() -> None:
     kv_events_port=0)): the publisher bound `tcp://::1:*` (no brackets, no IPv6 option),
     libzmq refused it ("No such device") and the replica did not start at all, though
     the same fleet without --kv-events starts and the router follows IPv6 publishers."""
-    if not _ipv6_loopback():
+    if not ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
     from llmgw.config import KvEventsSpec  # noqa: PLC0415
     from llmgw.registry import Registry  # noqa: PLC0415
