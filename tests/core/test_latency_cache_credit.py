@@ -56,6 +56,40 @@ def _cached(decision: Decision, endpoint_id: str) -> float:
     return column.terms_at(i)["cached_tokens"]
 
 
+def _next_turn(
+    scheduler: Scheduler,
+    clock: FakeClock,
+    messages: list[dict[str, str]],
+    sid: str,
+    queued: float,
+    tools: list[Any] | None = None,
+) -> tuple[str, RequestInfo, Decision]:
+    """A session's turn is served at its home; a second turn comes while `queued` prefill
+    tokens wait there: (the home, the second turn, its pick)."""
+    first = scheduler.pick(_request(scheduler, messages, sid, tools))
+    home = first.endpoint.id
+    _serve(scheduler, clock, first)
+    clock.advance(1.0)
+    messages += [
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "thanks, now the next question"},
+    ]
+    scheduler.registry.add_prefill("m", home, queued)
+    second = _request(scheduler, messages, sid, tools)
+    return home, second, scheduler.pick(second)
+
+
+def _stays_home(home: str, request: RequestInfo, decision: Decision) -> None:
+    """The home holds all but the new turn (a few tokens), is credited so, and is picked."""
+    assert _cached(decision, home) >= request.prompt_tokens - 100, (
+        f"home {home} credited {_cached(decision, home):.0f} of {request.prompt_tokens}; "
+        f"picked {decision.endpoint.id}"
+    )
+    assert decision.endpoint.id == home, [
+        decision.rationale.summary(e) for e in decision.rationale.endpoint_ids
+    ]
+
+
 def test_a_long_history_is_credited_as_cached_past_the_kept_prompt_prefix() -> None:
     """A conversation longer than `limits.prompt_prefix_chars` (32 KB, ~8k tokens): its
     home holds the whole history, but the index hashes only the kept prefix, so every
@@ -66,25 +100,11 @@ def test_a_long_history_is_credited_as_cached_past_the_kept_prompt_prefix() -> N
     scheduler, clock = _setup()
     rng = random.Random(1)
     history = [{"role": "user", "content": _words(rng, 30_000)}]  # ~59k tokens
-    first = scheduler.pick(_request(scheduler, history, "s1"))
-    home = first.endpoint.id
-    _serve(scheduler, clock, first)
-    clock.advance(1.0)
-    history += [
-        {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": "next question please"},
-    ]
     # Another request's 25k-token prompt waits at the home (2.5 s at the default price);
     # the other replica is idle but holds nothing of this history (5.9 s of prefill).
-    scheduler.registry.add_prefill("m", home, 25_000.0)
-    request = _request(scheduler, history, "s1")
-    decision = scheduler.pick(request)
+    home, request, decision = _next_turn(scheduler, clock, history, "s1", 25_000.0)
     assert request.prompt_tokens > 50_000
-    # The home holds everything but the new turn (a few tokens).
-    assert _cached(decision, home) >= request.prompt_tokens - 100, decision.describe()
-    assert decision.endpoint.id == home, [
-        decision.rationale.summary(e) for e in decision.rationale.endpoint_ids
-    ]
+    _stays_home(home, request, decision)
 
 
 def _page(prompt_total: float) -> str:
@@ -176,31 +196,10 @@ def test_an_agents_tool_list_counts_as_cached_at_its_home() -> None:
         {"role": "system", "content": "You are a coding agent."},
         {"role": "user", "content": "fix the bug in foo.py " * 20},
     ]
-
-    def request() -> RequestInfo:
-        body = json.dumps(
-            {"model": "m", "messages": messages, "tools": tools, "stream": True}
-        ).encode()
-        return build_request(
-            scheduler.config, {"x-session-id": "agent-1"}, "/v1/chat/completions", body
-        )
-
-    first = scheduler.pick(request())
-    home = first.endpoint.id
-    _serve(scheduler, clock, first)
-    clock.advance(1.0)
-    messages += [
-        {"role": "assistant", "content": "done"},
-        {"role": "user", "content": "thanks, now run the tests"},
-    ]
-    scheduler.registry.add_prefill("m", home, 3_000.0)  # 0.3 s queued at the home
-    second = request()
-    decision = scheduler.pick(second)
+    # 0.3 s queued at the home
+    home, second, decision = _next_turn(scheduler, clock, messages, "agent-1", 3_000.0, tools)
     assert second.prompt_tokens > 5_000
-    assert _cached(decision, home) >= second.prompt_tokens - 100, decision.describe()
-    assert decision.endpoint.id == home, [
-        decision.rationale.summary(e) for e in decision.rationale.endpoint_ids
-    ]
+    _stays_home(home, second, decision)
 
 
 def test_a_long_history_behind_a_shared_system_prompt_longer_than_the_kept_prefix() -> None:
@@ -221,25 +220,9 @@ def test_a_long_history_behind_a_shared_system_prompt_longer_than_the_kept_prefi
         _serve(scheduler, clock, scheduler.pick(request))
         clock.advance(0.5)
     history = [system, {"role": "user", "content": _words(rng, 15_000)}]  # ~40k tokens in all
-    first = scheduler.pick(_request(scheduler, history, "s1"))
-    home = first.endpoint.id
-    _serve(scheduler, clock, first)
-    clock.advance(1.0)
-    history += [
-        {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": "next question please"},
-    ]
-    scheduler.registry.add_prefill("m", home, 25_000.0)
-    request = _request(scheduler, history, "s1")
-    decision = scheduler.pick(request)
+    home, request, decision = _next_turn(scheduler, clock, history, "s1", 25_000.0)
     assert request.prompt_tokens > 35_000
-    assert _cached(decision, home) >= request.prompt_tokens - 100, (
-        f"home {home} credited {_cached(decision, home):.0f} of {request.prompt_tokens}; "
-        f"picked {decision.endpoint.id}"
-    )
-    assert decision.endpoint.id == home, [
-        decision.rationale.summary(e) for e in decision.rationale.endpoint_ids
-    ]
+    _stays_home(home, request, decision)
 
 
 TOOLS = [
@@ -271,9 +254,8 @@ def test_a_tool_list_past_the_kept_prefix_still_leaves_the_conversation_in_the_p
 def test_an_agent_with_a_large_tool_list_is_credited_its_history_at_its_home() -> None:
     """As `test_an_agents_tool_list_counts_as_cached_at_its_home`, with 37 KB of tools
     instead of 25 KB: past the kept prefix, the tools digest was all the text kept. The
-    home, holding
-    the tools and the whole conversation, was credited nothing, and the session left it
-    for a cold replica at a 0.3 s queue (found by a review helper)."""
+    home, holding the tools and the whole conversation, was credited nothing, and the
+    session left it for a cold replica at a 0.3 s queue (found by a review helper)."""
     clock = FakeClock(1000.0)
     scheduler = Scheduler(
         config({"m": {"endpoints": EPS, "strategy": "latency"}}), Registry(clock=clock)
@@ -282,19 +264,6 @@ def test_an_agent_with_a_large_tool_list_is_credited_its_history_at_its_home() -
         {"role": "system", "content": "You are a coding agent."},
         {"role": "user", "content": "fix the bug in foo.py " * 20},
     ]
-    first = scheduler.pick(_request(scheduler, messages, "agent-1", TOOLS))
-    home = first.endpoint.id
-    _serve(scheduler, clock, first)
-    clock.advance(1.0)
-    messages += [
-        {"role": "assistant", "content": "done"},
-        {"role": "user", "content": "thanks, now run the tests"},
-    ]
-    scheduler.registry.add_prefill("m", home, 3_000.0)  # 0.3 s queued at the home
-    second = _request(scheduler, messages, "agent-1", TOOLS)
-    decision = scheduler.pick(second)
+    home, second, decision = _next_turn(scheduler, clock, messages, "agent-1", 3_000.0, TOOLS)
     assert second.prompt_tokens > 9_000
-    assert _cached(decision, home) >= second.prompt_tokens - 100, (
-        f"home credited {_cached(decision, home):.0f} of {second.prompt_tokens}; "
-        f"picked {decision.endpoint.id} (home {home})"
-    )
+    _stays_home(home, second, decision)
