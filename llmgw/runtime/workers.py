@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import FrameType
 
 log = logging.getLogger("llmgw.workers")
@@ -43,25 +43,29 @@ def exit_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
         os.kill(os.getpid(), sig)
 
 
-def child_dies_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A `preexec_fn` for a child process that must not outlive this one, even if this one
-    is SIGKILLed (a launched engine: orphaned, it kept its GPU and port, and the next llmgw
-    started a second engine beside it). None off Linux. libc's `prctl` is looked up here, in
-    the parent: the hook itself runs between fork and exec and only calls it."""
+# Run as `python -I -S -c _DIES_WITH_PARENT <parent pid> <command...>`: asks the kernel for
+# SIGTERM when the parent ends (the thread that started it), then execs the command. A
+# `preexec_fn` would do it in fewer processes, but it makes Python fork() rather than
+# vfork(), and gRPC's fork handlers crashed the child (a segfault in CI).
+_DIES_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def dies_with_parent(argv: list[str]) -> list[str]:
+    """`argv` run so that it gets SIGTERM when this process ends, even by SIGKILL (a launched
+    engine: orphaned, it kept its GPU and port, and the next llmgw started a second engine
+    beside it). As it is off Linux."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the request reached the kernel
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _DIES_WITH_PARENT, str(os.getpid()), *argv]
 
 
 class EarlyHangup:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -20,7 +22,7 @@ from llmgw.discovery import join
 from llmgw.runtime.controlplanes import CrashCallback, StartError
 from llmgw.runtime.httpget import HttpGetError, KeepAliveGetter
 from llmgw.runtime.ports import free_port
-from llmgw.runtime.workers import child_dies_with_parent
+from llmgw.runtime.workers import dies_with_parent
 from llmgw.types import Endpoint
 
 
@@ -76,14 +78,15 @@ class LocalProcessControlPlane:
         # Output goes to a file, not a pipe: a chatty engine would block on a full pipe.
         fd, log_name = tempfile.mkstemp(prefix=f"llmgw-{model}-{port}-", suffix=".log")
         try:
+            if shutil.which(argv[0]) is None:  # (the wrapper below would only log it)
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", argv[0])
             process = await asyncio.create_subprocess_exec(
-                *argv,
+                # SIGTERM when this process dies, however (the engine takes its workers down).
+                *dies_with_parent(argv),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=fd,
                 stderr=fd,
                 start_new_session=True,  # own process group: stop() signals the whole tree
-                # SIGTERM when this process dies, however (the engine takes its workers down).
-                preexec_fn=child_dies_with_parent(),
             )
         except OSError as exc:
             raise StartError(f"cannot run {argv[0]!r}: {exc}") from None
