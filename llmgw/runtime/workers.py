@@ -50,7 +50,7 @@ def exit_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
 _DIES_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
     "try:\n"
-    "    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    f"    ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, int(signal.SIGTERM), 0, 0, 0)\n"
     "except (OSError, AttributeError):\n"
     "    pass\n"
     "if os.getppid() != int(sys.argv[1]):\n"
